@@ -1,0 +1,67 @@
+"""RuntimeConfig: the one place every runtime default lives.
+
+Scope: plain data. It does NOT probe hardware, read files or validate against a model; `Runtime.load` resolves
+"auto" values once, and `hardware.py` is where the machine is probed when the app asks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+POLICIES = ("fmoe", "moe_infinity", "lru", "lfu", "speculative", "on_demand")
+SEMANTIC_MODES = ("running_mean", "token")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one reply is sampled. `greedy` overrides temperature/top_p."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.7
+    top_p: float = 0.9
+    greedy: bool = False
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    # Where the non-expert weights and the expert cache live: "auto" picks cuda when available.
+    device: str = "auto"
+    # Compute dtype: "auto" keeps the checkpoint's dtype (bf16 → bf16), except fp32 on CPU for fp16 checkpoints.
+    dtype: str = "auto"
+    # Expert cache budget on the device. cache_experts (a count) wins over cache_gb when both are given.
+    cache_gb: float = 4.0
+    cache_experts: int | None = None
+    # d: how many layers ahead the matcher predicts.
+    prefetch_distance: int = 3
+    policy: str = "fmoe"
+    # C: expert maps kept by the map store.
+    store_capacity: int = 1000
+    # Host RAM for expert weights; None = all of them. What does not fit stays memory-mapped from the checkpoint.
+    host_ram_gb: float | None = None
+    # Semantic embedding of an iteration: running mean over the request's tokens, or the iteration's tokens only.
+    semantic_mode: str = "running_mean"
+    # Extra slack for prefill: experts computed per chunk never exceed the cache (see cache.py).
+    sampling: Sampling = field(default_factory=Sampling)
+    # Record what the runtime saw to this .npz (trace format, DESIGN.md). None = no recording.
+    record_trace: str | None = None
+
+    def with_changes(self, **changes: object) -> RuntimeConfig:
+        return replace(self, **changes)
+
+    def validate(self) -> None:
+        """Raise ValueError with a sentence a user can act on."""
+        if self.policy not in POLICIES:
+            raise ValueError(f"Unknown policy '{self.policy}'. Choose one of: {', '.join(POLICIES)}.")
+        if self.semantic_mode not in SEMANTIC_MODES:
+            raise ValueError(f"Unknown semantic mode '{self.semantic_mode}'. Choose one of: {', '.join(SEMANTIC_MODES)}.")
+        if self.cache_experts is None and self.cache_gb <= 0:
+            raise ValueError("The expert cache needs more than 0 GB. Set cache GB to a positive number.")
+        if self.cache_experts is not None and self.cache_experts < 1:
+            raise ValueError("The expert cache needs at least one expert slot.")
+        if self.prefetch_distance < 1:
+            raise ValueError("Prefetch distance must be at least 1 layer.")
+        if self.store_capacity < 1:
+            raise ValueError("The map store needs room for at least one expert map.")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"Unknown device '{self.device}'. Use auto, cpu or cuda.")
