@@ -1,0 +1,170 @@
+"""Curated MoE models the runtime supports, with the facts the download wizard and fit estimates need.
+
+Scope: static facts (sizes, shapes, which files to fetch). It does NOT download, probe the machine or decide
+whether a model fits: `hardware.py` turns these facts plus a machine into a verdict, the UI downloads.
+
+Sizes are decimal bytes. `expert_bytes` is one routed expert in bf16 (gate + up + down projections), i.e.
+3·hidden·moe_intermediate·2 B; `resident_bytes` is everything that is not a routed expert, in bf16 (embeddings,
+attention, norms, routers, shared experts, dense layers) — what has to live on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GB = 1_000_000_000
+
+# Files a checkpoint needs: weights, their index, config, tokenizer, chat template. Everything else (READMEs,
+# images, original/ consolidated copies, GGUF/ONNX exports) is skipped.
+DEFAULT_ALLOW = (
+    "*.safetensors",
+    "*.json",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+)
+DEFAULT_IGNORE = ("original/*", "metal/*", "onnx/*", "gguf/*", "*.gguf", "*.bin", "*.pth", "*.pt")
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    repo_id: str
+    name: str
+    family: str  # the transformers model_type
+    total_params_b: float  # billions
+    active_params_b: float
+    num_layers: int  # MoE layers (L)
+    num_experts: int  # routed experts per layer (J)
+    top_k: int
+    expert_bytes: int  # one routed expert, bf16
+    resident_bytes: int  # non-expert weights, bf16
+    download_bytes: int  # what the allowed files weigh on the Hub
+    note: str = ""
+    allow_patterns: tuple[str, ...] = DEFAULT_ALLOW
+    ignore_patterns: tuple[str, ...] = field(default=DEFAULT_IGNORE)
+
+    @property
+    def experts_bytes(self) -> int:
+        """All routed experts in bf16: what host RAM (or the disk tier) has to hold."""
+        return self.num_layers * self.num_experts * self.expert_bytes
+
+    @property
+    def local_name(self) -> str:
+        """Folder name under the models directory."""
+        return local_name(self.repo_id)
+
+
+def local_name(repo_id: str) -> str:
+    return repo_id.replace("/", "--")
+
+
+def _expert(hidden: int, moe_intermediate: int) -> int:
+    return 3 * hidden * moe_intermediate * 2
+
+
+CATALOG: tuple[CatalogEntry, ...] = (
+    CatalogEntry(
+        repo_id="allenai/OLMoE-1B-7B-0924-Instruct",
+        name="OLMoE 1B-7B Instruct",
+        family="olmoe",
+        total_params_b=6.9,
+        active_params_b=1.3,
+        num_layers=16,
+        num_experts=64,
+        top_k=8,
+        expert_bytes=_expert(2048, 1024),
+        resident_bytes=int(0.9 * GB),
+        download_bytes=int(13.8 * GB),
+        note="Small and fully open; a good first download.",
+    ),
+    CatalogEntry(
+        repo_id="Qwen/Qwen1.5-MoE-A2.7B-Chat",
+        name="Qwen1.5-MoE A2.7B Chat",
+        family="qwen2_moe",
+        total_params_b=14.3,
+        active_params_b=2.7,
+        num_layers=24,
+        num_experts=60,
+        top_k=4,
+        expert_bytes=_expert(2048, 1408),
+        resident_bytes=int(3.7 * GB),
+        download_bytes=int(28.6 * GB),
+        note="Has a shared expert per layer (kept on the GPU).",
+    ),
+    CatalogEntry(
+        repo_id="deepseek-ai/DeepSeek-V2-Lite-Chat",
+        name="DeepSeek-V2-Lite Chat",
+        family="deepseek_v2",
+        total_params_b=15.7,
+        active_params_b=2.4,
+        num_layers=26,
+        num_experts=64,
+        top_k=6,
+        expert_bytes=_expert(2048, 1408),
+        resident_bytes=int(2.6 * GB),
+        download_bytes=int(31.4 * GB),
+        note="The model the bundled routing traces come from.",
+    ),
+    CatalogEntry(
+        repo_id="openai/gpt-oss-20b",
+        name="gpt-oss 20B",
+        family="gpt_oss",
+        total_params_b=20.9,
+        active_params_b=3.6,
+        num_layers=24,
+        num_experts=32,
+        top_k=4,
+        expert_bytes=_expert(2880, 2880),
+        resident_bytes=int(3.6 * GB),
+        download_bytes=int(13.8 * GB),
+        note="Ships in MXFP4; experts are dequantised to bf16 on load.",
+    ),
+    CatalogEntry(
+        repo_id="Qwen/Qwen3-30B-A3B-Instruct-2507",
+        name="Qwen3 30B-A3B Instruct",
+        family="qwen3_moe",
+        total_params_b=30.5,
+        active_params_b=3.3,
+        num_layers=48,
+        num_experts=128,
+        top_k=8,
+        expert_bytes=_expert(2048, 768),
+        resident_bytes=int(3.0 * GB),
+        download_bytes=int(61.1 * GB),
+    ),
+    CatalogEntry(
+        repo_id="microsoft/Phi-3.5-MoE-instruct",
+        name="Phi-3.5-MoE Instruct",
+        family="phimoe",
+        total_params_b=41.9,
+        active_params_b=6.6,
+        num_layers=32,
+        num_experts=16,
+        top_k=2,
+        expert_bytes=_expert(4096, 6400),
+        resident_bytes=int(3.3 * GB),
+        download_bytes=int(83.8 * GB),
+    ),
+    CatalogEntry(
+        repo_id="mistralai/Mixtral-8x7B-Instruct-v0.1",
+        name="Mixtral 8x7B Instruct",
+        family="mixtral",
+        total_params_b=46.7,
+        active_params_b=12.9,
+        num_layers=32,
+        num_experts=8,
+        top_k=2,
+        expert_bytes=_expert(4096, 14336),
+        resident_bytes=int(3.2 * GB),
+        download_bytes=int(93.4 * GB),
+        note="Needs the licence accepted on huggingface.co and a token.",
+    ),
+)
+
+
+def find(repo_id: str) -> CatalogEntry | None:
+    for entry in CATALOG:
+        if entry.repo_id.lower() == repo_id.lower():
+            return entry
+    return None

@@ -1,0 +1,220 @@
+"""What this machine has (GPU, VRAM, RAM, disk) and what fits on it.
+
+Scope: probing happens only when `probe()` is called (the app asks once, and again when the user refreshes);
+the fit functions are pure arithmetic over a `Machine` so that tests can feed made-up machines. It does NOT
+choose runtime defaults on its own, allocate device memory beyond a bandwidth probe the caller asks for, or
+know about the UI.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fmoe_local.catalog import GB, CatalogEntry
+
+# Room kept free on the GPU for the KV cache, activations and the CUDA context of a chat-length request.
+KV_RESERVE_BYTES = int(1.0 * GB)
+# RAM the OS, the browser and the app itself need besides the expert weights.
+RAM_HEADROOM_BYTES = int(3.0 * GB)
+# Disk left free after a download, so that the machine does not grind to a halt.
+DISK_MARGIN_BYTES = int(2.0 * GB)
+
+
+@dataclass(frozen=True)
+class Machine:
+    device: str  # "cuda", "mps" or "cpu"
+    gpu_name: str  # "" without a GPU
+    vram_total: int  # bytes; 0 without a GPU (on "mps" the GPU shares RAM, so this is 0 too)
+    vram_free: int
+    ram_total: int
+    ram_available: int
+    disk_free: int  # on the volume that holds the data directory
+    os_name: str = field(default_factory=platform.system)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.device == "cuda" and self.vram_total > 0
+
+    def summary(self) -> str:
+        parts = []
+        if self.has_gpu:
+            parts.append(f"{self.gpu_name}: {_gb(self.vram_free)} of {_gb(self.vram_total)} VRAM free")
+        elif self.device == "mps":
+            parts.append("Apple GPU (shares system memory)")
+        else:
+            parts.append("No CUDA GPU found: models run on the CPU (slow)")
+        parts.append(f"RAM {_gb(self.ram_available)} free of {_gb(self.ram_total)}")
+        parts.append(f"disk {_gb(self.disk_free)} free")
+        return " · ".join(parts)
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    level: str  # "good", "slow" or "no"
+    reasons: tuple[str, ...]  # sentences, the first one is the headline
+    max_cache_gb: float  # the biggest expert cache this machine can give the model (0 when it does not fit)
+
+    @property
+    def label(self) -> str:
+        return {"good": "✅ Fits", "slow": "🟡 Runs, slowly", "no": "❌ Does not fit"}[self.level]
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def ram_bytes() -> tuple[int, int]:
+    """(total, available) system RAM in bytes; (0, 0) when the platform does not say."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        values = {}
+        for line in meminfo.read_text().splitlines():
+            key, _, rest = line.partition(":")
+            values[key] = int(rest.split()[0]) * 1024
+        return values.get("MemTotal", 0), values.get("MemAvailable", values.get("MemFree", 0))
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        # macOS has no cheap "available" figure without psutil; half of RAM is a conservative stand-in.
+        return total, total // 2
+    if platform.system() == "Windows":
+        import ctypes
+
+        class _Status(ctypes.Structure):
+            _fields_ = [
+                ("dwLength", ctypes.c_ulong),
+                ("dwMemoryLoad", ctypes.c_ulong),
+                ("ullTotalPhys", ctypes.c_ulonglong),
+                ("ullAvailPhys", ctypes.c_ulonglong),
+                ("ullTotalPageFile", ctypes.c_ulonglong),
+                ("ullAvailPageFile", ctypes.c_ulonglong),
+                ("ullTotalVirtual", ctypes.c_ulonglong),
+                ("ullAvailVirtual", ctypes.c_ulonglong),
+                ("ullAvailExtendedVirtual", ctypes.c_ulonglong),
+            ]
+
+        status = _Status()
+        status.dwLength = ctypes.sizeof(_Status)
+        ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status))  # type: ignore[attr-defined]
+        return int(status.ullTotalPhys), int(status.ullAvailPhys)
+    return 0, 0
+
+
+def disk_free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes on the volume holding `path` (its nearest existing parent when it does not exist yet)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def probe(data_dir: str | os.PathLike = ".") -> Machine:
+    """Look at this machine now. Imports torch lazily so that a CPU-only UI test pays nothing for CUDA."""
+    import torch
+
+    device, name, total, free = "cpu", "", 0, 0
+    if torch.cuda.is_available():
+        device = "cuda"
+        name = torch.cuda.get_device_name(0)
+        free, total = torch.cuda.mem_get_info(0)
+    elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        device = "mps"
+    ram_total, ram_avail = ram_bytes()
+    return Machine(device, name, int(total), int(free), ram_total, ram_avail, disk_free_bytes(data_dir))
+
+
+def min_cache_bytes(top_k: int, expert_bytes: int) -> int:
+    """The smallest useful expert cache: the current layer's top-k plus as many being prefetched."""
+    return 2 * top_k * expert_bytes
+
+
+def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False) -> FitVerdict:
+    """Will `entry` run here, and how well? Pure arithmetic: see the module constants for the margins."""
+    reasons: list[str] = []
+    min_cache = min_cache_bytes(entry.top_k, entry.expert_bytes)
+    disk_needed = 0 if downloaded else entry.download_bytes + DISK_MARGIN_BYTES
+    if disk_needed and machine.disk_free < disk_needed:
+        return FitVerdict(
+            "no",
+            (
+                f"Not enough disk space: the download needs {_gb(entry.download_bytes)} and "
+                f"{_gb(machine.disk_free)} is free. Free up space or choose a smaller model.",
+            ),
+            0.0,
+        )
+    ram_free = max(0, machine.ram_available - RAM_HEADROOM_BYTES)
+    if machine.has_gpu:
+        vram_for_cache = machine.vram_free - entry.resident_bytes - KV_RESERVE_BYTES
+        if vram_for_cache < min_cache:
+            need = entry.resident_bytes + KV_RESERVE_BYTES + min_cache
+            return FitVerdict(
+                "no",
+                (
+                    f"Not enough GPU memory: the always-resident part plus a minimal expert cache needs "
+                    f"{_gb(need)}, and {_gb(machine.vram_free)} is free.",
+                ),
+                0.0,
+            )
+        cache = min(vram_for_cache, entry.experts_bytes)
+        reasons.append(f"GPU: {_gb(entry.resident_bytes)} resident, up to {_gb(cache)} of expert cache.")
+        if entry.experts_bytes <= ram_free:
+            reasons.insert(0, "Fits: all experts stay in RAM and stream to the GPU cache.")
+            return FitVerdict("good", tuple(reasons), cache / GB)
+        reasons.insert(
+            0,
+            f"Runs, slowly: the experts ({_gb(entry.experts_bytes)}) exceed free RAM ({_gb(ram_free)}), "
+            "so some are read from disk.",
+        )
+        return FitVerdict("slow", tuple(reasons), cache / GB)
+    # CPU (or Apple unified memory): resident part, cache and the host copies of the experts share RAM.
+    needed = entry.resident_bytes + min_cache
+    if ram_free < needed:
+        return FitVerdict(
+            "no",
+            (f"Not enough memory: the model needs at least {_gb(needed)} of RAM and {_gb(ram_free)} is free.",),
+            0.0,
+        )
+    cache = min(ram_free - entry.resident_bytes, entry.experts_bytes)
+    where = (
+        "all experts fit in RAM" if entry.resident_bytes + entry.experts_bytes <= ram_free else "experts spill to disk"
+    )
+    gpu = "on the Apple GPU" if machine.device == "mps" else "on the CPU, without a CUDA GPU"
+    return FitVerdict("slow", (f"Runs, slowly: {gpu}; {where}.",), cache / GB)
+
+
+def cache_gb_limit(machine: Machine, resident_bytes: int, current_cache_gb: float = 0.0) -> float:
+    """Upper bound for the cache-GB slider of a loaded model.
+
+    On a GPU: free VRAM (plus what the current cache already holds, since resizing releases it) minus the
+    KV reserve. On the CPU: free RAM minus the headroom. `resident_bytes` is what still has to be allocated
+    besides the cache: pass 0 for a loaded model (a live probe already counts its weights as used).
+    """
+    current = int(current_cache_gb * GB)
+    if machine.has_gpu:
+        room = machine.vram_free + current - KV_RESERVE_BYTES - resident_bytes
+    else:
+        room = machine.ram_available + current - RAM_HEADROOM_BYTES - resident_bytes
+    return max(0.0, room / GB)
+
+
+def host_to_device_gbps(size_mb: int = 256, repeats: int = 3) -> float:
+    """Measured pinned host→GPU copy bandwidth in GB/s; 0.0 without CUDA. Allocates `size_mb` on both sides."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    n = size_mb * 1_000_000
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)  # warm-up: first copy pays for context setup
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return n * repeats / elapsed / GB

@@ -1,0 +1,81 @@
+"""Fit verdicts and slider bounds for made-up machines, plus a live probe of this one."""
+
+from __future__ import annotations
+
+import pytest
+
+from fmoe_local import hardware
+from fmoe_local.catalog import GB, find
+from fmoe_local.hardware import Machine, cache_gb_limit, fit, probe
+
+# Three profiles the wizard must judge: a gaming laptop, a CPU-only office box, a workstation.
+LAPTOP = Machine("cuda", "RTX 4060 Laptop", 8 * GB, int(7.5 * GB), 32 * GB, 26 * GB, 500 * GB)
+OFFICE = Machine("cpu", "", 0, 0, 16 * GB, 11 * GB, 200 * GB)
+WORKSTATION = Machine("cuda", "RTX 4090", 24 * GB, 23 * GB, 128 * GB, 120 * GB, 2000 * GB)
+
+OLMOE = find("allenai/OLMoE-1B-7B-0924-Instruct")
+QWEN3 = find("Qwen/Qwen3-30B-A3B-Instruct-2507")
+MIXTRAL = find("mistralai/Mixtral-8x7B-Instruct-v0.1")
+
+
+def test_laptop_runs_small_models_and_slows_down_on_big_ones():
+    small = fit(OLMOE, LAPTOP)
+    assert small.level == "good"
+    # Cache is whatever VRAM is left after the resident part and the KV reserve, never more than all experts.
+    assert small.max_cache_gb == pytest.approx((7.5 * GB - OLMOE.resident_bytes - hardware.KV_RESERVE_BYTES) / GB)
+    big = fit(QWEN3, LAPTOP)  # 58 GB of experts do not fit in 23 GB of usable RAM
+    assert big.level == "slow"
+    assert "exceed free RAM" in big.reasons[0]
+
+
+def test_cpu_only_machine_is_slow_or_does_not_fit():
+    small = fit(OLMOE, OFFICE)
+    assert small.level == "slow"
+    assert "CPU" in small.reasons[0]
+    tiny_ram = Machine("cpu", "", 0, 0, 4 * GB, int(3.5 * GB), 200 * GB)
+    verdict = fit(MIXTRAL, tiny_ram)
+    assert verdict.level == "no"
+    assert verdict.max_cache_gb == 0.0
+    assert "RAM" in verdict.reasons[0]
+
+
+def test_workstation_fits_mixtral_with_experts_in_ram():
+    verdict = fit(MIXTRAL, WORKSTATION)
+    assert verdict.level == "good"
+    assert 15 < verdict.max_cache_gb < 20
+
+
+def test_disk_space_is_checked_before_anything_else_unless_downloaded():
+    full_disk = Machine("cuda", "RTX 4090", 24 * GB, 23 * GB, 128 * GB, 120 * GB, 10 * GB)
+    verdict = fit(OLMOE, full_disk)
+    assert verdict.level == "no"
+    assert "disk space" in verdict.reasons[0]
+    assert fit(OLMOE, full_disk, downloaded=True).level == "good"
+
+
+def test_too_little_vram_for_resident_part():
+    small_gpu = Machine("cuda", "GT 1030", 2 * GB, int(1.5 * GB), 64 * GB, 60 * GB, 500 * GB)
+    verdict = fit(MIXTRAL, small_gpu)
+    assert verdict.level == "no"
+    assert "GPU memory" in verdict.reasons[0]
+
+
+def test_cache_limit_gives_back_the_current_cache():
+    assert cache_gb_limit(LAPTOP, 0, current_cache_gb=2.0) == pytest.approx(7.5 + 2.0 - 1.0)
+    assert cache_gb_limit(OFFICE, 0) == pytest.approx(11 - 3.0)
+    assert cache_gb_limit(Machine("cpu", "", 0, 0, GB, GB, GB), 0) == 0.0
+
+
+def test_probe_reads_this_machine(tmp_path):
+    m = probe(tmp_path / "not-yet-created")
+    assert m.ram_total >= m.ram_available > 0
+    assert m.disk_free > 0
+    assert m.device in ("cpu", "cuda", "mps")
+    assert "RAM" in m.summary()
+
+
+def test_bandwidth_probe_needs_cuda():
+    import torch
+
+    gbps = hardware.host_to_device_gbps(size_mb=8, repeats=1)
+    assert (gbps > 0) == torch.cuda.is_available()
