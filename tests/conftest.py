@@ -1,0 +1,40 @@
+"""Shared pytest fixtures: tiny MoE checkpoints built once per session.
+
+Scope: caching of tests/tiny.py builds. It does NOT load models (each test loads what it needs, through the path
+it tests).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.tiny import FAMILIES, build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: `tiny_model_dir(family, dtype=torch.float32, sharded=False, seed=0) -> Path`, built once per session."""
+    built: dict[tuple, Path] = {}
+
+    def get(family: str, *, dtype: torch.dtype = torch.float32, sharded: bool = False, seed: int = 0) -> Path:
+        if family not in FAMILIES:
+            raise ValueError(f"Unknown tiny family '{family}'. Choose one of: {', '.join(FAMILIES)}.")
+        key = (family, dtype, sharded, seed)
+        if key not in built:
+            name = f"{family}-{str(dtype).removeprefix('torch.')}-{'sharded' if sharded else 'single'}-{seed}"
+            built[key] = build_tiny_model(
+                family, tmp_path_factory.mktemp(name), dtype=dtype, sharded=sharded, seed=seed
+            )
+        return built[key]
+
+    return get

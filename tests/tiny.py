@@ -1,0 +1,192 @@
+"""Tiny MoE checkpoints for tests: real transformers config classes, random weights, an offline-trained tokenizer.
+
+Scope: build a model directory that looks like a downloaded checkpoint (config.json, safetensors, tokenizer files)
+so that tests exercise the real loading path. It does NOT download anything and does NOT load models for tests
+(tests/conftest.py caches the built directories per session).
+
+Weights are re-drawn with a fixed seed at a scale (std 1/sqrt(fan_in), norms around 1) that makes routing
+non-uniform and greedy decoding varied; transformers' own 0.02 init gives near-uniform routers and a model that
+repeats one token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers.models.deepseek_v2 import DeepseekV2Config
+from transformers.models.deepseek_v3 import DeepseekV3Config
+from transformers.models.gpt_oss import GptOssConfig
+from transformers.models.mixtral import MixtralConfig
+from transformers.models.olmoe import OlmoeConfig
+from transformers.models.phimoe import PhimoeConfig
+from transformers.models.qwen2_moe import Qwen2MoeConfig
+from transformers.models.qwen3_moe import Qwen3MoeConfig
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+
+VOCAB_SIZE = 384
+HIDDEN = 64
+NUM_EXPERTS = 8
+TOP_K = 2
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+PROMPTS_FILE = Path("/work/shared/data/prompts/alpaca-seed-tasks-175.jsonl")
+# Used when the shared prompts are absent (e.g. a fresh clone): enough text for a few hundred merges.
+FALLBACK_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Experts live in host memory and a small cache on the GPU "
+    "holds the ones about to be needed. Write a short poem about the sea. Explain how a router picks two experts "
+    "for every token, and why prefetching them early hides the cost of copying weights. "
+) * 8
+
+
+def _corpus() -> list[str]:
+    if PROMPTS_FILE.exists():
+        lines = []
+        for line in PROMPTS_FILE.read_text(encoding="utf-8").splitlines()[:60]:
+            row = json.loads(line)
+            lines.append(row["instruction"])
+            lines.extend(inst["output"] for inst in row.get("instances", []))
+        return lines
+    return FALLBACK_TEXT.split(". ")
+
+
+def train_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer offline, wrap it with special tokens and a chat template, save it."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]),
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast):
+    """The config of a tiny model of `family` (hidden 64, 8 experts, top-2), token ids from `tokenizer`."""
+    ids = dict(
+        vocab_size=VOCAB_SIZE,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
+    attn = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2)
+    if family == "mixtral":
+        return MixtralConfig(
+            **ids, **attn, num_hidden_layers=4, intermediate_size=32, num_local_experts=NUM_EXPERTS,
+            num_experts_per_tok=TOP_K,
+        )  # fmt: skip
+    if family == "qwen2_moe":
+        return Qwen2MoeConfig(
+            **ids, **attn, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
+        )  # fmt: skip
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **ids, **attn, head_dim=16, num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32,
+            num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, mlp_only_layers=[1], norm_topk_prob=True,
+        )  # fmt: skip
+    if family == "olmoe":
+        return OlmoeConfig(
+            **ids, **attn, num_hidden_layers=3, intermediate_size=32, num_experts=NUM_EXPERTS,
+            num_experts_per_tok=TOP_K,
+        )  # fmt: skip
+    if family == "phimoe":
+        return PhimoeConfig(
+            **ids, **attn, num_hidden_layers=3, intermediate_size=32, num_local_experts=NUM_EXPERTS,
+            num_experts_per_tok=TOP_K, router_jitter_noise=0.0, input_jitter_noise=0.0,
+        )  # fmt: skip
+    mla = dict(
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    )  # fmt: skip
+    if family == "deepseek_v2":
+        return DeepseekV2Config(
+            **ids, **mla, hidden_size=HIDDEN, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+            n_routed_experts=NUM_EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K, first_k_dense_replace=1,
+            topk_method="greedy",
+        )  # fmt: skip
+    if family == "deepseek_v3":
+        return DeepseekV3Config(
+            **ids, **dict(mla, q_lora_rank=24), hidden_size=HIDDEN, num_hidden_layers=3, intermediate_size=96,
+            moe_intermediate_size=32, n_routed_experts=NUM_EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K,
+            first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        )  # fmt: skip
+    if family == "gpt_oss":
+        return GptOssConfig(
+            **ids, **attn, head_dim=16, num_hidden_layers=2, intermediate_size=32, num_local_experts=NUM_EXPERTS,
+            num_experts_per_tok=TOP_K, sliding_window=64,
+            # GPT-OSS ships YaRN; keep it, with a factor consistent with the tiny context.
+            rope_parameters={
+                "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 16, "rope_theta": 150000.0,
+            },
+        )  # fmt: skip
+    raise ValueError(f"Unknown tiny family '{family}'. Choose one of: {', '.join(FAMILIES)}.")
+
+
+@torch.no_grad()
+def _reinit(model: torch.nn.Module, seed: int) -> None:
+    """Redraw every parameter deterministically (sorted names, own generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    # GPT-OSS keeps its experts as [E, in, out]; the others as [E, out, in].
+    in_dim = -2 if model.config.model_type == "gpt_oss" else -1
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if p.dim() == 1:
+            # Norm weights around 1; biases (incl. e_score_correction_bias, attention sinks) small but non-zero.
+            base = 1.0 if ("norm" in name and name.endswith("weight")) else 0.0
+            p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+            continue
+        fan_in = p.shape[in_dim] if p.dim() == 3 else p.shape[-1]
+        # Unit-scale embeddings keep token identity strong in the residual stream (else the model loops on one token).
+        std = 1.0 if name.endswith("embed_tokens.weight") else fan_in**-0.5
+        if name.endswith(("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight")):
+            std *= 2.0  # peaked router distributions, so that top-k and prefetch choices are meaningful
+        p.copy_(torch.randn(p.shape, generator=gen) * std)
+    for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+        if name.endswith("e_score_correction_bias"):  # saved with the checkpoint: make it non-trivial to load
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+
+
+def build_tiny_model(
+    family: str, out_dir: Path, *, dtype: torch.dtype = torch.float32, seed: int = 0, sharded: bool = False
+) -> Path:
+    """Build and save a tiny `family` model (weights + tokenizer) into `out_dir`; returns `out_dir`.
+
+    `sharded=True` writes several safetensors shards plus model.safetensors.index.json.
+    """
+    out_dir = Path(out_dir)
+    for stale in out_dir.glob("model*.safetensors*"):
+        stale.unlink()  # a rebuild with another sharding must not leave the old files behind
+    tokenizer = train_tokenizer(out_dir)
+    config = tiny_config(family, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _reinit(model, seed)
+    model = model.to(dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir, max_shard_size="150KB" if sharded else "1GB")
+    return out_dir
