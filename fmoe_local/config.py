@@ -41,8 +41,10 @@ class RuntimeConfig:
     host_ram_gb: float | None = None
     # Semantic embedding of an iteration: running mean over the request's tokens, or the iteration's tokens only.
     semantic_mode: str = "running_mean"
-    # Extra slack for prefill: experts computed per chunk never exceed the cache (see cache.py).
     sampling: Sampling = field(default_factory=Sampling)
+    # Run the matcher and the copies inline on the forward thread: deterministic hit counts for tests and for
+    # comparing the runtime with the replay benchmark. Off for real use (the paper keeps them off the critical path).
+    synchronous_prefetch: bool = False
     # Record what the runtime saw to this .npz (trace format, DESIGN.md). None = no recording.
     record_trace: str | None = None
 
