@@ -1,0 +1,216 @@
+"""MapStore: searches against brute-force cosines, RDY replacement and dedup, persistence callbacks, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from fmoe_local.maps import ExpertMap, MapStore
+from fmoe_local.policies.base import ModelShape
+
+SHAPE = ModelShape(num_layers=4, num_experts=8, top_k=2, embed_dim=3)
+
+
+class FakePersistence:
+    def __init__(self, initial: list[tuple[int, ExpertMap]] | None = None) -> None:
+        self.rows: dict[int, ExpertMap] = dict(initial or [])
+        self.calls: list[tuple] = []
+
+    def load(self) -> list[tuple[int, ExpertMap]]:
+        return list(self.rows.items())
+
+    def put(self, slot: int, expert_map: ExpertMap) -> None:
+        self.calls.append(("put", slot))
+        self.rows[slot] = expert_map
+
+    def clear(self) -> None:
+        self.calls.append(("clear",))
+        self.rows.clear()
+
+
+def one_hot_map(experts: list[int], sem: list[float] | None = None, request_id: int = 0) -> ExpertMap:
+    p = np.zeros((SHAPE.num_layers, SHAPE.num_experts), np.float32)
+    for layer, e in enumerate(experts):
+        p[layer, e] = 1.0
+    return ExpertMap(p, None if sem is None else np.asarray(sem, np.float32), request_id)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def random_maps(rng: np.random.Generator, count: int, shape: ModelShape = SHAPE) -> list[ExpertMap]:
+    logits = rng.standard_normal((count, shape.num_layers, shape.num_experts)) * 2
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    sem = rng.standard_normal((count, shape.embed_dim))
+    return [ExpertMap(p[i].astype(np.float32), sem[i].astype(np.float32), i) for i in range(count)]
+
+
+def test_empty_store_matches_nothing():
+    store = MapStore(SHAPE, capacity=4, prefetch_distance=1)
+    assert len(store) == 0
+    assert store.match_semantic(np.ones(3, np.float32)) == (-1, 0.0)
+    assert store.match_trajectory(np.ones((2, 8), np.float32)) == (-1, 0.0)
+
+
+def test_trajectory_match_hand_computed():
+    store = MapStore(SHAPE, capacity=4, prefetch_distance=1)
+    a = store.add(one_hot_map([0, 1, 2, 3]))
+    b = store.add(one_hot_map([0, 5, 2, 3]))
+    assert (a, b) == (0, 1)
+    # First layer: both maps agree with the query → tie, first slot, cosine 1.
+    assert store.match_trajectory(one_hot_map([0, 5, 0, 0]).probs[:1]) == (0, pytest.approx(1.0))
+    # Two layers [e0, e5]: map b matches exactly; map a shares one of two unit entries → 0.5.
+    slot, score = store.match_trajectory(one_hot_map([0, 5, 0, 0]).probs[:2])
+    assert (slot, score) == (1, pytest.approx(1.0))
+    # Query [e0, e1, e6]: a shares 2 of 3 → 2/3, b shares 1 → 1/3.
+    slot, score = store.match_trajectory(one_hot_map([0, 1, 6, 0]).probs[:3])
+    assert (slot, score) == (0, pytest.approx(2 / 3))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_trajectory_search_equals_brute_force_in_any_call_order(sparse):
+    rng = np.random.default_rng(1)
+    maps = random_maps(rng, 20)
+    if sparse:  # top-2 only, as recordings from other tools are rebuilt
+        for m in maps:
+            cut = np.argsort(m.probs, axis=1)[:, :-2]
+            np.put_along_axis(m.probs, cut, 0.0, axis=1)
+    store = MapStore(SHAPE, capacity=32, prefetch_distance=2, dedup_threshold=1.1)
+    for m in maps[:15]:
+        store.add(m)
+    stored = np.stack([store.probs(s) for s in range(len(store))])
+    for q in maps[15:]:
+        for depth in [1, 2, 3, 4, 2, 4]:  # extending, then restarting: the incremental cache must not leak
+            scores = [cosine(q.probs[:depth], s[:depth]) for s in stored]
+            slot, score = store.match_trajectory(q.probs[:depth])
+            assert slot == int(np.argmax(scores))
+            assert score == pytest.approx(max(scores), rel=1e-5)
+    # A write between two calls of one iteration invalidates the running dot products.
+    store.match_trajectory(maps[15].probs[:2])
+    store.add(maps[15])
+    assert store.match_trajectory(maps[15].probs[:3]) == (len(store) - 1, pytest.approx(1.0))
+
+
+def test_semantic_match_skips_maps_without_embedding():
+    store = MapStore(SHAPE, capacity=4, prefetch_distance=1)
+    store.add(one_hot_map([0, 0, 0, 0], sem=None))
+    assert store.match_semantic(np.array([1, 0, 0], np.float32)) == (-1, 0.0)
+    store.add(one_hot_map([1, 1, 1, 1], sem=[0.0, 1.0, 0.0]))
+    store.add(one_hot_map([2, 2, 2, 2], sem=[1.0, 1.0, 0.0]))
+    slot, score = store.match_semantic(np.array([1, 0, 0], np.float32))
+    assert (slot, score) == (2, pytest.approx(1 / np.sqrt(2)))
+    assert store.match_semantic(None) == (-1, 0.0)
+
+
+def test_full_store_replaces_most_redundant_by_rdy_weights():
+    # Old A: same routing as the new map, orthogonal prompt. Old B: same prompt, routing cosine 0.5.
+    new = one_hot_map([0, 1, 2, 3], sem=[1, 0, 0])
+    a = one_hot_map([0, 1, 2, 3], sem=[0, 1, 0])
+    b = one_hot_map([0, 1, 6, 7], sem=[1, 0, 0])
+    # d=1, L=4: RDY_A = 1/4·0 + 3/4·1 = 0.75; RDY_B = 1/4·1 + 3/4·0.5 = 0.625 → A goes.
+    store = MapStore(SHAPE, capacity=2, prefetch_distance=1)
+    store.add(a), store.add(b)
+    np.testing.assert_allclose(store.redundancy(new.probs, new.semantic), [0.75, 0.625], rtol=1e-6)
+    assert store.add(new) == 0 and len(store) == 2
+    # d=3: RDY_A = 3/4·0 + 1/4·1 = 0.25; RDY_B = 3/4·1 + 1/4·0.5 = 0.875 → B goes.
+    store = MapStore(SHAPE, capacity=2, prefetch_distance=3)
+    store.add(a), store.add(b)
+    assert store.add(new) == 1
+    np.testing.assert_array_equal(store.probs(1), new.probs)
+
+
+def test_near_identical_map_replaces_instead_of_adding():
+    store = MapStore(SHAPE, capacity=8, prefetch_distance=1)
+    first = one_hot_map([0, 1, 2, 3], sem=[1, 0, 0], request_id=1)
+    assert store.add(first) == 0
+    assert store.add(one_hot_map([0, 1, 2, 4], sem=[1, 0, 0])) == 1  # different routing: a new slot
+    assert store.add(one_hot_map([0, 1, 2, 3], sem=[1, 0, 0.001], request_id=9)) == 0
+    assert len(store) == 2 and store.get(0).request_id == 9
+
+
+def test_persistence_sees_every_slot_write_and_clear():
+    fake = FakePersistence()
+    store = MapStore(SHAPE, capacity=2, prefetch_distance=1, persistence=fake)
+    store.add(one_hot_map([0, 1, 2, 3], sem=[1, 0, 0]))
+    store.add(one_hot_map([4, 5, 6, 7], sem=[0, 1, 0]))
+    store.add(one_hot_map([4, 5, 6, 6], sem=[0, 1, 0]))  # full: replaces slot 1 on disk too
+    assert fake.calls == [("put", 0), ("put", 1), ("put", 1)]
+    np.testing.assert_array_equal(fake.rows[1].probs, store.probs(1))
+    store.clear()
+    assert len(store) == 0 and fake.rows == {}
+
+
+def test_load_from_restores_and_compacts_gaps():
+    maps = random_maps(np.random.default_rng(2), 3)
+    wrong = ExpertMap(np.zeros((2, 8), np.float32), None, 0)
+    fake = FakePersistence([(0, maps[0]), (5, maps[1]), (7, maps[2]), (9, wrong)])
+    store = MapStore(SHAPE, capacity=8, prefetch_distance=1)
+    assert store.load_from(fake) == 3
+    for i in range(3):
+        np.testing.assert_array_equal(store.probs(i), maps[i].probs)
+    assert sorted(fake.rows) == [0, 1, 2]  # rewritten so slot numbers stay the identity on disk
+    assert store.match_semantic(maps[2].semantic)[0] == 2
+    fake.calls.clear()
+    assert MapStore(SHAPE, capacity=8, prefetch_distance=1).load_from(fake) == 3
+    assert fake.calls == []  # already contiguous: nothing rewritten
+
+
+def test_reconfigure_grows_in_place_and_shrinks_to_newest():
+    fake = FakePersistence()
+    store = MapStore(SHAPE, capacity=4, prefetch_distance=1, persistence=fake, dedup_threshold=1.1)
+    maps = random_maps(np.random.default_rng(3), 4)
+    for m in maps:
+        store.add(m)
+    store.reconfigure(capacity=6, prefetch_distance=2)
+    assert (store.capacity, store.prefetch_distance, len(store)) == (6, 2, 4)
+    np.testing.assert_array_equal(store.probs(3), maps[3].probs)
+    store.reconfigure(capacity=2)
+    assert len(store) == 2
+    assert [store.get(s).request_id for s in range(2)] == [2, 3]
+    assert sorted(fake.rows) == [0, 1] and fake.rows[0].request_id == 2
+
+
+def test_rejects_maps_of_another_shape():
+    store = MapStore(SHAPE, capacity=2, prefetch_distance=1)
+    with pytest.raises(ValueError, match=r"\[4, 8\]"):
+        store.add(ExpertMap(np.zeros((3, 8), np.float32), None, 0))
+    with pytest.raises(ValueError):
+        store.match_trajectory(np.zeros((5, 8), np.float32))
+
+
+def test_concurrent_adds_and_searches():
+    shape = ModelShape(num_layers=4, num_experts=8, top_k=2, embed_dim=3)
+    store = MapStore(shape, capacity=64, prefetch_distance=2)
+    maps = random_maps(np.random.default_rng(4), 200)
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            for m in maps:
+                store.add(m)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    def reader() -> None:
+        try:
+            for m in maps:
+                for depth in range(1, 5):
+                    slot, score = store.match_trajectory(m.probs[:depth])
+                    assert slot < 64 and score <= 1.0 + 1e-5
+                store.match_semantic(m.semantic)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(store) == 64
+    last = maps[-1]
+    assert store.match_trajectory(last.probs)[1] == pytest.approx(1.0)
