@@ -1,0 +1,212 @@
+"""Wizard downloads against a fake Hub on loopback (huggingface_hub mocked at its HTTP boundary: no network).
+
+The fake serves the four routes snapshot_download uses (repo info, tree listing, HEAD and ranged GET on
+resolve/) and records the requests, so the tests see what the real client asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from ui.downloads import COMPLETE_MARKER, Download, delete_downloaded, list_downloaded
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+ALLOW = ["*.safetensors", "*.json"]
+IGNORE = ["original/*"]
+CHUNK = 10 * 1024 * 1024
+
+
+class FakeHub:
+    def __init__(self, files: dict[str, bytes], gated: bool = False) -> None:
+        self.files = files
+        self.gated = gated
+        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
+        self.stall: str | None = None  # a file whose body hangs forever (a dead link the user cancels)
+        self.drop_after: int | None = None  # the next body is cut after this many bytes (a dropped connection)
+        self.release = threading.Event()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_HEAD(self):
+                hub._serve(self, body=False)
+
+            def do_GET(self):
+                hub._serve(self, body=True)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+
+    def _send_json(self, h: BaseHTTPRequestHandler, obj: object, status: int = 200, headers=None) -> None:
+        data = json.dumps(obj).encode()
+        h.send_response(status)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            h.send_header(k, v)
+        h.end_headers()
+        h.wfile.write(data)
+
+    def _serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        path = h.path.split("?")[0]
+        self.requests.append((h.command, path, h.headers.get("Range")))
+        if self.gated:
+            self._send_json(h, {"error": "Access to this model is restricted."}, 403, {"X-Error-Code": "GatedRepo"})
+            return
+        if path.startswith("/api/models/") and "/revision/" in path:
+            repo = path[len("/api/models/") :].split("/revision/")[0]
+            siblings = [{"rfilename": n} for n in self.files]
+            self._send_json(h, {"id": repo, "modelId": repo, "sha": SHA, "siblings": siblings, "private": False})
+            return
+        if path.startswith("/api/models/") and "/tree/" in path:
+            tree = [
+                {"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                for n, b in self.files.items()
+            ]
+            self._send_json(h, tree)
+            return
+        if "/resolve/" in path:
+            name = path.split("/resolve/")[1].split("/", 1)[1]
+            data = self.files[name]
+            etag = hashlib.sha1(data).hexdigest()
+            start = 0
+            rng = h.headers.get("Range")
+            if rng:
+                start = int(rng.split("=")[1].split("-")[0])
+            h.send_response(206 if start else 200)
+            h.send_header("ETag", f'"{etag}"')
+            h.send_header("X-Repo-Commit", SHA)
+            h.send_header("Content-Length", str(len(data) - start))
+            if start:
+                h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            h.end_headers()
+            if not body:
+                return
+            chunk = data[start:]
+            if name == self.stall:
+                h.wfile.write(chunk[:1000])
+                h.wfile.flush()
+                self.release.wait(60)
+                return
+            if self.drop_after is not None and len(chunk) > self.drop_after:
+                cut, self.drop_after = self.drop_after, None
+                h.wfile.write(chunk[:cut])  # then the handler returns and the server closes the socket
+                return
+            h.wfile.write(chunk)
+            return
+        self._send_json(h, {"error": "not found"}, 404)
+
+
+def _files() -> dict[str, bytes]:
+    # Bigger than huggingface_hub's 10 MiB write chunk, so that an interrupted transfer leaves bytes on disk.
+    big = bytes(range(256)) * 4096 * 11  # 11 MiB
+    return {
+        "config.json": b'{"model_type": "mixtral"}',
+        "model-00001-of-00002.safetensors": big,
+        "model-00002-of-00002.safetensors": big[::-1],
+        "README.md": b"# skip me",
+        "original/consolidated.safetensors": b"x" * 100,
+    }
+
+
+@pytest.fixture
+def hub():
+    h = FakeHub(_files())
+    yield h
+    h.close()
+
+
+def _wait(download: Download, until, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = download.status()
+        if until(status):
+            return status
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting; last status {download.status()}")
+
+
+@pytest.mark.slow
+def test_download_fetches_only_needed_files_and_lists_it(hub, tmp_path):
+    d = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url)
+    status = d.wait(60)
+    assert status.state == "done", status
+    dest = tmp_path / "acme--tiny-moe"
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        assert (dest / name).read_bytes() == _files()[name]
+    assert not (dest / "README.md").exists()
+    assert not (dest / "original").exists()
+    assert status.total_bytes == sum(
+        len(b) for n, b in _files().items() if n.endswith((".json", ".safetensors")) and "/" not in n
+    )
+    listed = list_downloaded(tmp_path)
+    assert [m.repo_id for m in listed] == ["acme/tiny-moe"]
+    delete_downloaded(tmp_path, listed[0].path)
+    assert list_downloaded(tmp_path) == []
+    with pytest.raises(ValueError, match="models folder"):
+        delete_downloaded(tmp_path, tmp_path.parent)
+
+
+@pytest.mark.slow
+def test_dropped_connection_resumes_mid_file(hub, tmp_path):
+    hub.drop_after = CHUNK + 1000
+    status = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url).wait(60)
+    assert status.state == "done", status
+    ranges = [r for m, p, r in hub.requests if m == "GET" and "/resolve/" in p]
+    assert f"bytes={CHUNK}-" in ranges  # the client asked for the rest, not the whole file again
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        assert (tmp_path / "acme--tiny-moe" / name).read_bytes() == _files()[name]
+
+
+@pytest.mark.slow
+def test_cancel_then_download_again_keeps_finished_shards(hub, tmp_path):
+    hub.stall = "model-00002-of-00002.safetensors"
+    d = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url)
+    partial = _wait(d, lambda s: s.done_bytes >= len(_files()["model-00001-of-00002.safetensors"]))
+    assert partial.state == "downloading" and 0 < partial.fraction < 1
+    d.cancel()
+    assert d.status().state == "cancelled"
+    assert list_downloaded(tmp_path) == []  # no marker: an interrupted download is not offered for loading
+    hub.stall = None
+    hub.requests.clear()
+    assert Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url).wait(60).state == "done"
+    fetched = [p.rsplit("/", 1)[1] for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
+    assert fetched == ["model-00002-of-00002.safetensors"]  # shard 1 and config.json were kept
+    assert (tmp_path / "acme--tiny-moe" / COMPLETE_MARKER).is_file()
+
+
+@pytest.mark.slow
+def test_offline_message(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on: connection refused, like no network
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=f"http://127.0.0.1:{port}")
+    status = d.wait(60)
+    assert status.state == "error"
+    assert "offline" in status.message and "resumes" in status.message
+
+
+@pytest.mark.slow
+def test_gated_model_message(tmp_path):
+    hub = FakeHub(_files(), gated=True)
+    try:
+        status = Download("acme/gated", tmp_path, ALLOW, IGNORE, endpoint=hub.url).wait(60)
+    finally:
+        hub.close()
+    assert status.state == "error"
+    assert "licence" in status.message and "token" in status.message

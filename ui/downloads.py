@@ -1,0 +1,254 @@
+"""Model downloads for the wizard: a child process runs huggingface_hub, the app watches and can cancel it.
+
+Scope: fetching the files a model needs into `<models_dir>/<owner>--<name>/`, progress, cancel, resume, and
+turning Hub failures into sentences. It does NOT judge whether a model fits (fmoe_local.hardware) or load it.
+
+Why a child process: the app runs with HF_HUB_OFFLINE=1 so that nothing talks to the Hub unless the user asked
+for a download; the child is the one place where that is lifted. Killing it is a clean cancel.
+Resume: within a run, huggingface_hub retries a dropped connection with an HTTP Range request; across runs
+(cancel, crash, reboot) finished files are kept and only the missing ones are fetched — huggingface_hub 2.x
+deletes a half-written file, so the unit of resume is one file (checkpoint shards are ≤ 5 GB).
+Progress is the size of the destination folder against the plan's total, so the child needs no progress pipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+COMPLETE_MARKER = ".fmoe-download.json"  # written last: a folder without it is an interrupted download
+DISK_MARGIN_BYTES = 2_000_000_000
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    path: Path
+    repo_id: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class DownloadStatus:
+    state: str  # "planning", "downloading", "done", "error", "cancelled"
+    done_bytes: int = 0
+    total_bytes: int = 0
+    message: str = ""
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.done_bytes / self.total_bytes) if self.total_bytes else 0.0
+
+
+def folder_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass  # a file renamed from .incomplete between listing and stat
+    return total
+
+
+def list_downloaded(models_dir: Path) -> list[LocalModel]:
+    """Completed downloads, newest first. Interrupted ones are left out (starting them again resumes)."""
+    out = []
+    if not models_dir.is_dir():
+        return out
+    for child in models_dir.iterdir():
+        marker = child / COMPLETE_MARKER
+        if marker.is_file():
+            info = json.loads(marker.read_text())
+            out.append(
+                (marker.stat().st_mtime, LocalModel(child, info.get("repo_id", child.name), folder_bytes(child)))
+            )
+    return [m for _, m in sorted(out, key=lambda t: -t[0])]
+
+
+def delete_downloaded(models_dir: Path, path: Path) -> None:
+    """Remove a downloaded model folder; refuses anything outside `models_dir`."""
+    path = Path(path).resolve()
+    if path.parent != Path(models_dir).resolve():
+        raise ValueError("Only models inside the app's models folder can be deleted here.")
+    shutil.rmtree(path)
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def explain(error: BaseException) -> tuple[str, str]:
+    """(kind, sentence) for a Hub failure: offline, gated, auth, not_found, or other.
+
+    huggingface_hub often wraps the real cause (a dry run turns a 403 into DryRunError), so the whole
+    cause chain is searched, most specific first.
+    """
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    chain = _causes(error)
+    if any(isinstance(e, GatedRepoError) for e in chain):
+        return "gated", (
+            "This model needs its licence accepted on huggingface.co first. Open the model's page, accept the "
+            "terms, then paste an access token (huggingface.co/settings/tokens) and try again."
+        )
+    if any(isinstance(e, RepositoryNotFoundError) for e in chain):
+        return "not_found", (
+            "No such model on huggingface.co (or it is private). Check the repo id (owner/name); for a private "
+            "model, paste an access token."
+        )
+    for e in chain:
+        if isinstance(e, HfHubHTTPError) and e.response is not None and e.response.status_code == 401:
+            return "auth", "huggingface.co refused the request. Paste a valid access token and try again."
+    if any(any(w in type(e).__name__ for w in ("Connect", "Timeout", "DryRun", "LocalEntry")) for e in chain):
+        return "offline", (
+            "Cannot reach huggingface.co: this computer looks offline. Connect to the internet and press "
+            "Download again; finished files are kept and the download resumes."
+        )
+    return "other", f"The download failed: {error}. Press Download to retry; finished files are kept."
+
+
+def _plan(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> tuple[int, int]:
+    from huggingface_hub import snapshot_download
+
+    infos = snapshot_download(repo_id, local_dir=dest, allow_patterns=allow, ignore_patterns=ignore, dry_run=True)
+    total = sum(i.file_size or 0 for i in infos)
+    remaining = sum(i.file_size or 0 for i in infos if i.will_download)
+    return total, remaining
+
+
+def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int:
+    """Child-process body: plan, check disk, download, mark complete. Reports JSON lines on stdout."""
+
+    def say(**event: object) -> None:
+        print(json.dumps(event), flush=True)
+
+    from huggingface_hub import snapshot_download
+
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        total, remaining = _plan(repo_id, dest, allow, ignore)
+        say(event="plan", total=total, remaining=remaining)
+        free = shutil.disk_usage(dest).free
+        if remaining + DISK_MARGIN_BYTES > free:
+            say(
+                event="error",
+                kind="disk",
+                message=f"Not enough disk space: {remaining / 1e9:.1f} GB still to download and "
+                f"{free / 1e9:.1f} GB free. Free up space and try again.",
+            )
+            return 2
+        snapshot_download(repo_id, local_dir=dest, allow_patterns=allow, ignore_patterns=ignore)
+    except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the user
+        kind, message = explain(error)
+        say(event="error", kind=kind, message=message)
+        return 1
+    (dest / COMPLETE_MARKER).write_text(json.dumps({"repo_id": repo_id, "total_bytes": total}))
+    say(event="done", path=str(dest))
+    return 0
+
+
+class Download:
+    """One download in a child process. `status()` is cheap enough to poll twice a second."""
+
+    def __init__(
+        self,
+        repo_id: str,
+        models_dir: Path,
+        allow: list[str],
+        ignore: list[str],
+        token: str | None = None,
+        endpoint: str | None = None,
+    ) -> None:
+        from fmoe_local.catalog import local_name
+
+        self.repo_id = repo_id
+        self.dest = Path(models_dir) / local_name(repo_id)
+        env = dict(os.environ, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+        if token:
+            env["HF_TOKEN"] = token
+        if endpoint:
+            env["HF_ENDPOINT"] = endpoint
+        args = [sys.executable, "-m", "ui.downloads", repo_id, str(self.dest)]
+        args += [f"--allow={p}" for p in allow] + [f"--ignore={p}" for p in ignore]
+        root = Path(__file__).resolve().parent.parent
+        env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        self._lock = threading.Lock()
+        self._total = 0
+        self._error = ""
+        self._done = False
+        self._cancelled = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            with self._lock:
+                if event.get("event") == "plan":
+                    self._total = int(event["total"])
+                elif event.get("event") == "error":
+                    self._error = str(event["message"])
+                elif event.get("event") == "done":
+                    self._done = True
+
+    def status(self) -> DownloadStatus:
+        running = self._proc.poll() is None
+        if not running:
+            self._reader.join(timeout=2)
+        with self._lock:
+            total, error, done, cancelled = self._total, self._error, self._done, self._cancelled
+        have = folder_bytes(self.dest) if self.dest.exists() else 0
+        if cancelled:
+            return DownloadStatus("cancelled", have, total, "Download cancelled. Press Download to resume it.")
+        if done:
+            return DownloadStatus("done", total, total, f"Downloaded {self.repo_id}.")
+        if error:
+            return DownloadStatus("error", have, total, error)
+        if not running:
+            return DownloadStatus("error", have, total, "The download stopped unexpectedly. Press Download to resume.")
+        return DownloadStatus("downloading" if total else "planning", min(have, total), total)
+
+    def wait(self, timeout: float | None = None) -> DownloadStatus:
+        self._proc.wait(timeout)
+        return self.status()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Download one model's files (run by the app, not by hand).")
+    parser.add_argument("repo_id")
+    parser.add_argument("dest", type=Path)
+    parser.add_argument("--allow", action="append", default=[])
+    parser.add_argument("--ignore", action="append", default=[])
+    args = parser.parse_args(argv)
+    return worker(args.repo_id, args.dest, args.allow or None, args.ignore or None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
