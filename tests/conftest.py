@@ -23,10 +23,15 @@ from tests.tiny import FAMILIES, build_tiny_model  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Factory: `tiny_model_dir(family, dtype=torch.float32, sharded=False, seed=0) -> Path`, built once per session."""
+    """Factory: `tiny_model_dir(family, dtype=torch.float32, sharded=False, seed=0, tied=False) -> Path`.
+
+    Each distinct build is made once per session; treat the directory as read-only.
+    """
     built: dict[tuple, Path] = {}
 
-    def get(family: str, *, dtype: torch.dtype = torch.float32, sharded: bool = False, seed: int = 0) -> Path:
+    def get(
+        family: str, *, dtype: torch.dtype = torch.float32, sharded: bool = False, seed: int = 0, tied: bool = False
+    ) -> Path:
         if family not in FAMILIES:
             raise ValueError(f"Unknown tiny family '{family}'. Choose one of: {', '.join(FAMILIES)}.")
         key = (family, dtype, sharded, seed)

@@ -83,14 +83,14 @@ def train_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast):
+def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, *, tied: bool = False):
     """The config of a tiny model of `family` (hidden 64, 8 experts, top-2), token ids from `tokenizer`."""
     ids = dict(
         vocab_size=VOCAB_SIZE,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         max_position_embeddings=512,
     )
     attn = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2)
@@ -172,17 +172,24 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_model(
-    family: str, out_dir: Path, *, dtype: torch.dtype = torch.float32, seed: int = 0, sharded: bool = False
+    family: str,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    sharded: bool = False,
+    tied: bool = False,
 ) -> Path:
     """Build and save a tiny `family` model (weights + tokenizer) into `out_dir`; returns `out_dir`.
 
-    `sharded=True` writes several safetensors shards plus model.safetensors.index.json.
+    `sharded=True` writes several safetensors shards plus model.safetensors.index.json; `tied=True` ties the
+    output projection to the input embeddings (the checkpoint then has no lm_head.weight).
     """
     out_dir = Path(out_dir)
     for stale in out_dir.glob("model*.safetensors*"):
         stale.unlink()  # a rebuild with another sharding must not leave the old files behind
     tokenizer = train_tokenizer(out_dir)
-    config = tiny_config(family, tokenizer)
+    config = tiny_config(family, tokenizer, tied=tied)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit(model, seed)

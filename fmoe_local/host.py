@@ -1,0 +1,215 @@
+"""Host store: every routed expert's weights on the host, one expert at a time.
+
+Scope: reading a safetensors checkpoint (single file or sharded with an index) tensor by tensor or row by row, and
+serving `read(layer, expert)` in the layout of one row of the model's fused experts parameters, in the compute
+dtype. Experts that fit in `host_ram_gb` are held in RAM (plain tensors: pinning everything OOMs consumer
+machines; the cache stages copies itself); the rest are read from the memory-mapped checkpoint on each `read`.
+It does NOT touch the device, the cache or the model.
+
+Shapes per expert, e.g. Mixtral: gate_up_proj [2I, H] (= cat([w1, w3])), down_proj [H, I]; GPT-OSS: gate_up_proj
+[H, 2I], gate_up_proj_bias [2I], down_proj [I, H], down_proj_bias [H].
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from safetensors import safe_open
+
+from fmoe_local.architectures import ConcatRows, ExpertSource, FusedRow, Mxfp4Row
+
+GIB = 1024**3
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# MXFP4 (OCP microscaling): 4-bit E2M1 codes, low nibble first, one shared power-of-two scale (bias 127) per 32.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 → dense. blocks [..., G, B] uint8 (2 codes per byte), scales [..., G] uint8 → [..., G * 2B]."""
+    if blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match.")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 2B]
+    values = torch.ldexp(lut[codes], scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).to(dtype)
+
+
+class CheckpointFiles:
+    """The safetensors files of a checkpoint: key → file, lazily opened (memory-mapped) handles, thread-safe reads."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = Path(model_dir)
+        index = self.model_dir / INDEX_FILE
+        if index.exists():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            self.key_file: dict[str, str] = dict(weight_map)
+        elif (self.model_dir / SINGLE_FILE).exists():
+            with safe_open(self.model_dir / SINGLE_FILE, framework="pt") as f:
+                self.key_file = dict.fromkeys(f.keys(), SINGLE_FILE)
+        else:
+            raise FileNotFoundError(
+                f"No safetensors weights in {self.model_dir} (expected {SINGLE_FILE} or {INDEX_FILE}). "
+                "Download the model again, in safetensors format."
+            )
+        missing = {f for f in set(self.key_file.values()) if not (self.model_dir / f).exists()}
+        if missing:
+            raise FileNotFoundError(
+                f"The checkpoint in {self.model_dir} is incomplete: {', '.join(sorted(missing))} missing. "
+                "Download the model again."
+            )
+        self._handles: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def keys(self) -> Iterable[str]:
+        return self.key_file.keys()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.key_file
+
+    def _handle(self, key: str):  # caller holds the lock
+        name = self.key_file[key]
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = safe_open(self.model_dir / name, framework="pt", device="cpu")
+            self._handles[name] = handle
+        return handle
+
+    def get(self, key: str) -> torch.Tensor:
+        """The whole tensor `key` (CPU)."""
+        with self._lock:
+            return self._handle(key).get_tensor(key)
+
+    def get_row(self, key: str, index: int) -> torch.Tensor:
+        """Row `index` of tensor `key` along dim 0, without reading the other rows."""
+        with self._lock:
+            return self._handle(key).get_slice(key)[index : index + 1][0]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(self._handle(key).get_slice(key).get_shape())
+
+    def dtype_name(self, key: str) -> str:
+        with self._lock:
+            return self._handle(key).get_slice(key).get_dtype()
+
+    def files_keys(self) -> dict[str, list[str]]:
+        """Keys grouped by file, in file order: reading file by file keeps page-cache use sequential."""
+        grouped: dict[str, list[str]] = {}
+        for key, name in self.key_file.items():
+            grouped.setdefault(name, []).append(key)
+        return dict(sorted(grouped.items()))
+
+    def close(self) -> None:
+        with self._lock:
+            for handle in self._handles.values():
+                exit_ = getattr(handle, "__exit__", None)
+                if exit_ is not None:
+                    exit_(None, None, None)
+            self._handles.clear()
+
+
+def read_expert(files: CheckpointFiles, sources: Mapping[str, ExpertSource], dtype: torch.dtype) -> dict:
+    """Assemble one expert's rows {param: tensor} from the checkpoint, in `dtype`."""
+    out = {}
+    for name, src in sources.items():
+        if isinstance(src, ConcatRows):
+            parts = [files.get(k) for k in src.keys]
+            row = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        elif isinstance(src, FusedRow):
+            row = files.get_row(src.key, src.expert)
+        elif isinstance(src, Mxfp4Row):
+            dense = dequantize_mxfp4(
+                files.get_row(src.blocks_key, src.expert), files.get_row(src.scales_key, src.expert), dtype
+            )
+            dense = dense.reshape(dense.shape[0], -1)  # [out, in]
+            row = dense.t() if src.transpose else dense
+        else:  # pragma: no cover - ExpertSource is closed
+            raise TypeError(f"unknown expert source {src!r}")
+        out[name] = row.to(dtype).contiguous()
+    return out
+
+
+@runtime_checkable
+class HostStore(Protocol):
+    """What the cache needs from the host side: experts by (MoE layer, expert), one fused-parameter row each."""
+
+    num_layers: int
+    num_experts: int
+    param_shapes: dict[str, tuple[int, ...]]
+    param_dtype: torch.dtype
+    expert_bytes: int
+
+    def read(self, layer: int, expert: int) -> dict[str, torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+class CheckpointHostStore:
+    """HostStore over a safetensors checkpoint: a RAM tier for what fits in `host_ram_gb`, a disk tier for the rest.
+
+    `sources[l][e]` says how to read expert e of MoE layer l (see architectures.expert_sources). Which experts
+    are RAM-resident is decided once: the first ones in (layer, expert) order until the budget is spent.
+    """
+
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        sources: list[list[Mapping[str, ExpertSource]]],
+        param_shapes: Mapping[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        host_ram_gb: float | None = None,
+    ) -> None:
+        self._files = files
+        self._sources = sources
+        self.num_layers = len(sources)
+        self.num_experts = len(sources[0]) if sources else 0
+        self.param_shapes = {k: tuple(v) for k, v in param_shapes.items()}
+        self.param_dtype = dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.expert_bytes = sum(int(torch.Size(s).numel()) * itemsize for s in self.param_shapes.values())
+        total = self.num_layers * self.num_experts
+        budget = total if host_ram_gb is None else min(total, int(host_ram_gb * GIB // max(self.expert_bytes, 1)))
+        self._ram: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for i in range(budget):
+            key = divmod(i, self.num_experts)
+            self._ram[key] = self._read_checked(*key)
+
+    @property
+    def ram_experts(self) -> int:
+        """How many experts are held in RAM (the rest are read from disk on each read)."""
+        return len(self._ram)
+
+    def in_ram(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self._ram
+
+    def _read_checked(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        rows = read_expert(self._files, self._sources[layer][expert], self.param_dtype)
+        for name, shape in self.param_shapes.items():
+            got = tuple(rows[name].shape)
+            if got != shape:
+                raise ValueError(
+                    f"Expert {expert} of MoE layer {layer}: '{name}' has shape {got} in the checkpoint, the model "
+                    f"expects {shape}. The checkpoint does not match its config.json: download the model again."
+                )
+        return rows
+
+    def read(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """{param_name: CPU tensor} for (MoE layer, expert). Safe to call from any thread; do not modify the result."""
+        rows = self._ram.get((layer, expert))
+        if rows is not None:
+            return rows
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise IndexError(f"No expert ({layer}, {expert}): {self.num_layers} MoE layers × {self.num_experts}.")
+        return self._read_checked(layer, expert)
+
+    def close(self) -> None:
+        self._ram.clear()
+        self._files.close()

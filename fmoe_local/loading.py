@@ -1,0 +1,189 @@
+"""Load a MoE checkpoint for offloading: non-expert weights on the device, routed experts in a host store.
+
+Scope: build the model skeleton on the meta device from the checkpoint's config, read the safetensors files key by
+key, put every non-expert parameter and buffer on the device (renaming keys exactly as transformers does when it
+loads this model type), restore the buffers transformers computes at construction (rotary inv_freq), tie word
+embeddings where the config says so, and build the HostStore that serves the experts one at a time. The experts
+modules' 3-D parameters stay on meta: the runtime computes from cache slots. It does NOT register the experts
+implementation, create the cache or generate.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, build_glob_alternation, rename_source_key
+
+from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.host import CheckpointFiles, CheckpointHostStore
+
+log = logging.getLogger(__name__)
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel  # non-expert weights on the device; experts' 3-D parameters on meta
+    tokenizer: PreTrainedTokenizerBase
+    arch: Architecture
+    host: CheckpointHostStore
+    moe_layers: list[MoELayerRef]
+    dtype: torch.dtype  # compute dtype of the resident weights and of the host store's rows
+    unexpected_keys: list[str] = field(default_factory=list)  # checkpoint keys the model has no place for
+
+
+def load_model(
+    model_dir: str | Path,
+    config: RuntimeConfig | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> LoadedModel:
+    """Load `model_dir` (a Hugging Face checkpoint directory in safetensors) for expert offloading.
+
+    `dtype=None` keeps the checkpoint's dtype. Host RAM for experts follows `config.host_ram_gb` (None = all).
+    """
+    model_dir = Path(model_dir)
+    config = config or RuntimeConfig()
+    device = torch.device(device)
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"No config.json in {model_dir}. Choose the folder of a downloaded model.")
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    arch = architecture_for(hf_config)
+    _drop_supported_quantization(hf_config, arch)
+    files = CheckpointFiles(model_dir)
+    dtype = dtype or _checkpoint_dtype(hf_config, files)
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.eval()
+    moe_layers = arch.moe_layers(model)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    expert_prefixes = tuple(module_names[id(ref.experts)] + "." for ref in moe_layers)
+    expert_params = {p + name for p in expert_prefixes for name in arch.expert_param_names}
+
+    unexpected = _load_resident(model, files, expert_prefixes, device, dtype)
+    _restore_computed_buffers(model, device)
+    _check_complete(model, expert_params)
+
+    param_shapes = {name: tuple(getattr(moe_layers[0].experts, name).shape[1:]) for name in arch.expert_param_names}
+    num_experts = arch.num_experts(hf_config)
+    sources = [[arch.expert_sources(ref.layer_index, e, files) for e in range(num_experts)] for ref in moe_layers]
+    host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if unexpected:
+        log.info("Ignored %d checkpoint tensors the model does not use (e.g. %s)", len(unexpected), unexpected[0])
+    return LoadedModel(model, tokenizer, arch, host, moe_layers, dtype, unexpected)
+
+
+def _drop_supported_quantization(hf_config: object, arch: Architecture) -> None:
+    """MXFP4 GPT-OSS experts are dequantised by the host store; any other quantized checkpoint is refused."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if arch.model_type == "gpt_oss" and str(method).lower().endswith("mxfp4"):
+        # The skeleton must hold plain (dequantised) parameters, not transformers' MXFP4 modules.
+        del hf_config.quantization_config
+        return
+    raise ValueError(
+        f"This checkpoint is quantized ({method}), which fmoe-local cannot load yet. "
+        "Download the bf16 or fp16 release of the model instead."
+    )
+
+
+def _checkpoint_dtype(hf_config: object, files: CheckpointFiles) -> torch.dtype:
+    declared = getattr(hf_config, "dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    if isinstance(declared, torch.dtype) and declared.is_floating_point:
+        return declared
+    for key in files.keys():
+        found = _SAFETENSORS_DTYPES.get(files.dtype_name(key))
+        if found is not None:
+            return found
+    return torch.float32
+
+
+def _load_resident(
+    model: PreTrainedModel, files: CheckpointFiles, expert_prefixes: tuple[str, ...], device: torch.device, dtype
+) -> list[str]:
+    """Every non-expert tensor of the checkpoint onto `device`, key by key; returns the keys with no target."""
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    targets = model.state_dict()  # meta tensors: names, shapes and dtypes, no memory
+    fp32_plan = model._get_dtype_plan(dtype)  # transformers' keep-in-fp32 rules for this dtype
+    fp32_re = build_glob_alternation(list(fp32_plan))[0] if fp32_plan else None
+    prefix = model.base_model_prefix
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected = []
+    for file_keys in files.files_keys().values():
+        for key in file_keys:
+            name, _ = rename_source_key(key, renamings, converters, prefix, targets)
+            if name not in targets and key in targets:
+                name = key
+            if name.startswith(expert_prefixes):
+                continue  # routed experts: the host store reads them per expert
+            target = targets.get(name)
+            if target is None:
+                unexpected.append(key)
+                continue
+            want = torch.float32 if fp32_re is not None and fp32_re.search(name) else target.dtype
+            tensor = files.get(key)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"'{key}' has shape {tuple(tensor.shape)} in the checkpoint but the model expects "
+                    f"{tuple(target.shape)}. The checkpoint does not match its config.json: download it again."
+                )
+            loaded[name] = tensor.to(device=device, dtype=want if tensor.is_floating_point() else tensor.dtype)
+    # assign=True swaps the meta tensors for ours (no copy, no extra device memory).
+    model.load_state_dict(loaded, strict=False, assign=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    missing = {n for n, t in model.state_dict().items() if t.device.type == "meta"}
+    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+    return unexpected
+
+
+def _restore_computed_buffers(model: PreTrainedModel, device: torch.device) -> None:
+    """Non-persistent buffers (rotary inv_freq) are computed in __init__, so on meta they hold nothing: recompute.
+
+    transformers' own `_init_weights` knows how (it is what from_pretrained runs for them); NaN-filling first
+    lets us tell when it did not.
+    """
+    owners: dict[int, tuple[nn.Module, list[str]]] = {}
+    for module in model.modules():
+        names = [n for n in module._non_persistent_buffers_set if getattr(module, n, None) is not None]
+        if names:
+            owners[id(module)] = (module, names)
+    for module, names in owners.values():
+        for name in names:
+            meta = getattr(module, name)
+            module.register_buffer(name, torch.full_like(meta, math.nan, device=device), persistent=False)
+        model._init_weights(module)
+        for name in names:
+            value = getattr(module, name)
+            if value.is_floating_point() and torch.isnan(value).any():
+                raise ValueError(
+                    f"Could not compute buffer '{name}' of {type(module).__name__} for this model. "
+                    "Update transformers or report the model."
+                )
+
+
+def _check_complete(model: PreTrainedModel, expert_params: set[str]) -> None:
+    missing = [n for n, t in model.state_dict().items() if t.device.type == "meta" and n not in expert_params]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise ValueError(
+            f"The checkpoint lacks {len(missing)} weights the model needs ({shown}). "
+            "The download may be incomplete: download the model again."
+        )
