@@ -1,0 +1,91 @@
+"""The oracle policy (replay only): knows every future expert access of the trace it replays.
+
+Scope: Belady eviction (evict the candidate whose next use is furthest away) and earliest-need-first prefetching,
+behind the same Policy interface as every other policy, under the same cache and bandwidth. It is the ceiling the
+other policies are measured against. It does NOT run live (the future is unknown there) and keeps no map store.
+
+Knowledge: `need[i, l, j]` — iteration i (in replay order) accesses expert j of layer l. The replay calls
+begin_iteration once per iteration in that order, which is how the oracle knows where it is.
+
+Prefetching: at begin_iteration it queues this iteration's accesses that are not known to be resident, priority
+L − layer (earliest need first). It never queues more distinct experts than capacity − 2K: with at most that many
+wanted, Belady always finds a victim whose next use is later than anything queued (K slots may be pinned by the
+layer in use, K by the next), so a prefetch never pushes out something needed sooner. Prefetches for a later
+iteration are not queued: the replay (like the runtime's prefetcher) drops queued work once its layer has passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
+
+NEVER = np.iinfo(np.int32).max
+
+
+class OraclePolicy:
+    name = "oracle"
+    needs_lookahead = False
+
+    def __init__(self, shape: ModelShape, need: np.ndarray, capacity: int) -> None:
+        n, L, J = need.shape
+        if (L, J) != (shape.num_layers, shape.num_experts):
+            raise ValueError("The oracle's future accesses do not match the model shape.")
+        self.shape, self.capacity = shape, capacity
+        self.need = need
+        # next_use[i, l, j]: first iteration ≥ i that accesses (l, j); NEVER if none.
+        self.next_use = np.empty((n + 1, L, J), np.int32)
+        self.next_use[n] = NEVER
+        for i in range(n - 1, -1, -1):
+            self.next_use[i] = np.where(need[i], i, self.next_use[i + 1])
+        self.iteration = -1
+        self.window = max(0, capacity - 2 * shape.top_k)
+        self.known: set[ExpertKey] = set()  # accessed and not evicted since: no need to queue them
+
+    def begin_request(self, request_id: int) -> None:
+        pass
+
+    def begin_iteration(self, semantic: np.ndarray | None) -> list[Prefetch]:
+        self.iteration += 1
+        if self.iteration >= self.need.shape[0]:
+            raise RuntimeError("The oracle was replayed past the end of the trace it was built from.")
+        out: list[Prefetch] = []
+        wanted = 0
+        L = self.shape.num_layers
+        for layer in range(L):
+            experts = np.flatnonzero(self.need[self.iteration, layer])
+            wanted += experts.shape[0]
+            if wanted > self.window:
+                break
+            out.extend(Prefetch(layer, int(e), float(L - layer)) for e in experts if (layer, int(e)) not in self.known)
+        return out
+
+    def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> list[Prefetch]:
+        return []
+
+    def record_access(self, layer: int, experts: Sequence[int], hits: Sequence[bool]) -> None:
+        self.known.update((layer, int(e)) for e in experts)
+
+    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
+        # A candidate of a layer not reached yet in this iteration may still be used in it; one already passed
+        # is next used in a later iteration.
+        i = self.iteration
+        best, best_use = candidates[0], -1
+        for layer, expert in candidates:
+            use = int(self.next_use[i if layer > current_layer else i + 1, layer, expert])
+            if use == NEVER:
+                best = (layer, expert)
+                break
+            use = use * self.shape.num_layers + layer
+            if use > best_use:
+                best, best_use = (layer, expert), use
+        self.known.discard(best)
+        return best
+
+    def end_iteration(self) -> None:
+        pass
+
+    def end_request(self) -> None:
+        pass

@@ -1,0 +1,375 @@
+"""Replay: drive the runtime's own policy objects with recorded routing and a cost model instead of a model.
+
+Scope: a simulated expert cache (slots, one in-flight prefetch copy, pins, on-demand loads) and the event order the
+runtime's prefetcher uses, timed by a `CostModel`; hit/miss/stall accounting and simulated TPOT. It does NOT
+implement any policy (policies/ and bench/oracle.py do), print tables (bench/cli.py) or run a model.
+
+Timeline of one iteration (the runtime's order, prefetcher.py + cache.py):
+  begin_iteration(semantic) → prefetches queued; then for each MoE layer l:
+  1. transfer window: the copy engine moves up to bandwidth × layer time bytes of queued prefetches, highest priority
+     first (the previous layer's compute, or the iteration's head for l = 0); one copy at a time, a copy may span
+     windows; a prefetch claims its slot (evicting through `choose_victim`) when its copy starts.
+  2. access: the needed experts are the recorded top-K of the iteration's rows (union over a prefill's tokens).
+     Resident → hit (an in-flight copy counts as a hit and stalls for its remaining bytes, like cache.acquire);
+     else an on-demand load that stalls expert_bytes / bandwidth, prefetching paused meanwhile.
+     record_access, then observe_layer(l, mean probs of the rows) → more prefetches.
+  Queued prefetches for layers ≤ l (or an older iteration) are stale and dropped, as in prefetcher.py.
+Eviction candidates never include the experts in use (the current layer's; during a window, the previous layer's)
+nor the copy in flight. `bandwidth = inf` makes every queued prefetch land before the next layer — the runtime's
+synchronous prefetcher mode, which is how replay and runtime hit counts are compared.
+
+Semantic embedding passed to begin_iteration: with recorded embeddings, the mean over the iteration's rows
+("token") or over the request's rows so far ("running_mean"), per `RuntimeConfig.semantic_mode`. Without them the
+fallback is named in the result: "prev_map" (the request's previous iteration's map, flattened [L·J]),
+"request_map_mean" (mean of the request's earlier maps), or "none"; all fallbacks use only the past.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from fmoe_local.bench.presets import CostModel
+from fmoe_local.bench.traces import DECODE, Trace
+from fmoe_local.policies.base import ExpertKey, ModelShape, Policy, Prefetch
+from fmoe_local.stats import LayerCounters
+
+MODES = ("offline", "online")
+FALLBACKS = ("prev_map", "request_map_mean", "none")
+LIVE_ONLY = {"speculative": "needs hidden states (live only)"}
+
+
+@dataclass
+class Schedule:
+    """A trace laid out for replay, shared by every policy (and the oracle) replaying it."""
+
+    shape: ModelShape
+    needed: list[list[tuple[int, ...]]]  # [N iterations][L] experts accessed, in access order
+    probs: np.ndarray  # [N, L, J] float32: mean distribution of the iteration's rows
+    tokens: np.ndarray  # [N] rows per iteration
+    decode: np.ndarray  # [N] bool
+    request_of: np.ndarray  # [N] index into `requests`
+    requests: list[int]  # seq ids, in order
+    semantics: list[np.ndarray | None]  # [N] what begin_iteration receives
+    semantic_source: str
+
+    @property
+    def num_iterations(self) -> int:
+        return len(self.needed)
+
+    def need_matrix(self) -> np.ndarray:
+        """[N, L, J] bool: which experts each iteration accesses (the oracle's future knowledge)."""
+        m = np.zeros((self.num_iterations, self.shape.num_layers, self.shape.num_experts), bool)
+        for i, layers in enumerate(self.needed):
+            for layer, experts in enumerate(layers):
+                m[i, layer, list(experts)] = True
+        return m
+
+
+def build_schedule(trace: Trace, semantic_mode: str = "running_mean", fallback: str = "request_map_mean") -> Schedule:
+    if fallback not in FALLBACKS:
+        raise ValueError(f"Unknown semantic fallback '{fallback}'. Choose one of: {', '.join(FALLBACKS)}.")
+    L, J = trace.num_layers, trace.num_experts
+    iters = list(trace.iterations())
+    n = len(iters)
+    probs = np.zeros((n, L, J), np.float32)
+    needed: list[list[tuple[int, ...]]] = []
+    for i, it in enumerate(iters):
+        probs[i] = trace.distributions(it.start, it.stop).mean(0)
+        sel = trace.selected(it.start, it.stop)  # [n_rows, L, K]
+        if sel.shape[0] == 1:
+            needed.append([tuple(int(e) for e in row if e >= 0) for row in sel[0]])
+        else:
+            needed.append([tuple(int(e) for e in np.unique(sel[:, layer]) if e >= 0) for layer in range(L)])
+    seqs = [it.seq_id for it in iters]
+    requests = list(dict.fromkeys(seqs))
+    index = {s: r for r, s in enumerate(requests)}
+    request_of = np.array([index[s] for s in seqs], np.int64)
+    if trace.embeddings is not None:
+        semantics, source, dim = _embedding_semantics(trace, iters, semantic_mode), f"embeddings ({semantic_mode})", 0
+        dim = trace.embed_dim
+    else:
+        semantics, source, dim = _map_semantics(probs, request_of, fallback), f"fallback: {fallback}", L * J
+        if fallback == "none":
+            dim = 0
+    shape = ModelShape(L, J, trace.top_k, dim)
+    tokens = np.array([it.stop - it.start for it in iters], np.int64)
+    decode = np.array([it.phase == DECODE for it in iters], bool)
+    return Schedule(shape, needed, probs, tokens, decode, request_of, requests, semantics, source)
+
+
+def _embedding_semantics(trace: Trace, iters: list, mode: str) -> list[np.ndarray | None]:
+    out: list[np.ndarray | None] = []
+    total, count, seq = None, 0, None
+    for it in iters:
+        rows = trace.embeddings[it.start : it.stop]
+        if mode == "token":
+            out.append(rows.mean(0))
+            continue
+        if it.seq_id != seq:
+            total, count, seq = np.zeros(rows.shape[1], np.float64), 0, it.seq_id
+        total += rows.sum(0)
+        count += rows.shape[0]
+        out.append((total / count).astype(np.float32))
+    return out
+
+
+def _map_semantics(probs: np.ndarray, request_of: np.ndarray, fallback: str) -> list[np.ndarray | None]:
+    out: list[np.ndarray | None] = []
+    total, count = None, 0
+    for i in range(probs.shape[0]):
+        first = i == 0 or request_of[i] != request_of[i - 1]
+        if first:
+            total, count = np.zeros(probs.shape[1:], np.float64), 0
+        if fallback == "none" or first:
+            out.append(None)
+        elif fallback == "prev_map":
+            out.append(probs[i - 1].reshape(-1).copy())
+        else:
+            out.append((total / count).astype(np.float32).reshape(-1))
+        total += probs[i]
+        count += 1
+    return out
+
+
+@dataclass
+class ReplayResult:
+    trace: str
+    policy: str
+    hits: int = 0
+    misses: int = 0
+    stall_s: float = 0.0  # time the forward pass waited for copies (on-demand loads and unfinished prefetches)
+    compute_s: float = 0.0  # simulated layer compute of the measured iterations
+    decode_s: float = 0.0  # compute + stalls of measured decode iterations
+    decode_tokens: int = 0
+    prefetched: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    bytes_moved: int = 0
+    requests_measured: int = 0
+    iterations_measured: int = 0
+    semantic_source: str = ""
+    wall_s: float = 0.0
+    note: str = ""  # set when the policy could not be replayed
+    layer_hits: list[int] = field(default_factory=list)
+    layer_misses: list[int] = field(default_factory=list)
+
+    @property
+    def stalls(self) -> int:
+        return self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        """Simulated time per output token: Σ layer compute + stalls, per measured decode iteration."""
+        return self.decode_s / self.decode_tokens if self.decode_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(hit_rate=self.hit_rate, tpot_s=self.tpot_s, stalls=self.stalls)
+        return d
+
+
+class SimCache:
+    """Residency of `capacity` slots; the only place the replay evicts, always through the policy."""
+
+    def __init__(self, shape: ModelShape, capacity: int, policy: Policy, cost: CostModel) -> None:
+        self.capacity, self.policy, self.cost = capacity, policy, cost
+        self.resident: dict[ExpertKey, bool] = {}  # key → loaded by a prefetch and not used yet
+        self.counters = LayerCounters(shape.num_layers, shape.num_experts)
+        self.inflight: ExpertKey | None = None
+        self.inflight_left = 0.0  # bytes
+        self.pinned: frozenset[ExpertKey] = frozenset()
+        self.current_layer = -1
+
+    def _free_slot(self) -> bool:
+        if len(self.resident) < self.capacity:
+            return True
+        candidates = [k for k in self.resident if k not in self.pinned and k != self.inflight]
+        if not candidates:
+            return False
+        victim = self.policy.choose_victim(candidates, self.current_layer)
+        if self.resident.pop(victim):
+            self.counters.prefetch_wasted += 1
+        return True
+
+    def transfer(self, budget: float, heap: list, iteration: int) -> None:
+        """Move up to `budget` bytes of queued prefetches (see the module docstring)."""
+        while budget > 0:
+            if self.inflight is None and not self._start_next(heap, iteration):
+                return
+            step = min(budget, self.inflight_left)
+            budget -= step
+            self.inflight_left -= step
+            if self.inflight_left <= 0:
+                self.inflight = None
+
+    def _start_next(self, heap: list, iteration: int) -> bool:
+        while heap:
+            _, _, it, layer, expert = heapq.heappop(heap)
+            key = (layer, expert)
+            if it < iteration or layer <= self.current_layer or key in self.resident:
+                continue
+            if not self._free_slot():
+                continue  # every slot pinned: the runtime drops the prefetch too
+            self.resident[key] = True
+            self.counters.prefetched[layer, expert] += 1
+            self.counters.bytes_moved += self.cost.expert_bytes
+            self.inflight, self.inflight_left = key, float(self.cost.expert_bytes)
+            return True
+        return False
+
+    def access(self, layer: int, experts: tuple[int, ...]) -> tuple[list[bool], float]:
+        """The forward pass needs `experts` of `layer`: returns hits and the stall in seconds."""
+        self.current_layer = layer
+        keys = [(layer, e) for e in experts]
+        self.pinned = frozenset(keys)
+        hits, stall = [], 0.0
+        c = self.counters
+        for key in keys:
+            if key in self.resident:
+                hits.append(True)
+                c.hits[key] += 1
+                if self.resident[key]:
+                    self.resident[key] = False
+                    c.prefetch_used += 1
+                if key == self.inflight:  # wait for the copy to finish, as cache.acquire does
+                    stall += self.inflight_left / self.cost.bandwidth
+                    self.inflight = None
+            else:
+                hits.append(False)
+                c.misses[key] += 1
+                if not self._free_slot():
+                    raise RuntimeError("The cache has fewer slots than one layer needs; raise the cache size.")
+                self.resident[key] = False
+                c.bytes_moved += self.cost.expert_bytes
+                stall += self.cost.load_s
+        c.stall_s += stall
+        return hits, stall
+
+    def end_request(self) -> None:
+        for key, unused in self.resident.items():
+            if unused:
+                self.counters.prefetch_wasted += 1
+                self.resident[key] = False
+
+
+def capacity_for(shape: ModelShape, cache_fraction: float | None = None, cache_experts: int | None = None) -> int:
+    """Cache slots: an explicit count wins, else floor(fraction × L × J); never below one layer's top-K."""
+    if cache_experts is not None:
+        cap = cache_experts
+    elif cache_fraction is not None:
+        cap = math.floor(cache_fraction * shape.num_layers * shape.num_experts)
+    else:
+        raise ValueError("Give the cache size as a fraction of all experts or as a number of experts.")
+    if cap < shape.top_k:
+        raise ValueError(f"The cache needs at least {shape.top_k} expert slots (one layer's top-k); got {cap}.")
+    return cap
+
+
+def replay(
+    schedule: Schedule,
+    policy: Policy,
+    capacity: int,
+    cost: CostModel,
+    mode: str = "offline",
+    warm_fraction: float = 0.7,
+    trace_name: str = "",
+    policy_name: str | None = None,
+) -> ReplayResult:
+    """Replay `schedule` through `policy`. Offline: the first `warm_fraction` of the requests only warm the policy."""
+    if mode not in MODES:
+        raise ValueError(f"Unknown replay mode '{mode}'. Choose offline or online.")
+    t0 = time.perf_counter()
+    name = policy_name or getattr(policy, "name", type(policy).__name__)
+    shape = schedule.shape
+    sim = SimCache(shape, capacity, policy, cost)
+    warm = int(warm_fraction * len(schedule.requests)) if mode == "offline" else 0
+    result = ReplayResult(trace_name, name, semantic_source=schedule.semantic_source)
+    heap: list[tuple[float, int, int, int, int]] = []  # (-priority, seq, iteration, layer, expert)
+    seq = 0
+
+    def push(prefetches: list[Prefetch], iteration: int) -> None:
+        nonlocal seq
+        for p in prefetches:
+            heapq.heappush(heap, (-p.priority, seq, iteration, p.layer, p.expert))
+            seq += 1
+
+    before: LayerCounters | None = None
+    request = -1
+    for i in range(schedule.num_iterations):
+        r = int(schedule.request_of[i])
+        if r != request:
+            if request >= 0:
+                policy.end_request()
+                sim.end_request()
+                heap.clear()
+            request = r
+            if r == warm:
+                before = sim.counters.snapshot()
+            policy.begin_request(schedule.requests[r])
+        measuring = r >= warm
+        sim.current_layer, sim.pinned = -1, frozenset()
+        push(policy.begin_iteration(schedule.semantics[i]), i)
+        layer_s = cost.layer_s(int(schedule.tokens[i]))
+        budget = cost.bandwidth * layer_s
+        stall_total = 0.0
+        for layer, experts in enumerate(schedule.needed[i]):
+            sim.transfer(budget, heap, i)
+            hits, stall = sim.access(layer, experts)
+            stall_total += stall
+            policy.record_access(layer, list(experts), hits)
+            push(policy.observe_layer(layer, schedule.probs[i, layer]), i)
+        policy.end_iteration()
+        if measuring:
+            result.iterations_measured += 1
+            result.compute_s += layer_s * shape.num_layers
+            if schedule.decode[i]:
+                result.decode_s += layer_s * shape.num_layers + stall_total
+                result.decode_tokens += 1
+    if request >= 0:
+        policy.end_request()
+        sim.end_request()
+    measured = sim.counters.since(before) if before is not None else LayerCounters(shape.num_layers, shape.num_experts)
+    result.hits, result.misses = int(measured.hits.sum()), int(measured.misses.sum())
+    result.layer_hits = measured.hits.sum(1).tolist()
+    result.layer_misses = measured.misses.sum(1).tolist()
+    result.stall_s = float(measured.stall_s)
+    result.prefetched = int(measured.prefetched.sum())
+    result.prefetch_used, result.prefetch_wasted = int(measured.prefetch_used), int(measured.prefetch_wasted)
+    result.bytes_moved = int(measured.bytes_moved)
+    result.requests_measured = len(schedule.requests) - warm
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+PolicyFactory = Callable[[str, Schedule, int], Policy]
+
+
+def replay_all(
+    schedule: Schedule,
+    names: list[str],
+    factory: PolicyFactory,
+    capacity: int,
+    cost: CostModel,
+    mode: str = "offline",
+    trace_name: str = "",
+) -> list[ReplayResult]:
+    """Every named policy on the same schedule, cache and costs; live-only policies get a note, not numbers."""
+    out = []
+    for name in names:
+        if name in LIVE_ONLY:
+            out.append(ReplayResult(trace_name, name, semantic_source=schedule.semantic_source, note=LIVE_ONLY[name]))
+            continue
+        policy = factory(name, schedule, capacity)
+        out.append(replay(schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name))
+    return out
