@@ -1,0 +1,106 @@
+"""fmoe-local's persistent store (SQLite via sqlite-utils): expert maps per model, chats, settings.
+
+Scope: `open_store(location) -> Store`, the one object the app and the CLI hold. It does NOT import gradio or
+torch; fmoe_local never imports this package (the app hands `Store.map_persistence(...)` to `Runtime.load`).
+
+    store = open_store(args.store or args.data_dir)   # None = per-OS user data folder
+    if store.recovered_from: tell the user the old file was damaged and moved there
+    persistence = store.map_persistence(model_dir, shape)  # MapPersistence for the runtime
+    ...
+    store.close()                                      # drains the map writers, releases the instance lock
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from store.chats import ChatNotFoundError, ChatStore, Conversation, Message, SearchHit
+from store.db import StoreDb, StoreError, open_database
+from store.lock import StoreInUseError
+from store.maps import MapShape, SqliteMapPersistence, clear_model, list_models, model_fingerprint
+from store.migrations import StoreTooNewError
+from store.paths import MODELS_DIRNAME, default_data_dir, resolve_db_path
+from store.settings import AppSettings, SettingsStore
+
+__all__ = [
+    "AppSettings",
+    "ChatNotFoundError",
+    "Conversation",
+    "Message",
+    "SearchHit",
+    "SqliteMapPersistence",
+    "Store",
+    "StoreError",
+    "StoreInUseError",
+    "StoreTooNewError",
+    "default_data_dir",
+    "model_fingerprint",
+    "open_store",
+]
+
+
+@dataclass
+class Store:
+    db: StoreDb
+    chats: ChatStore
+    settings: SettingsStore
+    _persistences: list[SqliteMapPersistence] = field(default_factory=list)
+
+    @property
+    def path(self) -> Path:
+        return self.db.path
+
+    @property
+    def data_dir(self) -> Path:
+        return self.db.path.parent
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / MODELS_DIRNAME
+
+    @property
+    def recovered_from(self) -> Path | None:
+        """Where a damaged database was moved at open (None when the file was fine)."""
+        return self.db.recovered_from
+
+    def map_persistence(self, model_dir: str | Path, shape: MapShape, name: str = "") -> SqliteMapPersistence:
+        """The MapPersistence of the model in `model_dir` (fingerprinted), for `Runtime.load(map_persistence=)`."""
+        persistence = SqliteMapPersistence(
+            self.db, model_fingerprint(model_dir), shape, name=name or Path(model_dir).name
+        )
+        self._persistences.append(persistence)
+        return persistence
+
+    def models_with_maps(self) -> list[dict]:
+        return list_models(self.db)
+
+    def clear_maps(self, fingerprint: str) -> int:
+        """Delete the stored maps of a model that is not loaded (use the persistence's clear() when it is)."""
+        return clear_model(self.db, fingerprint)
+
+    def close(self) -> None:
+        """Drain and stop the map writers, close the database, release the instance lock. Safe to call twice."""
+        if not self.db.instance_lock.held:
+            return
+        try:
+            for persistence in self._persistences:
+                persistence.close()
+        finally:
+            self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_store(location: str | Path | None = None, check: bool = True) -> Store:
+    """Open the store at a data folder or a database file (None = the per-OS user data folder).
+
+    Raises StoreInUseError (another instance holds it), StoreTooNewError, StoreError; their messages are sentences
+    for the user. A damaged file is moved aside and `Store.recovered_from` says where.
+    """
+    store_db = open_database(resolve_db_path(location), check=check)
+    return Store(db=store_db, chats=ChatStore(store_db), settings=SettingsStore(store_db))

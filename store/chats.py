@@ -1,0 +1,282 @@
+"""Conversations and their messages: create, append, edit the last reply, rename, delete, list, search, export.
+
+Scope: chat history in SQLite, returned as frozen dataclasses. It does NOT render anything (the UI does) and does
+not know about models beyond the name and settings a conversation was held with. Per-reply stats are stored as
+the JSON of `RequestStats.to_dict()` (or any dict) and come back as a dict.
+
+Search: an FTS5 trigram index over message contents (schema v2) when SQLite has FTS5 and the query has at least
+3 characters, else LIKE; both match substrings, case-insensitively, so results do not depend on which one ran.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from store.db import StoreDb
+
+ROLES = ("system", "user", "assistant")
+EXPORT_FORMAT = "fmoe-local-chat"
+
+
+class ChatNotFoundError(LookupError):
+    def __init__(self, conversation_id: int) -> None:
+        super().__init__(f"Conversation {conversation_id} no longer exists. Pick another one from the list.")
+        self.conversation_id = conversation_id
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    title: str
+    created: float  # Unix seconds
+    updated: float  # last message or rename
+    model: str
+    settings: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    conversation_id: int
+    position: int  # 0-based order inside the conversation
+    role: str
+    content: str
+    stats: dict[str, Any] | None
+    created: float
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    conversation: Conversation
+    snippet: str  # where the text was found (a title or a piece of a message)
+
+
+def _conversation(row: tuple) -> Conversation:
+    cid, title, created, updated, model, settings_json = row
+    return Conversation(cid, title, created, updated, model, json.loads(settings_json or "{}"))
+
+
+def _message(row: tuple) -> Message:
+    mid, cid, position, role, content, stats_json, created = row
+    return Message(mid, cid, position, role, content, json.loads(stats_json) if stats_json else None, created)
+
+
+def _stats_json(stats: Any) -> str | None:
+    if stats is None:
+        return None
+    if hasattr(stats, "to_dict"):
+        stats = stats.to_dict()
+    return json.dumps(stats)
+
+
+_CONV_COLS = "id, title, created, updated, model, settings_json"
+_MSG_COLS = "id, conversation_id, position, role, content, stats_json, created"
+
+
+class ChatStore:
+    def __init__(self, store_db: StoreDb) -> None:
+        self._s = store_db
+
+    # --- conversations ----------------------------------------------------------------------------------------
+
+    def create(self, title: str = "New chat", model: str = "", settings: dict | None = None) -> Conversation:
+        now = time.time()
+        row = {"title": title, "created": now, "updated": now, "model": model}
+        row["settings_json"] = json.dumps(settings or {})
+        with self._s.lock:
+            cid = self._s.db["conversations"].insert(row).last_pk
+        return self.get(cid)
+
+    def get(self, conversation_id: int) -> Conversation:
+        with self._s.lock:
+            row = self._s.db.execute(
+                f"SELECT {_CONV_COLS} FROM conversations WHERE id = ?", [conversation_id]
+            ).fetchone()
+        if row is None:
+            raise ChatNotFoundError(conversation_id)
+        return _conversation(row)
+
+    def list(self, limit: int = 200, offset: int = 0) -> list[Conversation]:
+        """Most recently updated first."""
+        with self._s.lock:
+            rows = self._s.db.execute(
+                f"SELECT {_CONV_COLS} FROM conversations ORDER BY updated DESC, id DESC LIMIT ? OFFSET ?",
+                [limit, offset],
+            ).fetchall()
+        return [_conversation(r) for r in rows]
+
+    def rename(self, conversation_id: int, title: str) -> Conversation:
+        self._update(conversation_id, {"title": title.strip() or "Untitled", "updated": time.time()})
+        return self.get(conversation_id)
+
+    def set_model(self, conversation_id: int, model: str, settings: dict | None = None) -> Conversation:
+        """Record the model (and the settings) the conversation is now held with."""
+        changes: dict[str, Any] = {"model": model}
+        if settings is not None:
+            changes["settings_json"] = json.dumps(settings)
+        self._update(conversation_id, changes)
+        return self.get(conversation_id)
+
+    def delete(self, conversation_id: int) -> None:
+        with self._s.lock, self._s.db.atomic():
+            self._s.db.execute("DELETE FROM messages WHERE conversation_id = ?", [conversation_id])
+            if not self._s.db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id]).rowcount:
+                raise ChatNotFoundError(conversation_id)
+
+    # --- messages ---------------------------------------------------------------------------------------------
+
+    def messages(self, conversation_id: int) -> list[Message]:
+        with self._s.lock:
+            rows = self._s.db.execute(
+                f"SELECT {_MSG_COLS} FROM messages WHERE conversation_id = ? ORDER BY position", [conversation_id]
+            ).fetchall()
+        return [_message(r) for r in rows]
+
+    def append(self, conversation_id: int, role: str, content: str, stats: Any = None) -> Message:
+        """Add a message at the end; `stats` is a RequestStats, a dict, or None."""
+        _check_role(role)
+        now = time.time()
+        with self._s.lock, self._s.db.atomic():
+            self._touch(conversation_id, now)
+            position = self._s.db.execute(
+                "SELECT coalesce(max(position) + 1, 0) FROM messages WHERE conversation_id = ?", [conversation_id]
+            ).fetchone()[0]
+            row = {"conversation_id": conversation_id, "position": position, "role": role, "content": content}
+            row.update(stats_json=_stats_json(stats), created=now)
+            mid = self._s.db["messages"].insert(row).last_pk
+        return self._get_message(mid)
+
+    def update_last(self, conversation_id: int, content: str, stats: Any = None) -> Message:
+        """Replace the last message's content and stats (a regenerated or edited reply)."""
+        now = time.time()
+        with self._s.lock, self._s.db.atomic():
+            self._touch(conversation_id, now)
+            row = self._s.db.execute(
+                "SELECT id FROM messages WHERE conversation_id = ? ORDER BY position DESC LIMIT 1", [conversation_id]
+            ).fetchone()
+            if row is None:
+                raise ValueError("This conversation has no message to replace yet. Send a message first.")
+            self._s.db["messages"].update(row[0], {"content": content, "stats_json": _stats_json(stats)})
+        return self._get_message(row[0])
+
+    def truncate(self, conversation_id: int, keep: int) -> None:
+        """Keep only the first `keep` messages (editing an earlier message drops the replies after it)."""
+        with self._s.lock, self._s.db.atomic():
+            self._touch(conversation_id, time.time())
+            self._s.db.execute(
+                "DELETE FROM messages WHERE conversation_id = ? AND position >= ?", [conversation_id, keep]
+            )
+
+    # --- search and export ------------------------------------------------------------------------------------
+
+    def search(self, text: str, limit: int = 50) -> list[SearchHit]:
+        """Conversations whose title or any message contains `text`, most recent first."""
+        text = text.strip()
+        if not text:
+            return []
+        like = "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        snippets: dict[int, str] = {}
+        with self._s.lock:
+            db = self._s.db
+            for cid, title in db.execute(
+                "SELECT id, title FROM conversations WHERE title LIKE ? ESCAPE '\\'", [like]
+            ).fetchall():
+                snippets[cid] = title
+            if len(text) >= 3 and db["messages_fts"].exists():
+                phrase = '"' + text.replace('"', '""') + '"'
+                found = db.execute(
+                    "SELECT m.conversation_id, m.content FROM messages_fts f JOIN messages m ON m.id = f.rowid "
+                    "WHERE messages_fts MATCH ? ORDER BY m.position",
+                    [phrase],
+                ).fetchall()
+            else:
+                found = db.execute(
+                    "SELECT conversation_id, content FROM messages WHERE content LIKE ? ESCAPE '\\' ORDER BY position",
+                    [like],
+                ).fetchall()
+            for cid, content in found:
+                snippets.setdefault(cid, _snippet(content, text))
+            if not snippets:
+                return []
+            marks = ",".join("?" * len(snippets))
+            rows = db.execute(
+                f"SELECT {_CONV_COLS} FROM conversations WHERE id IN ({marks}) ORDER BY updated DESC, id DESC LIMIT ?",
+                [*snippets, limit],
+            ).fetchall()
+        return [SearchHit(_conversation(r), snippets[r[0]]) for r in rows]
+
+    def export_json(self, conversation_id: int) -> str:
+        conv = self.get(conversation_id)
+        doc = {
+            "format": EXPORT_FORMAT,
+            "version": 1,
+            "conversation": {**asdict(conv), "created_iso": _iso(conv.created), "updated_iso": _iso(conv.updated)},
+            "messages": [{**asdict(m), "created_iso": _iso(m.created)} for m in self.messages(conversation_id)],
+        }
+        return json.dumps(doc, indent=2, ensure_ascii=False)
+
+    def export_markdown(self, conversation_id: int) -> str:
+        conv = self.get(conversation_id)
+        lines = [f"# {conv.title}", ""]
+        meta = [f"Exported from fmoe-local · started {_iso(conv.created)}"]
+        if conv.model:
+            meta.append(f"model: {conv.model}")
+        lines += ["*" + " · ".join(meta) + "*", ""]
+        for m in self.messages(conversation_id):
+            lines += [f"### {m.role.capitalize()}", "", m.content, ""]
+            if m.stats:
+                lines += [f"<sub>{_stats_line(m.stats)}</sub>", ""]
+        return "\n".join(lines).rstrip() + "\n"
+
+    # --- internals --------------------------------------------------------------------------------------------
+
+    def _get_message(self, message_id: int) -> Message:
+        with self._s.lock:
+            row = self._s.db.execute(f"SELECT {_MSG_COLS} FROM messages WHERE id = ?", [message_id]).fetchone()
+        return _message(row)
+
+    def _touch(self, conversation_id: int, now: float) -> None:
+        if not self._s.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", [now, conversation_id]).rowcount:
+            raise ChatNotFoundError(conversation_id)
+
+    def _update(self, conversation_id: int, changes: dict) -> None:
+        with self._s.lock, self._s.db.atomic():
+            sets = ", ".join(f"{k} = ?" for k in changes)
+            if not self._s.db.execute(
+                f"UPDATE conversations SET {sets} WHERE id = ?", [*changes.values(), conversation_id]
+            ).rowcount:
+                raise ChatNotFoundError(conversation_id)
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"Unknown message role '{role}'. Use one of: {', '.join(ROLES)}.")
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _snippet(content: str, text: str, width: int = 40) -> str:
+    at = content.lower().find(text.lower())
+    if at < 0:
+        return content[: 2 * width]
+    start, end = max(0, at - width), min(len(content), at + len(text) + width)
+    return ("…" if start else "") + content[start:end] + ("…" if end < len(content) else "")
+
+
+def _stats_line(stats: dict) -> str:
+    parts = []
+    if "tokens" in stats:
+        parts.append(f"{stats['tokens']} tokens")
+    if stats.get("tokens_per_s"):
+        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
+    if stats.get("ttft_s"):
+        parts.append(f"first token {stats['ttft_s']:.2f} s")
+    if "hit_rate" in stats:
+        parts.append(f"expert hit rate {100 * stats['hit_rate']:.0f}%")
+    return " · ".join(parts) or json.dumps(stats)

@@ -1,0 +1,144 @@
+"""Opening the fmoe-local database safely: one instance, WAL, busy timeout, migrations, corrupt-file recovery.
+
+Scope: `open_database(path) -> StoreDb`, the connection settings every connection shares, and moving a corrupt
+or unreadable file aside. It does NOT know the tables' meaning (chats.py, settings.py, maps.py do).
+
+Threads: `StoreDb.db` is one connection shared by the app's threads, each use under `StoreDb.lock`; a thread that
+writes on its own (the map writer) opens its own connection with `connect()`. WAL lets readers and that writer
+run side by side; synchronous=NORMAL in WAL mode survives a killed process (only a power cut can lose the last
+commits).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sqlite_utils
+
+from store.lock import InstanceLock
+from store.migrations import check_not_newer, migrate
+
+log = logging.getLogger(__name__)
+
+BUSY_TIMEOUT_MS = 5000
+
+
+class StoreError(RuntimeError):
+    """The database cannot be used; the message says what the user can do."""
+
+
+def connect(path: Path) -> sqlite_utils.Database:
+    """A configured connection to `path` (usable from any thread, one thread at a time)."""
+    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False)
+    try:
+        db = sqlite_utils.Database(conn, execute_plugins=False)
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA synchronous = NORMAL")
+    except BaseException:
+        conn.close()
+        raise
+    return db
+
+
+@dataclass
+class StoreDb:
+    path: Path
+    db: sqlite_utils.Database
+    instance_lock: InstanceLock
+    # Set when the file found at `path` could not be used and was moved here; the app should tell the user.
+    recovered_from: Path | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def connect(self) -> sqlite_utils.Database:
+        return connect(self.path)
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                self.db.conn.close()
+            finally:
+                self.instance_lock.release()
+
+
+def open_database(path: str | Path, check: bool = True) -> StoreDb:
+    """Open (or create) the database at `path`, holding the one-instance lock.
+
+    Raises StoreInUseError when another app holds it, StoreTooNewError for a newer schema, StoreError when the
+    folder cannot be written. A corrupt or unreadable file is moved to `<name>.corrupt-<timestamp>` and a fresh
+    one is created; `recovered_from` then names the moved file. `check` runs `PRAGMA quick_check` (reads every
+    page: ~0.1 s per 100 MB), which finds damage that a plain open would only hit later, mid-chat.
+    """
+    path = Path(path).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(
+            f"Cannot create the data folder {path.parent} ({exc.strerror}). Choose another with --data-dir."
+        ) from exc
+    instance_lock = InstanceLock(path).acquire()
+    try:
+        recovered_from = None
+        try:
+            db = _open_checked(path, check)
+        except sqlite3.DatabaseError as exc:
+            if _is_contention(exc):
+                raise StoreError(
+                    f"The database {path} stayed busy for {BUSY_TIMEOUT_MS // 1000} s. Try again."
+                ) from exc
+            log.warning("database %s unusable (%s); moving it aside", path, exc)
+            recovered_from = move_aside(path)
+            db = _open_checked(path, check=False)
+        return StoreDb(path=path, db=db, instance_lock=instance_lock, recovered_from=recovered_from)
+    except BaseException:
+        instance_lock.release()
+        raise
+
+
+def _open_checked(path: Path, check: bool) -> sqlite_utils.Database:
+    db = connect(path)
+    try:
+        check_not_newer(db)  # before anything writes: a newer app's file stays byte-for-byte as it was
+        if check:
+            result = db.execute("PRAGMA quick_check").fetchall()
+            if result != [("ok",)]:
+                raise sqlite3.DatabaseError(f"quick_check: {result[:3]}")
+        # Persistent in the file, so connections opened later (the map writer) are in WAL mode too.
+        db.execute("PRAGMA journal_mode = WAL")
+        migrate(db)
+    except BaseException:
+        db.conn.close()
+        raise
+    return db
+
+
+def _is_contention(exc: sqlite3.DatabaseError) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+def move_aside(path: Path) -> Path:
+    """Rename `path` (and its -wal/-shm companions) to `<name>.corrupt-<UTC timestamp>`; return the new path."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    try:
+        path.rename(target)
+        # A WAL left beside a fresh file would be replayed into it; it belongs to the moved one.
+        for suffix in ("-wal", "-shm"):
+            companion = path.with_name(path.name + suffix)
+            if companion.exists():
+                companion.rename(target.with_name(target.name + suffix))
+    except OSError as exc:
+        raise StoreError(
+            f"The database {path} is damaged and could not be moved aside ({exc.strerror}). "
+            f"Move or delete it yourself, or start with --data-dir pointing to a different folder."
+        ) from exc
+    return target

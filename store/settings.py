@@ -1,0 +1,121 @@
+"""The user's settings between sessions: last model, cache size, prefetch distance, policy, store capacity and
+sampling defaults, typed, with defaults taken from fmoe_local.config (never repeated here).
+
+Scope: a key → JSON value table read into an `AppSettings` dataclass and written back one key at a time. It does
+NOT apply settings to a running model (the app calls `Runtime.reconfigure`); `AppSettings.apply_to` only builds
+the RuntimeConfig a load would use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from fmoe_local.config import RuntimeConfig, Sampling
+from store.db import StoreDb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    last_model: str = ""  # folder or repo id of the model loaded last; "" = none yet
+    cache_gb: float = RuntimeConfig.cache_gb
+    prefetch_distance: int = RuntimeConfig.prefetch_distance
+    policy: str = RuntimeConfig.policy
+    store_capacity: int = RuntimeConfig.store_capacity
+    temperature: float = Sampling.temperature
+    top_p: float = Sampling.top_p
+    max_new_tokens: int = Sampling.max_new_tokens
+    system_prompt: str = ""
+
+    def apply_to(self, config: RuntimeConfig) -> RuntimeConfig:
+        """`config` with these settings in it (sampling included)."""
+        sampling = replace(
+            config.sampling, temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens
+        )
+        return config.with_changes(
+            cache_gb=self.cache_gb,
+            prefetch_distance=self.prefetch_distance,
+            policy=self.policy,
+            store_capacity=self.store_capacity,
+            sampling=sampling,
+        )
+
+    def validate(self) -> None:
+        """Raise ValueError with a sentence a user can act on."""
+        self.apply_to(RuntimeConfig()).validate()
+        if self.temperature < 0:
+            raise ValueError("Temperature cannot be negative. Use 0 for the most likely reply, ~0.7 for variety.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("Top-p must be above 0 and at most 1.")
+        if self.max_new_tokens < 1:
+            raise ValueError("Max new tokens must be at least 1.")
+
+
+_TYPES: dict[str, type] = {f.name: type(f.default) for f in fields(AppSettings)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    kind = _TYPES[key]
+    # bool is an int to Python; a checkbox value landing in a number field is a bug, not a 1.
+    if isinstance(value, bool) or value is None:
+        raise TypeError(f"{key} expects a {kind.__name__}, got {value!r}")
+    if kind is float and isinstance(value, (int, float)):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind):
+        raise TypeError(f"{key} expects a {kind.__name__}, got {value!r}")
+    return value
+
+
+class SettingsStore:
+    def __init__(self, store_db: StoreDb) -> None:
+        self._s = store_db
+
+    def load(self) -> AppSettings:
+        """Stored values over the defaults; a value that no longer fits its field falls back to the default."""
+        with self._s.lock:
+            rows = self._s.db.execute("SELECT key, value_json FROM settings").fetchall()
+        values = {}
+        for key, value_json in rows:
+            if key not in _TYPES:
+                continue  # written by a newer version, or retired
+            try:
+                values[key] = _coerce(key, json.loads(value_json))
+            except (TypeError, ValueError):
+                log.warning("ignoring stored setting %s=%s", key, value_json)
+        return AppSettings(**values)
+
+    def get(self, key: str) -> Any:
+        _check_key(key)
+        return getattr(self.load(), key)
+
+    def set(self, **changes: Any) -> AppSettings:
+        """Validate and save `changes` (field names of AppSettings); returns the settings now in effect."""
+        for key in changes:
+            _check_key(key)
+        try:
+            coerced = {k: _coerce(k, v) for k, v in changes.items()}
+        except TypeError as exc:
+            raise ValueError(f"Setting not saved: {exc}.") from exc
+        updated = replace(self.load(), **coerced)
+        updated.validate()
+        with self._s.lock:
+            self._s.db["settings"].upsert_all(
+                [{"key": k, "value_json": json.dumps(v)} for k, v in coerced.items()], pk="key"
+            )
+        return updated
+
+    def reset(self) -> AppSettings:
+        with self._s.lock, self._s.db.atomic():
+            self._s.db.execute("DELETE FROM settings")
+        return AppSettings()
+
+
+def _check_key(key: str) -> None:
+    if key not in _TYPES:
+        raise ValueError(f"Unknown setting '{key}'. Known settings: {', '.join(_TYPES)}.")

@@ -1,0 +1,119 @@
+"""Opening the database: WAL and busy timeout, corrupt/unreadable files moved aside, newer schemas refused,
+one app instance per data folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from store import StoreInUseError, StoreTooNewError, open_store
+from store.db import BUSY_TIMEOUT_MS
+from store.migrations import SCHEMA_VERSION
+
+
+def test_new_database_is_wal_with_busy_timeout_at_current_schema(tmp_path):
+    with open_store(tmp_path) as s:
+        db = s.db.db
+        assert s.path == tmp_path / "fmoe-local.db"
+        assert s.recovered_from is None
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert db.execute("PRAGMA busy_timeout").fetchone()[0] == BUSY_TIMEOUT_MS
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert {"models", "maps", "conversations", "messages", "settings"} <= set(db.table_names())
+
+
+def test_data_survives_reopen(tmp_path):
+    with open_store(tmp_path) as s:
+        cid = s.chats.create("kept").id
+    with open_store(tmp_path) as s:
+        assert s.chats.get(cid).title == "kept"
+        assert s.recovered_from is None
+
+
+def test_garbage_file_is_moved_aside_and_a_fresh_one_created(tmp_path):
+    db_file = tmp_path / "fmoe-local.db"
+    db_file.write_bytes(b"this is not a database, it is a shopping list\n" * 200)
+    with open_store(tmp_path) as s:
+        moved = s.recovered_from
+        assert moved is not None and moved.name.startswith("fmoe-local.db.corrupt-")
+        assert moved.read_bytes().startswith(b"this is not a database")
+        assert s.chats.list() == []
+        s.chats.create("works again")
+    with open_store(tmp_path) as s:
+        assert s.recovered_from is None
+        assert [c.title for c in s.chats.list()] == ["works again"]
+
+
+def test_damaged_pages_are_found_at_open(tmp_path):
+    with open_store(tmp_path) as s:
+        c = s.chats.create("long")
+        for i in range(300):
+            s.chats.append(c.id, "user", f"message {i} " + "x" * 500)
+        s.db.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db_file = tmp_path / "fmoe-local.db"
+    data = bytearray(db_file.read_bytes())
+    page = 4096
+    assert len(data) > 20 * page
+    for p in range(2, len(data) // page, 3):  # scribble over b-tree pages, keep the header readable
+        data[p * page : p * page + 64] = b"\xff" * 64
+    db_file.write_bytes(bytes(data))
+    with open_store(tmp_path) as s:
+        assert s.recovered_from is not None
+        assert s.db.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert s.chats.list() == []
+
+
+def test_newer_schema_is_refused_and_left_untouched(tmp_path):
+    db_file = tmp_path / "fmoe-local.db"
+    conn = sqlite3.connect(db_file)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    before = db_file.read_bytes()
+    with pytest.raises(StoreTooNewError, match="newer fmoe-local"):
+        open_store(tmp_path)
+    assert db_file.read_bytes() == before
+    assert not list(tmp_path.glob("*.corrupt-*"))
+    with open_store(tmp_path / "other"):  # the refused open released its instance lock
+        pass
+
+
+def test_second_instance_in_this_process_is_refused(tmp_path):
+    with open_store(tmp_path):
+        with pytest.raises(StoreInUseError, match="already in use"):
+            open_store(tmp_path)
+    with open_store(tmp_path):  # released on close
+        pass
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from store import open_store
+    s = open_store(sys.argv[1])
+    print("ready", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_second_app_instance_is_told_plainly_and_a_killed_one_frees_the_folder(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(StoreInUseError) as info:
+            open_store(tmp_path)
+        assert info.value.pid == holder.pid
+        assert f"process {holder.pid}" in str(info.value) and "--data-dir" in str(info.value)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with open_store(tmp_path) as s:  # kill -9 leaves no stale lock
+        assert s.recovered_from is None

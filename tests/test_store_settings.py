@@ -1,0 +1,82 @@
+"""Settings: defaults come from RuntimeConfig, values are typed, validated and persist."""
+
+from __future__ import annotations
+
+import pytest
+
+from fmoe_local.config import RuntimeConfig, Sampling
+from store import AppSettings, open_store
+
+
+def test_defaults_are_the_runtime_defaults(tmp_path):
+    with open_store(tmp_path) as s:
+        got = s.settings.load()
+    rc = RuntimeConfig()
+    assert (got.cache_gb, got.prefetch_distance, got.policy, got.store_capacity) == (
+        rc.cache_gb,
+        rc.prefetch_distance,
+        rc.policy,
+        rc.store_capacity,
+    )
+    assert (got.temperature, got.top_p, got.max_new_tokens) == (
+        rc.sampling.temperature,
+        rc.sampling.top_p,
+        rc.sampling.max_new_tokens,
+    )
+    assert got.last_model == "" and got.system_prompt == ""
+
+
+def test_set_persists_typed_values(tmp_path):
+    with open_store(tmp_path) as s:
+        s.settings.set(
+            cache_gb=6, prefetch_distance=2, policy="lru", last_model="/models/mixtral", system_prompt="Be kind."
+        )
+    with open_store(tmp_path) as s:
+        got = s.settings.load()
+        assert s.settings.get("cache_gb") == 6.0 and isinstance(s.settings.get("cache_gb"), float)
+    assert (got.prefetch_distance, got.policy, got.last_model, got.system_prompt) == (
+        2,
+        "lru",
+        "/models/mixtral",
+        "Be kind.",
+    )
+    assert got.store_capacity == RuntimeConfig().store_capacity  # untouched keys keep their defaults
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"policy": "magic"}, "Unknown policy"),
+        ({"prefetch_distance": 0}, "at least 1 layer"),
+        ({"top_p": 1.5}, "Top-p"),
+        ({"cache_gb": "lots"}, "expects a float"),
+        ({"max_new_tokens": True}, "expects a int"),
+        ({"colour": "blue"}, "Unknown setting"),
+    ],
+)
+def test_invalid_values_are_refused_with_a_sentence_and_not_saved(tmp_path, changes, message):
+    with open_store(tmp_path) as s:
+        with pytest.raises(ValueError, match=message):
+            s.settings.set(**changes)
+        assert s.settings.load() == AppSettings()
+
+
+def test_a_stored_value_of_the_wrong_type_falls_back_to_the_default(tmp_path):
+    with open_store(tmp_path) as s:
+        s.db.db["settings"].upsert_all(
+            [{"key": "cache_gb", "value_json": '"four"'}, {"key": "retired_key", "value_json": "1"}], pk="key"
+        )
+        s.settings.set(policy="lfu")
+        got = s.settings.load()
+    assert got.cache_gb == RuntimeConfig().cache_gb and got.policy == "lfu"
+
+
+def test_apply_to_builds_the_runtime_config(tmp_path):
+    with open_store(tmp_path) as s:
+        settings = s.settings.set(cache_gb=1.5, store_capacity=64, temperature=0.2, max_new_tokens=32)
+        assert s.settings.reset() == AppSettings()
+    base = RuntimeConfig(device="cpu", sampling=Sampling(seed=7))
+    config = settings.apply_to(base)
+    config.validate()
+    assert (config.device, config.cache_gb, config.store_capacity) == ("cpu", 1.5, 64)
+    assert (config.sampling.temperature, config.sampling.max_new_tokens, config.sampling.seed) == (0.2, 32, 7)
