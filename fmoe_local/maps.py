@@ -21,11 +21,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from fmoe_local.policies.base import ModelShape
+if TYPE_CHECKING:  # policies/ imports this module (fmoe); a runtime import back would be circular
+    from fmoe_local.policies.base import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -345,6 +346,8 @@ def bench_matcher(num_maps: int = 32768, L: int = 26, J: int = 64, iterations: i
 
     Not a test: the bench CLI prints it. Maps are softmaxes of random logits, so every query takes the dense path.
     """
+    from fmoe_local.policies.base import ModelShape
+
     rng = np.random.default_rng(seed)
     store = MapStore(ModelShape(L, J, top_k=min(6, J)), capacity=num_maps, prefetch_distance=3)
 

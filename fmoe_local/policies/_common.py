@@ -1,0 +1,85 @@
+"""Pieces several policies share: recency bookkeeping, "no prefetch" hooks, and the fMoE prefetch-set rule.
+
+Scope: small helpers with no policy of their own. It does NOT pick what a policy prefetches or evicts; each policy
+module composes these and says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
+
+
+def prefetch_set(probs: np.ndarray, delta: float, k: int) -> np.ndarray:
+    """Fewest highest-probability experts whose summed probability reaches `delta`, and at least `k` of them.
+
+    `probs` [J] is taken as given (callers normalise it). Ties keep the lower expert index first. If the mass never
+    reaches `delta` (a distribution summing below it), every expert with non-zero probability is taken.
+    """
+    order = np.argsort(-probs, kind="stable")  # [J] highest first
+    csum = np.cumsum(probs[order])
+    reach = int(np.searchsorted(csum, delta - 1e-7)) + 1  # first prefix whose sum ≥ δ (float slack for δ = 1)
+    if reach > order.size:
+        reach = int(np.count_nonzero(probs))
+    return order[: min(order.size, max(k, reach))]
+
+
+def normalised(probs: np.ndarray) -> np.ndarray | None:
+    """probs / sum, or None when there is no mass (nothing to predict from)."""
+    p = np.asarray(probs, np.float32)
+    total = float(p.sum())
+    return p / total if total > 0 else None
+
+
+def top_k(probs: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries, largest first (ties: lower index first)."""
+    return np.argsort(-np.asarray(probs), kind="stable")[:k]
+
+
+class RecencyPolicy:
+    """No prefetching; evicts the least recently used candidate. Never-used candidates go first, in given order.
+
+    Shared by lru, on_demand and speculative (which adds prefetches). All methods run on the forward thread except
+    begin_iteration/observe_layer, which touch nothing record_access/choose_victim read.
+    """
+
+    name = "lru"
+    needs_lookahead = False
+
+    def __init__(self, shape: ModelShape, config: RuntimeConfig | None = None, map_store: object | None = None) -> None:
+        self.shape = shape
+        self._tick = 0
+        self._last_use = np.full((shape.num_layers, shape.num_experts), -1, np.int64)  # [L, J]
+
+    def begin_request(self, request_id: int) -> None:
+        pass
+
+    def begin_iteration(self, semantic: np.ndarray | None) -> list[Prefetch]:
+        return []
+
+    def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> list[Prefetch]:
+        return []
+
+    def record_access(self, layer: int, experts: Sequence[int], hits: Sequence[bool]) -> None:
+        self._tick += 1
+        self._last_use[layer, np.asarray(experts, np.int64)] = self._tick
+
+    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
+        layers, experts = split_keys(candidates)
+        return candidates[int(np.argmin(self._last_use[layers, experts]))]
+
+    def end_iteration(self) -> None:
+        pass
+
+    def end_request(self) -> None:
+        pass
+
+
+def split_keys(candidates: Sequence[ExpertKey]) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates as two int arrays (layers, experts), for vectorised priority lookups."""
+    keys = np.asarray(candidates, np.int64).reshape(-1, 2)  # [n, 2]
+    return keys[:, 0], keys[:, 1]

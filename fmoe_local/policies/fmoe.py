@@ -1,0 +1,185 @@
+"""fmoe: the fMoE policy — prefetch from the most similar past expert map, evict by probability × frequency.
+
+Scope: the paper's rules (DESIGN.md) over the Policy interface: semantic search at the start of an iteration,
+trajectory search after each observed layer, δ-sized prefetch sets, the two priorities, mis-prefetched-first
+eviction, and feeding finished maps to the MapStore. It does NOT search arrays itself (maps.py), copy weights
+(prefetcher.py) or own the cache.
+
+Layer indices (0-based here, 1-based in the paper). The paper predicts layers 1..d from the semantic match and,
+"at layer l", layer l+d from the trajectory 1..l−1. Here:
+- begin_iteration (nothing observed yet, "l_now = −1") predicts layers 0..d−1 from the semantic match;
+- observe_layer(l) (the router of layer l has run, so the trajectory is 0..l) predicts layer l+d.
+Every layer ≥ d is thus predicted exactly d layers before it runs, with no gap at the switch; compared to the
+paper the trajectory also includes the current layer's gate, which our router hook already has at that point.
+Prefetch priority p/(l − l_now) therefore divides by l+1 (semantic) or d (trajectory), never by 0.
+
+Predicted distributions are normalised to sum 1 before δ is applied, so δ means a share of the predicted mass
+whether a map holds full softmaxes or only top-k entries (recordings from other tools).
+
+Eviction priority 1/(p·freq), largest evicted first, with:
+- p_{l,j}: the newest estimate for layer l — this iteration's prediction, replaced by the observed distribution
+  once layer l ran; layers not predicted yet keep the last observed one (the previous iteration's routing), and a
+  uniform 1/J before anything was seen. Smoothed as p + 1e-4 so an expert nobody predicts ranks by frequency.
+- freq_{l,j}: accesses during the current request + 1 (Laplace), so a never-used expert has freq 1.
+Mis-prefetched experts — prefetched for a layer in this iteration, that layer has run, and they were not used —
+go before everything else (largest 1/(p·freq) first among them).
+
+Empty store, or no semantic embedding: predict a layer from its last observed distribution (the previous
+iteration's routing, which decode steps largely repeat) with δ = 0, i.e. its top-K; before anything was observed,
+predict nothing and let misses load on demand.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.maps import ExpertMap, MapStore
+from fmoe_local.policies._common import normalised, prefetch_set, split_keys
+from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
+
+P_FLOOR = 1e-4  # added to p in the eviction priority (see module docstring)
+
+
+class FMoEPolicy:
+    name = "fmoe"
+    needs_lookahead = False
+
+    def __init__(
+        self, shape: ModelShape, config: RuntimeConfig | None = None, map_store: MapStore | None = None
+    ) -> None:
+        config = config or RuntimeConfig()
+        self.shape = shape
+        self.prefetch_distance = config.prefetch_distance
+        if map_store is None:
+            map_store = MapStore(shape, config.store_capacity, config.prefetch_distance)
+        elif map_store.prefetch_distance != config.prefetch_distance:
+            map_store.reconfigure(prefetch_distance=config.prefetch_distance)
+        self.store = map_store
+        L, J = shape.num_layers, shape.num_experts
+        # Held only for O(L·J) bookkeeping: the forward thread's record_access/choose_victim never wait on a search.
+        self._lock = threading.Lock()
+        self._p_est = np.full((L, J), 1.0 / J, np.float32)  # [L, J] newest p per layer (eviction)
+        self._last_seen = np.zeros((L, J), np.float32)  # [L, J] last observed distribution per layer (fallback)
+        self._has_seen = np.zeros(L, bool)
+        self._freq = np.zeros((L, J), np.float32)  # [L, J] accesses this request
+        self._request_id = 0
+        self._reset_iteration(None)
+
+    # --- runtime settings ------------------------------------------------------------------------------------
+    def reconfigure(self, prefetch_distance: int | None = None, store_capacity: int | None = None) -> None:
+        if prefetch_distance is not None and prefetch_distance < 1:
+            raise ValueError("Prefetch distance must be at least 1 layer.")
+        self.store.reconfigure(capacity=store_capacity, prefetch_distance=prefetch_distance)
+        if prefetch_distance is not None:
+            self.prefetch_distance = prefetch_distance
+
+    # --- request / iteration lifecycle -----------------------------------------------------------------------
+    def begin_request(self, request_id: int) -> None:
+        with self._lock:
+            self._request_id = request_id
+            self._freq[:] = 0.0
+            self._reset_iteration(None)
+
+    def _reset_iteration(self, semantic: np.ndarray | None) -> None:
+        L, J = self.shape.num_layers, self.shape.num_experts
+        self._live = np.zeros((L, J), np.float32)  # [L, J] this iteration's observed trajectory
+        self._observed = np.zeros(L, bool)
+        self._semantic = semantic
+        self._prefetched: list[set[int]] = [set() for _ in range(L)]
+        self._used: list[set[int] | None] = [None] * L  # None: layer has not run in this iteration
+
+    def begin_iteration(self, semantic: np.ndarray | None) -> list[Prefetch]:
+        sem = None if semantic is None else np.asarray(semantic, np.float32).reshape(-1).copy()
+        with self._lock:
+            self._reset_iteration(sem)
+        first = min(self.prefetch_distance, self.shape.num_layers)
+        slot, score = self.store.match_semantic(sem) if sem is not None else (-1, 0.0)
+        out: list[Prefetch] = []
+        if slot >= 0:
+            predicted = self.store.probs(slot)
+            for layer in range(first):
+                out += self._plan(layer, predicted[layer], _delta(score), l_now=-1)
+        else:
+            for layer in range(first):
+                out += self._fallback(layer, l_now=-1)
+        return out
+
+    def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> list[Prefetch]:
+        p = np.asarray(probs, np.float32).reshape(-1)
+        with self._lock:
+            self._live[layer] = p
+            self._observed[layer] = True
+            self._p_est[layer] = p
+            self._last_seen[layer] = p
+            self._has_seen[layer] = True
+            trajectory = self._live[: layer + 1].copy()  # [l+1, J]
+        target = layer + self.prefetch_distance
+        if target >= self.shape.num_layers:
+            return []
+        slot, score = self.store.match_trajectory(trajectory)
+        if slot < 0:
+            return self._fallback(target, l_now=layer)
+        return self._plan(target, self.store.probs(slot)[target], _delta(score), l_now=layer)
+
+    def end_iteration(self) -> None:
+        with self._lock:
+            complete = bool(self._observed.all())
+            expert_map = ExpertMap(self._live.copy(), self._semantic, self._request_id) if complete else None
+        if expert_map is not None:  # a stopped iteration has no full map: nothing to learn from
+            self.store.add(expert_map)
+
+    def end_request(self) -> None:
+        with self._lock:
+            self._reset_iteration(None)
+
+    # --- prediction ------------------------------------------------------------------------------------------
+    def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> list[Prefetch]:
+        p = normalised(predicted)
+        if p is None:
+            return []
+        chosen = prefetch_set(p, delta, self.shape.top_k)
+        with self._lock:
+            self._p_est[layer] = p
+            self._prefetched[layer].update(int(j) for j in chosen)
+        distance = layer - l_now
+        return [Prefetch(layer, int(j), float(p[j]) / distance) for j in chosen]
+
+    def _fallback(self, layer: int, l_now: int) -> list[Prefetch]:
+        with self._lock:
+            if not self._has_seen[layer]:
+                return []
+            last = self._last_seen[layer].copy()
+        return self._plan(layer, last, 0.0, l_now)
+
+    # --- forward-thread hooks --------------------------------------------------------------------------------
+    def record_access(self, layer: int, experts: Sequence[int], hits: Sequence[bool]) -> None:
+        idx = np.asarray(experts, np.int64)
+        with self._lock:
+            self._freq[layer, idx] += 1.0
+            used = self._used[layer]
+            self._used[layer] = set(idx.tolist()) if used is None else used | set(idx.tolist())
+
+    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
+        layers, experts = split_keys(candidates)
+        with self._lock:
+            priority = 1.0 / ((self._p_est[layers, experts] + P_FLOOR) * (self._freq[layers, experts] + 1.0))
+            mis = np.fromiter(
+                (self._mis_prefetched(int(lay), int(e)) for lay, e in zip(layers, experts, strict=True)),
+                bool,
+                count=len(layers),
+            )
+        if mis.any():
+            priority = np.where(mis, priority, -np.inf)
+        return candidates[int(np.argmax(priority))]
+
+    def _mis_prefetched(self, layer: int, expert: int) -> bool:
+        used = self._used[layer]
+        return used is not None and expert in self._prefetched[layer] and expert not in used
+
+
+def _delta(score: float) -> float:
+    return float(np.clip(1.0 - score, 0.0, 1.0))

@@ -1,0 +1,218 @@
+"""fMoE policy: hand-computed δ sets, priorities, the semantic → trajectory switch, eviction order, map feeding."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.maps import ExpertMap, MapStore
+from fmoe_local.policies._common import prefetch_set
+from fmoe_local.policies.base import ModelShape
+from fmoe_local.policies.fmoe import FMoEPolicy
+
+SHAPE = ModelShape(num_layers=4, num_experts=8, top_k=2, embed_dim=3)
+
+
+def row(*values: float) -> np.ndarray:
+    r = np.zeros(8, np.float32)
+    r[: len(values)] = values
+    return r
+
+
+def perm(r: np.ndarray, order: list[int]) -> np.ndarray:
+    """Row r with its first len(order) entries moved to experts `order`."""
+    out = np.zeros(8, np.float32)
+    out[order] = r[: len(order)]
+    return out
+
+
+# Map A: layer l's mass sits on experts (2l, 2l+1, ...); Map B: on the reverse experts.
+P = row(0.6, 0.3, 0.1)
+MAP_A = np.stack([perm(P, [0, 1, 2]), perm(P, [2, 3, 4]), perm(P, [4, 5, 6]), perm(P, [6, 7, 0])])
+MAP_B = np.stack([perm(P, [7, 6, 5]), perm(P, [5, 4, 3]), perm(P, [3, 2, 1]), perm(P, [1, 0, 7])])
+
+
+def make(d: int = 2, shape: ModelShape = SHAPE, maps: list[ExpertMap] | None = None) -> FMoEPolicy:
+    store = MapStore(shape, capacity=16, prefetch_distance=d)
+    for m in maps or []:
+        store.add(m)
+    policy = FMoEPolicy(shape, RuntimeConfig(prefetch_distance=d), store)
+    policy.begin_request(1)
+    return policy
+
+
+def as_tuples(prefetches) -> list[tuple[int, int, float]]:
+    return [(p.layer, p.expert, pytest.approx(p.priority)) for p in prefetches]
+
+
+@pytest.mark.parametrize(
+    ("delta", "expected"),
+    [(0.1, [0, 1]), (0.7, [0, 1]), (0.8, [0, 1, 2]), (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3, 4])],
+)
+def test_prefetch_set_is_fewest_reaching_delta_and_at_least_k(delta, expected):
+    probs = np.array([0.5, 0.2, 0.15, 0.1, 0.05, 0, 0, 0], np.float32)
+    assert prefetch_set(probs, delta, k=2).tolist() == expected
+
+
+def test_prefetch_set_takes_all_nonzero_when_mass_is_short_and_respects_k():
+    probs = np.array([0, 0.3, 0, 0.2, 0, 0, 0, 0], np.float32)  # top-k-only map summing to 0.5
+    assert prefetch_set(probs, 0.9, k=1).tolist() == [1, 3]
+    assert prefetch_set(probs, 0.0, k=4).tolist() == [1, 3, 0, 2]  # ≥ K even when the rest is zero
+
+
+def test_semantic_match_prefetches_first_d_layers_with_delta_and_priority():
+    policy = make(d=2, maps=[ExpertMap(MAP_A, np.array([1, 0, 0], np.float32), 0)])
+    # cos([1,1,0], [1,0,0]) = 0.7071 → δ = 0.2929: the top expert (0.6) alone reaches it, but K = 2.
+    out = policy.begin_iteration(np.array([1, 1, 0], np.float32))
+    # Priority p / (l − l_now) with l_now = −1: layer 0 divides by 1, layer 1 by 2.
+    assert as_tuples(out) == [(0, 0, 0.6), (0, 1, 0.3), (1, 2, 0.3), (1, 3, 0.15)]
+    # A weak match (cos 0) → δ = 1 → every expert with mass.
+    out = policy.begin_iteration(np.array([0, 0, 1], np.float32))
+    assert [(p.layer, p.expert) for p in out] == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 3), (1, 4)]
+
+
+def test_switch_from_semantic_to_trajectory_at_layer_d():
+    sem_a = np.array([1, 0, 0], np.float32)
+    policy = make(d=2, maps=[ExpertMap(MAP_A, sem_a, 0), ExpertMap(MAP_B, np.array([0, 1, 0], np.float32), 0)])
+    first = policy.begin_iteration(sem_a)  # semantic picks A for layers 0 and 1 only
+    assert {p.layer for p in first} == {0, 1}
+    assert {p.expert for p in first if p.layer == 0} == {0, 1}
+    # The routing follows B: the trajectory (layer 0 = B's) predicts layer 2 = 0 + d from B, priority p/d.
+    out = policy.observe_layer(0, MAP_B[0])
+    assert as_tuples(out) == [(2, 3, 0.3), (2, 2, 0.15)]
+    out = policy.observe_layer(1, MAP_B[1])
+    assert [(p.layer, p.expert) for p in out] == [(3, 1), (3, 0)]
+    assert policy.observe_layer(2, MAP_B[2]) == []  # layer 4 does not exist
+    assert policy.observe_layer(3, MAP_B[3]) == []
+
+
+def test_trajectory_score_sets_delta():
+    shape = ModelShape(num_layers=4, num_experts=8, top_k=1, embed_dim=3)  # K = 1 so δ alone sizes the sets
+    policy = make(d=1, shape=shape, maps=[ExpertMap(MAP_A, None, 0)])
+    policy.begin_iteration(None)
+    # Layer 0 = 0.6/0.3/0.1 on experts 0/2/4 against A's 0/1/2: cos = (0.36 + 0.03) / 0.46 = 0.848 → δ = 0.152.
+    out = policy.observe_layer(0, perm(P, [0, 2, 4]))
+    assert as_tuples(out) == [(1, 2, 0.6)]  # 0.6 ≥ δ: one expert, priority p / (1 − 0)
+    # Add a unit vector on expert 7 (A has nothing there): cos = 0.39 / sqrt(1.46 · 0.92) = 0.337 → δ = 0.663.
+    out = policy.observe_layer(1, row(0, 0, 0, 0, 0, 0, 0, 1.0))
+    assert as_tuples(out) == [(2, 4, 0.6), (2, 5, 0.3)]  # 0.6 < δ ≤ 0.9: two experts
+
+
+def test_eviction_priority_is_inverse_p_times_freq():
+    policy = make(d=1)
+    policy.begin_iteration(None)
+    policy.observe_layer(0, row(0.6, 0.3, 0.1))
+    policy.record_access(0, [0, 1], [False, False])
+    policy.record_access(0, [0], [True])
+    # (0,0): 1/((0.6+ε)·3) = 0.56; (0,1): 1/((0.3+ε)·2) = 1.67; (0,2): 1/((0.1+ε)·1) = 10;
+    # (0,5): never predicted nor seen → 1/(ε·1) = 10⁴; (3,0): nothing known → uniform 1/8 → 8.
+    candidates = [(0, 0), (0, 1), (0, 2), (0, 5), (3, 0)]
+    order = []
+    while candidates:
+        victim = policy.choose_victim(candidates, current_layer=0)
+        order.append(victim)
+        candidates.remove(victim)
+    assert order == [(0, 5), (0, 2), (3, 0), (0, 1), (0, 0)]
+
+
+def test_mis_prefetched_experts_go_first_once_their_layer_ran():
+    sem = np.array([1, 0, 0], np.float32)
+    policy = make(d=1, maps=[ExpertMap(MAP_A, sem, 0)])
+    policy.begin_iteration(sem)  # prefetches layer 0: experts 0, 1
+    candidates = [(0, 1), (3, 5)]
+    # Before layer 0 runs, (0,1) is a plain prediction: p = 0.3 → 3.3 < uniform (3,5): 1/(0.125) = 8.
+    assert policy.choose_victim(candidates, current_layer=0) == (3, 5)
+    policy.observe_layer(0, row(0.5, 0.2, 0.3))
+    policy.record_access(0, [0, 2], [True, False])  # expert 1 was prefetched and not used
+    # By priority alone (3,5) would still go (1/(0.2·1) = 5 < 8); being mis-prefetched puts (0,1) first.
+    assert policy.choose_victim(candidates, current_layer=0) == (0, 1)
+    # A new iteration forgets the last one's mistakes.
+    policy.end_iteration()
+    policy.begin_iteration(sem)
+    policy.observe_layer(0, row(0.5, 0.2, 0.3))
+    policy.record_access(0, [0, 1], [True, True])
+    assert policy.choose_victim(candidates, current_layer=0) == (3, 5)
+
+
+def test_end_iteration_feeds_complete_maps_only_and_end_request_drops_trajectory():
+    policy = make(d=1)
+    sem = np.array([0, 0, 1], np.float32)
+    policy.begin_iteration(sem)
+    for layer in range(4):
+        policy.observe_layer(layer, MAP_A[layer])
+    policy.end_iteration()
+    assert len(policy.store) == 1
+    stored = policy.store.get(0)
+    np.testing.assert_array_equal(stored.probs, MAP_A)
+    np.testing.assert_array_equal(stored.semantic, sem)
+    assert stored.request_id == 1
+    policy.begin_iteration(sem)
+    policy.observe_layer(0, MAP_B[0])
+    policy.end_request()
+    policy.end_iteration()  # nothing left of the stopped iteration
+    policy.begin_iteration(sem)
+    policy.observe_layer(0, MAP_B[0])
+    policy.end_iteration()  # incomplete
+    assert len(policy.store) == 1
+
+
+def test_without_store_or_semantic_falls_back_to_last_observed_top_k():
+    shape = ModelShape(num_layers=4, num_experts=8, top_k=2, embed_dim=0)
+    policy = make(d=2, shape=shape)
+    assert policy.begin_iteration(None) == []  # nothing seen yet: misses load on demand
+    assert policy.observe_layer(0, MAP_A[0]) == []  # empty store, layer 2 never seen
+    for layer in range(1, 4):
+        policy.observe_layer(layer, MAP_A[layer])
+    # No semantic embedding: the previous iteration's routing of layers 0, 1, top-K, priority p/(l+1).
+    out = policy.begin_iteration(None)
+    assert as_tuples(out) == [(0, 0, 0.6), (0, 1, 0.3), (1, 2, 0.3), (1, 3, 0.15)]
+
+
+def test_reconfigure_changes_distance_and_store_capacity():
+    policy = make(d=1, maps=[ExpertMap(MAP_A, None, 0)])
+    policy.reconfigure(prefetch_distance=3, store_capacity=4)
+    assert policy.store.prefetch_distance == 3 and policy.store.capacity == 4
+    policy.begin_iteration(None)
+    assert {p.layer for p in policy.observe_layer(0, MAP_A[0])} == {3}
+    with pytest.raises(ValueError):
+        policy.reconfigure(prefetch_distance=0)
+
+
+def test_matcher_and_forward_threads_together():
+    policy = make(d=1, maps=[ExpertMap(MAP_A, np.array([1, 0, 0], np.float32), 0)])
+    rng = np.random.default_rng(0)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def matcher() -> None:
+        try:
+            for _ in range(50):
+                policy.begin_iteration(rng.standard_normal(3).astype(np.float32))
+                for layer in range(4):
+                    policy.observe_layer(layer, rng.dirichlet(np.ones(8)).astype(np.float32))
+                policy.end_iteration()
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+        finally:
+            done.set()
+
+    def forward() -> None:
+        try:
+            while not done.is_set():
+                for layer in range(4):
+                    policy.record_access(layer, [layer, 7 - layer], [True, False])
+                    victim = policy.choose_victim([(0, 0), (1, 1), (2, 5), (3, 3)], current_layer=layer)
+                    assert victim in [(0, 0), (1, 1), (2, 5), (3, 3)]
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=matcher), threading.Thread(target=forward)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert 1 <= len(policy.store) <= 16
