@@ -12,12 +12,14 @@ from fmoe_local.policies.base import ModelShape, Policy
 from fmoe_local.policies.fmoe import FMoEPolicy
 from fmoe_local.policies.lfu import LFUPolicy
 from fmoe_local.policies.lru import LRUPolicy
+from fmoe_local.policies.moe_infinity import MoEInfinityPolicy
 from fmoe_local.policies.on_demand import OnDemandPolicy
 from fmoe_local.policies.speculative import SpeculativePolicy
 
 # Every class takes (shape, config, map_store); only fmoe uses the map store.
 REGISTRY: dict[str, type] = {
     "fmoe": FMoEPolicy,
+    "moe_infinity": MoEInfinityPolicy,
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
     "speculative": SpeculativePolicy,

@@ -1,0 +1,158 @@
+"""moe_infinity: request-level expert activation matrices (EAMs), after MoE-Infinity (Xue et al.).
+
+Scope: the coarse-grained peer of fmoe. Per request it counts which experts were routed to (the iEAM, [L, J]);
+finished requests' EAMs form a bounded collection (EAMC); after each layer the nearest past EAM (cosine over the
+layers seen so far) drives prefetching of the following layers and the cache priority. It does NOT use semantic
+embeddings or per-iteration maps (that is fmoe's refinement), and keeps its own EAMC in memory (not persisted).
+
+Choices where the paper leaves room (checked against its public code, EfficientMoE/MoE-Infinity):
+- counts: at observe_layer the router's top-K (of the token, or of a prefill's mean distribution) each add 1.
+- distance: 1 − mean over seen layers of the per-layer cosine (rows with no counts contribute 0), as the code does.
+- EAMC replacement when full: the EAM matched least often goes (ties: the oldest), as the code does.
+- prefetch: for layers after the current one, the matched EAM's per-layer activation ratio × layer proximity
+  (1 − (l − l_now)/L); at most 2K experts per layer (the most active) so a long request's EAM, where most experts
+  have some count, does not flood the queue with experts that carry almost no mass.
+- cache priority (evict the lowest): ratio × proximity, where ratio averages the matched EAM's and the request's own
+  per-layer ratios and proximity is 1 for layers already run this iteration (next needed at the next token);
+  ties go to the least recently used.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.policies._common import RecencyPolicy, split_keys, top_k
+from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
+
+
+class MoEInfinityPolicy(RecencyPolicy):
+    name = "moe_infinity"
+
+    def __init__(self, shape: ModelShape, config: RuntimeConfig | None = None, map_store: object | None = None) -> None:
+        super().__init__(shape, config, map_store)
+        config = config or RuntimeConfig()
+        L, J = shape.num_layers, shape.num_experts
+        self.capacity = config.store_capacity
+        self._lock = threading.Lock()  # iEAM/match state: written by the matcher thread, read by choose_victim
+        # Past requests' EAMs, kept only in the two normalised forms the policy reads.
+        self._eamc_ratio = np.zeros((self.capacity, L, J), np.float32)  # [C, L, J] rows summing to 1
+        self._eamc_unit = np.zeros((self.capacity, L, J), np.float32)  # [C, L, J] rows of unit norm (cosine)
+        self._matched_count = np.zeros(self.capacity, np.int64)
+        self._stamps = np.zeros(self.capacity, np.int64)
+        self._n = 0
+        self._next_stamp = 0
+        self._ieam = np.zeros((L, J), np.float32)  # [L, J] this request's counts
+        self._matched: int = -1
+        self._layer_now = -1  # last layer observed in this iteration (−1 before the first)
+
+    # --- EAMC ------------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._n
+
+    def add_eam(self, eam: np.ndarray) -> int:
+        """Put a finished request's EAM into the collection; returns its slot."""
+        eam = np.asarray(eam, np.float32)
+        with self._lock:
+            if self._n < self.capacity:
+                slot = self._n
+                self._n += 1
+            else:  # least matched, then oldest: lexsort's last key is primary
+                slot = int(np.lexsort((self._stamps, self._matched_count))[0])
+            self._eamc_ratio[slot] = _row_normalised(eam, order=1)
+            self._eamc_unit[slot] = _row_normalised(eam, order=2)
+            self._matched_count[slot] = 0
+            self._stamps[slot] = self._next_stamp
+            self._next_stamp += 1
+            return slot
+
+    def match(self, eam: np.ndarray, layers: int) -> tuple[int, float]:
+        """Nearest stored EAM over the first `layers` layers: (slot, cosine distance); (−1, 1.0) when empty."""
+        with self._lock:
+            n = self._n
+            if n == 0 or layers <= 0:
+                return -1, 1.0
+            q = _row_normalised(np.asarray(eam, np.float32)[:layers], order=2)  # [l, J]
+            sims = np.einsum("clj,lj->c", self._eamc_unit[:n, :layers], q) / layers  # [n] mean per-layer cosine
+            best = int(np.argmax(sims))
+            return best, float(1.0 - sims[best])
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+    def begin_request(self, request_id: int) -> None:
+        with self._lock:
+            self._ieam[:] = 0.0
+            self._matched = -1
+            self._layer_now = -1
+
+    def begin_iteration(self, semantic: np.ndarray | None) -> list[Prefetch]:
+        with self._lock:
+            self._layer_now = -1
+            seen = self._ieam.copy() if self._ieam.any() else None
+        if seen is None:  # first forward pass of the request: nothing to match on
+            return []
+        # Earlier tokens of this request have touched every layer: match on all of them.
+        return self._predict(seen, self.shape.num_layers, l_now=-1)
+
+    def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> list[Prefetch]:
+        chosen = top_k(np.asarray(probs, np.float32).reshape(-1), self.shape.top_k)
+        with self._lock:
+            self._ieam[layer, chosen] += 1.0
+            self._layer_now = layer
+            seen = self._ieam.copy()
+        if layer + 1 >= self.shape.num_layers:
+            return []
+        return self._predict(seen, layer + 1, l_now=layer)
+
+    def end_iteration(self) -> None:
+        pass
+
+    def end_request(self) -> None:
+        with self._lock:
+            eam = self._ieam.copy()
+            self._ieam[:] = 0.0
+            self._matched = -1
+            self._layer_now = -1
+        if eam.any():  # a request stopped before its first layer has nothing to teach
+            self.add_eam(eam)
+
+    # --- prediction ------------------------------------------------------------------------------------------
+    def _predict(self, seen: np.ndarray, layers: int, l_now: int) -> list[Prefetch]:
+        slot, _ = self.match(seen, layers)
+        if slot < 0:
+            return []
+        L, cap = self.shape.num_layers, 2 * self.shape.top_k
+        with self._lock:
+            self._matched = slot
+            self._matched_count[slot] += 1
+            ratio = self._eamc_ratio[slot].copy()  # [L, J]
+        out: list[Prefetch] = []
+        for layer in range(l_now + 1, L):
+            proximity = 1.0 - (layer - l_now) / L
+            row = ratio[layer]
+            for j in top_k(row, cap):
+                if row[j] > 0:
+                    out.append(Prefetch(layer, int(j), float(row[j]) * proximity))
+        return out
+
+    # --- eviction --------------------------------------------------------------------------------------------
+    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
+        layers, experts = split_keys(candidates)
+        L = self.shape.num_layers
+        with self._lock:
+            own = _row_normalised(self._ieam[layers], order=1)[np.arange(len(layers)), experts]
+            matched = self._eamc_ratio[self._matched, layers, experts] if self._matched >= 0 else own
+        ratio = 0.5 * (own + matched)
+        proximity = np.where(layers <= current_layer, 1.0, 1.0 - (layers - current_layer) / L)
+        score = ratio * proximity
+        # lexsort: last key is primary → lowest score first, then least recently used.
+        order = np.lexsort((self._last_use[layers, experts], score))
+        return candidates[int(order[0])]
+
+
+def _row_normalised(m: np.ndarray, order: int) -> np.ndarray:
+    """Rows scaled to unit L1 (order=1) or L2 (order=2) norm; all-zero rows stay zero."""
+    norms = np.abs(m).sum(-1, keepdims=True) if order == 1 else np.sqrt(np.square(m).sum(-1, keepdims=True))
+    return np.divide(m, norms, out=np.zeros_like(m, dtype=np.float32), where=norms > 0)
