@@ -1,0 +1,252 @@
+"""ExpertCache: a fixed number of device slots holding expert weights, allocated once.
+
+Scope: residency (which (layer, expert) sits in which slot), on-demand loads, prefetch loads, pinning of the experts
+a layer is computing with, eviction through the policy, and hit/miss/prefetch accounting. It does NOT decide what to
+prefetch (policies/), when (prefetcher.py), or how experts are computed (experts.py).
+
+Budget: the slot tensors are the only device memory expert weights ever occupy, so `capacity * expert_bytes` is a
+hard ceiling, in prefill too (experts.py computes a layer in chunks of at most `capacity` experts).
+
+Threads: the forward thread calls acquire/release; the prefetcher thread calls try_prefetch. One lock guards the
+residency tables; copies run outside it. Host copies are permanent, so eviction only frees a slot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fmoe_local.host import HostStore
+from fmoe_local.policies.base import ExpertKey, Policy
+from fmoe_local.stats import LayerCounters
+
+GIB = 1024**3
+
+
+def slots_for_budget(cache_gb: float, expert_bytes: int) -> int:
+    return int(cache_gb * GIB // expert_bytes)
+
+
+@dataclass
+class _Slot:
+    key: ExpertKey | None = None
+    pins: int = 0
+    ready: threading.Event = field(default_factory=threading.Event)
+    by_prefetch: bool = False  # loaded by the prefetcher and not used yet
+    copy_event: object | None = None  # CUDA: the copy's completion on the copy stream
+    last_use: object | None = None  # CUDA: compute stream event after the last kernel reading this slot
+
+
+class _Copier:
+    """Moves one expert from the host store into a slot: a plain copy on CPU, a copy stream + events on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        # One pinned staging set per thread (forward thread, prefetcher thread), reused: pinning is expensive, and
+        # only staging is pinned because pinning every expert exhausts consumer machines' RAM.
+        self._staging = threading.local()
+
+    def copy(self, slot: _Slot, dst: dict[str, torch.Tensor], index: int, src: dict[str, torch.Tensor]) -> None:
+        if not self.cuda:
+            for name, t in src.items():
+                dst[name][index].copy_(t)
+            return
+        # Pinned staging so the DMA is truly asynchronous; the copy stream first waits for the last kernels that
+        # read this slot's previous occupant.
+        staged = getattr(self._staging, "buffers", None)
+        if staged is None:
+            staged = {name: torch.empty_like(t, device="cpu").pin_memory() for name, t in src.items()}
+            self._staging.buffers = staged
+        for name, t in src.items():
+            staged[name].copy_(t)
+        with torch.cuda.stream(self.stream):
+            if slot.last_use is not None:
+                self.stream.wait_event(slot.last_use)
+            for name, t in staged.items():
+                dst[name][index].copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        slot.copy_event = event
+        # The staging buffers are reused by this thread's next copy: wait for this DMA to finish first.
+        event.synchronize()
+
+
+class ExpertCache:
+    def __init__(
+        self,
+        host: HostStore,
+        capacity: int,
+        device: torch.device,
+        policy: Policy,
+        counters: LayerCounters,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(
+                f"The expert cache is smaller than one expert ({host.expert_bytes / GIB:.3f} GB). "
+                "Give it more GB in the settings."
+            )
+        self.host = host
+        self.device = device
+        self.capacity = min(capacity, host.num_layers * host.num_experts)
+        self.policy = policy
+        self.counters = counters
+        self.expert_bytes = host.expert_bytes
+        self.tensors = {
+            name: torch.empty((self.capacity, *shape), dtype=host.param_dtype, device=device)
+            for name, shape in host.param_shapes.items()
+        }
+        self._slots = [_Slot() for _ in range(self.capacity)]
+        self._slot_of: dict[ExpertKey, int] = {}
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._lock = threading.Condition()
+        self._demand = 0  # on-demand loads in progress: the prefetcher yields to them
+        self._copier = _Copier(device)
+        self.current_layer = -1
+
+    # ---- introspection -------------------------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        return self.capacity * self.expert_bytes
+
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def resident(self) -> list[ExpertKey]:
+        with self._lock:
+            return [s.key for s in self._slots if s.key is not None and s.ready.is_set()]
+
+    def resident_bytes(self) -> int:
+        return len(self.resident()) * self.expert_bytes
+
+    def is_resident(self, key: ExpertKey) -> bool:
+        with self._lock:
+            return key in self._slot_of
+
+    @property
+    def on_demand_active(self) -> bool:
+        return self._demand > 0
+
+    # ---- forward thread ------------------------------------------------------------------------------------------
+    def acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """Make `experts` of `layer` resident and pinned; returns their slots. Misses load now (on demand)."""
+        if len(experts) > self.capacity:
+            raise ValueError("acquire() got more experts than the cache has slots; compute in chunks.")
+        loads: list[tuple[int, ExpertKey]] = []
+        waits: list[int] = []
+        hits: list[bool] = []
+        slots: list[int] = []
+        with self._lock:
+            self.current_layer = layer
+            self._demand += 1
+            for e in experts:
+                key = (layer, e)
+                s = self._slot_of.get(key)
+                hit = s is not None
+                if hit:
+                    slot = self._slots[s]
+                    if slot.by_prefetch:
+                        slot.by_prefetch = False
+                        self.counters.prefetch_used += 1
+                    if not slot.ready.is_set():
+                        waits.append(s)
+                    self.counters.hits[layer, e] += 1
+                else:
+                    s = self._claim_locked(key, current_layer=layer)
+                    loads.append((s, key))
+                    self.counters.misses[layer, e] += 1
+                self._slots[s].pins += 1
+                hits.append(hit)
+                slots.append(s)
+            self.policy.record_access(layer, list(experts), hits)
+        t0 = time.perf_counter()
+        try:
+            for s, key in loads:
+                self._load(s, key)
+            for s in waits:
+                self._slots[s].ready.wait()
+        finally:
+            with self._lock:
+                self._demand -= 1
+                self.counters.stall_s += time.perf_counter() - t0
+                self._lock.notify_all()
+        if self._copier.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for s in slots:
+                ev = self._slots[s].copy_event
+                if ev is not None:
+                    stream.wait_event(ev)
+        return slots
+
+    def release(self, slots: Sequence[int]) -> None:
+        last_use = None
+        if self._copier.cuda:
+            last_use = torch.cuda.Event()
+            last_use.record(torch.cuda.current_stream(self.device))
+        with self._lock:
+            for s in slots:
+                self._slots[s].pins -= 1
+                if last_use is not None:
+                    self._slots[s].last_use = last_use
+            self._lock.notify_all()
+
+    # ---- prefetcher thread ---------------------------------------------------------------------------------------
+    def try_prefetch(self, layer: int, expert: int) -> bool:
+        """Load (layer, expert) if absent and a slot can be freed without touching pinned experts."""
+        key = (layer, expert)
+        with self._lock:
+            if key in self._slot_of or self._demand:
+                return False
+            if not self._free and not self._evictable_locked():
+                return False
+            s = self._claim_locked(key, current_layer=self.current_layer)
+            self._slots[s].by_prefetch = True
+            self.counters.prefetched[layer, expert] += 1
+        self._load(s, key)
+        return True
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _evictable_locked(self) -> list[ExpertKey]:
+        return [s.key for s in self._slots if s.key is not None and s.pins == 0 and s.ready.is_set()]
+
+    def _claim_locked(self, key: ExpertKey, current_layer: int) -> int:
+        if self._free:
+            s = self._free.pop()
+        else:
+            candidates = self._evictable_locked()
+            while not candidates:
+                # Every slot is pinned or still loading: wait for an in-flight copy or a release.
+                self._lock.wait(timeout=1.0)
+                candidates = self._evictable_locked()
+            victim = self.policy.choose_victim(candidates, current_layer)
+            s = self._slot_of.pop(victim)
+            if self._slots[s].by_prefetch:
+                self.counters.prefetch_wasted += 1
+        slot = self._slots[s]
+        slot.key, slot.pins, slot.by_prefetch = key, 0, False
+        slot.ready = threading.Event()
+        self._slot_of[key] = s
+        return s
+
+    def _load(self, s: int, key: ExpertKey) -> None:
+        slot = self._slots[s]
+        self._copier.copy(slot, self.tensors, s, self.host.read(*key))
+        with self._lock:
+            self.counters.bytes_moved += self.expert_bytes
+            slot.ready.set()
+            self._lock.notify_all()
+
+    def drop_unused_prefetches(self) -> int:
+        """Count prefetched experts still unused at the end of a request as wasted (they stay resident)."""
+        with self._lock:
+            wasted = 0
+            for slot in self._slots:
+                if slot.by_prefetch:
+                    slot.by_prefetch = False
+                    wasted += 1
+            self.counters.prefetch_wasted += wasted
+            return wasted

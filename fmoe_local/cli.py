@@ -1,0 +1,140 @@
+"""Command line: `fmoe-local run …` (one prompt through the runtime) and `fmoe-local bench …`.
+
+Scope: argument parsing and printing. It does NOT open the SQLite store itself (fmoe_local never imports store/):
+app.py passes `persistence_for(store_path, model_dir, shape)` when it dispatches `run`, which is how `--store`
+reaches the runtime. With `--json` the LAST stdout line is one JSON object {"text", "token_ids", "stats"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from fmoe_local.config import POLICIES, RuntimeConfig, Sampling  # noqa: E402
+
+# (store path, model dir) → (MapPersistence, close callable); provided by app.py, which may import store/.
+PersistenceFactory = Callable[[Path, Path], tuple[object, Callable[[], None]]]
+
+
+def add_run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="answer one prompt with a model (the demo model when --model is not given)")
+    p.add_argument("--model", help="model folder (a Hugging Face checkpoint); default: the built-in demo model")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-new-tokens", type=int, default=Sampling.max_new_tokens)
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token (reproducible)")
+    p.add_argument("--temperature", type=float, default=Sampling.temperature)
+    p.add_argument("--top-p", type=float, default=Sampling.top_p)
+    p.add_argument("--seed", type=int)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--cache-gb", type=float, help="expert cache size on the device, in GB")
+    size.add_argument("--cache-experts", type=int, help="expert cache size as a number of experts")
+    p.add_argument("--prefetch-distance", type=int, default=RuntimeConfig.prefetch_distance)
+    p.add_argument("--policy", choices=POLICIES, default=RuntimeConfig.policy)
+    p.add_argument("--store", type=Path, help="SQLite file that keeps expert maps between runs")
+    p.add_argument("--store-capacity", type=int, default=RuntimeConfig.store_capacity)
+    p.add_argument("--device", default=RuntimeConfig.device, help="auto, cpu or cuda")
+    p.add_argument("--dtype", default=RuntimeConfig.dtype, help="auto, float32, bfloat16 or float16")
+    p.add_argument("--record-trace", type=Path, help="write what the runtime saw to this .npz (trace format)")
+    p.add_argument("--synchronous", action="store_true", help="match and copy inline (deterministic hit counts)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    base = RuntimeConfig()
+    return RuntimeConfig(
+        device=args.device,
+        dtype=args.dtype,
+        cache_gb=args.cache_gb if args.cache_gb is not None else base.cache_gb,
+        cache_experts=args.cache_experts,
+        prefetch_distance=args.prefetch_distance,
+        policy=args.policy,
+        store_capacity=args.store_capacity,
+        synchronous_prefetch=args.synchronous,
+        record_trace=str(args.record_trace) if args.record_trace else None,
+        sampling=Sampling(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            greedy=args.greedy,
+            seed=args.seed,
+        ),
+    )
+
+
+def default_model_dir() -> Path:
+    from fmoe_local.demo import demo_model_dir
+
+    return demo_model_dir()
+
+
+def run_command(args: argparse.Namespace, persistence_factory: PersistenceFactory | None = None) -> int:
+    from fmoe_local.runtime import Finished, Runtime, TextDelta
+
+    config = config_from_args(args)
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    persistence, close_store = None, lambda: None
+    if args.store is not None:
+        if persistence_factory is None:
+            print("--store needs the app's store package: run it as `fmoe-local run …`.", file=sys.stderr)
+            return 2
+        persistence, close_store = persistence_factory(args.store, model_dir)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    try:
+        with Runtime.load(model_dir, config, map_persistence=persistence) as runtime:
+            final = None
+            for event in runtime.stream(messages):
+                if isinstance(event, TextDelta) and not args.json:
+                    print(event.text, end="", flush=True)
+                elif isinstance(event, Finished):
+                    final = event
+    finally:
+        close_store()
+    if final.reason == "error":
+        print(f"\nGeneration failed: {final.error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"text": final.text, "token_ids": final.token_ids, "stats": final.stats.to_dict()}))
+    else:
+        s = final.stats
+        print(
+            f"\n\n[{s.tokens} tokens · {s.tokens_per_s:.1f} tok/s · TTFT {s.ttft_s * 1000:.0f} ms · "
+            f"expert hit rate {s.hit_rate:.0%}]"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fmoe-local", description="Chat with MoE models larger than your GPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_run_parser(sub)
+    from fmoe_local.bench import cli as bench_cli
+
+    bench_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None, persistence_factory: PersistenceFactory | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return run_command(args, persistence_factory)
+        from fmoe_local.bench import cli as bench_cli
+
+        return bench_cli.run(args) or 0
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"fmoe-local: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Engine: the offloaded model and everything wired around it (cache, policy, map store, prefetcher, hooks).
+
+Scope: construction, per-request bracketing (policy events, statistics), reconfiguration and shutdown. It does NOT
+own a thread for requests (runtime.py does) or run the token loop (generate.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from fmoe_local.bench.traces import DECODE, PREFILL, TraceRecorder
+from fmoe_local.cache import ExpertCache, slots_for_budget
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.experts import OffloadedExperts
+from fmoe_local.loading import load_model
+from fmoe_local.maps import MapStore
+from fmoe_local.observe import RoutingObserver
+from fmoe_local.policies import make_policy
+from fmoe_local.policies.base import ModelShape
+from fmoe_local.prefetcher import Prefetcher
+from fmoe_local.stats import LayerCounters, RequestStats
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("No CUDA GPU is available here. Choose device cpu (or auto).")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """None = keep the checkpoint's dtype. On CPU half precision is slow or unsupported, so auto means float32."""
+    if name == "auto":
+        return None if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class Engine:
+    def __init__(self) -> None:  # use Engine.build
+        raise TypeError("use Engine.build(model_dir, config)")
+
+    @classmethod
+    def build(cls, model_dir: Path, config: RuntimeConfig, map_persistence: object | None = None) -> Engine:
+        self = object.__new__(cls)
+        self.model_dir = model_dir
+        self.config = config
+        self.device = resolve_device(config.device)
+        loaded = load_model(model_dir, config, self.device, resolve_dtype(config.dtype, self.device))
+        self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
+        self.moe_layers = loaded.moe_layers
+        self.dtype = next(p.dtype for p in self.model.parameters() if p.device.type != "meta")
+        cfg = self.model.config
+        self.shape = ModelShape(
+            num_layers=len(self.moe_layers),
+            num_experts=self.arch.num_experts(cfg),
+            top_k=self.arch.top_k(cfg),
+            embed_dim=int(cfg.hidden_size),
+        )
+        self.resident_bytes = sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta"
+        )
+        self.counters = LayerCounters(self.shape.num_layers, self.shape.num_experts)
+        self.map_store = MapStore(self.shape, config.store_capacity, config.prefetch_distance, map_persistence)
+        if map_persistence is not None:
+            self.map_store.load_from()  # the user's earlier maps: why prediction improves over time
+        self.policy = make_policy(config.policy, self.shape, config, self.map_store)
+        self.cache = ExpertCache(self.host, self._capacity(config), self.device, self.policy, self.counters)
+        self.prefetcher = Prefetcher(self.cache, self.policy, synchronous=config.synchronous_prefetch)
+        self.observer = RoutingObserver(
+            self.model.get_input_embeddings(), self.moe_layers, self.arch, self.prefetcher.publish, config.semantic_mode
+        )
+        self.observer.want_lookahead = self.policy.needs_lookahead
+        self.observer.attach()
+        self.offloaded = OffloadedExperts({id(ref.experts): ref.moe_index for ref in self.moe_layers}, self._cache)
+        self.model.set_experts_implementation(self.offloaded.register())
+        self.eos_ids = self._eos_ids()
+        self.recorder = None
+        if config.record_trace:
+            shape = self.shape
+            self.recorder = TraceRecorder(model_dir.name, shape.num_layers, shape.num_experts, shape.top_k)
+            self.observer.recording = True
+        self._request_id = 0
+        self._iteration_in_request = 0
+        return self
+
+    def _cache(self) -> ExpertCache:
+        return self.cache
+
+    def _capacity(self, config: RuntimeConfig) -> int:
+        if config.cache_experts is not None:
+            return config.cache_experts
+        return slots_for_budget(config.cache_gb, self.host.expert_bytes)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        return ids
+
+    # ---- requests ------------------------------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict]) -> torch.Tensor:
+        """Prompt ids [1, T] from the tokenizer's own chat template (plain concatenation when it has none)."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = tok("\n".join(m["content"] for m in messages))["input_ids"]
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return torch.tensor([ids], device=self.device)
+
+    @contextmanager
+    def request(self, request_id: int, stats: RequestStats, text: str = "") -> Iterator[None]:
+        self._request_id, self._iteration_in_request = request_id, 0
+        before = self.counters.snapshot()
+        self.observer.begin_request()
+        self.prefetcher.publish("begin_request", value=request_id)
+        try:
+            yield
+        finally:
+            self.prefetcher.publish("end_request")
+            self.prefetcher.wait_idle()
+            self.cache.drop_unused_prefetches()
+            self.counters.since(before).fill(stats)
+            stats.cache_gb_used = self.cache.resident_bytes() / 1024**3
+            if self.recorder is not None and len(self.recorder):
+                self.recorder.label(request_id, text=text)
+                self.recorder.save(self.config.record_trace)
+
+    def end_iteration(self) -> None:
+        self.prefetcher.publish("end_iteration")
+        if self.recorder is not None:
+            obs = self.observer
+            probs = torch.stack(obs.rows_probs, dim=1).cpu().numpy()  # [T, L, J]
+            phase = PREFILL if self._iteration_in_request == 0 else DECODE
+            self.recorder.add(self._request_id, phase, probs, obs.rows_embed.cpu().numpy())
+        self._iteration_in_request += 1
+
+    # ---- settings ------------------------------------------------------------------------------------------------
+    def reconfigure(self, new: RuntimeConfig) -> None:
+        """Between requests only (the runtime's worker calls it). The model is not reloaded."""
+        old = self.config
+        self.prefetcher.wait_idle()
+        if (new.store_capacity, new.prefetch_distance) != (old.store_capacity, old.prefetch_distance):
+            self.map_store.reconfigure(capacity=new.store_capacity, prefetch_distance=new.prefetch_distance)
+        policy_changed = new.policy != old.policy or new.prefetch_distance != old.prefetch_distance
+        if policy_changed or new.store_capacity != old.store_capacity:
+            self.policy = make_policy(new.policy, self.shape, new, self.map_store)
+            self.prefetcher.set_policy(self.policy)
+            self.observer.want_lookahead = self.policy.needs_lookahead
+        self.cache.policy = self.policy
+        if self._capacity(new) != self._capacity(old):
+            # A new cache starts cold; the old slots are freed first so both never coexist on the device.
+            self.cache.tensors.clear()
+            self.cache = ExpertCache(self.host, self._capacity(new), self.device, self.policy, self.counters)
+            self.prefetcher.cache = self.cache
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.config = new
+
+    def close(self) -> None:
+        self.prefetcher.close()
+        self.observer.detach()
+        self.cache.tensors.clear()
+        self.host.close()

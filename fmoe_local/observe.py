@@ -1,0 +1,92 @@
+"""RoutingObserver: forward hooks that turn each forward pass into policy events (the expert map as it forms).
+
+Scope: reading the embedding layer's output (semantic embedding) and every router's output (gate probabilities)
+with `register_forward_hook`, and publishing them to the prefetcher; optionally keeping per-token rows for trace
+recording. It does NOT compute experts or change any module's output.
+
+Shapes: T tokens in the forward pass, h hidden size, J experts, L MoE layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fmoe_local.architectures import Architecture, MoELayerRef
+
+
+class RoutingObserver:
+    def __init__(
+        self,
+        embedding: torch.nn.Module,
+        moe_layers: Sequence[MoELayerRef],
+        arch: Architecture,
+        publish: Callable[..., None],
+        semantic_mode: str = "running_mean",
+    ) -> None:
+        self._embedding = embedding
+        self._layers = list(moe_layers)
+        self._arch = arch
+        self._publish = publish
+        self.semantic_mode = semantic_mode
+        self.want_lookahead = False
+        self.recording = False  # keep per-token rows for a trace
+        self.rows_probs: list[torch.Tensor] = []  # per layer [T, J] of the current forward pass
+        self.rows_embed: torch.Tensor | None = None  # [T, h]
+        self._sum: torch.Tensor | None = None  # running sum of the request's token embeddings [h]
+        self._count = 0
+        self._in_lookahead = False
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def attach(self) -> None:
+        self._handles.append(self._embedding.register_forward_hook(self._on_embedding))
+        for ref in self._layers:
+            self._handles.append(ref.router.register_forward_hook(self._router_hook(ref.moe_index)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def begin_request(self) -> None:
+        self._sum, self._count = None, 0
+
+    # ---- hooks ---------------------------------------------------------------------------------------------------
+    def _on_embedding(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        tokens = output.detach().reshape(-1, output.shape[-1]).float()  # [T, h]
+        if self.semantic_mode == "running_mean":
+            total = tokens.sum(0)
+            self._sum = total if self._sum is None else self._sum + total
+            self._count += tokens.shape[0]
+            semantic = self._sum / self._count
+        else:
+            semantic = tokens.mean(0)
+        if self.recording:
+            self.rows_embed = tokens
+            self.rows_probs = []
+        self._publish("begin_iteration", value=semantic.clone())
+
+    def _router_hook(self, layer: int) -> Callable:
+        def hook(module: torch.nn.Module, inputs: tuple, output: object) -> None:
+            if self._in_lookahead:
+                return
+            probs = self._arch.router_probs(output).detach()  # [T, J]
+            if self.recording:
+                self.rows_probs.append(probs.float())
+            lookahead = None
+            if self.want_lookahead and layer + 1 < len(self._layers):
+                lookahead = self._lookahead(layer, inputs[0])
+            self._publish("layer", layer=layer, value=probs.float().mean(0), lookahead=lookahead)
+
+        return hook
+
+    def _lookahead(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer l+1's router applied to layer l's router input: the speculative policies' guess."""
+        self._in_lookahead = True
+        try:
+            with torch.no_grad():
+                out = self._layers[layer + 1].router(hidden)
+            return self._arch.router_probs(out).detach().float().mean(0)
+        finally:
+            self._in_lookahead = False

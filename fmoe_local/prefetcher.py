@@ -1,0 +1,155 @@
+"""Prefetcher: the background worker that runs the policy's matcher and copies predicted experts into the cache.
+
+Scope: the event queue from the forward pass (iteration start, router probabilities per layer, iteration/request
+end), calling the policy off the critical path, a priority queue of prefetches, dropping stale ones, and yielding to
+on-demand loads. It does NOT choose experts (the policy does) or manage slots (the cache does).
+
+The forward thread only appends to a queue (`publish_*`); tensors are turned into numpy here, so a GPU → host copy
+never stalls the forward pass. In synchronous mode (tests, replay comparisons) the same code runs inline and every
+queued prefetch completes before the forward pass goes on, which makes hit counts deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fmoe_local.cache import ExpertCache
+from fmoe_local.policies.base import Policy, Prefetch
+
+
+def _to_numpy(t: torch.Tensor | np.ndarray | None) -> np.ndarray | None:
+    if t is None or isinstance(t, np.ndarray):
+        return t
+    return t.detach().float().cpu().numpy()
+
+
+@dataclass
+class _Event:
+    kind: str  # begin_request | begin_iteration | layer | end_iteration | end_request
+    iteration: int = -1
+    layer: int = -1
+    value: object = None  # request id, semantic embedding [h], or probs [J]
+    lookahead: object = None
+
+
+class Prefetcher:
+    def __init__(self, cache: ExpertCache, policy: Policy, synchronous: bool = False) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.synchronous = synchronous
+        self._events: deque[_Event] = deque()
+        self._heap: list[tuple[float, int, int, int, int]] = []  # (-priority, seq, iteration, layer, expert)
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._iteration = -1  # the forward pass now running (forward thread's view)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        if not synchronous:
+            self._thread = threading.Thread(target=self._run, name="fmoe-prefetcher", daemon=True)
+            self._thread.start()
+
+    # ---- forward thread ------------------------------------------------------------------------------------------
+    def publish(self, kind: str, layer: int = -1, value: object = None, lookahead: object = None) -> None:
+        if kind == "begin_iteration":
+            self._iteration += 1
+            self.cache.current_layer = -1
+        event = _Event(kind, self._iteration, layer, value, lookahead)
+        if self.synchronous:
+            self._handle(event)
+            self._drain_heap()
+            return
+        with self._cond:
+            self._events.append(event)
+            self._idle.clear()
+            self._cond.notify_all()
+
+    def set_policy(self, policy: Policy) -> None:
+        self.wait_idle()
+        with self._cond:
+            self.policy = policy
+            self._heap.clear()
+
+    def wait_idle(self, timeout: float | None = 10.0) -> bool:
+        """Block until every published event was handled (between requests; never on the token path)."""
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- worker --------------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._events and (not self._heap or self.cache.on_demand_active):
+                    if not self._events and not self._heap:
+                        self._idle.set()
+                    self._cond.wait(timeout=0.05)
+                if self._closed:
+                    self._idle.set()
+                    return
+                events = list(self._events)
+                self._events.clear()
+            for event in events:
+                self._handle(event)
+            # One copy at a time, so that new router outputs are matched promptly between copies.
+            self._pop_and_copy()
+
+    def _handle(self, event: _Event) -> None:
+        policy = self.policy
+        if event.kind == "begin_request":
+            policy.begin_request(int(event.value))
+        elif event.kind == "begin_iteration":
+            self._push(event.iteration, policy.begin_iteration(_to_numpy(event.value)))
+        elif event.kind == "layer":
+            probs = _to_numpy(event.value)
+            look = _to_numpy(event.lookahead) if policy.needs_lookahead else None
+            self._push(event.iteration, policy.observe_layer(event.layer, probs, look))
+        elif event.kind == "end_iteration":
+            policy.end_iteration()
+        elif event.kind == "end_request":
+            policy.end_request()
+            with self._cond:
+                self._heap.clear()
+        else:
+            raise ValueError(f"unknown prefetcher event {event.kind}")
+
+    def _push(self, iteration: int, prefetches: list[Prefetch]) -> None:
+        with self._cond:
+            for p in prefetches:
+                heapq.heappush(self._heap, (-p.priority, next(self._seq), iteration, p.layer, p.expert))
+
+    def _stale(self, iteration: int, layer: int) -> bool:
+        # A prefetch for a layer the forward pass already passed (or an older forward pass) is useless now.
+        return iteration < self._iteration or (iteration == self._iteration and layer <= self.cache.current_layer)
+
+    def _pop_and_copy(self) -> bool:
+        with self._cond:
+            while self._heap:
+                _, _, iteration, layer, expert = heapq.heappop(self._heap)
+                if not self._stale(iteration, layer):
+                    break
+            else:
+                return False
+        self.cache.try_prefetch(layer, expert)
+        return True
+
+    def _drain_heap(self) -> None:
+        while self._heap:
+            self._pop_and_copy()

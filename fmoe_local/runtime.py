@@ -1,0 +1,243 @@
+"""Runtime: the one API the CLI, the UI and the benchmarks consume (mlx-lm style).
+
+`Runtime.load(model_dir, config)` builds the offloaded model; `stream(messages)` yields `TextDelta` events and one
+final `Finished` with the request's statistics; `stop()` ends the generation within one token; `reconfigure()`
+changes cache size, prefetch distance, policy or store capacity without reloading the model; `close()` stops every
+thread. One worker thread owns the model; each request has its own response queue and its own stop flag.
+
+It does NOT persist anything (the app passes a MapPersistence from store/), nor probe hardware beyond resolving
+"auto" device/dtype once at load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.engine import Engine
+from fmoe_local.generate import Detokenizer, generate_ids
+from fmoe_local.stats import RequestStats
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    token_id: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str
+    token_ids: list[int]
+    stats: RequestStats
+    reason: str  # "stop" (end of sequence), "length", "cancelled", "error"
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    family: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+    resident_bytes: int
+    device: str
+    dtype: str
+    cache_experts: int
+    cache_gb: float
+    policy: str
+    prefetch_distance: int
+    store_capacity: int
+
+
+@dataclass
+class _Request:
+    messages: list[dict]
+    sampling: Sampling
+    out: queue.Queue
+    stop: threading.Event
+
+
+_SENTINEL = object()
+
+
+class Runtime:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._jobs: queue.Queue = queue.Queue()
+        self._current: _Request | None = None
+        self._request_ids = itertools.count(1)
+        self._closed = False
+        self._worker = threading.Thread(target=self._serve, name="fmoe-runtime", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        config: RuntimeConfig | None = None,
+        map_persistence: object | None = None,
+    ) -> Runtime:
+        config = config or RuntimeConfig()
+        config.validate()
+        return cls(Engine.build(Path(model_dir), config, map_persistence))
+
+    # ---- public API ----------------------------------------------------------------------------------------------
+    @property
+    def config(self) -> RuntimeConfig:
+        return self._engine.config
+
+    @property
+    def info(self) -> ModelInfo:
+        e = self._engine
+        return ModelInfo(
+            name=e.model_dir.name,
+            path=str(e.model_dir),
+            family=e.arch.model_type,
+            num_layers=e.shape.num_layers,
+            num_experts=e.shape.num_experts,
+            top_k=e.shape.top_k,
+            expert_bytes=e.host.expert_bytes,
+            resident_bytes=e.resident_bytes,
+            device=str(e.device),
+            dtype=str(e.dtype).replace("torch.", ""),
+            cache_experts=e.cache.capacity,
+            cache_gb=e.cache.budget_bytes / 1024**3,
+            policy=e.config.policy,
+            prefetch_distance=e.config.prefetch_distance,
+            store_capacity=e.config.store_capacity,
+        )
+
+    @property
+    def engine(self) -> Engine:
+        """The offloading machinery, for tests and benchmarks that inspect the cache or the policy."""
+        return self._engine
+
+    def stream(self, messages: list[dict], sampling: Sampling | None = None) -> Iterator[TextDelta | Finished]:
+        if self._closed:
+            raise RuntimeError("This model was closed. Load it again to chat.")
+        request = _Request(list(messages), sampling or self.config.sampling, queue.Queue(), threading.Event())
+        self._jobs.put(request)
+        try:
+            while True:
+                item = request.out.get()
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            # A consumer that walks away (closed tab, broken pipe) must not leave the model generating.
+            request.stop.set()
+
+    def generate(self, messages: list[dict], sampling: Sampling | None = None) -> Finished:
+        events = list(self.stream(messages, sampling))
+        return events[-1]
+
+    def stop(self) -> None:
+        current = self._current
+        if current is not None:
+            current.stop.set()
+
+    def reconfigure(
+        self,
+        cache_gb: float | None = None,
+        cache_experts: int | None = None,
+        prefetch_distance: int | None = None,
+        policy: str | None = None,
+        store_capacity: int | None = None,
+    ) -> RuntimeConfig:
+        """Apply new settings between requests (waits for the current one); returns the config in force."""
+        changes = {
+            k: v
+            for k, v in dict(
+                cache_gb=cache_gb,
+                prefetch_distance=prefetch_distance,
+                policy=policy,
+                store_capacity=store_capacity,
+            ).items()
+            if v is not None
+        }
+        if cache_experts is not None or cache_gb is not None:
+            changes["cache_experts"] = cache_experts  # an explicit GB value replaces an earlier slot count
+        new = self.config.with_changes(**changes)
+        new.validate()
+        done: queue.Queue = queue.Queue()
+        self._jobs.put(("reconfigure", new, done))
+        result = done.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
+        self._jobs.put(_SENTINEL)
+        self._worker.join(timeout=30)
+        self._engine.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- worker thread -------------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _SENTINEL:
+                return
+            if isinstance(job, tuple):
+                _, new, done = job
+                try:
+                    self._engine.reconfigure(new)
+                    done.put(self._engine.config)
+                except Exception as exc:  # noqa: BLE001 - handed back to the caller's thread
+                    done.put(exc)
+                continue
+            self._current = job
+            try:
+                self._run(job)
+            except Exception as exc:  # noqa: BLE001 - a failed request must end its stream, not the worker
+                job.out.put(Finished("", [], RequestStats(finish_reason="error"), "error", error=str(exc)))
+            finally:
+                self._current = None
+
+    def _run(self, request: _Request) -> None:
+        e = self._engine
+        prompt_ids = e.encode_chat(request.messages)
+        stats = RequestStats(prompt_tokens=int(prompt_ids.shape[1]))
+        detok = Detokenizer(e.tokenizer)
+        reason = "length"
+        times: list[float] = []
+        request_id = next(self._request_ids)
+        t0 = time.perf_counter()
+        with e.request(request_id, stats, text=request.messages[-1].get("content", "") if request.messages else ""):
+            for token in generate_ids(
+                e.model, prompt_ids, request.sampling, e.eos_ids, request.stop, after_forward=e.end_iteration
+            ):
+                times.append(time.perf_counter())
+                if token in e.eos_ids:
+                    detok.ids.append(token)
+                    reason = "stop"
+                    break
+                delta = detok.add(token)
+                request.out.put(TextDelta(delta, token))
+            if request.stop.is_set() and reason == "length" and len(times) < request.sampling.max_new_tokens:
+                reason = "cancelled"
+        stats.tokens = len(times)
+        if times:
+            stats.ttft_s = times[0] - t0
+            stats.tpot_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else stats.ttft_s
+        stats.finish_reason = reason
+        request.out.put(Finished(detok.text, list(detok.ids), stats, reason))
