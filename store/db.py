@@ -26,6 +26,7 @@ from store.migrations import check_not_newer, migrate
 log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 5000
+MMAP_BYTES = 1 << 30
 
 
 class StoreError(RuntimeError):
@@ -39,6 +40,9 @@ def connect(path: Path) -> sqlite_utils.Database:
         db = sqlite_utils.Database(conn, execute_plugins=False)
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA synchronous = NORMAL")
+        # Blobs of expert maps are read through the OS page cache without read() copies: 32K maps of a
+        # Qwen1.5-MoE shape fetch ~3x faster (store.bench). Address space only, not memory.
+        conn.execute(f"PRAGMA mmap_size = {MMAP_BYTES}")
     except BaseException:
         conn.close()
         raise

@@ -120,16 +120,16 @@ class SqliteMapPersistence:
         L, J, h = self.num_layers, self.num_experts, self.embed_dim
         probs_bytes, sem_bytes = L * J * 2, h * 2
         rows = [r for r in rows if len(r[1]) == probs_bytes]
-        if not rows:
-            return []
-        probs = np.frombuffer(b"".join(r[1] for r in rows), np.float16).reshape(len(rows), L, J).astype(np.float32)
-        has_sem = [h > 0 and r[2] is not None and len(r[2]) == sem_bytes for r in rows]
-        sems = np.frombuffer(b"".join(r[2] for r, ok in zip(rows, has_sem, strict=True) if ok), np.float16)
-        sems = sems.reshape(-1, h).astype(np.float32) if h > 0 else sems
+        n_sem = sum(1 for r in rows if h > 0 and r[2] is not None and len(r[2]) == sem_bytes)
+        # Decoded row by row into one preallocated array: no joined copy of every blob, one float32 buffer.
+        probs = np.empty((len(rows), L, J), np.float32)
+        sems = np.empty((n_sem, h), np.float32)
         out, k = [], 0
-        for i, (slot, _, _, request_id) in enumerate(rows):
+        for i, (slot, probs_blob, sem_blob, request_id) in enumerate(rows):
+            probs[i] = np.frombuffer(probs_blob, np.float16).reshape(L, J)
             semantic = None
-            if has_sem[i]:
+            if h > 0 and sem_blob is not None and len(sem_blob) == sem_bytes:
+                sems[k] = np.frombuffer(sem_blob, np.float16)
                 semantic, k = sems[k], k + 1
             out.append((int(slot), ExpertMap(probs=probs[i], semantic=semantic, request_id=int(request_id))))
         return out

@@ -56,9 +56,9 @@ def test_damaged_pages_are_found_at_open(tmp_path):
         for i in range(300):
             s.chats.append(c.id, "user", f"message {i} " + "x" * 500)
         s.db.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page = s.db.db.execute("PRAGMA page_size").fetchone()[0]
     db_file = tmp_path / "fmoe-local.db"
     data = bytearray(db_file.read_bytes())
-    page = 4096
     assert len(data) > 20 * page
     for p in range(2, len(data) // page, 3):  # scribble over b-tree pages, keep the header readable
         data[p * page : p * page + 64] = b"\xff" * 64
