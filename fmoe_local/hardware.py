@@ -17,6 +17,10 @@ from pathlib import Path
 
 from fmoe_local.catalog import GB, CatalogEntry
 
+# The runtime counts cache_gb in binary gigabytes (cache.py); every cache figure here does the same, while sizes
+# shown to the user (downloads, RAM, disk) stay decimal like file managers show them.
+GIB = 1024**3
+
 # Room kept free on the GPU for the KV cache, activations and the CUDA context of a chat-length request.
 KV_RESERVE_BYTES = int(1.0 * GB)
 # RAM the OS, the browser and the app itself need besides the expert weights.
@@ -57,11 +61,11 @@ class Machine:
 class FitVerdict:
     level: str  # "good", "slow" or "no"
     reasons: tuple[str, ...]  # sentences, the first one is the headline
-    max_cache_gb: float  # the biggest expert cache this machine can give the model (0 when it does not fit)
+    max_cache_gb: float  # the biggest expert cache this machine can give the model, GiB (0 when it does not fit)
 
     @property
     def label(self) -> str:
-        return {"good": "✅ Fits", "slow": "🟡 Runs, slowly", "no": "❌ Does not fit"}[self.level]
+        return {"good": "Fits", "slow": "Runs, slowly", "no": "Does not fit"}[self.level]
 
 
 def _gb(n: float) -> str:
@@ -163,13 +167,13 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False) -> FitV
         reasons.append(f"GPU: {_gb(entry.resident_bytes)} resident, up to {_gb(cache)} of expert cache.")
         if entry.experts_bytes <= ram_free:
             reasons.insert(0, "Fits: all experts stay in RAM and stream to the GPU cache.")
-            return FitVerdict("good", tuple(reasons), cache / GB)
+            return FitVerdict("good", tuple(reasons), cache / GIB)
         reasons.insert(
             0,
             f"Runs, slowly: the experts ({_gb(entry.experts_bytes)}) exceed free RAM ({_gb(ram_free)}), "
             "so some are read from disk.",
         )
-        return FitVerdict("slow", tuple(reasons), cache / GB)
+        return FitVerdict("slow", tuple(reasons), cache / GIB)
     # CPU (or Apple unified memory): resident part, cache and the host copies of the experts share RAM.
     needed = entry.resident_bytes + min_cache
     if ram_free < needed:
@@ -183,22 +187,22 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False) -> FitV
         "all experts fit in RAM" if entry.resident_bytes + entry.experts_bytes <= ram_free else "experts spill to disk"
     )
     gpu = "on the Apple GPU" if machine.device == "mps" else "on the CPU, without a CUDA GPU"
-    return FitVerdict("slow", (f"Runs, slowly: {gpu}; {where}.",), cache / GB)
+    return FitVerdict("slow", (f"Runs, slowly: {gpu}; {where}.",), cache / GIB)
 
 
 def cache_gb_limit(machine: Machine, resident_bytes: int, current_cache_gb: float = 0.0) -> float:
-    """Upper bound for the cache-GB slider of a loaded model.
+    """Upper bound for the cache-GB slider of a loaded model, in GiB like RuntimeConfig.cache_gb.
 
     On a GPU: free VRAM (plus what the current cache already holds, since resizing releases it) minus the
     KV reserve. On the CPU: free RAM minus the headroom. `resident_bytes` is what still has to be allocated
     besides the cache: pass 0 for a loaded model (a live probe already counts its weights as used).
     """
-    current = int(current_cache_gb * GB)
+    current = int(current_cache_gb * GIB)
     if machine.has_gpu:
         room = machine.vram_free + current - KV_RESERVE_BYTES - resident_bytes
     else:
         room = machine.ram_available + current - RAM_HEADROOM_BYTES - resident_bytes
-    return max(0.0, room / GB)
+    return max(0.0, room / GIB)
 
 
 def host_to_device_gbps(size_mb: int = 256, repeats: int = 3) -> float:

@@ -6,7 +6,7 @@ import pytest
 
 from fmoe_local import hardware
 from fmoe_local.catalog import GB, find
-from fmoe_local.hardware import Machine, cache_gb_limit, fit, probe
+from fmoe_local.hardware import GIB, Machine, cache_gb_limit, fit, probe
 
 # Three profiles the wizard must judge: a gaming laptop, a CPU-only office box, a workstation.
 LAPTOP = Machine("cuda", "RTX 4060 Laptop", 8 * GB, int(7.5 * GB), 32 * GB, 26 * GB, 500 * GB)
@@ -22,7 +22,7 @@ def test_laptop_runs_small_models_and_slows_down_on_big_ones():
     small = fit(OLMOE, LAPTOP)
     assert small.level == "good"
     # Cache is whatever VRAM is left after the resident part and the KV reserve, never more than all experts.
-    assert small.max_cache_gb == pytest.approx((7.5 * GB - OLMOE.resident_bytes - hardware.KV_RESERVE_BYTES) / GB)
+    assert small.max_cache_gb == pytest.approx((7.5 * GB - OLMOE.resident_bytes - hardware.KV_RESERVE_BYTES) / GIB)
     big = fit(QWEN3, LAPTOP)  # 58 GB of experts do not fit in 23 GB of usable RAM
     assert big.level == "slow"
     assert "exceed free RAM" in big.reasons[0]
@@ -42,7 +42,7 @@ def test_cpu_only_machine_is_slow_or_does_not_fit():
 def test_workstation_fits_mixtral_with_experts_in_ram():
     verdict = fit(MIXTRAL, WORKSTATION)
     assert verdict.level == "good"
-    assert 15 < verdict.max_cache_gb < 20
+    assert 15 < verdict.max_cache_gb < 18  # GiB, as RuntimeConfig.cache_gb counts
 
 
 def test_disk_space_is_checked_before_anything_else_unless_downloaded():
@@ -61,8 +61,8 @@ def test_too_little_vram_for_resident_part():
 
 
 def test_cache_limit_gives_back_the_current_cache():
-    assert cache_gb_limit(LAPTOP, 0, current_cache_gb=2.0) == pytest.approx(7.5 + 2.0 - 1.0)
-    assert cache_gb_limit(OFFICE, 0) == pytest.approx(11 - 3.0)
+    assert cache_gb_limit(LAPTOP, 0, current_cache_gb=2.0) == pytest.approx((7.5 - 1.0) * GB / GIB + 2.0)
+    assert cache_gb_limit(OFFICE, 0) == pytest.approx((11 - 3.0) * GB / GIB)
     assert cache_gb_limit(Machine("cpu", "", 0, 0, GB, GB, GB), 0) == 0.0
 
 

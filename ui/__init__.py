@@ -1,0 +1,61 @@
+"""The Gradio interface: one module per tab (chat, models, settings, stats), each with build() and wire().
+
+Scope: `build(session)` assembles the tabs into one gr.Blocks and chains the cross-tab refreshes (a finished
+reply redraws the stats; loading a model refreshes settings and stats). No model logic lives in ui/; the
+app's state is the Session object passed in (ui/session.py). Launching is app.py's job; theme and css are
+launch() arguments in Gradio 6 (ui/theme.py).
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from ui import chat, models, settings, stats
+from ui.session import Session
+
+TITLE = "fmoe-local"
+
+
+def header(session: Session) -> str:
+    if session.runtime is not None:
+        i = session.runtime.info
+        model = f"**{i.name}** on {i.device} · expert cache {i.cache_gb:.2f} GB"
+    else:
+        model = "**No model loaded** — open the Models tab to download one or load a folder."
+    return f"# {TITLE}\n{model}"
+
+
+def build(session: Session) -> gr.Blocks:
+    with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as demo:
+        top = gr.Markdown(header(session), elem_id="app-title")
+        with gr.Tabs(elem_id="tabs") as tabs:
+            with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
+                chat_tab = chat.build(session)
+            with gr.Tab("Models", id="models", elem_id="tab-models"):
+                models_tab = models.build(session)
+            with gr.Tab("Settings", id="settings", elem_id="tab-settings"):
+                settings_tab = settings.build(session)
+            with gr.Tab("Stats", id="stats", elem_id="tab-stats"):
+                stats_tab = stats.build(session)
+        replies = chat.wire(session, chat_tab, demo)
+        loads = models.wire(session, models_tab, demo)
+        settings.wire(session, settings_tab, demo)
+        stats.wire(session, stats_tab, demo)
+
+        def after_load():
+            return header(session), *settings.refresh(session), *stats.draw(session)
+
+        after_load_outputs = [top, *settings.refresh_outputs(settings_tab), *stats.outputs(stats_tab)]
+        for event in loads:
+            event.success(after_load, None, after_load_outputs, api_visibility="private")
+        for event in replies:
+            event.then(lambda: stats.draw(session), None, stats.outputs(stats_tab), api_visibility="private")
+        # Without a model the chat cannot answer: open the wizard first.
+        demo.load(
+            lambda: gr.Tabs(selected="chat" if session.runtime is not None else "models"),
+            None,
+            [tabs],
+            api_visibility="private",
+        )
+        demo.load(lambda: header(session), None, [top], api_visibility="private")
+    return demo

@@ -1,0 +1,164 @@
+"""fmoe-local entry point: `python app.py` (or `fmoe-local` with no sub-command) starts the chat app.
+
+    python app.py [--model DIR|REPO_ID] [--port N] [--no-browser] [--data-dir DIR] [--listen]
+
+Scope: command line → store + Session (+ the model to load) → ui.build() → launch on 127.0.0.1 (the next free
+port when the asked one is taken; `--listen` opts in to the local network). Sub-commands (`run`, `bench`) go to
+fmoe_local.cli with a map-persistence factory, since only this module may import store/. It does NOT hold any
+UI or model logic itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before any import of gradio / huggingface_hub: no analytics, no telemetry, no Hub traffic unless the user
+# starts a download (ui/downloads.py lifts HF_HUB_OFFLINE in its own child process only).
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import argparse  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+SUBCOMMANDS = ("run", "bench")
+DEFAULT_PORT = 7860
+PORT_TRIES = 50
+LOOPBACK = "127.0.0.1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fmoe-local",
+        description="Chat with Mixture-of-Experts models larger than your GPU, on this computer.",
+        epilog="Sub-commands: `fmoe-local run --help`, `fmoe-local bench --help`.",
+    )
+    p.add_argument("--model", help="model folder, or the repo id of a downloaded model (default: the last one used)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to serve on (the next free one if taken)")
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser window")
+    p.add_argument("--data-dir", help="where chats, settings and models are kept (default: your user data folder)")
+    p.add_argument(
+        "--listen", action="store_true", help="serve on the local network too (anyone on it can use the app)"
+    )
+    return p
+
+
+def free_port(host: str, start: int, tries: int = PORT_TRIES) -> int:
+    """The first port from `start` that `host` can bind. Raises OSError with a sentence when none is free."""
+    for port in range(start, start + tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            if os.name != "nt":
+                # As uvicorn does: a port left in TIME_WAIT by a previous run is free; on Windows the same
+                # flag would let two servers share a port, so it is not set there.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"Ports {start}–{start + tries - 1} are all taken. Start with --port and another number.")
+
+
+def persistence_factory(store_path: Path, model_dir: Path):
+    """For `fmoe-local run --store`: the model's MapPersistence and a callable that closes the store."""
+    from store import open_store
+    from ui.session import shape_of
+
+    store = open_store(store_path)
+    return store.map_persistence(model_dir, shape_of(model_dir)), store.close
+
+
+def resolve_model(arg: str | None, models_dir: Path, last_model: str) -> tuple[Path | None, str]:
+    """(folder to load or None, a sentence when something is off). Order: --model, last used, demo model."""
+    if arg:
+        path = Path(arg).expanduser()
+        if path.is_dir():
+            return path, ""
+        from fmoe_local.catalog import local_name
+
+        downloaded = models_dir / local_name(arg)
+        if downloaded.is_dir():
+            return downloaded, ""
+        return None, f"'{arg}' is neither a model folder nor a downloaded model. Download it in the Models tab."
+    if last_model and Path(last_model).is_dir():
+        return Path(last_model), ""
+    try:
+        from fmoe_local.demo import demo_model_dir
+
+        return Path(demo_model_dir()), ""
+    except (ImportError, FileNotFoundError, OSError):
+        return None, "No model is loaded yet. Download one in the Models tab."
+
+
+def serve(args: argparse.Namespace):
+    """Open the store, load the model, build and launch the UI. Returns (demo, session, url); does not block."""
+    from store import StoreInUseError, open_store
+
+    data_dir = None
+    if args.data_dir:
+        # A folder, always: the store would take a path that does not exist yet for a database file name.
+        data_dir = Path(args.data_dir).expanduser()
+        data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        store = open_store(data_dir)
+    except StoreInUseError as exc:
+        raise SystemExit(f"fmoe-local: {exc}") from exc
+    if store.recovered_from is not None:
+        print(f"fmoe-local: the database was damaged; it was moved to {store.recovered_from} and a new one started.")
+    from fmoe_local.config import RuntimeConfig
+    from ui import build
+    from ui.session import Session
+    from ui.theme import CSS, theme
+
+    session = Session(store=store, config=RuntimeConfig())
+    model_dir, note = resolve_model(args.model, session.models_dir, store.settings.load().last_model)
+    if model_dir is not None:
+        print(f"fmoe-local: {session.load(model_dir)}", flush=True)
+    else:
+        session.load_error = note
+        print(f"fmoe-local: {note}", flush=True)
+    host = "0.0.0.0" if args.listen else LOOPBACK
+    if args.listen:
+        print("fmoe-local: WARNING: --listen serves the app to your whole network, without a password.", flush=True)
+    port = free_port(host, args.port)
+    demo = build(session)
+    demo.queue(default_concurrency_limit=1)
+    _, url, _ = demo.launch(
+        server_name=host,
+        server_port=port,
+        inbrowser=not args.no_browser,
+        prevent_thread_lock=True,
+        show_error=True,
+        quiet=True,
+        theme=theme(),
+        css=CSS,
+        ssr_mode=False,
+        footer_links=[],
+    )
+    print(f"fmoe-local: serving on {url}", flush=True)
+    return demo, session, url
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        from fmoe_local import cli
+
+        return cli.main(argv, persistence_factory=persistence_factory)
+    args = build_parser().parse_args(argv)
+    demo, session, _ = serve(args)
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        demo.close()
+        session.close()
+        session.store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

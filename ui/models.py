@@ -1,0 +1,216 @@
+"""Models tab: the download wizard (curated list with a fit verdict for this machine, or any HF repo id),
+downloaded models (load, delete) and loading a model folder from disk.
+
+Scope: components and events. Fit arithmetic is fmoe_local.hardware, the facts fmoe_local.catalog, the
+download itself ui.downloads. It does NOT touch the runtime beyond Session.load/unload.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gradio as gr
+
+from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find, local_name
+from fmoe_local.hardware import fit
+from ui.downloads import Download, delete_downloaded, list_downloaded
+from ui.session import Session
+
+POLL_S = 0.5
+HEADERS = ["Model", "Repo id", "Params (total / active)", "Experts × layers", "Download", "Expert (bf16)", "Fit here"]
+
+
+@dataclass
+class ModelsTab:
+    machine: gr.Markdown
+    refresh_machine: gr.Button
+    catalog: gr.Dataframe
+    fit_detail: gr.Markdown
+    repo_id: gr.Textbox
+    token: gr.Textbox
+    download: gr.Button
+    cancel: gr.Button
+    progress: gr.HTML
+    downloaded: gr.Dropdown
+    load: gr.Button
+    delete: gr.Button
+    folder: gr.Textbox
+    load_folder: gr.Button
+    status: gr.Markdown
+
+
+def catalog_rows(session: Session) -> list[list[str]]:
+    machine = session.machine()
+    have = {m.repo_id for m in list_downloaded(session.models_dir)}
+    rows = []
+    for e in CATALOG:
+        verdict = fit(e, machine, downloaded=e.repo_id in have)
+        rows.append(
+            [
+                e.name,
+                e.repo_id,
+                f"{e.total_params_b:g}B / {e.active_params_b:g}B",
+                f"{e.num_experts} × {e.num_layers} (top-{e.top_k})",
+                f"{e.download_bytes / GB:.1f} GB",
+                f"{e.expert_bytes / 1e6:.0f} MB",
+                verdict.label,
+            ]
+        )
+    return rows
+
+
+def progress_html(fraction: float, text: str) -> str:
+    pct = max(0.0, min(1.0, fraction)) * 100
+    return (
+        f"<div class='progress-outer'><div class='progress-inner' style='width:{pct:.1f}%'></div></div>"
+        f"<div id='download-text'>{html.escape(text)}</div>"
+    )
+
+
+def downloaded_choices(session: Session) -> list[tuple[str, str]]:
+    return [(f"{m.repo_id} ({m.size_bytes / GB:.1f} GB)", str(m.path)) for m in list_downloaded(session.models_dir)]
+
+
+def build(session: Session) -> ModelsTab:
+    with gr.Row():
+        machine = gr.Markdown("", elem_id="machine")
+        refresh_machine = gr.Button("Re-check this computer", size="sm", scale=0)
+    gr.Markdown("### Download a model\nPick one from the list (click a row) or type any Hugging Face repo id.")
+    catalog = gr.Dataframe(
+        headers=HEADERS,
+        value=[],
+        interactive=False,
+        wrap=True,
+        elem_id="catalog",
+        column_widths=["17%", "25%", "12%", "13%", "8%", "9%", "16%"],
+    )
+    fit_detail = gr.Markdown("", elem_id="fit-detail")
+    with gr.Row():
+        repo_id = gr.Textbox(label="Repo id", placeholder="owner/name", scale=3, elem_id="repo-id")
+        token = gr.Textbox(label="Access token (only for gated or private models)", type="password", scale=2)
+    with gr.Row():
+        download = gr.Button("Download", variant="primary", elem_id="download")
+        cancel = gr.Button("Cancel download", variant="stop", elem_id="cancel-download")
+    progress = gr.HTML("", elem_id="download-progress")
+    gr.Markdown("### Your models")
+    with gr.Row():
+        downloaded = gr.Dropdown(choices=[], label="Downloaded models", scale=3, elem_id="downloaded")
+        load = gr.Button("Load", variant="primary", scale=0, elem_id="load-model")
+        delete = gr.Button("Delete", variant="stop", scale=0, elem_id="delete-model")
+    with gr.Row():
+        folder = gr.Textbox(label="…or load a model folder from disk", placeholder="/path/to/checkpoint", scale=3)
+        load_folder = gr.Button("Load folder", scale=0, elem_id="load-folder")
+    status = gr.Markdown("", elem_id="models-status")
+    return ModelsTab(
+        machine, refresh_machine, catalog, fit_detail, repo_id, token, download, cancel, progress, downloaded, load, delete,
+        folder, load_folder, status,
+    )  # fmt: skip
+
+
+def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
+    """Attach the events; returns the events after which a model was (un)loaded."""
+
+    def machine_md(refresh: bool = False) -> str:
+        return f"**This computer:** {session.machine(refresh).summary()}"
+
+    def on_load():
+        return machine_md(), catalog_rows(session), gr.Dropdown(choices=downloaded_choices(session))
+
+    def recheck():
+        return machine_md(refresh=True), catalog_rows(session)
+
+    def pick(evt: gr.SelectData):
+        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+        entry = CATALOG[row]
+        have = {m.repo_id for m in list_downloaded(session.models_dir)}
+        verdict = fit(entry, session.machine(), downloaded=entry.repo_id in have)
+        detail = f"**{entry.name}: {verdict.label}.** " + " ".join(verdict.reasons)
+        if entry.note:
+            detail += f" _{entry.note}_"
+        return entry.repo_id, detail
+
+    def start(repo_id, token):
+        repo_id = (repo_id or "").strip()
+        if repo_id.count("/") != 1 or " " in repo_id:
+            raise gr.Error("Type a Hugging Face repo id like owner/name, or click a model in the list.")
+        if session.download is not None and session.download.status().state in ("planning", "downloading"):
+            raise gr.Error("A download is already running. Cancel it or wait for it to finish.")
+        entry = find(repo_id)
+        allow = list(entry.allow_patterns if entry else DEFAULT_ALLOW)
+        ignore = list(entry.ignore_patterns if entry else DEFAULT_IGNORE)
+        if entry is not None:
+            free = session.machine(refresh=True).disk_free
+            if entry.download_bytes > free:
+                raise gr.Error(
+                    f"Not enough disk space: {entry.name} needs {entry.download_bytes / GB:.1f} GB and "
+                    f"{free / GB:.1f} GB is free. Free up space or choose a smaller model."
+                )
+        d = Download(repo_id, session.models_dir, allow, ignore, token=token or None, endpoint=session.endpoint)
+        session.download = d
+        yield progress_html(0, f"Looking up {repo_id}…"), gr.skip()
+        while True:
+            s = d.status()
+            if s.state in ("planning", "downloading"):
+                text = f"{s.done_bytes / GB:.2f} of {s.total_bytes / GB:.2f} GB" if s.total_bytes else "Planning…"
+                yield progress_html(s.fraction, f"Downloading {repo_id}: {text}"), gr.skip()
+                time.sleep(POLL_S)
+                continue
+            if s.state == "done":
+                yield (
+                    progress_html(1.0, s.message + " Select it below and press Load."),
+                    gr.Dropdown(choices=downloaded_choices(session), value=str(d.dest)),
+                )
+            else:
+                yield progress_html(s.fraction, s.message), gr.skip()
+            return
+
+    def cancel():
+        if session.download is None:
+            return "No download is running."
+        session.download.cancel()
+        return "Download cancelled. Press Download again to resume: finished files are kept."
+
+    def load_path(path):
+        if not path:
+            raise gr.Error("Pick a downloaded model or type a folder first.")
+        message = session.load(Path(path))
+        if session.runtime is None:
+            raise gr.Error(message)
+        return message
+
+    def delete(path):
+        if not path:
+            raise gr.Error("Pick a downloaded model to delete.")
+        if session.model_dir is not None and Path(path).resolve() == session.model_dir.resolve():
+            session.unload()
+        delete_downloaded(session.models_dir, Path(path))
+        return f"Deleted {Path(path).name}.", gr.Dropdown(choices=downloaded_choices(session), value=None)
+
+    def list_models():
+        return [
+            {"repo_id": m.repo_id, "path": str(m.path), "size_bytes": m.size_bytes}
+            for m in list_downloaded(session.models_dir)
+        ]
+
+    demo.load(on_load, None, [tab.machine, tab.catalog, tab.downloaded], api_visibility="private")
+    tab.refresh_machine.click(recheck, None, [tab.machine, tab.catalog], api_visibility="private")
+    tab.catalog.select(pick, None, [tab.repo_id, tab.fit_detail], api_visibility="private")
+    tab.download.click(start, [tab.repo_id, tab.token], [tab.progress, tab.downloaded], api_name="download")
+    tab.cancel.click(cancel, None, [tab.status], api_name="cancel_download", concurrency_limit=None)
+    loaded = tab.load.click(load_path, [tab.downloaded], [tab.status], api_name="load_model", concurrency_id="runtime")
+    loaded_folder = tab.load_folder.click(
+        load_path, [tab.folder], [tab.status], api_name="load_folder", concurrency_id="runtime"
+    )
+    deleted = tab.delete.click(
+        delete, [tab.downloaded], [tab.status, tab.downloaded], api_name="delete_model", concurrency_id="runtime"
+    )
+    # An invisible endpoint for scripts and tests: the downloaded models as data.
+    gr.api(list_models, api_name="list_models")
+    return [loaded, loaded_folder, deleted]
+
+
+def catalog_local_name(repo_id: str) -> str:
+    return local_name(repo_id)

@@ -1,0 +1,122 @@
+"""The app's live state shared by the tabs: the store, the loaded model, the machine, the running download.
+
+Scope: one object built by app.py and handed to every tab's build()/wire() (never a module of globals). It loads
+and unloads models (with the store's map persistence), keeps the recent request statistics the Stats tab draws,
+and probes the machine when asked. It does NOT build components or format anything for display.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.hardware import Machine, probe
+from fmoe_local.stats import RequestStats
+
+HISTORY = 200  # replies kept for the Stats tab's time series
+
+
+@dataclass(frozen=True)
+class ModelShapeFacts:
+    """What the map store needs to know before the model loads (read from config.json)."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    embed_dim: int
+
+
+def shape_of(model_dir: Path) -> ModelShapeFacts:
+    from transformers import AutoConfig
+
+    from fmoe_local.architectures import architecture_for
+
+    config = AutoConfig.from_pretrained(model_dir)
+    arch = architecture_for(config)
+    text = getattr(config, "text_config", None) or config
+    return ModelShapeFacts(
+        num_layers=len(arch.moe_layer_indices(config)),
+        num_experts=arch.num_experts(config),
+        top_k=arch.top_k(config),
+        embed_dim=int(text.hidden_size),
+    )
+
+
+@dataclass
+class Session:
+    store: object  # store.Store; typed loosely so that ui tests can pass a Store opened on a temp folder
+    config: RuntimeConfig
+    endpoint: str | None = None  # Hugging Face endpoint for downloads (tests point it at a fake Hub)
+    runtime: object | None = None  # fmoe_local.runtime.Runtime once a model is loaded
+    model_dir: Path | None = None
+    load_error: str = ""
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # RequestStats of recent replies
+    download: object | None = None  # ui.downloads.Download in progress
+    _machine: Machine | None = None
+    _persistence: object | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def models_dir(self) -> Path:
+        return Path(self.store.models_dir)
+
+    def machine(self, refresh: bool = False) -> Machine:
+        if self._machine is None or refresh:
+            self._machine = probe(self.models_dir.parent)
+        return self._machine
+
+    @property
+    def last_stats(self) -> RequestStats | None:
+        return self.history[-1] if self.history else None
+
+    def record(self, stats: RequestStats) -> None:
+        self.history.append(stats)
+
+    def load(self, model_dir: str | Path) -> str:
+        """Load a model (unloading the current one); returns a sentence for the user. Saves it as last_model."""
+        from fmoe_local.runtime import Runtime
+
+        model_dir = Path(model_dir).expanduser()
+        if not (model_dir / "config.json").is_file():
+            return f"{model_dir} is not a model folder (no config.json). Pick a downloaded model or another folder."
+        with self._lock:
+            self.unload()
+            settings = self.store.settings.load()
+            config = settings.apply_to(self.config)
+            try:
+                shape = shape_of(model_dir)
+                self._persistence = self.store.map_persistence(model_dir, shape)
+                self.runtime = Runtime.load(model_dir, config, map_persistence=self._persistence)
+            except Exception as exc:  # noqa: BLE001 - any load failure is reported, the app keeps running
+                self._close_persistence()
+                self.load_error = f"Could not load {model_dir.name}: {exc}"
+                return self.load_error
+            self.model_dir = model_dir
+            self.load_error = ""
+            self.history.clear()
+            self.store.settings.set(last_model=str(model_dir))
+            info = self.runtime.info
+            return (
+                f"Loaded {info.name} on {info.device}: {info.num_layers} MoE layers × {info.num_experts} experts, "
+                f"cache {info.cache_gb:.2f} GB ({info.cache_experts} experts)."
+            )
+
+    def unload(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+            self.model_dir = None
+        self._close_persistence()
+
+    def _close_persistence(self) -> None:
+        if self._persistence is not None:
+            self._persistence.close()
+            self._persistence = None
+
+    def close(self) -> None:
+        if self.download is not None:
+            self.download.cancel()
+        self.unload()
