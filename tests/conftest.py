@@ -34,12 +34,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
     ) -> Path:
         if family not in FAMILIES:
             raise ValueError(f"Unknown tiny family '{family}'. Choose one of: {', '.join(FAMILIES)}.")
-        key = (family, dtype, sharded, seed)
+        key = (family, dtype, sharded, seed, tied)
         if key not in built:
             name = f"{family}-{str(dtype).removeprefix('torch.')}-{'sharded' if sharded else 'single'}-{seed}"
-            built[key] = build_tiny_model(
-                family, tmp_path_factory.mktemp(name), dtype=dtype, sharded=sharded, seed=seed
-            )
+            name += "-tied" if tied else ""
+            out = tmp_path_factory.mktemp(name)
+            built[key] = build_tiny_model(family, out, dtype=dtype, sharded=sharded, seed=seed, tied=tied)
         return built[key]
 
     return get

@@ -1,0 +1,140 @@
+"""Host store: checkpoint reading, RAM and disk tiers, MXFP4 dequantisation, thread safety."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from fmoe_local.architectures import FusedRow, architecture_for
+from fmoe_local.host import GIB, CheckpointFiles, CheckpointHostStore, HostStore, dequantize_mxfp4
+
+
+def _store(model_dir, host_ram_gb=None, dtype=torch.float32):
+    config = AutoConfig.from_pretrained(model_dir)
+    arch = architecture_for(config)
+    files = CheckpointFiles(model_dir)
+    layers = arch.moe_layer_indices(config)
+    sources = [[arch.expert_sources(i, e, files) for e in range(arch.num_experts(config))] for i in layers]
+    shapes = {"gate_up_proj": (2 * 32, 64), "down_proj": (64, 32)}  # tiny models: hidden 64, expert intermediate 32
+    return CheckpointHostStore(files, sources, shapes, dtype, host_ram_gb), files, layers
+
+
+def test_dequantize_mxfp4_known_values():
+    # One row, one group of 32 values: byte 0x21 holds codes 1 (low nibble, first) and 2 (high nibble).
+    blocks = torch.zeros(1, 1, 16, dtype=torch.uint8)
+    blocks[0, 0, 0] = 0x21
+    blocks[0, 0, 1] = 0xF9  # codes 9 (-0.5) then 15 (-6.0)
+    scales = torch.tensor([[128]], dtype=torch.uint8)  # 2 ** (128 - 127) = 2
+    out = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert out.shape == (1, 32)
+    assert out[0, :4].tolist() == [1.0, 2.0, -1.0, -12.0]
+    assert not out[0, 4:].any()
+
+
+def test_dequantize_mxfp4_matches_transformers_layout():
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 6, 2, 16), dtype=torch.uint8, generator=gen)  # [E, out, G, B]
+    scales = torch.randint(120, 134, (3, 6, 2), dtype=torch.uint8, generator=gen)
+    reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    for e in range(3):
+        mine = dequantize_mxfp4(blocks[e], scales[e], torch.float32).reshape(6, -1)  # [out, in]
+        torch.testing.assert_close(mine.t(), reference[e], rtol=0, atol=0)
+
+
+def test_checkpoint_files_single_and_sharded(tiny_model_dir):
+    single = CheckpointFiles(tiny_model_dir("olmoe"))
+    sharded = CheckpointFiles(tiny_model_dir("olmoe", sharded=True))
+    assert set(single.keys()) == set(sharded.keys())
+    assert len(set(sharded.key_file.values())) >= 2
+    key = "model.layers.1.mlp.experts.3.down_proj.weight"
+    torch.testing.assert_close(single.get(key), sharded.get(key), rtol=0, atol=0)
+    full = sharded.get("model.embed_tokens.weight")
+    assert torch.equal(sharded.get_row("model.embed_tokens.weight", 7), full[7])
+    assert sharded.shape("model.embed_tokens.weight") == tuple(full.shape)
+    single.close()
+    sharded.close()
+
+
+def test_checkpoint_files_missing_weights_are_explained(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No safetensors weights"):
+        CheckpointFiles(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        CheckpointFiles(tmp_path)
+
+
+def test_ram_tier_rows_are_the_checkpoint_tensors(tiny_model_dir):
+    d = tiny_model_dir("mixtral")
+    store, files, layers = _store(d)
+    assert isinstance(store, HostStore)
+    assert (store.num_layers, store.num_experts, store.ram_experts) == (4, 8, 32)
+    base = f"model.layers.{layers[2]}.block_sparse_moe.experts.6"
+    rows = store.read(2, 6)
+    expected = torch.cat([files.get(f"{base}.w1.weight"), files.get(f"{base}.w3.weight")])
+    assert torch.equal(rows["gate_up_proj"], expected)
+    assert torch.equal(rows["down_proj"], files.get(f"{base}.w2.weight"))
+    assert store.expert_bytes == (64 * 64 + 64 * 32) * 4
+    with pytest.raises(IndexError):
+        store.read(4, 0)
+    store.close()
+
+
+@pytest.mark.parametrize("experts_in_ram", [0, 5])
+def test_disk_tier_returns_the_same_tensors(tiny_model_dir, experts_in_ram):
+    d = tiny_model_dir("qwen3_moe", sharded=True)
+    full, _, _ = _store(d)
+    budget_gb = experts_in_ram * full.expert_bytes / GIB
+    lazy, _, _ = _store(d, host_ram_gb=budget_gb)
+    assert lazy.ram_experts == experts_in_ram
+    assert lazy.in_ram(0, 4) == (experts_in_ram > 4) and not lazy.in_ram(2, 7)
+    for layer in range(full.num_layers):
+        for expert in range(full.num_experts):
+            a, b = full.read(layer, expert), lazy.read(layer, expert)
+            assert a.keys() == b.keys()
+            for name in a:
+                assert torch.equal(a[name], b[name]) and b[name].device.type == "cpu"
+    full.close()
+    lazy.close()
+
+
+def test_rows_are_cast_to_the_compute_dtype(tiny_model_dir):
+    store, files, layers = _store(tiny_model_dir("deepseek_v2"), host_ram_gb=0, dtype=torch.bfloat16)
+    rows = store.read(1, 2)
+    assert all(t.dtype == torch.bfloat16 for t in rows.values())
+    down = files.get(f"model.layers.{layers[1]}.mlp.experts.2.down_proj.weight")
+    assert torch.equal(rows["down_proj"], down.to(torch.bfloat16))
+    assert store.expert_bytes == (64 * 64 + 64 * 32) * 2
+    store.close()
+
+
+def test_concurrent_reads_from_the_disk_tier(tiny_model_dir):
+    d = tiny_model_dir("olmoe", sharded=True)
+    ram, _, _ = _store(d)
+    disk, _, _ = _store(d, host_ram_gb=0)
+    keys = [(layer, expert) for layer in range(ram.num_layers) for expert in range(ram.num_experts)] * 4
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(lambda k: (k, disk.read(*k)), keys))
+    for key, rows in results:
+        for name, t in ram.read(*key).items():
+            assert torch.equal(rows[name], t)
+    ram.close()
+    disk.close()
+
+
+def test_fused_rows_are_read_one_expert_at_a_time(tmp_path):
+    fused = torch.arange(4 * 3 * 2, dtype=torch.float32).reshape(4, 3, 2)
+    save_file({"model.layers.0.mlp.experts.down_proj": fused}, str(tmp_path / "model.safetensors"))
+    files = CheckpointFiles(tmp_path)
+    sources = [[{"down_proj": FusedRow("model.layers.0.mlp.experts.down_proj", e)} for e in range(4)]]
+    store = CheckpointHostStore(files, sources, {"down_proj": (3, 2)}, torch.float32, host_ram_gb=0)
+    assert torch.equal(store.read(0, 2)["down_proj"], fused[2])
+    wrong = CheckpointHostStore(files, sources, {"down_proj": (2, 3)}, torch.float32, host_ram_gb=0)
+    with pytest.raises(ValueError, match="does not match its config.json"):
+        wrong.read(0, 1)
+    store.close()
