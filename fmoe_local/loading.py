@@ -17,7 +17,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, build_glob_alternation, rename_source_key
 
@@ -65,6 +72,9 @@ def load_model(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     model.eval()
+    if (model_dir / "generation_config.json").exists():
+        # Extra stop tokens (e.g. chat end-of-turn ids) often live only here; from_pretrained reads it too.
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
     moe_layers = arch.moe_layers(model)
     module_names = {id(m): n for n, m in model.named_modules()}
     expert_prefixes = tuple(module_names[id(ref.experts)] + "." for ref in moe_layers)

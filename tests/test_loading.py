@@ -120,6 +120,16 @@ def test_tokenizer_and_layers_are_ready_to_use(tiny_model_dir):
     assert not any(p.requires_grad for p in loaded.model.parameters())
 
 
+def test_generation_config_is_read_from_the_checkpoint(tiny_model_dir, tmp_path):
+    d = tmp_path / "stops"
+    shutil.copytree(tiny_model_dir("phimoe"), d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, 5]  # an end-of-turn token besides eos, as chat models ship
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    loaded = load_model(d, RuntimeConfig(), "cpu", None)
+    assert loaded.model.generation_config.eos_token_id == [2, 5]
+
+
 def _mxfp4_gpt_oss(src, dst):
     """Rewrite a tiny GPT-OSS checkpoint with MXFP4-packed experts, as the official release ships them."""
     shutil.copytree(src, dst)
@@ -178,3 +188,28 @@ def test_incomplete_checkpoint_is_explained(tiny_model_dir, tmp_path):
         load_model(d, RuntimeConfig(), "cpu", None)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(tmp_path, RuntimeConfig(), "cpu", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_resident_weights_go_straight_to_the_gpu(tiny_model_dir, family):
+    d = tiny_model_dir(family, dtype=torch.bfloat16)
+    loaded = load_model(d, RuntimeConfig(), "cuda", torch.bfloat16)
+    ref = _reference(d, torch.bfloat16)
+    mine = loaded.model.state_dict()
+    for name, expected in ref.state_dict().items():
+        got = mine[name]
+        if got.device.type == "meta":
+            continue
+        assert got.device.type == "cuda", name
+        assert torch.equal(got.cpu(), expected), name
+    assert all(t.device.type == "cpu" for t in loaded.host.read(0, 0).values())
+    _materialise_experts(loaded)
+    for r in loaded.moe_layers:
+        r.experts.to("cuda")
+    ids = torch.randint(0, ref.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = loaded.model(ids.cuda()).logits.float().cpu()
+        expected = ref.cuda()(ids.cuda()).logits.float().cpu()
+    torch.testing.assert_close(got, expected)
