@@ -1,0 +1,287 @@
+"""The launcher bootstrap's decisions with faked probes (installers/install_plan.py), and its effects that run
+without installing anything (installers/bootstrap.py): failing steps, the smoke check, the stamp, the menu entry."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "installers"))
+plan = importlib.import_module("install_plan")
+bootstrap = importlib.import_module("bootstrap")
+
+# The header nvidia-smi prints (trimmed), as on a real H100 machine; only the CUDA version varies between tests.
+SMI = """+-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 560.35.03              Driver Version: 560.35.03      CUDA Version: {cuda}     |
+|-----------------------------------------+------------------------+----------------------+
+| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
+|=========================================+========================+======================|
+|   0  NVIDIA H100 80GB HBM3          On  |   00000000:18:00.0 Off |                    0 |
++-----------------------------------------+------------------------+----------------------+
+"""
+GB = 1_000_000_000
+
+
+def probes(**changes) -> plan.Probes:
+    base = dict(system="Linux", machine="x86_64", python=(3, 11, 7), nvidia_smi=None, free_bytes=100 * GB)
+    base.update(changes)
+    return plan.Probes(**base)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> plan.Project:
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "fmoe-local"\nversion = "0.3.1"\n')
+    (tmp_path / "constraints.txt").write_text("# tested pin\ntorch==2.13.0\n")
+    return plan.read_project(tmp_path)
+
+
+# ---- where things go ----
+
+
+def test_data_dir_follows_each_os_convention(tmp_path: Path):
+    home = tmp_path / "home"
+    assert plan.data_dir("Linux", {}, home) == home / ".local/share/fmoe-local"
+    assert plan.data_dir("Linux", {"XDG_DATA_HOME": "/xdg"}, home) == Path("/xdg/fmoe-local")
+    # A relative XDG_DATA_HOME is invalid per the XDG spec and must be ignored.
+    assert plan.data_dir("Linux", {"XDG_DATA_HOME": "rel"}, home) == home / ".local/share/fmoe-local"
+    assert plan.data_dir("Darwin", {}, home) == home / "Library/Application Support/fmoe-local"
+    assert plan.data_dir("Windows", {"LOCALAPPDATA": "C:/Users/u/AppData/Local"}, home) == Path(
+        "C:/Users/u/AppData/Local/fmoe-local"
+    )
+
+
+# ---- Python ----
+
+
+@pytest.mark.parametrize(
+    "system, where",
+    [
+        ("Linux", "sudo apt install python3.11"),
+        ("Darwin", "https://www.python.org/downloads/macos/"),
+        ("Windows", "https://www.python.org/downloads/windows/"),
+    ],
+)
+def test_python_too_old_says_what_to_install_per_os(system: str, where: str, project: plan.Project, tmp_path: Path):
+    with pytest.raises(plan.BootstrapError) as err:
+        plan.decide(probes(system=system, machine="arm64", python=(3, 9, 18)), project, None, False, False, tmp_path)
+    assert "Python 3.9.18" in str(err.value)
+    assert "Install Python 3.11" in str(err.value) and where in str(err.value)
+    assert plan.python_problem((3, 10, 0), system) is None
+
+
+def test_python_without_venv_support_names_the_debian_package(project: plan.Project, tmp_path: Path):
+    with pytest.raises(plan.BootstrapError, match="sudo apt install python3.11-venv"):
+        plan.decide(probes(has_venv=False), project, None, False, False, tmp_path)
+
+
+# ---- PyTorch build ----
+
+
+def test_no_gpu_on_linux_picks_the_cpu_build():
+    chosen = plan.choose_torch("Linux", "x86_64", None)
+    assert chosen.build == "cpu"
+    assert chosen.index_url == "https://download.pytorch.org/whl/cpu"
+    assert "No NVIDIA GPU" in chosen.reason
+
+
+@pytest.mark.parametrize(
+    "cuda, build",
+    [("13.1", "cu130"), ("13.0", "cu130"), ("12.9", "cu128"), ("12.8", "cu128"), ("12.6", "cu126")],
+)
+def test_gpu_present_picks_the_newest_cuda_build_the_driver_runs(cuda: str, build: str):
+    chosen = plan.choose_torch("Linux", "x86_64", SMI.format(cuda=cuda))
+    assert chosen.build == build
+    assert chosen.index_url == f"https://download.pytorch.org/whl/{build}"
+    assert "NVIDIA H100 80GB HBM3" in chosen.reason and f"CUDA {cuda}" in chosen.reason
+
+
+def test_gpu_with_an_old_driver_falls_back_to_cpu_and_says_to_update():
+    chosen = plan.choose_torch("Windows", "AMD64", SMI.format(cuda="12.2"))
+    assert chosen.build == "cpu"
+    assert "Update the NVIDIA driver" in chosen.reason and "--repair" in chosen.reason
+
+
+def test_macos_apple_silicon_takes_the_default_wheel_with_mps():
+    chosen = plan.choose_torch("Darwin", "arm64", None)
+    assert (chosen.build, chosen.index_url) == ("mps", None)
+    assert "MPS" in chosen.reason
+
+
+def test_intel_mac_is_refused_with_a_reason():
+    with pytest.raises(plan.BootstrapError, match="Apple Silicon"):
+        plan.choose_torch("Darwin", "x86_64", None)
+
+
+def test_torch_pin_goes_through_the_constraints_file(project: plan.Project):
+    cpu = plan.choose_torch("Linux", "x86_64", None)
+    args = plan.torch_install_args(cpu, project, index_reachable=True)
+    assert args == [
+        "torch==2.13.0",
+        "-c",
+        str(project.root / "constraints.txt"),
+        "--extra-index-url",
+        "https://download.pytorch.org/whl/cpu",
+    ]
+    # Unreachable index: no extra index, so pip does not spend its retries on it; the pin still holds.
+    assert plan.torch_install_args(cpu, project, index_reachable=False) == args[:3]
+    assert "--extra-index-url" not in plan.torch_install_args(plan.choose_torch("Darwin", "arm64", None), project, True)
+
+
+def test_repository_pin_is_read_from_constraints_txt():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the bootstrap itself parses with a regex
+    real = plan.read_project(REPO)
+    assert real.version == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    pins = [line.strip() for line in (REPO / "constraints.txt").read_text().splitlines() if line.startswith("torch")]
+    assert real.torch_pin == pins[0]
+
+
+# ---- disk space ----
+
+
+def test_no_disk_space_stops_a_first_install(project: plan.Project, tmp_path: Path):
+    with pytest.raises(plan.BootstrapError) as err:
+        plan.decide(probes(free_bytes=2 * GB), project, None, False, False, tmp_path)
+    assert "2.0 GB free" in str(err.value) and "about 4 GB" in str(err.value)
+    assert "Free some space" in str(err.value)
+    # A CUDA install needs more room than a CPU one.
+    assert plan.disk_problem(6 * GB, plan.choose_torch("Linux", "x86_64", SMI.format(cuda="12.8")), tmp_path)
+    assert plan.disk_problem(6 * GB, plan.choose_torch("Linux", "x86_64", None), tmp_path) is None
+
+
+def test_no_disk_space_does_not_block_an_installed_copy(project: plan.Project, tmp_path: Path):
+    stamp = plan.wanted_stamp(project, plan.choose_torch("Linux", "x86_64", None), (3, 11, 7))
+    decision = plan.decide(probes(free_bytes=0), project, stamp, True, False, tmp_path)
+    assert not decision.install
+
+
+# ---- the stamp ----
+
+
+def test_stamp_up_to_date_skips_the_install(project: plan.Project, tmp_path: Path):
+    stamp = plan.wanted_stamp(project, plan.choose_torch("Linux", "x86_64", None), (3, 11, 2))
+    decision = plan.decide(probes(), project, stamp, True, False, tmp_path)
+    assert not decision.install and "up to date" in decision.why and decision.stamp == stamp
+
+
+def test_changed_version_or_dependencies_reinstall(project: plan.Project, tmp_path: Path):
+    old = plan.wanted_stamp(project, plan.choose_torch("Linux", "x86_64", None), (3, 11, 7))
+    (project.root / "constraints.txt").write_text("torch==2.14.0\n")
+    (project.root / "pyproject.toml").write_text('[project]\nname = "fmoe-local"\nversion = "0.4.0"\n')
+    newer = plan.read_project(project.root)
+    assert newer.fingerprint != project.fingerprint and newer.torch_pin == "torch==2.14.0"
+    decision = plan.decide(probes(), newer, old, True, False, tmp_path)
+    assert decision.install
+    assert "project_version: 0.3.1 → 0.4.0" in decision.why and "fingerprint" in decision.why
+
+
+def test_a_new_gpu_changes_the_wanted_build(project: plan.Project, tmp_path: Path):
+    cpu_stamp = plan.wanted_stamp(project, plan.choose_torch("Linux", "x86_64", None), (3, 11, 7))
+    decision = plan.decide(probes(nvidia_smi=SMI.format(cuda="12.8")), project, cpu_stamp, True, False, tmp_path)
+    assert decision.install and "torch_build: cpu → cu128" in decision.why
+
+
+def test_first_run_unfinished_install_and_repair_all_install(project: plan.Project, tmp_path: Path):
+    stamp = plan.wanted_stamp(project, plan.choose_torch("Linux", "x86_64", None), (3, 11, 7))
+    assert "first run" in plan.decide(probes(), project, None, False, False, tmp_path).why
+    assert "did not finish" in plan.decide(probes(), project, None, True, False, tmp_path).why
+    repaired = plan.decide(probes(), project, stamp, True, True, tmp_path)
+    assert repaired.install and "--repair" in repaired.why
+
+
+# ---- bootstrap effects that need no install ----
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    return tmp_path / ".local/share/fmoe-local"
+
+
+def test_plan_reports_stamp_state_from_disk(home: Path, capsys: pytest.CaptureFixture):
+    assert bootstrap.main(["--plan"]) == 0
+    assert "first run" in capsys.readouterr().out
+    venv = home / "venv"
+    bootstrap.venv_python(venv).parent.mkdir(parents=True)
+    bootstrap.venv_python(venv).write_text("")
+    wanted = plan.decide(bootstrap.probe(home), plan.read_project(REPO), None, False, False, home).stamp
+    (venv / bootstrap.STAMP_NAME).write_text(json.dumps(wanted))
+    assert bootstrap.main(["--plan"]) == 0
+    assert "Environment up to date" in capsys.readouterr().out
+    (venv / bootstrap.STAMP_NAME).write_text(json.dumps(dict(wanted, project_version="0.0.1")))
+    assert bootstrap.main(["--plan"]) == 0
+    assert "project_version: 0.0.1 →" in capsys.readouterr().out
+    assert "project_version: 0.0.1 →" in (home / "logs/launcher.log").read_text()
+
+
+def test_failed_step_shows_its_output_and_the_log_path(home: Path, capsys: pytest.CaptureFixture):
+    log = bootstrap.Log(home / "logs/launcher.log")
+    with pytest.raises(plan.BootstrapError, match="This step failed"):
+        log.run([sys.executable, "-c", "print('no matching distribution for torch'); raise SystemExit(3)"])
+    assert "no matching distribution for torch" in capsys.readouterr().out
+    assert "no matching distribution for torch" in log.path.read_text()
+
+
+def test_console_progress_keeps_direct_dependencies_big_downloads_and_the_end():
+    shown = [
+        bootstrap.pip_progress(line)
+        for line in [
+            "Collecting gradio>=5 (from fmoe-local==0.1.0)",
+            "Collecting idna>=2.8 (from anyio<5.0,>=3.0->gradio>=5->fmoe-local==0.1.0)",
+            "Downloading https://download.pytorch.org/whl/cu128/torch-2.13.0%2Bcu128-cp311-linux_x86_64.whl (888.1 MB)",
+            "Downloading idna-3.11-py3-none-any.whl (71 kB)",
+            "Installing collected packages: idna, gradio, torch",
+            "Successfully installed gradio-6.31.0 idna-3.11 torch-2.13.0",
+        ]
+    ]
+    assert shown == [
+        "Collecting gradio>=5",
+        None,
+        "Downloading torch-2.13.0%2Bcu128-cp311-linux_x86_64.whl (888.1 MB)",
+        None,
+        "Unpacking 3 packages (the slowest part; the window may look idle)…",
+        "Done: 3 packages installed.",
+    ]
+
+
+STUB_APP = """import argparse, http.server, socketserver, sys
+p = argparse.ArgumentParser(); p.add_argument("--port", type=int); p.add_argument("--no-browser", action="store_true")
+p.add_argument("--data-dir"); a = p.parse_args()
+if {fail}: sys.exit(4)
+socketserver.TCPServer(("127.0.0.1", a.port), http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+
+
+def fake_venv(tmp_path: Path) -> Path:
+    venv = tmp_path / "venv"
+    bootstrap.venv_python(venv).parent.mkdir(parents=True)
+    bootstrap.venv_python(venv).symlink_to(sys.executable)
+    return venv
+
+
+def test_smoke_waits_for_an_answer_then_stops_the_app(project: plan.Project, home: Path, tmp_path: Path):
+    (project.root / "app.py").write_text(STUB_APP.format(fail=False))
+    log = bootstrap.Log(home / "logs/launcher.log")
+    bootstrap.smoke(fake_venv(tmp_path), project, log, timeout=60)
+    assert "Smoke test passed: HTTP 200" in log.path.read_text()
+
+
+def test_smoke_fails_when_the_app_exits(project: plan.Project, home: Path, tmp_path: Path):
+    (project.root / "app.py").write_text(STUB_APP.format(fail=True))
+    log = bootstrap.Log(home / "logs/launcher.log")
+    with pytest.raises(plan.BootstrapError, match="exited with code 4"):
+        bootstrap.smoke(fake_venv(tmp_path), project, log, timeout=60)
+
+
+def test_desktop_entry_points_at_the_launcher(tmp_path: Path):
+    template = REPO / "installers/linux/fmoe-local.desktop"
+    launcher = REPO / "installers/linux/fmoe-local.sh"
+    entry = bootstrap.install_desktop_entry(template, launcher, tmp_path / "applications")
+    lines = entry.read_text().splitlines()
+    assert f'Exec="{launcher}"' in lines and "Terminal=true" in lines
+    assert "@LAUNCHER@" not in entry.read_text()
