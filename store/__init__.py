@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from store.chats import ChatNotFoundError, ChatStore, Conversation, Message, SearchHit
-from store.db import StoreDb, StoreError, open_database
-from store.lock import StoreInUseError
+from store.db import StoreDb, open_database
+from store.errors import StoreError, StoreInUseError, StoreTooNewError
 from store.maps import MapShape, SqliteMapPersistence, clear_model, list_models, model_fingerprint
-from store.migrations import StoreTooNewError
 from store.paths import MODELS_DIRNAME, default_data_dir, resolve_db_path
 from store.settings import AppSettings, SettingsStore
 
@@ -46,6 +45,7 @@ class Store:
     chats: ChatStore
     settings: SettingsStore
     _persistences: list[SqliteMapPersistence] = field(default_factory=list)
+    _closed: bool = False
 
     @property
     def path(self) -> Path:
@@ -69,7 +69,8 @@ class Store:
         persistence = SqliteMapPersistence(
             self.db, model_fingerprint(model_dir), shape, name=name or Path(model_dir).name
         )
-        self._persistences.append(persistence)
+        # Closed ones (a model unloaded) are dropped so a long session does not keep them all.
+        self._persistences = [p for p in self._persistences if not p.closed] + [persistence]
         return persistence
 
     def models_with_maps(self) -> list[dict]:
@@ -81,8 +82,9 @@ class Store:
 
     def close(self) -> None:
         """Drain and stop the map writers, close the database, release the instance lock. Safe to call twice."""
-        if not self.db.instance_lock.held:
+        if self._closed:
             return
+        self._closed = True
         try:
             for persistence in self._persistences:
                 persistence.close()
@@ -99,8 +101,8 @@ class Store:
 def open_store(location: str | Path | None = None, check: bool = True) -> Store:
     """Open the store at a data folder or a database file (None = the per-OS user data folder).
 
-    Raises StoreInUseError (another instance holds it), StoreTooNewError, StoreError; their messages are sentences
-    for the user. A damaged file is moved aside and `Store.recovered_from` says where.
+    Raises StoreError — StoreInUseError when another instance holds it, StoreTooNewError for a newer file; the
+    message is a sentence for the user. A damaged file is moved aside and `Store.recovered_from` says where.
     """
     store_db = open_database(resolve_db_path(location), check=check)
     return Store(db=store_db, chats=ChatStore(store_db), settings=SettingsStore(store_db))

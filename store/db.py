@@ -20,6 +20,7 @@ from pathlib import Path
 
 import sqlite_utils
 
+from store.errors import StoreError
 from store.lock import InstanceLock
 from store.migrations import check_not_newer, migrate
 
@@ -27,10 +28,6 @@ log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 5000
 MMAP_BYTES = 1 << 30
-
-
-class StoreError(RuntimeError):
-    """The database cannot be used; the message says what the user can do."""
 
 
 def connect(path: Path) -> sqlite_utils.Database:

@@ -8,27 +8,22 @@ included, so a crashed app never leaves a stale lock behind; the PID inside only
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import sys
 from pathlib import Path
+
+from store.errors import StoreInUseError
 
 if sys.platform == "win32":
     import msvcrt
 else:
     import fcntl
 
-
-class StoreInUseError(RuntimeError):
-    """Another running fmoe-local holds this database. The message is a sentence the app can show."""
-
-    def __init__(self, db_path: Path, pid: int | None) -> None:
-        who = f"another fmoe-local (process {pid})" if pid else "another fmoe-local"
-        super().__init__(
-            f"The data in {db_path.parent} is already in use by {who}. Close that window or process first, "
-            f"or start this one with --data-dir pointing to a different folder."
-        )
-        self.db_path = db_path
-        self.pid = pid
+log = logging.getLogger(__name__)
+# What a lock held by someone else looks like; any other failure means the filesystem cannot lock at all.
+_HELD = {errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES, getattr(errno, "EDEADLK", -1), getattr(errno, "EDEADLOCK", -1)}
 
 
 class InstanceLock:
@@ -51,7 +46,12 @@ class InstanceLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             _lock(fd)
-        except OSError:
+        except OSError as exc:
+            if exc.errno not in _HELD:
+                # e.g. a network share without locks: running unguarded beats refusing to start.
+                log.warning("cannot lock %s (%s); a second instance would not be detected", self.path, exc)
+                os.close(fd)
+                return self
             pid = _read_pid(fd)
             os.close(fd)
             raise StoreInUseError(self.db_path, pid) from None

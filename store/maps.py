@@ -175,6 +175,10 @@ class SqliteMapPersistence:
         self._closed = True
         self._thread.join(timeout)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def status(self) -> WriterStatus:
         with self._cond:
             return WriterStatus(

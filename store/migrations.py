@@ -14,9 +14,7 @@ from collections.abc import Callable
 
 import sqlite_utils
 
-
-class StoreTooNewError(RuntimeError):
-    """The file was written by a newer fmoe-local; it is left untouched."""
+from store.errors import StoreTooNewError
 
 
 def _v1_initial(db: sqlite_utils.Database) -> None:
