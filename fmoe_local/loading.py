@@ -66,7 +66,28 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(model_dir)
     arch = architecture_for(hf_config)
     _drop_supported_quantization(hf_config, arch)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     files = CheckpointFiles(model_dir)
+    try:
+        model, moe_layers, host, unexpected, dtype = _build(model_dir, hf_config, arch, files, config, device, dtype)
+    except BaseException:
+        files.close()  # no half-loaded model keeps the checkpoint mapped
+        raise
+    if unexpected:
+        log.info("Ignored %d checkpoint tensors the model does not use (e.g. %s)", len(unexpected), unexpected[0])
+    return LoadedModel(model, tokenizer, arch, host, moe_layers, dtype, unexpected)
+
+
+def _build(
+    model_dir: Path,
+    hf_config: object,
+    arch: Architecture,
+    files: CheckpointFiles,
+    config: RuntimeConfig,
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> tuple[PreTrainedModel, list[MoELayerRef], CheckpointHostStore, list[str], torch.dtype]:
+    """The meta skeleton, its resident weights and the host store (see load_model)."""
     dtype = dtype or _checkpoint_dtype(hf_config, files)
 
     with torch.device("meta"):
@@ -88,10 +109,7 @@ def load_model(
     num_experts = arch.num_experts(hf_config)
     sources = [[arch.expert_sources(ref.layer_index, e, files) for e in range(num_experts)] for ref in moe_layers]
     host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if unexpected:
-        log.info("Ignored %d checkpoint tensors the model does not use (e.g. %s)", len(unexpected), unexpected[0])
-    return LoadedModel(model, tokenizer, arch, host, moe_layers, dtype, unexpected)
+    return model, moe_layers, host, unexpected, dtype
 
 
 def _drop_supported_quantization(hf_config: object, arch: Architecture) -> None:
@@ -124,7 +142,11 @@ def _checkpoint_dtype(hf_config: object, files: CheckpointFiles) -> torch.dtype:
 
 
 def _load_resident(
-    model: PreTrainedModel, files: CheckpointFiles, expert_prefixes: tuple[str, ...], device: torch.device, dtype
+    model: PreTrainedModel,
+    files: CheckpointFiles,
+    expert_prefixes: tuple[str, ...],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> list[str]:
     """Every non-expert tensor of the checkpoint onto `device`, key by key; returns the keys with no target."""
     conversions = get_model_conversion_mapping(model)
