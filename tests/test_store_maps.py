@@ -211,3 +211,20 @@ def test_runtime_map_store_comes_back_from_disk_with_capacity_replacements(tmp_p
         assert restored.load_from(s.map_persistence(model, SHAPE)) == 6
         for slot, m in expected.items():
             assert_same_map(restored.get(slot), m)
+
+
+def test_a_failing_disk_write_is_counted_and_the_writer_keeps_going(store, tmp_path):
+    rng = np.random.default_rng(9)
+    p = store.map_persistence(fake_model(tmp_path / "m"), SHAPE)
+    with store.db.lock:
+        store.db.db.execute("ALTER TABLE maps RENAME TO maps_gone")  # every insert now fails
+    for slot in range(3):
+        p.put(slot, random_map(rng, slot))
+    assert p.flush(timeout=30)  # returns: failed writes are done writes
+    status = p.status()
+    assert (status.failed, status.written, status.pending) == (3, 0, 0)
+    assert "no such table" in status.last_error
+    with store.db.lock:
+        store.db.db.execute("ALTER TABLE maps_gone RENAME TO maps")
+    p.put(0, random_map(rng, 42))
+    assert [(slot, m.request_id) for slot, m in p.load()] == [(0, 42)]
