@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.tiny import FAMILIES
 
@@ -35,3 +35,14 @@ def test_sharded_checkpoint_has_index_and_several_shards(tiny_model_dir):
     assert len(shards) >= 2
     assert all((d / s).exists() for s in shards)
     assert not (d / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_does_not_loop_on_one_token(tiny_model_dir, family):
+    d = tiny_model_dir(family)
+    model = AutoModelForCausalLM.from_pretrained(d, experts_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(d)
+    ids = tok("Write a short poem about the sea.", return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    new = out[0, ids.shape[1] :].tolist()
+    assert len(new) == 12 and len(set(new)) >= 4, new
