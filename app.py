@@ -109,13 +109,17 @@ def serve(args: argparse.Namespace):
         print(f"fmoe-local: the database was damaged; it was moved to {store.recovered_from} and a new one started.")
     from fmoe_local.config import RuntimeConfig
     from ui import build
-    from ui.session import Session
+    from ui.session import ModelLoadError, Session
     from ui.theme import CSS, theme
 
     session = Session(store=store, config=RuntimeConfig())
     model_dir, note = resolve_model(args.model, session.models_dir, store.settings.load().last_model)
     if model_dir is not None:
-        print(f"fmoe-local: {session.load(model_dir)}", flush=True)
+        try:
+            print(f"fmoe-local: {session.load(model_dir)}", flush=True)
+        except ModelLoadError as exc:
+            session.load_error = str(exc)
+            print(f"fmoe-local: {exc}", flush=True)
     else:
         session.load_error = note
         print(f"fmoe-local: {note}", flush=True)

@@ -114,7 +114,7 @@ def build(session: Session) -> ChatTab:
                     temperature = gr.Slider(0.0, 2.0, value=settings.temperature, step=0.05, label="Temperature")
                     top_p = gr.Slider(0.05, 1.0, value=settings.top_p, step=0.05, label="Top-p")
                     max_tokens = gr.Slider(
-                        16, 4096, value=settings.max_new_tokens, step=16, label="Max new tokens", elem_id="max-tokens"
+                        1, 4096, value=settings.max_new_tokens, step=1, label="Max new tokens", elem_id="max-tokens"
                     )
     return ChatTab(
         conv_id, search, conv_list, new_chat, rename_box, rename, delete, chatbot, textbox, send, stop,

@@ -17,7 +17,7 @@ import gradio as gr
 from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find, local_name
 from fmoe_local.hardware import fit
 from ui.downloads import Download, delete_downloaded, list_downloaded
-from ui.session import Session
+from ui.session import ModelLoadError, Session
 
 POLL_S = 0.5
 HEADERS = ["Model", "Repo id", "Params (total / active)", "Experts × layers", "Download", "Expert (bf16)", "Fit here"]
@@ -97,7 +97,11 @@ def build(session: Session) -> ModelsTab:
     progress = gr.HTML("", elem_id="download-progress")
     gr.Markdown("### Your models")
     with gr.Row():
-        downloaded = gr.Dropdown(choices=[], label="Downloaded models", scale=3, elem_id="downloaded")
+        # Custom values allowed because the list changes while the page is open (a download finishes, an API
+        # client loads by folder); load and delete check the folder themselves.
+        downloaded = gr.Dropdown(
+            choices=[], label="Downloaded models", scale=3, elem_id="downloaded", allow_custom_value=True
+        )
         load = gr.Button("Load", variant="primary", scale=0, elem_id="load-model")
         delete = gr.Button("Delete", variant="stop", scale=0, elem_id="delete-model")
     with gr.Row():
@@ -176,10 +180,10 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
     def load_path(path):
         if not path:
             raise gr.Error("Pick a downloaded model or type a folder first.")
-        message = session.load(Path(path))
-        if session.runtime is None:
-            raise gr.Error(message)
-        return message
+        try:
+            return session.load(Path(path))
+        except ModelLoadError as exc:
+            raise gr.Error(str(exc)) from exc
 
     def delete(path):
         if not path:
@@ -189,9 +193,10 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
         delete_downloaded(session.models_dir, Path(path))
         return f"Deleted {Path(path).name}.", gr.Dropdown(choices=downloaded_choices(session), value=None)
 
-    def list_models():
+    def list_models() -> list[dict]:
         return [
-            {"repo_id": m.repo_id, "path": str(m.path), "size_bytes": m.size_bytes}
+            # Not "path": gradio_client would take a dict with a "path" key for a file to download.
+            {"repo_id": m.repo_id, "folder": str(m.path), "size_bytes": m.size_bytes}
             for m in list_downloaded(session.models_dir)
         ]
 

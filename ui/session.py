@@ -19,6 +19,10 @@ from fmoe_local.stats import RequestStats
 HISTORY = 200  # replies kept for the Stats tab's time series
 
 
+class ModelLoadError(ValueError):
+    """A model could not be loaded; the message is a sentence for the user."""
+
+
 @dataclass(frozen=True)
 class ModelShapeFacts:
     """What the map store needs to know before the model loads (read from config.json)."""
@@ -76,12 +80,18 @@ class Session:
         self.history.append(stats)
 
     def load(self, model_dir: str | Path) -> str:
-        """Load a model (unloading the current one); returns a sentence for the user. Saves it as last_model."""
+        """Load a model (unloading the current one); returns a sentence for the user. Saves it as last_model.
+
+        Raises ModelLoadError (a sentence) when the folder is not a model or loading fails; a folder that is
+        not a model leaves the current model loaded.
+        """
         from fmoe_local.runtime import Runtime
 
         model_dir = Path(model_dir).expanduser()
         if not (model_dir / "config.json").is_file():
-            return f"{model_dir} is not a model folder (no config.json). Pick a downloaded model or another folder."
+            raise ModelLoadError(
+                f"{model_dir} is not a model folder (no config.json). Pick a downloaded model or another folder."
+            )
         with self._lock:
             self.unload()
             settings = self.store.settings.load()
@@ -93,7 +103,7 @@ class Session:
             except Exception as exc:  # noqa: BLE001 - any load failure is reported, the app keeps running
                 self._close_persistence()
                 self.load_error = f"Could not load {model_dir.name}: {exc}"
-                return self.load_error
+                raise ModelLoadError(self.load_error) from exc
             self.model_dir = model_dir
             self.load_error = ""
             self.history.clear()

@@ -65,7 +65,9 @@ def build(session: Session) -> SettingsTab:
     s = session.store.settings.load()
     model_info = gr.Markdown(describe(session), elem_id="model-info")
     with gr.Row():
-        cache_gb = gr.Slider(0.05, 64, value=s.cache_gb, step=0.05, label="Expert cache (GB)", elem_id="cache-gb")
+        # Wide constructor bounds: the machine's real limit is checked in apply() with a sentence; refresh()
+        # narrows what the browser shows once the model and the machine are known.
+        cache_gb = gr.Slider(0, 4096, value=s.cache_gb, step=0.05, label="Expert cache (GB)", elem_id="cache-gb")
         prefetch = gr.Slider(
             1, 8, value=s.prefetch_distance, step=1, label="Prefetch distance (layers ahead)", elem_id="prefetch"
         )

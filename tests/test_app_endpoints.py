@@ -1,0 +1,164 @@
+"""gradio_client against the real app (ui.build + Session + store) serving a tiny model on loopback.
+
+One app per module: starting Gradio costs seconds on a busy CI box. Tests run in file order and share the
+conversation state of one client, like one browser tab would.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+gradio_client = pytest.importorskip("gradio_client")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    from app import LOOPBACK, free_port
+    from fmoe_local.config import RuntimeConfig
+    from store import open_store
+    from ui import build
+    from ui.session import Session
+
+    data = tmp_path_factory.mktemp("appdata")
+    store = open_store(data)
+    model = tiny_model_dir("mixtral")
+    session = Session(store=store, config=RuntimeConfig(device="cpu", cache_experts=6))
+    message = session.load(model)
+    assert session.runtime is not None, message
+    demo = build(session)
+    demo.queue(default_concurrency_limit=1)
+    demo.launch(server_name=LOOPBACK, server_port=free_port(LOOPBACK, 7870), prevent_thread_lock=True, quiet=True)
+    client = gradio_client.Client(demo.local_url, verbose=False)
+    yield session, client, model
+    client.close()
+    demo.close()
+    session.close()
+    store.close()
+
+
+def _text(message: dict) -> str:
+    """A Chatbot message's text: Gradio 6 sends content as a list of typed parts."""
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content)
+
+
+def _send(client, text: str, max_tokens: int = 6):
+    # Inputs as the browser sends them: message, system prompt, temperature (0 = greedy), top-p, max tokens.
+    return client.predict(text, "", 0.0, 0.9, max_tokens, api_name="/send")
+
+
+def test_send_streams_a_reply_and_stores_it(served):
+    session, client, _ = served
+    job = client.submit("Write a short poem about the sea.", "", 0.0, 0.9, 6, api_name="/send")
+    outputs = list(job)  # every streamed update
+    chatbot = job.result()[0]
+    assert len(outputs) >= 3  # the placeholder, then token by token
+    assert [m["role"] for m in chatbot] == ["user", "assistant"]
+    assert "tok/s" in _text(chatbot[1]) and "expert hit rate" in _text(chatbot[1])
+    conv = session.store.chats.list()[0]
+    stored = session.store.chats.messages(conv.id)
+    assert [m.role for m in stored] == ["user", "assistant"]
+    assert stored[1].content and "tok/s" not in stored[1].content  # the stats line is display-only
+    assert stored[1].stats["tokens"] == 6
+    assert session.last_stats is not None and session.last_stats.tokens == 6
+
+
+def test_second_turn_sees_history_and_regenerate_replaces_reply(served):
+    session, client, _ = served
+    chatbot = _send(client, "And another one.")[0]
+    assert [m["role"] for m in chatbot] == ["user", "assistant"] * 2
+    conv = session.store.chats.list()[0]
+    before = session.store.chats.messages(conv.id)
+    chatbot = client.predict("", 0.0, 0.9, 6, api_name="/regenerate")
+    after = session.store.chats.messages(conv.id)
+    assert len(after) == len(before) == 4
+    assert after[-1].created > before[-1].created  # a new reply, greedy so the same text
+    assert after[-1].content == before[-1].content
+    assert len(chatbot) == 4
+
+
+def test_stop_ends_a_long_reply_early(served):
+    session, client, _ = served
+    job = client.submit("Tell me a very long story.", "", 0.0, 0.9, 400, api_name="/send")
+    deadline = time.monotonic() + 120
+    while len(job.outputs()) < 3 and time.monotonic() < deadline:  # a few tokens have streamed
+        time.sleep(0.05)
+    client.predict(api_name="/stop")
+    job.result(timeout=120)
+    conv = session.store.chats.list()[0]
+    last = session.store.chats.messages(conv.id)[-1]
+    assert last.role == "assistant"
+    assert last.stats["finish_reason"] == "cancelled"
+    assert last.stats["tokens"] < 400
+
+
+def test_edit_last_message_puts_it_back_in_the_box(served):
+    session, client, _ = served
+    conv = session.store.chats.list()[0]
+    n = len(session.store.chats.messages(conv.id))
+    chatbot, text = client.predict(api_name="/edit_last")
+    assert text == "Tell me a very long story."
+    assert len(session.store.chats.messages(conv.id)) == n - 2
+    assert len(chatbot) == n - 2
+
+
+def test_conversation_list_new_search_rename_delete(served):
+    session, client, _ = served
+    first = session.store.chats.list()[0]
+    client.predict(api_name="/new_chat")
+    _send(client, "What is an expert cache?")
+    convs = session.store.chats.list()
+    assert len(convs) == 2 and convs[0].title == "What is an expert cache?"
+    # State inputs (the open conversation) stay server-side too: the client passes only visible inputs.
+    found = client.predict("poem", api_name="/search_chats")
+    assert [c[1] for c in found["choices"]] == [first.id]
+    # Switching back shows the first conversation's history.
+    chatbot, title = client.predict(first.id, api_name="/open_chat")  # the State output stays server-side
+    assert title == first.title
+    assert _text(chatbot[0]) == "Write a short poem about the sea."
+    client.predict("Sea poems", api_name="/rename_chat")
+    assert session.store.chats.get(first.id).title == "Sea poems"
+    client.predict(api_name="/delete_chat")
+    assert [c.id for c in session.store.chats.list()] == [convs[0].id]
+
+
+def test_settings_apply_without_reload_and_are_saved(served):
+    session, client, _ = served
+    runtime = session.runtime
+    info = runtime.info
+    new_gb = 3 * info.expert_bytes / 1024**3 + 1e-9  # room for three experts
+    _, status = client.predict(new_gb, 2, "lru", 50, api_name="/apply_settings")
+    assert session.runtime is runtime  # not reloaded
+    assert runtime.info.cache_experts == 3 and runtime.info.policy == "lru"
+    assert "Applied without reloading" in status and "3 experts" in status
+    saved = session.store.settings.load()
+    assert saved.policy == "lru" and saved.prefetch_distance == 2 and saved.store_capacity == 50
+    with pytest.raises(gradio_client.exceptions.AppError, match="prefetch distance can be 1 to 3"):
+        client.predict(new_gb, 4, "fmoe", 50, api_name="/apply_settings")
+
+
+def test_model_list_load_and_delete(served, tmp_path):
+    session, client, model = served
+    dest = session.models_dir / "acme--tiny-moe"
+    shutil.copytree(model, dest)
+    (dest / ".fmoe-download.json").write_text(json.dumps({"repo_id": "acme/tiny-moe"}))
+    listed = client.predict(api_name="/list_models")
+    assert [m["repo_id"] for m in listed] == ["acme/tiny-moe"]
+    status = client.predict(str(dest), api_name="/load_model")
+    assert status.startswith("Loaded acme--tiny-moe")
+    assert session.model_dir == dest
+    assert session.store.settings.load().last_model == str(dest)
+    with pytest.raises(gradio_client.exceptions.AppError, match="not a model folder"):
+        client.predict(str(tmp_path), api_name="/load_folder")
+    client.predict(str(dest), api_name="/delete_model")
+    assert not dest.exists() and session.runtime is None
+    with pytest.raises(gradio_client.exceptions.AppError, match="No model is loaded"):
+        _send(client, "Anyone there?")
