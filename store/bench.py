@@ -1,9 +1,9 @@
 """Benchmark of the expert-map store: write throughput through the background writer, and load time of many maps.
 
-Scope: a script (`python -m store.bench [--maps N] [--dir DIR]`) that prints a table. It is NOT a test: it
+Scope: a script (`python -m store.bench [--maps N ...] [--dir DIR]`) that prints a table. It is NOT a test: it
 asserts nothing and its figures depend on the machine and its disk.
 
-Shapes: Mixtral-8x7B (32 MoE layers × 8 experts, hidden 4096) and Qwen1.5-MoE-A2.7B (24 × 60, hidden 2048),
+Counts: 1000 (the default store capacity C) and 32768 (a stress size). Shapes: Mixtral-8x7B (32 MoE layers × 8 experts, hidden 4096) and Qwen1.5-MoE-A2.7B (24 × 60, hidden 2048),
 each with and without the semantic embedding ([h] float16 on disk), which dominates the bytes when present.
 Load is reported as wall time and as this process's CPU time: on a shared machine the first includes waiting for
 a core, the second does not.
@@ -42,7 +42,7 @@ def _maps(shape: ModelShape, count: int, semantic: bool, seed: int = 0, pool: in
 
 
 def bench_shape(root: Path, name: str, shape: ModelShape, count: int, semantic: bool) -> dict:
-    path = root / f"{name}-{'sem' if semantic else 'nosem'}.db"
+    path = root / f"{name}-{'sem' if semantic else 'nosem'}-{count}.db"
     pool = _maps(shape, count, semantic)
     with open_store(path) as store:
         persistence = SqliteMapPersistence(store.db, f"bench-{name}", shape, name=name)
@@ -85,14 +85,17 @@ def bench_shape(root: Path, name: str, shape: ModelShape, count: int, semantic: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--maps", type=int, default=32768, help="maps per shape (default 32768)")
+    parser.add_argument(
+        "--maps", type=int, nargs="+", default=[1000, 32768], help="map counts per shape (default: 1000 32768)"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where to put the databases (default: a temp dir)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         rows = [
-            bench_shape(Path(tmp), name, shape, args.maps, semantic)
+            bench_shape(Path(tmp), name, shape, count, semantic)
             for name, shape in SHAPES.items()
             for semantic in (False, True)
+            for count in args.maps
         ]
     header = (
         f"{'shape':<38}{'maps':>7}{'DB MB':>8}{'write maps/s':>14}{'write MB/s':>12}{'batches':>9}"

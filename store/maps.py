@@ -108,30 +108,36 @@ class SqliteMapPersistence:
     # --- MapPersistence -------------------------------------------------------------------------------------
 
     def load(self) -> list[tuple[int, ExpertMap]]:
-        """Every stored map of this model, by slot (pending puts are flushed first). One query, one decode."""
+        """Every stored map of this model, by slot (pending puts are flushed first), as float32 arrays."""
         from fmoe_local.maps import ExpertMap
 
         self.flush()
-        with self._store_db.lock:
-            rows = self._store_db.db.execute(
-                "SELECT slot, probs, semantic, request_id FROM maps WHERE fingerprint = ? ORDER BY slot",
-                [self.fingerprint],
-            ).fetchall()
         L, J, h = self.num_layers, self.num_experts, self.embed_dim
-        probs_bytes, sem_bytes = L * J * 2, h * 2
-        rows = [r for r in rows if len(r[1]) == probs_bytes]
-        n_sem = sum(1 for r in rows if h > 0 and r[2] is not None and len(r[2]) == sem_bytes)
-        # Decoded row by row into one preallocated array: no joined copy of every blob, one float32 buffer.
-        probs = np.empty((len(rows), L, J), np.float32)
-        sems = np.empty((n_sem, h), np.float32)
-        out, k = [], 0
-        for i, (slot, probs_blob, sem_blob, request_id) in enumerate(rows):
-            probs[i] = np.frombuffer(probs_blob, np.float16).reshape(L, J)
-            semantic = None
-            if h > 0 and sem_blob is not None and len(sem_blob) == sem_bytes:
-                sems[k] = np.frombuffer(sem_blob, np.float16)
-                semantic, k = sems[k], k + 1
-            out.append((int(slot), ExpertMap(probs=probs[i], semantic=semantic, request_id=int(request_id))))
+        where = "fingerprint = ? AND length(probs) = ?"  # a blob of another shape is not decoded
+        args = [self.fingerprint, L * J * 2]
+        out: list[tuple[int, ExpertMap]] = []
+        with self._store_db.lock, self._store_db.db.atomic():  # one snapshot for the counts and the rows
+            db = self._store_db.db
+            n = db.execute(f"SELECT count(*) FROM maps WHERE {where}", args).fetchone()[0]
+            n_sem = 0
+            if h > 0:
+                n_sem = db.execute(f"SELECT count(*) FROM maps WHERE {where} AND length(semantic) = ?", [*args, h * 2])
+                n_sem = n_sem.fetchone()[0]
+            # Decoded chunk by chunk into preallocated float32 arrays: fetching everything first would hold a
+            # second copy of every blob (hundreds of MB at 32K maps with embeddings).
+            probs = np.empty((n, L, J), np.float32)
+            sems = np.empty((n_sem, h), np.float32)
+            cursor = db.execute(f"SELECT slot, probs, semantic, request_id FROM maps WHERE {where} ORDER BY slot", args)
+            k = 0
+            while chunk := cursor.fetchmany(1024):
+                for slot, probs_blob, sem_blob, request_id in chunk:
+                    i = len(out)
+                    probs[i] = np.frombuffer(probs_blob, np.float16).reshape(L, J)
+                    semantic = None
+                    if h > 0 and sem_blob is not None and len(sem_blob) == h * 2:
+                        sems[k] = np.frombuffer(sem_blob, np.float16)
+                        semantic, k = sems[k], k + 1
+                    out.append((int(slot), ExpertMap(probs=probs[i], semantic=semantic, request_id=int(request_id))))
         return out
 
     def put(self, slot: int, expert_map: ExpertMap) -> None:
