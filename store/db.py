@@ -81,7 +81,12 @@ def open_database(path: str | Path, check: bool = True) -> StoreDb:
         raise StoreError(
             f"Cannot create the data folder {path.parent} ({exc.strerror}). Choose another with --data-dir."
         ) from exc
-    instance_lock = InstanceLock(path).acquire()
+    try:
+        instance_lock = InstanceLock(path).acquire()
+    except OSError as exc:
+        raise StoreError(
+            f"Cannot write in {path.parent} ({exc.strerror}). Choose a folder you can write to with --data-dir."
+        ) from exc
     try:
         recovered_from = None
         try:
@@ -93,7 +98,13 @@ def open_database(path: str | Path, check: bool = True) -> StoreDb:
                 ) from exc
             log.warning("database %s unusable (%s); moving it aside", path, exc)
             recovered_from = move_aside(path)
-            db = _open_checked(path, check=False)
+            try:
+                db = _open_checked(path, check=False)
+            except sqlite3.DatabaseError as again:
+                raise StoreError(
+                    f"The database {path} was unusable and moved to {recovered_from.name}, but a new one cannot be "
+                    f"created there ({again}). Start with --data-dir pointing to a folder you can write to."
+                ) from again
         return StoreDb(path=path, db=db, instance_lock=instance_lock, recovered_from=recovered_from)
     except BaseException:
         instance_lock.release()

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from store import StoreInUseError, StoreTooNewError, open_store
+from store import StoreError, StoreInUseError, StoreTooNewError, open_store
 from store.db import BUSY_TIMEOUT_MS
 from store.migrations import SCHEMA_VERSION
 
@@ -117,3 +117,10 @@ def test_second_app_instance_is_told_plainly_and_a_killed_one_frees_the_folder(t
         holder.wait()
     with open_store(tmp_path) as s:  # kill -9 leaves no stale lock
         assert s.recovered_from is None
+
+
+def test_a_folder_that_cannot_be_created_is_told_as_a_sentence(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the data folder should be")
+    with pytest.raises(StoreError, match="--data-dir"):
+        open_store(blocker / "data" / "fmoe-local.db")
