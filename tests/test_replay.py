@@ -170,3 +170,31 @@ def test_capacity_and_live_only_policies() -> None:
     trace = make_trace([[[0], [1]]], [0])
     out = replay_all(build_schedule(trace), ["speculative"], lambda *a: LRU(), 2, COST)
     assert out[0].note == "needs hidden states (live only)" and out[0].hits == 0
+
+
+def test_sim_cache_keeps_candidates_apart_from_held_experts() -> None:
+    """Random pins, copies and loads: the candidate rows are exactly the resident experts not pinned or in flight."""
+    from fmoe_local.bench.replay import SimCache
+
+    rng = np.random.default_rng(0)
+    seen: list[set] = []
+
+    class Checking(LRU):
+        def choose_victim(self, candidates, current_layer):
+            keys = set(candidates)
+            seen.append(keys)
+            assert not keys & set(sim.pinned) and sim.inflight not in keys
+            assert keys == set(sim.resident) - set(sim.pinned) - {sim.inflight}
+            return candidates[int(rng.integers(len(candidates)))]
+
+    shape = ModelShape(3, 8, 2)
+    sim = SimCache(shape, 7, Checking(), CostModel(100, 1000.0, 0.01, 0.0))
+    for step in range(300):
+        layer = step % 3
+        heap = [(-1.0, i, 0, int(rng.integers(layer, 3)), int(rng.integers(8))) for i in range(2)]
+        sim.current_layer = layer - 1
+        sim.transfer(float(rng.choice([0, 50, 100, 250])), heap, 0)
+        sim.access(layer, tuple(int(e) for e in rng.choice(8, size=2, replace=False)))
+        rows = {sim.key_at[r] for r in range(len(sim.resident))}
+        assert rows == set(sim.resident) and all(sim.row_of[k] < len(sim.resident) for k in rows)
+    assert len(seen) > 100

@@ -69,20 +69,19 @@ class OraclePolicy:
         self.known.update((layer, int(e)) for e in experts)
 
     def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
+        keys = np.asarray(candidates, np.int64).reshape(-1, 2)  # [n, 2]
+        layers, experts = keys[:, 0], keys[:, 1]
         # A candidate of a layer not reached yet in this iteration may still be used in it; one already passed
         # is next used in a later iteration.
         i = self.iteration
-        best, best_use = candidates[0], -1
-        for layer, expert in candidates:
-            use = int(self.next_use[i if layer > current_layer else i + 1, layer, expert])
-            if use == NEVER:
-                best = (layer, expert)
-                break
-            use = use * self.shape.num_layers + layer
-            if use > best_use:
-                best, best_use = (layer, expert), use
-        self.known.discard(best)
-        return best
+        row = np.where(layers > current_layer, i, i + 1)
+        use = self.next_use[row, layers, experts].astype(np.int64)  # [n] iteration of the next use
+        # Position in access order; never-used-again sorts last of all.
+        pos = np.where(use == NEVER, np.iinfo(np.int64).max, use * self.shape.num_layers + layers)
+        best = int(np.argmax(pos))
+        victim = (int(layers[best]), int(experts[best]))
+        self.known.discard(victim)
+        return victim
 
     def end_iteration(self) -> None:
         pass

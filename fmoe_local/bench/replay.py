@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -179,27 +179,113 @@ class ReplayResult:
         return d
 
 
+class KeyArray(Sequence):
+    """Eviction candidates as a Sequence of (layer, expert) tuples backed by one [n, 2] int64 array.
+
+    `np.asarray(candidates)` is free (policies vectorise their priority lookups that way), indexing gives tuples.
+    """
+
+    def __init__(self, keys: np.ndarray) -> None:
+        self._keys = keys  # [n, 2]
+
+    def __len__(self) -> int:
+        return self._keys.shape[0]
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return KeyArray(self._keys[i])
+        row = self._keys[i]
+        return int(row[0]), int(row[1])
+
+    def __iter__(self) -> Iterator[ExpertKey]:
+        return ((int(a), int(b)) for a, b in self._keys.tolist())
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self._keys if dtype is None else self._keys.astype(dtype)
+
+
 class SimCache:
-    """Residency of `capacity` slots; the only place the replay evicts, always through the policy."""
+    """Residency of `capacity` slots; the only place the replay evicts, always through the policy.
+
+    `keys[:n_free]` are the eviction candidates and `keys[n_free:n]` the experts that may not be evicted now
+    (pinned by the layer in use, or the copy in flight): swapping rows keeps the candidates one contiguous view,
+    so an eviction costs no copy of the resident set.
+    """
 
     def __init__(self, shape: ModelShape, capacity: int, policy: Policy, cost: CostModel) -> None:
         self.capacity, self.policy, self.cost = capacity, policy, cost
         self.resident: dict[ExpertKey, bool] = {}  # key → loaded by a prefetch and not used yet
+        self.row_of: dict[ExpertKey, int] = {}
+        self.keys = np.zeros((capacity, 2), np.int64)  # [capacity, 2]
+        self.key_at: list[ExpertKey] = [(-1, -1)] * capacity  # the same rows as tuples
+        self.n_free = 0
+        self.held: set[ExpertKey] = set()  # pinned ∪ in flight
         self.counters = LayerCounters(shape.num_layers, shape.num_experts)
         self.inflight: ExpertKey | None = None
         self.inflight_left = 0.0  # bytes
-        self.pinned: frozenset[ExpertKey] = frozenset()
+        self.pinned: tuple[ExpertKey, ...] = ()
         self.current_layer = -1
 
-    def _free_slot(self) -> bool:
-        if len(self.resident) < self.capacity:
-            return True
-        candidates = [k for k in self.resident if k not in self.pinned and k != self.inflight]
-        if not candidates:
-            return False
-        victim = self.policy.choose_victim(candidates, self.current_layer)
-        if self.resident.pop(victim):
-            self.counters.prefetch_wasted += 1
+    def _put(self, row: int, key: ExpertKey) -> None:
+        self.key_at[row] = key
+        self.keys[row, 0], self.keys[row, 1] = key
+        self.row_of[key] = row
+
+    def _swap(self, r1: int, r2: int) -> None:
+        if r1 != r2:
+            k1, k2 = self.key_at[r1], self.key_at[r2]
+            self._put(r1, k2)
+            self._put(r2, k1)
+
+    def _hold(self, key: ExpertKey) -> None:
+        self.held.add(key)
+        row = self.row_of.get(key)
+        if row is not None and row < self.n_free:
+            self.n_free -= 1
+            self._swap(row, self.n_free)
+
+    def _release(self, key: ExpertKey) -> None:
+        self.held.discard(key)
+        row = self.row_of.get(key)
+        if row is not None and row >= self.n_free:
+            self._swap(row, self.n_free)
+            self.n_free += 1
+
+    def set_pinned(self, keys: tuple[ExpertKey, ...]) -> None:
+        for key in self.pinned:
+            if key != self.inflight and key not in keys:
+                self._release(key)
+        self.pinned = keys
+        for key in keys:
+            self._hold(key)
+
+    def _finish_copy(self) -> None:
+        key, self.inflight = self.inflight, None
+        if key not in self.pinned:
+            self._release(key)
+
+    def _insert(self, key: ExpertKey, by_prefetch: bool) -> bool:
+        """Give `key` a slot, evicting through the policy when full; False when every slot is held."""
+        n = len(self.resident)
+        if n < self.capacity:
+            row = n  # just past the held rows
+            self._put(row, key)
+            if key not in self.held:
+                self._swap(row, self.n_free)
+                self.n_free += 1
+        else:
+            if self.n_free == 0:
+                return False
+            victim = self.policy.choose_victim(KeyArray(self.keys[: self.n_free]), self.current_layer)
+            victim = (int(victim[0]), int(victim[1]))
+            if self.resident.pop(victim):
+                self.counters.prefetch_wasted += 1
+            row = self.row_of.pop(victim)  # a candidate row: the new key takes it
+            self._put(row, key)
+            if key in self.held:
+                self.n_free -= 1
+                self._swap(row, self.n_free)
+        self.resident[key] = by_prefetch
         return True
 
     def transfer(self, budget: float, heap: list, iteration: int) -> None:
@@ -211,7 +297,7 @@ class SimCache:
             budget -= step
             self.inflight_left -= step
             if self.inflight_left <= 0:
-                self.inflight = None
+                self._finish_copy()
 
     def _start_next(self, heap: list, iteration: int) -> bool:
         while heap:
@@ -219,9 +305,10 @@ class SimCache:
             key = (layer, expert)
             if it < iteration or layer <= self.current_layer or key in self.resident:
                 continue
-            if not self._free_slot():
-                continue  # every slot pinned: the runtime drops the prefetch too
-            self.resident[key] = True
+            self.held.add(key)  # a copy in flight is never a victim
+            if not self._insert(key, by_prefetch=True):
+                self.held.discard(key)
+                continue  # every slot held: the runtime drops the prefetch too
             self.counters.prefetched[layer, expert] += 1
             self.counters.bytes_moved += self.cost.expert_bytes
             self.inflight, self.inflight_left = key, float(self.cost.expert_bytes)
@@ -231,8 +318,8 @@ class SimCache:
     def access(self, layer: int, experts: tuple[int, ...]) -> tuple[list[bool], float]:
         """The forward pass needs `experts` of `layer`: returns hits and the stall in seconds."""
         self.current_layer = layer
-        keys = [(layer, e) for e in experts]
-        self.pinned = frozenset(keys)
+        keys = tuple((layer, e) for e in experts)
+        self.set_pinned(keys)
         hits, stall = [], 0.0
         c = self.counters
         for key in keys:
@@ -244,13 +331,12 @@ class SimCache:
                     c.prefetch_used += 1
                 if key == self.inflight:  # wait for the copy to finish, as cache.acquire does
                     stall += self.inflight_left / self.cost.bandwidth
-                    self.inflight = None
+                    self._finish_copy()
             else:
                 hits.append(False)
                 c.misses[key] += 1
-                if not self._free_slot():
+                if not self._insert(key, by_prefetch=False):
                     raise RuntimeError("The cache has fewer slots than one layer needs; raise the cache size.")
-                self.resident[key] = False
                 c.bytes_moved += self.cost.expert_bytes
                 stall += self.cost.load_s
         c.stall_s += stall
@@ -318,7 +404,8 @@ def replay(
                 before = sim.counters.snapshot()
             policy.begin_request(schedule.requests[r])
         measuring = r >= warm
-        sim.current_layer, sim.pinned = -1, frozenset()
+        sim.current_layer = -1
+        sim.set_pinned(())
         push(policy.begin_iteration(schedule.semantics[i]), i)
         layer_s = cost.layer_s(int(schedule.tokens[i]))
         budget = cost.bandwidth * layer_s

@@ -1,0 +1,311 @@
+"""`fmoe-local bench …`: argument parsing and printing for the benchmarks.
+
+Scope: `bench replay` (every policy on recorded traces, a table, --json, --plot, --sweep prefetch-distance) and
+`bench matcher` (map-search cost). The main CLI (fmoe_local/cli.py) calls `add_parser(subparsers)` and
+`run(args)`; `python -m fmoe_local.bench.cli …` works on its own too. It does NOT simulate anything itself
+(replay.py) and builds policies only through `policies.make_policy` (the oracle through bench/oracle.py).
+If bench/live.py exposes `add_parser(sub)` and `run(args)`, `bench live` is wired to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from fmoe_local.bench.oracle import OraclePolicy
+from fmoe_local.bench.presets import BITS, PRESETS, CostModel, cost_model
+from fmoe_local.bench.replay import (
+    FALLBACKS,
+    LIVE_ONLY,
+    MODES,
+    ReplayResult,
+    Schedule,
+    build_schedule,
+    capacity_for,
+    replay_all,
+)
+from fmoe_local.bench.traces import load_trace
+from fmoe_local.config import SEMANTIC_MODES, RuntimeConfig
+from fmoe_local.policies.base import Policy
+
+DEFAULT_POLICIES = "fmoe,moe_infinity,lru,lfu,on_demand,oracle"
+PLOT_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+SWEEP_DISTANCES = (1, 2, 3, 4, 5, 6)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="replay routing traces through every policy; map-search cost")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    r = sub.add_parser("replay", help="simulate every policy on recorded routing traces (.npz)")
+    r.add_argument("traces", nargs="+", type=Path, help="trace files (format: DESIGN.md)")
+    r.add_argument("--preset", default="deepseek-v2-lite", choices=list(PRESETS), help="cost model of this model")
+    r.add_argument("--dtype", default="bf16", choices=list(BITS), help="expert weights on the wire")
+    size = r.add_mutually_exclusive_group()
+    size.add_argument("--cache-fraction", type=float, help="cache slots as a fraction of all experts (default 0.25)")
+    size.add_argument("--cache-experts", type=int, help="cache slots as a number of experts")
+    size.add_argument("--cache-gb", type=float, help="cache budget in GB (slots = floor(GB / expert size))")
+    r.add_argument("--prefetch-distance", type=int, default=RuntimeConfig.prefetch_distance, help="d")
+    r.add_argument("--store-capacity", type=int, default=RuntimeConfig.store_capacity, help="C: maps kept")
+    r.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    r.add_argument("--mode", default="offline", choices=MODES, help="offline: first 70%% of requests only warm up")
+    r.add_argument("--semantic-mode", default=RuntimeConfig.semantic_mode, choices=SEMANTIC_MODES)
+    r.add_argument(
+        "--semantic-fallback",
+        default="request_map_mean",
+        choices=FALLBACKS,
+        help="semantic input when the trace has no embeddings",
+    )
+    r.add_argument("--bandwidth-gbs", type=float, help="host→device GB/s (default 25, PCIe 4.0 x16)")
+    r.add_argument("--expert-mb", type=float, help="override the preset's expert size (MB)")
+    r.add_argument("--layer-time-ms", type=float, help="override the preset's decode time per MoE layer (ms)")
+    r.add_argument("--json", type=Path, metavar="OUT", help="write config and results as JSON")
+    r.add_argument("--plot", type=Path, metavar="OUT.png", help="plot hit rate vs cache fraction 0.1…0.6")
+    r.add_argument("--sweep", choices=["prefetch-distance"], help="also vary d over 1…6")
+    m = sub.add_parser("matcher", help="time the map search (trajectory match) on a large store, on this CPU")
+    m.add_argument("--maps", type=int, default=32768)
+    m.add_argument("--layers", type=int, default=26)
+    m.add_argument("--experts", type=int, default=64)
+    live = _live_module()
+    if live is not None:
+        live.add_parser(sub)
+
+
+def _live_module():
+    try:
+        from fmoe_local.bench import live
+    except ImportError:
+        return None
+    return live if hasattr(live, "add_parser") and hasattr(live, "run") else None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "replay":
+        return run_replay(args)
+    if args.bench_command == "matcher":
+        return run_matcher(args)
+    live = _live_module()
+    if args.bench_command == "live" and live is not None:
+        return live.run(args) or 0
+    raise ValueError(f"Unknown bench command '{args.bench_command}'.")
+
+
+def run_matcher(args: argparse.Namespace) -> int:
+    from fmoe_local.maps import bench_matcher
+
+    ms = bench_matcher(num_maps=args.maps, L=args.layers, J=args.experts)
+    print(
+        f"map search (trajectory match, one call per layer) with a {args.maps}-map store of "
+        f"{args.layers} layers x {args.experts} experts: {ms:.3f} ms per layer on this CPU"
+    )
+    return 0
+
+
+def _policy_factory(args: argparse.Namespace, distance: int):
+    def factory(name: str, schedule: Schedule, capacity: int) -> Policy:
+        if name == "oracle":
+            return OraclePolicy(schedule.shape, schedule.need_matrix(), capacity)
+        from fmoe_local.maps import MapStore
+        from fmoe_local.policies import make_policy
+
+        config = RuntimeConfig(
+            cache_experts=capacity,
+            prefetch_distance=distance,
+            policy=name,
+            store_capacity=args.store_capacity,
+            semantic_mode=args.semantic_mode,
+        )
+        store = MapStore(schedule.shape, args.store_capacity, distance)
+        return make_policy(name, schedule.shape, config, store)
+
+    return factory
+
+
+def _check_policies(names: list[str]) -> None:
+    from fmoe_local.policies import REGISTRY
+
+    known = [*REGISTRY, "oracle", *LIVE_ONLY]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"Unknown policy {', '.join(unknown)}. Choose from: {', '.join(dict.fromkeys(known))}.")
+
+
+def _capacity(args: argparse.Namespace, schedule: Schedule, cost: CostModel, fraction: float | None = None) -> int:
+    if fraction is not None:
+        return capacity_for(schedule.shape, cache_fraction=fraction)
+    if args.cache_gb is not None:
+        return capacity_for(schedule.shape, cache_experts=int(args.cache_gb * 1e9 // cost.expert_bytes))
+    if args.cache_experts is not None:
+        return capacity_for(schedule.shape, cache_experts=args.cache_experts)
+    return capacity_for(schedule.shape, cache_fraction=args.cache_fraction or 0.25)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    _check_policies(names)
+    cost = cost_model(args.preset, args.dtype, args.bandwidth_gbs, args.expert_mb, args.layer_time_ms)
+    config = {
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "expert_bytes": cost.expert_bytes,
+        "bandwidth_Bps": cost.bandwidth,
+        "layer_time_s": cost.layer_time_s,
+        "prefetch_distance": args.prefetch_distance,
+        "store_capacity": args.store_capacity,
+        "mode": args.mode,
+        "policies": names,
+        "traces": [str(p) for p in args.traces],
+    }
+    out: dict = {"config": config, "results": []}
+    schedules = {}
+    for path in args.traces:
+        trace = load_trace(path)
+        schedule = build_schedule(trace, args.semantic_mode, args.semantic_fallback)
+        schedules[path] = schedule
+        capacity = _capacity(args, schedule, cost)
+        config.setdefault("cache_experts", {})[path.name] = capacity
+        results = replay_all(
+            schedule, names, _policy_factory(args, args.prefetch_distance), capacity, cost, args.mode, path.name
+        )
+        _print_table(path.name, trace.model, schedule, capacity, cost, results)
+        out["results"].extend(_rows(results))
+    if len(args.traces) > 1:
+        _print_pooled(out["results"], names)
+    if args.sweep == "prefetch-distance":
+        out["sweep"] = _sweep(args, schedules, names, cost)
+    if args.plot is not None:
+        out["curve"] = _curve(args, schedules, names, cost)
+        _plot(out["curve"], names, args.plot, args)
+        print(f"plot written to {args.plot}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
+        print(f"results written to {args.json}")
+    print(f"total wall time {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _rows(results: list[ReplayResult]) -> list[dict]:
+    base = {r.policy: r.tpot_s for r in results if r.policy == "on_demand"}.get("on_demand")
+    oracle = {r.policy: r.hit_rate for r in results if r.policy == "oracle"}.get("oracle")
+    rows = []
+    for r in results:
+        d = r.to_dict()
+        d["speedup_vs_on_demand"] = base / r.tpot_s if base and r.tpot_s else None
+        d["hit_rate_vs_oracle"] = r.hit_rate / oracle if oracle and not r.note else None
+        rows.append(d)
+    return rows
+
+
+def _print_table(name: str, model: str, s: Schedule, capacity: int, cost: CostModel, results) -> None:
+    total = s.shape.num_layers * s.shape.num_experts
+    print(
+        f"\n{name} ({model}): {s.num_iterations} iterations, {len(s.requests)} requests; "
+        f"cache {capacity}/{total} experts ({capacity / total:.0%}); semantic input: {s.semantic_source}"
+    )
+    print(
+        f"cost: expert {cost.expert_bytes / 1e6:.1f} MB, {cost.bandwidth / 1e9:.1f} GB/s "
+        f"(load {cost.load_s * 1e3:.2f} ms), layer {cost.layer_time_s * 1e3:.3f} ms"
+    )
+    header = f"{'policy':<13}{'hit rate':>9}{'vs oracle':>10}{'stalls':>9}{'stall s':>9}{'TPOT ms':>9}"
+    print(header + f"{'speed-up':>9}{'prefetched':>11}{'wasted':>8}{'wall s':>8}")
+    for d in _rows(results):
+        if d["note"]:
+            print(f"{d['policy']:<13}  {d['note']}")
+            continue
+        vs = f"{d['hit_rate_vs_oracle']:.2f}" if d["hit_rate_vs_oracle"] is not None else "-"
+        sp = f"{d['speedup_vs_on_demand']:.2f}x" if d["speedup_vs_on_demand"] is not None else "-"
+        print(
+            f"{d['policy']:<13}{d['hit_rate']:>9.3f}{vs:>10}{d['stalls']:>9}{d['stall_s']:>9.2f}"
+            f"{d['tpot_s'] * 1e3:>9.2f}{sp:>9}{d['prefetched']:>11}{d['prefetch_wasted']:>8}{d['wall_s']:>8.1f}"
+        )
+
+
+def _print_pooled(rows: list[dict], names: list[str]) -> None:
+    print("\nall traces pooled (hits / accesses):")
+    for name in names:
+        mine = [r for r in rows if r["policy"] == name and not r["note"]]
+        hits, total = sum(r["hits"] for r in mine), sum(r["hits"] + r["misses"] for r in mine)
+        if total:
+            print(f"{name:<13}{hits / total:>9.3f}")
+
+
+def _sweep(args: argparse.Namespace, schedules: dict, names: list[str], cost: CostModel) -> list[dict]:
+    print("\nprefetch-distance sweep (hit rate; policies that ignore d are replayed once):")
+    print(f"{'trace':<34}{'policy':<13}" + "".join(f"{'d=' + str(d):>8}" for d in SWEEP_DISTANCES))
+    rows = []
+    for path, schedule in schedules.items():
+        capacity = _capacity(args, schedule, cost)
+        for name in names:
+            if name in LIVE_ONLY:
+                continue
+            rates = []
+            for d in SWEEP_DISTANCES:
+                if name in ("lru", "lfu", "on_demand", "oracle") and rates:
+                    rates.append(rates[0])
+                    continue
+                (r,) = replay_all(schedule, [name], _policy_factory(args, d), capacity, cost, args.mode, path.name)
+                rates.append(r.hit_rate)
+                rows.append({"trace": path.name, "policy": name, "prefetch_distance": d, **_brief(r)})
+            print(f"{path.name:<34}{name:<13}" + "".join(f"{x:>8.3f}" for x in rates))
+    return rows
+
+
+def _curve(args: argparse.Namespace, schedules: dict, names: list[str], cost: CostModel) -> list[dict]:
+    rows = []
+    for path, schedule in schedules.items():
+        for f in PLOT_FRACTIONS:
+            capacity = _capacity(args, schedule, cost, fraction=f)
+            factory = _policy_factory(args, args.prefetch_distance)
+            for r in replay_all(schedule, names, factory, capacity, cost, args.mode, path.name):
+                if not r.note:
+                    rows.append({"trace": path.name, "policy": r.policy, "cache_fraction": f, **_brief(r)})
+    return rows
+
+
+def _brief(r: ReplayResult) -> dict:
+    d = asdict(r)
+    return {k: d[k] for k in ("hits", "misses", "stall_s")} | {"hit_rate": r.hit_rate, "tpot_s": r.tpot_s}
+
+
+def _plot(rows: list[dict], names: list[str], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    fig, axes = plt.subplots(1, len(traces), figsize=(5.5 * len(traces), 4.2), squeeze=False)
+    for ax, trace in zip(axes[0], traces, strict=True):
+        for name in names:
+            pts = [(r["cache_fraction"], r["hit_rate"]) for r in rows if r["trace"] == trace and r["policy"] == name]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name == "oracle" else "-")
+        ax.set_title(f"{trace}\n{args.preset}, d={args.prefetch_distance}, {args.mode}", fontsize=9)
+        ax.set_xlabel("cache size (fraction of all experts)")
+        ax.set_ylabel("expert hit rate")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fmoe_local.bench.cli")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"fmoe-local bench: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
