@@ -11,7 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from ui import chat, models, settings, stats
-from ui.session import Session
+from ui.session import Session, fmt_gb
 
 TITLE = "fmoe-local"
 
@@ -19,7 +19,7 @@ TITLE = "fmoe-local"
 def header(session: Session) -> str:
     if session.runtime is not None:
         i = session.runtime.info
-        model = f"**{i.name}** on {i.device} · expert cache {i.cache_gb:.2f} GB"
+        model = f"**{i.name}** on {i.device} · expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts)"
     else:
         model = "**No model loaded** — open the Models tab to download one or load a folder."
     return f"# {TITLE}\n{model}"
@@ -39,7 +39,7 @@ def build(session: Session) -> gr.Blocks:
                 stats_tab = stats.build(session)
         replies = chat.wire(session, chat_tab, demo)
         loads = models.wire(session, models_tab, demo)
-        settings.wire(session, settings_tab, demo)
+        applied = settings.wire(session, settings_tab, demo)
         stats.wire(session, stats_tab, demo)
 
         def after_load():
@@ -48,6 +48,13 @@ def build(session: Session) -> gr.Blocks:
         after_load_outputs = [top, *settings.refresh_outputs(settings_tab), *stats.outputs(stats_tab)]
         for event in loads:
             event.success(after_load, None, after_load_outputs, api_visibility="private")
+        for event in applied:
+            event.success(
+                lambda: (header(session), *stats.draw(session)),
+                None,
+                [top, *stats.outputs(stats_tab)],
+                api_visibility="private",
+            )
         for event in replies:
             event.then(lambda: stats.draw(session), None, stats.outputs(stats_tab), api_visibility="private")
         # Without a model the chat cannot answer: open the wizard first.

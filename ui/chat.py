@@ -241,6 +241,8 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     t.stop.click(stop, None, None, api_name="stop", concurrency_limit=None)
     t.edit_last.click(edit_last, [t.conv_id], [t.chatbot, t.textbox], api_name="edit_last")
     t.new_chat.click(new_chat, None, [t.conv_id, t.chatbot, t.conv_list, t.rename_box], api_name="new_chat")
+    # The chatbot's own trash button would only blank the view; make it mean "new chat" (the old one is kept).
+    t.chatbot.clear(new_chat, None, [t.conv_id, t.chatbot, t.conv_list, t.rename_box], api_visibility="private")
     t.conv_list.input(select, [t.conv_list], [t.conv_id, t.chatbot, t.rename_box], api_name="open_chat")
     t.search.input(search, [t.search, t.conv_id], [t.conv_list], api_name="search_chats")
     t.rename.click(rename, [t.conv_id, t.rename_box], [t.conv_list], api_name="rename_chat")

@@ -19,6 +19,18 @@ from fmoe_local.stats import RequestStats
 HISTORY = 200  # replies kept for the Stats tab's time series
 
 
+def fmt_gb(gib: float) -> str:
+    """A cache size for people: GB for real models, MB for the tiny ones tests and the demo use."""
+    return f"{gib:.2f} GB" if gib >= 0.1 else f"{gib * 1024:.2f} MB"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 class ModelLoadError(ValueError):
     """A model could not be loaded; the message is a sentence for the user."""
 
@@ -111,7 +123,7 @@ class Session:
             info = self.runtime.info
             return (
                 f"Loaded {info.name} on {info.device}: {info.num_layers} MoE layers × {info.num_experts} experts, "
-                f"cache {info.cache_gb:.2f} GB ({info.cache_experts} experts)."
+                f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts)."
             )
 
     def unload(self) -> None:

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from fmoe_local.catalog import GB
 from fmoe_local.config import POLICIES
 from fmoe_local.hardware import GIB, cache_gb_limit
-from ui.session import Session
+from ui.session import Session, fmt_bytes, fmt_gb
 
 POLICY_HELP = {
     "fmoe": "fMoE (expert maps)",
@@ -56,8 +55,8 @@ def describe(session: Session) -> str:
     i = session.runtime.info
     return (
         f"**{i.name}** · {i.family} · {i.device} ({i.dtype}) · {i.num_layers} MoE layers × {i.num_experts} experts, "
-        f"top-{i.top_k} · resident {i.resident_bytes / GB:.2f} GB · one expert {i.expert_bytes / 1e6:.1f} MB · "
-        f"cache {i.cache_gb:.2f} GB = **{i.cache_experts} experts**"
+        f"top-{i.top_k} · resident {fmt_bytes(i.resident_bytes)} · one expert {fmt_bytes(i.expert_bytes)} · "
+        f"cache {fmt_gb(i.cache_gb)} = **{i.cache_experts} experts**"
     )
 
 
@@ -103,6 +102,8 @@ def refresh(session: Session) -> tuple:
     layers = session.runtime.info.num_layers if session.runtime is not None else 8
     distance_max = max(1, layers - 1)
     step = cache_step(session.runtime.info.expert_bytes) if session.runtime is not None else 0.05
+    digits = max(0, -math.floor(math.log10(step)))
+    top = round(math.floor(top / step) * step, digits)
     return (
         describe(session),
         gr.Slider(minimum=step, maximum=top, step=step, value=min(current, top)),
@@ -112,7 +113,9 @@ def refresh(session: Session) -> tuple:
     )
 
 
-def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> None:
+def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
+    """Attach the events; returns the events after which the runtime's settings changed."""
+
     def apply(cache_gb, distance, policy, capacity):
         top, _ = cache_bounds(session)
         if cache_gb is None or cache_gb <= 0:
@@ -140,7 +143,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> None:
             return describe(session), "Saved. They apply when a model is loaded."
         i = session.runtime.info
         return describe(session), (
-            f"Applied without reloading: cache {i.cache_gb:.2f} GB ({i.cache_experts} experts), prefetch distance "
+            f"Applied without reloading: cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts), prefetch distance "
             f"{i.prefetch_distance}, policy {i.policy}, {i.store_capacity} maps kept."
         )
 
@@ -151,7 +154,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> None:
         return "Cleared the learned expert maps of this model. Prefetching learns again from the next reply."
 
     demo.load(lambda: refresh(session), None, refresh_outputs(tab), api_visibility="private")
-    tab.apply.click(
+    applied = tab.apply.click(
         apply,
         [tab.cache_gb, tab.prefetch_distance, tab.policy, tab.store_capacity],
         [tab.model_info, tab.status],
@@ -159,3 +162,4 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> None:
         concurrency_id="runtime",
     )
     tab.clear_maps.click(clear_maps, None, [tab.status], api_name="clear_maps", concurrency_id="runtime")
+    return [applied]

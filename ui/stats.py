@@ -17,9 +17,10 @@ matplotlib.use("Agg")  # no display on a server thread; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from fmoe_local.stats import RequestStats  # noqa: E402
-from ui.session import Session  # noqa: E402
+from ui.session import Session, fmt_gb  # noqa: E402
 
 # Cell colours of the heatmap: unused, hit (resident already), prefetched then hit, miss (loaded on demand).
 CELL_COLOURS = ["#f1f5f9", "#16a34a", "#6366f1", "#dc2626"]
@@ -58,6 +59,8 @@ def heatmap_figure(stats: RequestStats | None):
     ax.imshow(codes.T, aspect="auto", cmap=ListedColormap(CELL_COLOURS), vmin=0, vmax=3, interpolation="nearest")
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("expert")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"Last reply: {stats.tokens} tokens, expert hit rate {stats.hit_rate:.0%}", fontsize=11)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in CELL_COLOURS[1:]]
     ax.legend(handles, CELL_LABELS[1:], loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=9)
@@ -82,6 +85,7 @@ def timeline_figure(history: list[RequestStats]):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("reply")
         ax.set_ylabel(unit)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if history:
             ax.plot(x, ys, marker="o", color=colour, linewidth=1.5, markersize=3)
             ax.set_xlim(0.5, len(history) + 0.5)
@@ -98,7 +102,7 @@ def summary(session: Session) -> str:
         return "No model loaded."
     i = session.runtime.info
     s = session.last_stats
-    line = f"**Cache:** {i.cache_gb:.2f} GB on {i.device} ({i.cache_experts} experts)"
+    line = f"**Cache:** {fmt_gb(i.cache_gb)} on {i.device} ({i.cache_experts} experts)"
     if s is not None:
         line += (
             f" · **last reply:** {s.tokens_per_s:.1f} tok/s, TTFT {1000 * s.ttft_s:.0f} ms, hit rate {s.hit_rate:.0%},"

@@ -1,0 +1,214 @@
+"""Real browser (Debian's chromium via Playwright) against the real entry point (`python app.py`) on a tiny model.
+
+The app runs in a subprocess with tests/browser/netguard on PYTHONPATH: every non-loopback connection or name
+lookup it attempts is logged and refused, and the browser's own requests are checked to stay on loopback.
+Screenshots go to artifacts/screenshots/ (look at them after a change to the UI).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = ROOT / "artifacts" / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+STREAM_TIMEOUT_MS = 120_000
+
+if not Path(CHROMIUM).exists():
+    pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+class App:
+    """`python app.py` in a subprocess; `url` once it serves."""
+
+    def __init__(self, data_dir: Path, model: Path, net_log: Path, port: int = 7880) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "browser" / "netguard"), str(ROOT)])
+        env["FMOE_NET_LOG"] = str(net_log)
+        args = [sys.executable, str(ROOT / "app.py"), "--no-browser", "--data-dir", str(data_dir), "--port", str(port)]
+        args += ["--model", str(model)]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+        )
+        self.lines: list[str] = []
+        self.url = ""
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if "serving on" in line:
+                    self.url = line.split("serving on", 1)[1].strip()
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(180) or not self.url:
+            self.stop()
+            raise AssertionError("app did not start:\n" + "".join(self.lines))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model_dir, tmp_path_factory):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    data = tmp_path_factory.mktemp("browser-data")
+    net_log = data.parent / "net.log"
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield {"browser": browser, "data": data, "model": tiny_model_dir("mixtral"), "net_log": net_log}
+        browser.close()
+
+
+def open_page(browser, url: str, seen: list[str]):
+    page = browser.new_page(viewport={"width": 1360, "height": 960})
+    page.on("request", lambda request: seen.append(request.url))
+    page.goto(url)
+    page.get_by_role("tab", name="Chat").wait_for()
+    return page
+
+
+def bot_messages(page):
+    return page.locator("#chatbot .message.bot, #chatbot [data-testid='bot']")
+
+
+def send(page, text: str) -> None:
+    page.locator("#chat-input textarea").fill(text)
+    page.locator("#send").click()
+
+
+def test_chat_stop_switch_restart_and_settings(env):
+    browser, seen = env["browser"], []
+    app = App(env["data"], env["model"], env["net_log"])
+    try:
+        page = open_page(browser, app.url, seen)
+        page.get_by_role("tab", name="Chat").click()
+        # Keep replies short except where a long one is wanted.
+        page.get_by_text("Generation").click()
+        page.locator("#max-tokens input[type=number]").fill("8")
+        page.locator("#max-tokens input[type=number]").press("Enter")
+
+        send(page, "Write a short poem about the sea.")
+        page.locator("#chatbot").get_by_text("tok/s").first.wait_for(timeout=STREAM_TIMEOUT_MS)
+        assert page.locator("#chatbot").get_by_text("Write a short poem about the sea.").count() == 1
+        page.screenshot(path=SHOTS / "chat-reply.png", full_page=True)
+
+        # Stop during a long reply: the reply ends early and says so.
+        page.locator("#max-tokens input[type=number]").fill("400")
+        page.locator("#max-tokens input[type=number]").press("Enter")
+        send(page, "Tell me a very long story.")
+        page.wait_for_function(
+            "() => document.querySelector('#chatbot').innerText.split('Tell me a very long story.')[1]?.trim().length > 6",
+            timeout=STREAM_TIMEOUT_MS,
+        )
+        page.locator("#stop").click()
+        page.locator("#chatbot").get_by_text("stopped").wait_for(timeout=STREAM_TIMEOUT_MS)
+        page.screenshot(path=SHOTS / "chat-stopped.png", full_page=True)
+
+        # A second conversation, then back to the first: its history is there.
+        page.locator("#max-tokens input[type=number]").fill("4")
+        page.locator("#max-tokens input[type=number]").press("Enter")
+        page.locator("#new-chat").click()
+        page.wait_for_function("() => !document.querySelector('#chatbot').innerText.includes('poem')")
+        send(page, "What is an expert cache?")
+        page.locator("#chatbot").get_by_text("tok/s").first.wait_for(timeout=STREAM_TIMEOUT_MS)
+        page.locator("#conv-list").get_by_text("Write a short poem about the sea.").click()
+        page.locator("#chatbot").get_by_text("Tell me a very long story.").wait_for()
+        assert page.locator("#chatbot").get_by_text("What is an expert cache?").count() == 0
+        page.screenshot(path=SHOTS / "chat-switched.png", full_page=True)
+
+        # Settings: change the cache size and see it applied (in experts) without a reload.
+        page.get_by_role("tab", name="Settings").click()
+        info = page.locator("#model-info").inner_text()
+        assert "6 experts" in info or "experts" in info
+        cache_input = page.locator("#cache-gb input[type=number]")
+        cache_input.fill(f"{3 * 24576 / 1024**3:.6f}")
+        cache_input.press("Enter")
+        page.locator("#apply-settings").click()
+        page.locator("#settings-status").get_by_text("Applied without reloading").wait_for(timeout=60_000)
+        assert "(3 experts)" in page.locator("#settings-status").inner_text()
+        page.locator("#app-title").get_by_text("(3 experts)").wait_for(timeout=30_000)
+        page.screenshot(path=SHOTS / "settings-applied.png", full_page=True)
+
+        page.get_by_role("tab", name="Stats").click()
+        page.locator("#heatmap img, #heatmap canvas, #heatmap svg").first.wait_for(timeout=60_000)
+        page.screenshot(path=SHOTS / "stats.png", full_page=True)
+        page.get_by_role("tab", name="Models").click()
+        page.get_by_text("OLMoE 1B-7B Instruct").wait_for()
+        page.screenshot(path=SHOTS / "models.png", full_page=True)
+        page.close()
+    finally:
+        app.stop()
+
+    # After a restart the conversations and their messages are still there.
+    app = App(env["data"], env["model"], env["net_log"])
+    try:
+        page = open_page(browser, app.url, seen)
+        page.get_by_role("tab", name="Chat").click()
+        page.locator("#conv-list").get_by_text("Write a short poem about the sea.").click()
+        page.locator("#chatbot").get_by_text("Tell me a very long story.").wait_for()
+        page.locator("#conv-list").get_by_text("What is an expert cache?").click()
+        page.locator("#chatbot").get_by_text("What is an expert cache?").wait_for()
+        page.screenshot(path=SHOTS / "after-restart.png", full_page=True)
+        page.close()
+    finally:
+        app.stop()
+
+    attempts = env["net_log"].read_text() if env["net_log"].exists() else ""
+    assert attempts == "", f"the app tried to reach the network:\n{attempts}"
+    hosts = {urlparse(u).hostname for u in seen if u.startswith("http")}
+    assert hosts <= {"127.0.0.1", "localhost"}, hosts
+
+
+def _non_loopback_ip() -> str | None:
+    """This machine's address on its default route (no packet is sent: UDP connect only picks a route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1, never routed anywhere real
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+def test_not_reachable_on_the_network_without_listen(env):
+    ip = _non_loopback_ip()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    app = App(env["data"], env["model"], env["net_log"], port=7890)
+    try:
+        port = urlparse(app.url).port
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # served on loopback
+        with pytest.raises(OSError):
+            socket.create_connection((ip, port), timeout=5).close()
+    finally:
+        app.stop()
