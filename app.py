@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def bind_host(listen: bool) -> str:
+    """Loopback unless the user opted in to the network with --listen."""
+    return "0.0.0.0" if listen else LOOPBACK
+
+
 def free_port(host: str, start: int, tries: int = PORT_TRIES) -> int:
     """The first port from `start` that `host` can bind. Raises OSError with a sentence when none is free."""
     for port in range(start, start + tries):
@@ -123,7 +128,7 @@ def serve(args: argparse.Namespace):
     else:
         session.load_error = note
         print(f"fmoe-local: {note}", flush=True)
-    host = "0.0.0.0" if args.listen else LOOPBACK
+    host = bind_host(args.listen)
     if args.listen:
         print("fmoe-local: WARNING: --listen serves the app to your whole network, without a password.", flush=True)
     port = free_port(host, args.port)

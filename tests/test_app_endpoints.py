@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import time
 
 import pytest
@@ -162,3 +163,42 @@ def test_model_list_load_and_delete(served, tmp_path):
     assert not dest.exists() and session.runtime is None
     with pytest.raises(gradio_client.exceptions.AppError, match="No model is loaded"):
         _send(client, "Anyone there?")
+
+
+def test_wizard_downloads_from_the_hub_then_loads(served, tmp_path):
+    from tests.test_ui_downloads import FakeHub
+
+    session, client, model = served
+    files = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
+    files["README.md"] = b"not needed"
+    hub = FakeHub(files)
+    session.endpoint = hub.url
+    try:
+        job = client.submit("acme/tiny-moe", "", api_name="/download")
+        updates = [u[0] for u in job]
+        progress = job.result()[0]
+    finally:
+        hub.close()
+        session.endpoint = None
+    assert "Downloaded acme/tiny-moe" in progress, progress
+    assert any("Downloading acme/tiny-moe" in u for u in updates)
+    dest = session.models_dir / "acme--tiny-moe"
+    assert not (dest / "README.md").exists()
+    assert [m["repo_id"] for m in client.predict(api_name="/list_models")] == ["acme/tiny-moe"]
+    assert client.predict(str(dest), api_name="/load_model").startswith("Loaded acme--tiny-moe")
+    chatbot = _send(client, "Hello again")[0]
+    assert "tok/s" in _text(chatbot[-1])
+
+
+def test_wizard_says_when_offline(served):
+    session, client, _ = served
+    with socket.socket() as s:  # a port nobody listens on: connection refused, like no network
+        s.bind(("127.0.0.1", 0))
+        session.endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    try:
+        progress = client.predict("acme/other-moe", "", api_name="/download")[0]
+    finally:
+        session.endpoint = None
+    assert "offline" in progress
+    with pytest.raises(gradio_client.exceptions.AppError, match="owner/name"):
+        client.predict("not a repo", "", api_name="/download")

@@ -1,0 +1,53 @@
+"""app.py's command line: where it binds, which port, which model it loads, sub-command dispatch."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+import app
+
+
+def test_loopback_unless_listen():
+    assert app.build_parser().parse_args([]).listen is False
+    assert app.bind_host(False) == "127.0.0.1"
+    assert app.bind_host(True) == "0.0.0.0"
+
+
+def test_taken_port_moves_to_the_next_free_one():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert app.free_port("127.0.0.1", port) > port
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(OSError, match="--port"):
+            app.free_port("127.0.0.1", busy.getsockname()[1], tries=1)
+
+
+def test_model_resolution_order(tmp_path):
+    models = tmp_path / "models"
+    (models / "acme--moe").mkdir(parents=True)
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    assert app.resolve_model(str(folder), models, "") == (folder, "")
+    assert app.resolve_model("acme/moe", models, "") == (models / "acme--moe", "")
+    missing, note = app.resolve_model("acme/other", models, "")
+    assert missing is None and "Models tab" in note
+    assert app.resolve_model(None, models, str(folder)) == (folder, "")  # the last used model
+
+
+def test_run_subcommand_goes_to_the_runtime_cli_with_the_store(tiny_model_dir, tmp_path, capsys):
+    model = tiny_model_dir("mixtral")
+    argv = ["run", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "3", "--greedy", "--json"]
+    assert app.main(argv + ["--store", str(tmp_path) + "/"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 3
+    from store import open_store
+
+    with open_store(tmp_path) as store:
+        assert store.models_with_maps()  # the maps of that run were persisted through app.py's factory
