@@ -89,8 +89,10 @@ class FMoEPolicy:
         self._live = np.zeros((L, J), np.float32)  # [L, J] this iteration's observed trajectory
         self._observed = np.zeros(L, bool)
         self._semantic = semantic
-        self._prefetched: list[set[int]] = [set() for _ in range(L)]
-        self._used: list[set[int] | None] = [None] * L  # None: layer has not run in this iteration
+        # Mis-prefetched = prefetched for a layer that has run, and not used by it.
+        self._prefetched = np.zeros((L, J), bool)  # [L, J] prefetch issued this iteration
+        self._used = np.zeros((L, J), bool)  # [L, J] accessed this iteration
+        self._ran = np.zeros(L, bool)  # [L] layer accessed this iteration
 
     def begin_iteration(self, semantic: np.ndarray | None) -> list[Prefetch]:
         sem = None if semantic is None else np.asarray(semantic, np.float32).reshape(-1).copy()
@@ -144,7 +146,7 @@ class FMoEPolicy:
         chosen = prefetch_set(p, delta, self.shape.top_k)
         with self._lock:
             self._p_est[layer] = p
-            self._prefetched[layer].update(int(j) for j in chosen)
+            self._prefetched[layer, chosen] = True
         distance = layer - l_now
         return [Prefetch(layer, int(j), float(p[j]) / distance) for j in chosen]
 
@@ -160,25 +162,17 @@ class FMoEPolicy:
         idx = np.asarray(experts, np.int64)
         with self._lock:
             self._freq[layer, idx] += 1.0
-            used = self._used[layer]
-            self._used[layer] = set(idx.tolist()) if used is None else used | set(idx.tolist())
+            self._used[layer, idx] = True
+            self._ran[layer] = True
 
     def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
         layers, experts = split_keys(candidates)
         with self._lock:
             priority = 1.0 / ((self._p_est[layers, experts] + P_FLOOR) * (self._freq[layers, experts] + 1.0))
-            mis = np.fromiter(
-                (self._mis_prefetched(int(lay), int(e)) for lay, e in zip(layers, experts, strict=True)),
-                bool,
-                count=len(layers),
-            )
+            mis = self._ran[layers] & self._prefetched[layers, experts] & ~self._used[layers, experts]
         if mis.any():
             priority = np.where(mis, priority, -np.inf)
         return candidates[int(np.argmax(priority))]
-
-    def _mis_prefetched(self, layer: int, expert: int) -> bool:
-        used = self._used[layer]
-        return used is not None and expert in self._prefetched[layer] and expert not in used
 
 
 def _delta(score: float) -> float:
