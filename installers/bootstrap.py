@@ -142,7 +142,15 @@ def install(venv: Path, decision: Decision, project: Project, log: Log, system: 
         if plan.build != "cpu":
             log.say("If that gives you a CPU-only PyTorch, run the launcher with --repair once you are online.")
     log.say(f"Installing PyTorch ({project.torch_pin or 'torch'}, {plan.build} build). This can take several minutes.")
-    log.run(pip + torch_install_args(plan, project, index_ok), progress=pip_progress)
+    try:
+        log.run(pip + torch_install_args(plan, project, index_ok), progress=pip_progress)
+    except BootstrapError as err:
+        version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        raise BootstrapError(
+            f"{err} PyTorch ({project.torch_pin or 'torch'}) could not be installed: either the download failed "
+            f"(check the internet connection) or there is no such build for Python {version} on this machine (then "
+            "install Python 3.11 and run the launcher again with --repair)."
+        ) from err
     log.say("Installing fmoe-local and its libraries.")
     constraints = ["-c", str(project.root / "constraints.txt")] if (project.root / "constraints.txt").is_file() else []
     log.run(pip + ["-e", str(project.root)] + constraints, progress=pip_progress)

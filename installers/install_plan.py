@@ -104,8 +104,9 @@ def choose_torch(system: str, machine: str, nvidia_smi: str | None) -> TorchPlan
     if system == "Darwin":
         if machine not in ("arm64", "aarch64"):
             raise BootstrapError(
-                "This Mac has an Intel processor; PyTorch stopped publishing builds for Intel Macs after 2.2, so "
-                "fmoe-local needs an Apple Silicon Mac (M1 or newer)."
+                "This Mac (or this Python, if it runs under Rosetta) is Intel x86_64; PyTorch stopped publishing "
+                "builds for Intel Macs after 2.2, so fmoe-local needs an Apple Silicon Mac (M1 or newer) and the "
+                "Apple Silicon or universal2 Python from https://www.python.org/downloads/macos/."
             )
         return TorchPlan("mps", None, "Apple Silicon Mac: the standard PyTorch build, which runs on the GPU via MPS.")
     if nvidia_smi is None:
@@ -189,8 +190,9 @@ def decide(probes: Probes, project: Project, stamp: dict | None, venv_ok: bool, 
 
 
 def torch_install_args(plan: TorchPlan, project: Project, index_reachable: bool) -> list:
-    """pip arguments for the torch step. The pin comes from the project's constraints file, never from here."""
-    args = ["torch" if project.torch_pin is None else project.torch_pin]
+    """pip arguments for the torch step. The version comes from the project's constraints file only, so that the pin
+    lives in one place."""
+    args = ["torch"]
     if (project.root / "constraints.txt").is_file():
         args += ["-c", str(project.root / "constraints.txt")]
     # An extra index (not --index-url) keeps the user's own mirror and PIP_FIND_LINKS in play; pip prefers the

@@ -121,7 +121,7 @@ def test_torch_pin_goes_through_the_constraints_file(project: plan.Project):
     cpu = plan.choose_torch("Linux", "x86_64", None)
     args = plan.torch_install_args(cpu, project, index_reachable=True)
     assert args == [
-        "torch==2.13.0",
+        "torch",
         "-c",
         str(project.root / "constraints.txt"),
         "--extra-index-url",
@@ -285,3 +285,22 @@ def test_desktop_entry_points_at_the_launcher(tmp_path: Path):
     lines = entry.read_text().splitlines()
     assert f'Exec="{launcher}"' in lines and "Terminal=true" in lines
     assert "@LAUNCHER@" not in entry.read_text()
+
+
+@pytest.mark.slow
+def test_torch_that_cannot_be_installed_leaves_no_stamp_and_says_what_to_do(
+    project: plan.Project, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # No index and an empty wheelhouse: pip fails the way it does offline or on a Python without torch builds.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    decision = plan.decide(probes(), project, None, False, False, tmp_path)
+    venv = tmp_path / "venv"
+    log = bootstrap.Log(home / "logs/launcher.log")
+    with pytest.raises(plan.BootstrapError) as err:
+        bootstrap.install(venv, decision, project, log, "Linux")
+    assert "torch==2.13.0" in str(err.value) and "--repair" in str(err.value)
+    assert "ERROR: " in log.path.read_text()  # pip's own explanation is kept for whoever reads the log
+    assert bootstrap.venv_python(venv).exists() and not (venv / bootstrap.STAMP_NAME).exists()
+    # So the next start knows the install did not finish.
+    assert plan.decide(probes(), project, None, True, False, tmp_path).why.startswith("the last install did not")

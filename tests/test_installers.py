@@ -127,3 +127,4 @@ def test_linux_launcher_smoke_installs_once_then_starts_fast(tmp_path: Path):
     assert "Environment up to date" in log and "Installing" not in log
     assert stamp.stat().st_mtime_ns == stamp_written
     print(f"\nlauncher --smoke: first run (install + start) {timings[0]:.0f} s, second run {timings[1]:.0f} s")
+    shutil.rmtree(home, ignore_errors=True)  # ~2 GB of venv; pytest would keep it in its last three tmp dirs
