@@ -296,11 +296,14 @@ def test_torch_that_cannot_be_installed_leaves_no_stamp_and_says_what_to_do(
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     decision = plan.decide(probes(), project, None, False, False, tmp_path)
     venv = tmp_path / "venv"
+    (venv / "lib").mkdir(parents=True)
+    (venv / "lib/left-over-from-a-broken-install").write_text("")
     log = bootstrap.Log(home / "logs/launcher.log")
     with pytest.raises(plan.BootstrapError) as err:
         bootstrap.install(venv, decision, project, log, "Linux")
     assert "torch==2.13.0" in str(err.value) and "--repair" in str(err.value)
     assert "ERROR: " in log.path.read_text()  # pip's own explanation is kept for whoever reads the log
     assert bootstrap.venv_python(venv).exists() and not (venv / bootstrap.STAMP_NAME).exists()
+    assert not (venv / "lib/left-over-from-a-broken-install").exists()  # an install (and --repair) starts clean
     # So the next start knows the install did not finish.
     assert plan.decide(probes(), project, None, True, False, tmp_path).why.startswith("the last install did not")
