@@ -51,3 +51,26 @@ def test_run_subcommand_goes_to_the_runtime_cli_with_the_store(tiny_model_dir, t
 
     with open_store(tmp_path) as store:
         assert store.models_with_maps()  # the maps of that run were persisted through app.py's factory
+
+
+def test_second_instance_on_the_same_data_says_so(tmp_path):
+    from store import open_store
+
+    with open_store(tmp_path):
+        with pytest.raises(SystemExit, match="already in use"):
+            app.serve(app.build_parser().parse_args(["--no-browser", "--data-dir", str(tmp_path)]))
+
+
+def test_data_dir_that_does_not_exist_yet_becomes_a_folder(tmp_path, monkeypatch):
+    # Stop right where the store would open: the point is what app.py hands it.
+    opened = []
+
+    def fake_open_store(location):
+        opened.append(location)
+        raise SystemExit("stop here")
+
+    monkeypatch.setattr("store.open_store", fake_open_store)
+    target = tmp_path / "new" / "data"
+    with pytest.raises(SystemExit):
+        app.serve(app.build_parser().parse_args(["--no-browser", "--data-dir", str(target)]))
+    assert opened == [target] and target.is_dir()

@@ -115,7 +115,8 @@ def explain(error: BaseException) -> tuple[str, str]:
             "Cannot reach huggingface.co: this computer looks offline. Connect to the internet and press "
             "Download again; finished files are kept and the download resumes."
         )
-    return "other", f"The download failed: {error}. Press Download to retry; finished files are kept."
+    detail = str(error).strip().rstrip(".") or type(error).__name__
+    return "other", f"The download failed: {detail}. Press Download to retry; finished files are kept."
 
 
 def _plan(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> tuple[int, int]:

@@ -131,7 +131,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
         entry = CATALOG[row]
         have = {m.repo_id for m in list_downloaded(session.models_dir)}
         verdict = fit(entry, session.machine(), downloaded=entry.repo_id in have)
-        detail = f"**{entry.name}: {verdict.label}.** " + " ".join(verdict.reasons)
+        detail = f"**{entry.name}:** " + " ".join(verdict.reasons)
         if entry.note:
             detail += f" _{entry.note}_"
         return entry.repo_id, detail
@@ -175,7 +175,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
         if session.download is None:
             return "No download is running."
         session.download.cancel()
-        return "Download cancelled. Press Download again to resume: finished files are kept."
+        return ""  # the progress line under the buttons says it (the download loop sees the cancel)
 
     def load_path(path):
         if not path:

@@ -8,9 +8,8 @@ from __future__ import annotations
 import gradio as gr
 
 CSS = """
-.gradio-container { max-width: 1280px !important; margin: 0 auto; }
-/* Every tab as wide as the page, not as wide as its content. */
-.gradio-container main.contain, #tabs { width: 100%; }
+/* As wide as the window up to 1280 px on every tab (Gradio otherwise shrinks the page to its content). */
+.gradio-container { width: 100% !important; max-width: 1280px !important; margin: 0 auto; }
 #app-title h1 { font-size: 1.35rem; margin: 0; }
 #app-title p { margin: 0; color: var(--body-text-color-subdued); font-size: 0.85rem; }
 #chat-sidebar { border-right: 1px solid var(--border-color-primary); padding-right: 12px; }
