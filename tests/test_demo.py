@@ -83,16 +83,24 @@ def test_chat_template_renders_like_the_training_text(demo):
 
 
 def test_routing_is_not_collapsed(demo):
-    """The load-balancing loss worked: on real prompts every layer uses most experts for its top-k."""
+    """The load-balancing loss worked: over varied text every layer spreads its top-k picks over most experts."""
     model, tokenizer = demo
-    text = render_chat([{"role": "user", "content": "Write a short poem about autumn leaves and the wind."}])
+    text = render_chat(
+        [
+            {"role": "user", "content": "Write a short poem about autumn leaves and the wind."},
+            {"role": "assistant", "content": "Golden leaves drift down, the wind sings softly through bare trees."},
+            {"role": "user", "content": "Now write a Python function that returns the sum of a list of numbers."},
+            {"role": "assistant", "content": "def total(numbers):\n    return sum(numbers)"},
+        ]
+    )
     ids = tokenizer(text, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = model(input_ids=ids, output_router_logits=True)
-    k = model.config.num_experts_per_tok
+    k, num_experts = model.config.num_experts_per_tok, model.config.num_experts
     for logits in out.router_logits:  # each [T, J]
-        used = torch.unique(logits.topk(k, dim=-1).indices)
-        assert len(used) >= model.config.num_experts // 2
+        counts = torch.bincount(logits.topk(k, dim=-1).indices.flatten(), minlength=num_experts)
+        assert (counts > 0).sum() >= num_experts // 2, counts.tolist()
+        assert counts.max() / counts.sum() < 0.5, counts.tolist()
 
 
 def test_sharegpt_reader_stops_at_the_cut(tmp_path):

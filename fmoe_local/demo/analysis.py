@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--max-prompt-tokens", type=int, default=192)
     p.add_argument("--trace", type=Path, default=None, help="also write the recording as a trace .npz")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = args.model or demo_model_dir()

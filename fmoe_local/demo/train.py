@@ -7,7 +7,7 @@ minutes so the best-so-far survives an interruption. It does NOT ship anything b
 fmoe_local/demo/weights) and does NOT analyse routing (analysis.py).
 
 Run (the shipped weights came from exactly this; see weights/TRAINING.md):
-    python -m fmoe_local.demo.train --out build/demo-train --steps 1800 --max-minutes 82
+    python -m fmoe_local.demo.train --out build/demo-train --steps 1800 --max-minutes 52 --threads 1
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from fmoe_local.demo.data import (
     CHAT_TEMPLATE,
@@ -97,6 +98,16 @@ def encode_corpus(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> np.nd
     return np.asarray(out, dtype=np.uint16)
 
 
+def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-style balance loss per layer, averaged; 1.0·top_k when balanced.
+
+    transformers' own aux loss pools the router logits of all layers before measuring balance, so a layer can leave
+    experts dead as long as other layers use them (seen in a first run: two of eight experts unused in layer 4).
+    """
+    losses = [load_balancing_loss_func((logits,), num_experts, top_k) for logits in router_logits]
+    return torch.stack(losses).mean()
+
+
 def lr_at(progress: float, base_lr: float, warmup: float) -> float:
     """Linear warmup then cosine decay to 10% of base; progress in [0, 1]."""
     if progress < warmup:
@@ -165,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("build/demo-train"))
     p.add_argument("--steps", type=int, default=1800)
-    p.add_argument("--max-minutes", type=float, default=82.0, help="stop early; the LR schedule then ends here too")
+    p.add_argument("--max-minutes", type=float, default=78.0, help="stop early; the LR schedule then ends here too")
     p.add_argument("--checkpoint-minutes", type=float, default=10.0)
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--batch", type=int, default=16)
@@ -181,7 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--moe-intermediate", type=int, default=192)
     p.add_argument("--heldout-fraction", type=float, default=0.02)
-    p.add_argument("--threads", type=int, default=2)
+    # One thread: on a shared, oversubscribed CPU two OpenMP threads spin-wait on each other (measured: ~10x slower).
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -245,13 +257,15 @@ def main(argv: list[str] | None = None) -> None:
             group["lr"] = lr
         starts = rng.integers(0, len(train) - args.seq_len - 1, size=args.batch)
         x = torch.from_numpy(np.stack([train[s : s + args.seq_len] for s in starts]).astype(np.int64))
-        out = model(input_ids=x, labels=x, output_router_logits=True)
-        out.loss.backward()
+        out = model(input_ids=x, output_router_logits=True)
+        lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, config.vocab_size), x[:, 1:].reshape(-1))
+        aux = per_layer_balance_loss(out.router_logits, config.num_experts, config.num_experts_per_tok)
+        (lm + args.aux_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens_seen += x.numel()
-        lm_loss = out.loss.item() - args.aux_coef * out.aux_loss.item()
+        lm_loss = lm.item()
         if step % 10 == 0 or step == 1:
             emit(
                 event="train",
@@ -260,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                 tokens=tokens_seen,
                 lr=lr,
                 loss=round(lm_loss, 4),
-                aux_loss=round(out.aux_loss.item(), 4),
+                aux_loss=round(aux.item(), 4),
             )
         if step % args.eval_every == 0:
             hl = heldout_loss(model, heldout, args.seq_len, max_windows=64)
