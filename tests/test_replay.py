@@ -198,3 +198,10 @@ def test_sim_cache_keeps_candidates_apart_from_held_experts() -> None:
         rows = {sim.key_at[r] for r in range(len(sim.resident))}
         assert rows == set(sim.resident) and all(sim.row_of[k] < len(sim.resident) for k in rows)
     assert len(seen) > 100
+
+
+def test_prefill_wider_than_the_cache_runs_in_chunks() -> None:
+    # three prefill tokens pick experts 0, 1, 2 of the single layer; two slots: chunks (0, 1) then (2,)
+    trace = make_trace([[[0]], [[1]], [[2]], [[2]]], [0, 0, 0, 0], phases=[PREFILL, PREFILL, PREFILL, DECODE])
+    r = replay(build_schedule(trace), LRU(), capacity=2, cost=COST, mode="online")
+    assert (r.hits, r.misses) == (1, 3)

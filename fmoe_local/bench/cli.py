@@ -35,6 +35,7 @@ from fmoe_local.policies.base import Policy
 DEFAULT_POLICIES = "fmoe,moe_infinity,lru,lfu,on_demand,oracle"
 PLOT_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 SWEEP_DISTANCES = (1, 2, 3, 4, 5, 6)
+D_INDEPENDENT = ("lru", "lfu", "on_demand", "oracle")  # policies that never look at d
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -65,6 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--json", type=Path, metavar="OUT", help="write config and results as JSON")
     r.add_argument("--plot", type=Path, metavar="OUT.png", help="plot hit rate vs cache fraction 0.1…0.6")
     r.add_argument("--sweep", choices=["prefetch-distance"], help="also vary d over 1…6")
+    r.add_argument("--jobs", type=int, default=2, help="policies replayed in parallel processes (default 2)")
     m = sub.add_parser("matcher", help="time the map search (trajectory match) on a large store, on this CPU")
     m.add_argument("--maps", type=int, default=32768)
     m.add_argument("--layers", type=int, default=26)
@@ -104,8 +106,13 @@ def run_matcher(args: argparse.Namespace) -> int:
     return 0
 
 
-def _policy_factory(args: argparse.Namespace, distance: int):
-    def factory(name: str, schedule: Schedule, capacity: int) -> Policy:
+class _Factory:
+    """Builds a fresh policy per replay (picklable, so replays can run in worker processes)."""
+
+    def __init__(self, args: argparse.Namespace, distance: int) -> None:
+        self.store_capacity, self.semantic_mode, self.distance = args.store_capacity, args.semantic_mode, distance
+
+    def __call__(self, name: str, schedule: Schedule, capacity: int) -> Policy:
         if name == "oracle":
             return OraclePolicy(schedule.shape, schedule.need_matrix(), capacity)
         from fmoe_local.maps import MapStore
@@ -113,15 +120,17 @@ def _policy_factory(args: argparse.Namespace, distance: int):
 
         config = RuntimeConfig(
             cache_experts=capacity,
-            prefetch_distance=distance,
+            prefetch_distance=self.distance,
             policy=name,
-            store_capacity=args.store_capacity,
-            semantic_mode=args.semantic_mode,
+            store_capacity=self.store_capacity,
+            semantic_mode=self.semantic_mode,
         )
-        store = MapStore(schedule.shape, args.store_capacity, distance)
+        store = MapStore(schedule.shape, self.store_capacity, self.distance)
         return make_policy(name, schedule.shape, config, store)
 
-    return factory
+
+def _policy_factory(args: argparse.Namespace, distance: int) -> _Factory:
+    return _Factory(args, distance)
 
 
 def _check_policies(names: list[str]) -> None:
@@ -169,7 +178,14 @@ def run_replay(args: argparse.Namespace) -> int:
         capacity = _capacity(args, schedule, cost)
         config.setdefault("cache_experts", {})[path.name] = capacity
         results = replay_all(
-            schedule, names, _policy_factory(args, args.prefetch_distance), capacity, cost, args.mode, path.name
+            schedule,
+            names,
+            _policy_factory(args, args.prefetch_distance),
+            capacity,
+            cost,
+            args.mode,
+            path.name,
+            args.jobs,
         )
         _print_table(path.name, trace.model, schedule, capacity, cost, results)
         out["results"].extend(_rows(results))
@@ -236,21 +252,21 @@ def _print_pooled(rows: list[dict], names: list[str]) -> None:
 def _sweep(args: argparse.Namespace, schedules: dict, names: list[str], cost: CostModel) -> list[dict]:
     print("\nprefetch-distance sweep (hit rate; policies that ignore d are replayed once):")
     print(f"{'trace':<34}{'policy':<13}" + "".join(f"{'d=' + str(d):>8}" for d in SWEEP_DISTANCES))
+    fixed = [n for n in names if n in D_INDEPENDENT]
+    varying = [n for n in names if n not in D_INDEPENDENT and n not in LIVE_ONLY]
     rows = []
     for path, schedule in schedules.items():
         capacity = _capacity(args, schedule, cost)
-        for name in names:
-            if name in LIVE_ONLY:
-                continue
-            rates = []
-            for d in SWEEP_DISTANCES:
-                if name in ("lru", "lfu", "on_demand", "oracle") and rates:
-                    rates.append(rates[0])
-                    continue
-                (r,) = replay_all(schedule, [name], _policy_factory(args, d), capacity, cost, args.mode, path.name)
-                rates.append(r.hit_rate)
-                rows.append({"trace": path.name, "policy": name, "prefetch_distance": d, **_brief(r)})
-            print(f"{path.name:<34}{name:<13}" + "".join(f"{x:>8.3f}" for x in rates))
+        rates: dict[str, list[float]] = {}
+        for d in SWEEP_DISTANCES:
+            todo = varying + (fixed if d == SWEEP_DISTANCES[0] else [])
+            factory = _policy_factory(args, d)
+            for r in replay_all(schedule, todo, factory, capacity, cost, args.mode, path.name, args.jobs):
+                rates.setdefault(r.policy, []).append(r.hit_rate)
+                rows.append({"trace": path.name, "policy": r.policy, "prefetch_distance": d, **_brief(r)})
+        for name in varying + fixed:
+            xs = rates[name] if name in varying else rates[name] * len(SWEEP_DISTANCES)
+            print(f"{path.name:<34}{name:<13}" + "".join(f"{x:>8.3f}" for x in xs))
     return rows
 
 
@@ -260,7 +276,7 @@ def _curve(args: argparse.Namespace, schedules: dict, names: list[str], cost: Co
         for f in PLOT_FRACTIONS:
             capacity = _capacity(args, schedule, cost, fraction=f)
             factory = _policy_factory(args, args.prefetch_distance)
-            for r in replay_all(schedule, names, factory, capacity, cost, args.mode, path.name):
+            for r in replay_all(schedule, names, factory, capacity, cost, args.mode, path.name, args.jobs):
                 if not r.note:
                     rows.append({"trace": path.name, "policy": r.policy, "cache_fraction": f, **_brief(r)})
     return rows

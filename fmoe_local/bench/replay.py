@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -316,27 +318,36 @@ class SimCache:
         return False
 
     def access(self, layer: int, experts: tuple[int, ...]) -> tuple[list[bool], float]:
-        """The forward pass needs `experts` of `layer`: returns hits and the stall in seconds."""
+        """The forward pass needs `experts` of `layer`: returns hits and the stall in seconds.
+
+        More experts than slots (a long prefill) are taken in chunks of `capacity`, as experts.py computes them.
+        """
         self.current_layer = layer
         keys = tuple((layer, e) for e in experts)
-        self.set_pinned(keys)
         hits, stall = [], 0.0
         c = self.counters
-        for key in keys:
-            if key in self.resident:
-                hits.append(True)
-                c.hits[key] += 1
-                if self.resident[key]:
-                    self.resident[key] = False
-                    c.prefetch_used += 1
-                if key == self.inflight:  # wait for the copy to finish, as cache.acquire does
-                    stall += self.inflight_left / self.cost.bandwidth
-                    self._finish_copy()
-            else:
+        for start in range(0, len(keys), self.capacity):
+            chunk = keys[start : start + self.capacity]
+            self.set_pinned(chunk)
+            for key in chunk:
+                if key in self.resident:
+                    hits.append(True)
+                    c.hits[key] += 1
+                    if self.resident[key]:
+                        self.resident[key] = False
+                        c.prefetch_used += 1
+                    if key == self.inflight:  # wait for the copy to finish, as cache.acquire does
+                        stall += self.inflight_left / self.cost.bandwidth
+                        self._finish_copy()
+                    continue
                 hits.append(False)
                 c.misses[key] += 1
                 if not self._insert(key, by_prefetch=False):
-                    raise RuntimeError("The cache has fewer slots than one layer needs; raise the cache size.")
+                    # Every other slot is pinned: wait for the copy in flight to free one, as cache.acquire does.
+                    stall += self.inflight_left / self.cost.bandwidth
+                    self._finish_copy()
+                    if not self._insert(key, by_prefetch=False):
+                        raise RuntimeError("The cache has no slot to load into; raise the cache size.")
                 c.bytes_moved += self.cost.expert_bytes
                 stall += self.cost.load_s
         c.stall_s += stall
@@ -442,6 +453,12 @@ def replay(
 PolicyFactory = Callable[[str, Schedule, int], Policy]
 
 
+def _replay_one(args: tuple) -> ReplayResult:
+    schedule, name, factory, capacity, cost, mode, trace_name = args
+    policy = factory(name, schedule, capacity)
+    return replay(schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name)
+
+
 def replay_all(
     schedule: Schedule,
     names: list[str],
@@ -450,13 +467,24 @@ def replay_all(
     cost: CostModel,
     mode: str = "offline",
     trace_name: str = "",
+    jobs: int = 1,
 ) -> list[ReplayResult]:
-    """Every named policy on the same schedule, cache and costs; live-only policies get a note, not numbers."""
-    out = []
-    for name in names:
-        if name in LIVE_ONLY:
-            out.append(ReplayResult(trace_name, name, semantic_source=schedule.semantic_source, note=LIVE_ONLY[name]))
-            continue
-        policy = factory(name, schedule, capacity)
-        out.append(replay(schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name))
-    return out
+    """Every named policy on the same schedule, cache and costs; live-only policies get a note, not numbers.
+
+    `jobs` > 1 replays policies in that many processes (the factory must then be picklable); results keep the
+    order of `names` either way, and each policy's numbers do not depend on `jobs`.
+    """
+    tasks = [(schedule, n, factory, capacity, cost, mode, trace_name) for n in names if n not in LIVE_ONLY]
+    if jobs > 1 and len(tasks) > 1:
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
+            done = list(pool.map(_replay_one, tasks))
+    else:
+        done = [_replay_one(t) for t in tasks]
+    by_name = {r.policy: r for r in done}
+    return [
+        by_name[n]
+        if n not in LIVE_ONLY
+        else ReplayResult(trace_name, n, semantic_source=schedule.semantic_source, note=LIVE_ONLY[n])
+        for n in names
+    ]

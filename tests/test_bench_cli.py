@@ -1,0 +1,40 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from fmoe_local.bench import cli
+from fmoe_local.bench.traces import save_trace
+
+from .test_oracle import synthetic_trace
+
+
+def test_replay_command_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "syn.npz"
+    save_trace(synthetic_trace(0, requests=4, length=8), trace)
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = ["replay", str(trace), "--cache-experts", "8", "--prefetch-distance", "1", "--jobs", "1"]
+    argv += ["--policies", "fmoe,lru,on_demand,oracle,speculative", "--mode", "online", "--layer-time-ms", "1"]
+    argv += ["--json", str(out), "--plot", str(png), "--sweep", "prefetch-distance"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "needs hidden states (live only)" in printed and "fallback: request_map_mean" in printed
+    data = json.loads(out.read_text())
+    assert data["config"]["cache_experts"] == {"syn.npz": 8} and data["config"]["layer_time_s"] == 0.001
+    rows = {r["policy"]: r for r in data["results"]}
+    assert set(rows) == {"fmoe", "lru", "on_demand", "oracle", "speculative"}
+    for key in ("trace", "policy", "hit_rate", "stall_s", "tpot_s", "speedup_vs_on_demand"):
+        assert key in rows["lru"]
+    assert rows["oracle"]["hit_rate"] >= rows["lru"]["hit_rate"]
+    assert rows["on_demand"]["speedup_vs_on_demand"] == pytest.approx(1.0)
+    assert rows["speculative"]["note"] and rows["speculative"]["hits"] == 0
+    assert {r["cache_fraction"] for r in data["curve"]} == {0.1, 0.2, 0.3, 0.4, 0.5, 0.6}
+    assert {r["prefetch_distance"] for r in data["sweep"] if r["policy"] == "fmoe"} == {1, 2, 3, 4, 5, 6}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_policy_is_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "syn.npz"
+    save_trace(synthetic_trace(0, requests=2, length=2), trace)
+    assert cli.main(["replay", str(trace), "--policies", "belady2"]) == 2
+    assert "Unknown policy belady2" in capsys.readouterr().err
