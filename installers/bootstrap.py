@@ -105,7 +105,7 @@ class Log:
         self.file.flush()
         if proc.wait() != 0:
             print("\n".join("    | " + t for t in tail), flush=True)
-            raise BootstrapError(f"This step failed: {' '.join(str(c) for c in cmd[:6])} …")
+            raise BootstrapError(f"This step failed: {' '.join(str(c) for c in cmd[:6])} ...")
 
 
 def pip_progress(line: str) -> str | None:
@@ -116,7 +116,7 @@ def pip_progress(line: str) -> str | None:
         return "Downloading " + line[len("Downloading ") :].rsplit("/", 1)[-1]
     if line.startswith("Installing collected packages:"):
         count = len(line.split(":", 1)[1].split(","))
-        return f"Unpacking {count} packages (the slowest part; the window may look idle)…"
+        return f"Unpacking {count} packages (the slowest part; the window may look idle)..."
     if line.startswith("Successfully installed"):
         return f"Done: {len(line.split()) - 2} packages installed."
     return None
@@ -126,7 +126,7 @@ def venv_python(venv: Path) -> Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def install(venv: Path, decision: Decision, project: Project, log: Log, system: str) -> None:
+def install(venv: Path, decision: Decision, project: Project, log: Log) -> None:
     started = time.monotonic()
     if venv.exists():
         log.say(f"Removing the old environment at {venv}")
@@ -236,6 +236,10 @@ def parse_args(argv: list) -> tuple:
 
 def main(argv: list | None = None) -> int:
     args, app_args = parse_args(sys.argv[1:] if argv is None else argv)
+    # A Windows console or a pipe may not be UTF-8: a path with odd characters must not crash the launcher.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     where = data_dir(platform.system(), dict(os.environ), Path.home())
     log = Log(where / "logs" / "launcher.log")
     venv = where / "venv"
@@ -250,7 +254,7 @@ def main(argv: list | None = None) -> int:
         if args.plan:
             return 0
         if decision.install:
-            install(venv, decision, project, log, probes.system)
+            install(venv, decision, project, log)
             template = REPO / "installers" / "linux" / "fmoe-local.desktop"
             if probes.system == "Linux" and not args.smoke and template.is_file():
                 apps = data_dir("Linux", dict(os.environ), Path.home()).parent / "applications"

@@ -179,7 +179,7 @@ def decide(probes: Probes, project: Project, stamp: dict | None, venv_ok: bool, 
     elif stamp != wanted:
         changed = sorted(k for k in wanted if stamp.get(k) != wanted[k])
         why = (
-            "installed copy is out of date (" + ", ".join(f"{k}: {stamp.get(k)} → {wanted[k]}" for k in changed) + ")."
+            "installed copy is out of date (" + ", ".join(f"{k}: {stamp.get(k)} -> {wanted[k]}" for k in changed) + ")."
         )
     else:
         return Decision(False, f"up to date (version {project.version}, torch build {plan.build}).", plan, wanted)
