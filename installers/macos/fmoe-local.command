@@ -3,7 +3,9 @@
 # It only finds a Python >= 3.10 and hands over to installers/bootstrap.py, which holds all the logic.
 # Options: --repair (rebuild the environment), --smoke (headless self-test); anything else goes to app.py.
 set -u
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# Resolve a symlink (e.g. one put in ~/bin) so that the bootstrap is found next to the real file.
+self="$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null || echo "${BASH_SOURCE[0]}")"
+here="$(cd "$(dirname "$self")" && pwd)"
 bootstrap="$here/../bootstrap.py"
 # Finder starts us with a short PATH: add where python.org and Homebrew put Python.
 PATH="$PATH:/Library/Frameworks/Python.framework/Versions/Current/bin:/opt/homebrew/bin:/usr/local/bin"
