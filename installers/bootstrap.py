@@ -27,6 +27,7 @@ import traceback
 import urllib.error
 import urllib.request
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 
 # Run as a script (the launchers) or imported by tests: either way its sibling module must be importable.
@@ -120,6 +121,33 @@ def pip_progress(line: str) -> str | None:
     if line.startswith("Successfully installed"):
         return f"Done: {len(line.split()) - 2} packages installed."
     return None
+
+
+@contextmanager
+def install_lock(path: Path):
+    """Held while installing, so a second double-click cannot delete the venv under a running install. An OS lock:
+    the system releases it when the holder dies, so a crashed install never leaves a stale lock behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")  # noqa: SIM115 - closed in finally, which also releases the lock
+    try:
+        if os.name == "nt":
+            import msvcrt
+
+            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise BootstrapError(
+            "Another fmoe-local launcher is installing right now. Let it finish (it starts the app when done); "
+            "this window can be closed."
+        ) from None
+    try:
+        yield
+    finally:
+        handle.close()
 
 
 def venv_python(venv: Path) -> Path:
@@ -254,7 +282,8 @@ def main(argv: list | None = None) -> int:
         if args.plan:
             return 0
         if decision.install:
-            install(venv, decision, project, log)
+            with install_lock(where / "install.lock"):
+                install(venv, decision, project, log)
             template = REPO / "installers" / "linux" / "fmoe-local.desktop"
             if probes.system == "Linux" and not args.smoke and template.is_file():
                 apps = data_dir("Linux", dict(os.environ), Path.home()).parent / "applications"

@@ -227,6 +227,16 @@ def test_failed_step_shows_its_output_and_the_log_path(home: Path, capsys: pytes
     assert "no matching distribution for torch" in log.path.read_text()
 
 
+def test_a_second_launcher_cannot_install_while_the_first_does(tmp_path: Path):
+    lock = tmp_path / "install.lock"
+    with bootstrap.install_lock(lock):
+        with pytest.raises(plan.BootstrapError, match="Another fmoe-local launcher is installing"):
+            with bootstrap.install_lock(lock):
+                pass
+    with bootstrap.install_lock(lock):  # released when the first one is done
+        pass
+
+
 def test_console_progress_keeps_direct_dependencies_big_downloads_and_the_end():
     shown = [
         bootstrap.pip_progress(line)
