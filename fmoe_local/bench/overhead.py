@@ -32,28 +32,27 @@ def _time_plain(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> float
     return time.perf_counter() - t0
 
 
-def measure(model_dir: Path, tokens: int = 64, repeats: int = 5, policy: str = "fmoe") -> dict:
+def measure(model_dir: Path, tokens: int = 64, repeats: int = 7, policy: str = "fmoe") -> dict:
+    """Median wall time of the same greedy generation, ours and plain, alternating so both see the same load."""
     config = RuntimeConfig(device="cpu", cache_experts=10**9, policy=policy)
     sampling = Sampling(greedy=True, max_new_tokens=tokens)
+    plain_model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
+    plain_model.eval()
+    ours, plain = [], []
     with Runtime.load(model_dir, config) as runtime:
         ids = runtime.engine.encode_chat(PROMPT)
-        eos = runtime.engine.eos_ids
-        runtime.generate(PROMPT, sampling)  # warm-up: fills the cache, so every later access is a hit
-        ours = []
+        final = runtime.generate(PROMPT, sampling)  # warm-up: fills the cache, so every later access is a hit
+        n = final.stats.tokens
+        _time_plain(plain_model, ids, n)
         for _ in range(repeats):
             t0 = time.perf_counter()
             final = runtime.generate(PROMPT, sampling)
             ours.append(time.perf_counter() - t0)
-        n = final.stats.tokens
+            plain.append(_time_plain(plain_model, ids, n))
         hit_rate = final.stats.hit_rate
-    plain_model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
-    plain_model.eval()
-    _time_plain(plain_model, ids, n)
-    plain = [_time_plain(plain_model, ids, n) for _ in range(repeats)]
     return {
         "model": model_dir.name,
         "tokens": n,
-        "eos_ids": sorted(eos),
         "ours_s": statistics.median(ours),
         "plain_s": statistics.median(plain),
         "ratio": statistics.median(ours) / statistics.median(plain),
@@ -69,3 +68,20 @@ def print_table(rows: list[dict]) -> None:
             f"{r['model']:<28} {r['policy']:<12} {r['tokens']:>6} {r['plain_s']:>9.3f} {r['ours_s']:>9.3f} "
             f"{r['ratio']:>7.3f} {r['hit_rate']:>9.1%}"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m fmoe_local.bench.overhead", description=__doc__)
+    p.add_argument("--model", type=Path, action="append", required=True, help="model folder (repeatable)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--policy", default="fmoe")
+    args = p.parse_args(argv)
+    print_table([measure(m, args.tokens, args.repeats, args.policy) for m in args.model])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
