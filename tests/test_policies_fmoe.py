@@ -216,3 +216,15 @@ def test_matcher_and_forward_threads_together():
         t.join()
     assert errors == []
     assert 1 <= len(policy.store) <= 16
+
+
+def test_frequency_counts_carry_across_requests():
+    policy = make(d=1)
+    for _ in range(3):
+        policy.record_access(0, [0], [True])
+    policy.end_request()
+    policy.begin_request(2)
+    policy.begin_iteration(None)
+    policy.observe_layer(0, row(0.5, 0.5))
+    # Equal p; (0,0) was used 3 times in the previous request → 1/(0.5·4) against (0,1)'s 1/(0.5·1).
+    assert policy.choose_victim([(0, 0), (0, 1)], current_layer=0) == (0, 1)
