@@ -10,6 +10,7 @@ import json
 import shutil
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,9 @@ def test_conversation_list_new_search_rename_delete(served):
     assert _text(chatbot[0]) == "Write a short poem about the sea."
     client.predict("Sea poems", api_name="/rename_chat")
     assert session.store.chats.get(first.id).title == "Sea poems"
+    exported = client.predict(api_name="/export_chat")  # an update that also makes the file visible
+    text = Path(exported["value"]).read_text(encoding="utf-8")
+    assert text.startswith("# Sea poems") and "Write a short poem about the sea." in text
     client.predict(api_name="/delete_chat")
     assert [c.id for c in session.store.chats.list()] == [convs[0].id]
 

@@ -8,7 +8,9 @@ regenerate events share one concurrency slot, Stop has its own so that it is nev
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import gradio as gr
 
@@ -28,6 +30,8 @@ class ChatTab:
     rename_box: gr.Textbox
     rename: gr.Button
     delete: gr.Button
+    export: gr.Button
+    export_file: gr.File
     chatbot: gr.Chatbot
     textbox: gr.Textbox
     send: gr.Button
@@ -80,11 +84,13 @@ def build(session: Session) -> ChatTab:
             new_chat = gr.Button("+ New chat", variant="primary", elem_id="new-chat")
             search = gr.Textbox(placeholder="Search chats…", show_label=False, elem_id="chat-search")
             conv_list = gr.Radio(choices=[], label="Conversations", elem_id="conv-list")
-            with gr.Accordion("Rename or delete", open=False):
+            with gr.Accordion("Rename, delete, export", open=False):
                 rename_box = gr.Textbox(show_label=False, placeholder="New title", elem_id="rename-box")
                 with gr.Row():
                     rename = gr.Button("Rename", size="sm", elem_id="rename")
                     delete = gr.Button("Delete", size="sm", variant="stop", elem_id="delete-chat")
+                export = gr.Button("Export as Markdown", size="sm", elem_id="export-chat")
+                export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file")
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(
                 height=520,
@@ -98,7 +104,9 @@ def build(session: Session) -> ChatTab:
                 textbox = gr.Textbox(
                     placeholder="Message (Enter sends, Shift+Enter for a new line)",
                     show_label=False,
-                    lines=2,
+                    # One starting line is what makes Gradio send on Enter (Shift+Enter for a new line).
+                    lines=1,
+                    max_lines=10,
                     scale=6,
                     elem_id="chat-input",
                 )
@@ -117,7 +125,7 @@ def build(session: Session) -> ChatTab:
                         1, 4096, value=settings.max_new_tokens, step=1, label="Max new tokens", elem_id="max-tokens"
                     )
     return ChatTab(
-        conv_id, search, conv_list, new_chat, rename_box, rename, delete, chatbot, textbox, send, stop,
+        conv_id, search, conv_list, new_chat, rename_box, rename, delete, export, export_file, chatbot, textbox, send, stop,
         regenerate, edit_last, system, temperature, top_p, max_tokens,
     )  # fmt: skip
 
@@ -222,6 +230,16 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         chats.delete(conv_id)
         return None, [], gr.Radio(choices=conversation_choices(session), value=None), ""
 
+    def export(conv_id):
+        if conv_id is None:
+            raise gr.Error("Pick a conversation to export first.")
+        title = chats.get(conv_id).title or "chat"
+        safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip()[:40] or "chat"
+        # Gradio serves files from the system temp folder; a fresh folder per export avoids name clashes.
+        path = Path(tempfile.mkdtemp(prefix="fmoe-export-")) / f"{safe}.md"
+        path.write_text(chats.export_markdown(conv_id), encoding="utf-8")
+        return gr.File(value=str(path), visible=True)
+
     def on_load():
         choices = conversation_choices(session)
         if not choices:
@@ -247,5 +265,6 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     t.search.input(search, [t.search, t.conv_id], [t.conv_list], api_name="search_chats")
     t.rename.click(rename, [t.conv_id, t.rename_box], [t.conv_list], api_name="rename_chat")
     t.delete.click(delete, [t.conv_id], [t.conv_id, t.chatbot, t.conv_list, t.rename_box], api_name="delete_chat")
+    t.export.click(export, [t.conv_id], [t.export_file], api_name="export_chat")
     demo.load(on_load, None, [t.conv_id, t.chatbot, t.conv_list], api_visibility="private")
     return [sent, submitted, regen]

@@ -106,7 +106,8 @@ def summary(session: Session) -> str:
     if s is not None:
         line += (
             f" · **last reply:** {s.tokens_per_s:.1f} tok/s, TTFT {1000 * s.ttft_s:.0f} ms, hit rate {s.hit_rate:.0%},"
-            f" {s.bytes_moved / 1e6:.1f} MB copied, {1000 * s.stall_s:.0f} ms waiting for misses"
+            f" {s.bytes_moved / 1e6:.1f} MB copied, {1000 * s.stall_s:.0f} ms waiting for misses,"
+            f" {fmt_gb(s.cache_gb_used)} of cache in use"
         )
     return line
 

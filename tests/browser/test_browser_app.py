@@ -139,7 +139,9 @@ def test_chat_stop_switch_restart_and_settings(env):
         page.locator("#max-tokens input[type=number]").press("Enter")
         page.locator("#new-chat").click()
         page.wait_for_function("() => !document.querySelector('#chatbot').innerText.includes('poem')")
-        send(page, "What is an expert cache?")
+        # Enter sends (as the input's placeholder says).
+        page.locator("#chat-input textarea").fill("What is an expert cache?")
+        page.locator("#chat-input textarea").press("Enter")
         page.locator("#chatbot").get_by_text("tok/s").first.wait_for(timeout=STREAM_TIMEOUT_MS)
         page.locator("#conv-list").get_by_text("Write a short poem about the sea.").click()
         page.locator("#chatbot").get_by_text("Tell me a very long story.").wait_for()
