@@ -37,7 +37,11 @@ class MoEInfinityPolicy(RecencyPolicy):
         config = config or RuntimeConfig()
         L, J = shape.num_layers, shape.num_experts
         self.capacity = config.store_capacity
-        self._lock = threading.Lock()  # iEAM/match state: written by the matcher thread, read by choose_victim
+        # Two locks so that choose_victim (forward thread) never waits for an EAMC search: `_lock` guards the
+        # request's state and is held only for O(L·J) copies; `_eamc_lock` guards the collection. choose_victim
+        # reads one EAMC row without it: a row rewritten meanwhile only skews one eviction score.
+        self._lock = threading.Lock()
+        self._eamc_lock = threading.Lock()
         # Past requests' EAMs, kept only in the two normalised forms the policy reads.
         self._eamc_ratio = np.zeros((self.capacity, L, J), np.float32)  # [C, L, J] rows summing to 1
         self._eamc_unit = np.zeros((self.capacity, L, J), np.float32)  # [C, L, J] rows of unit norm (cosine)
@@ -56,7 +60,7 @@ class MoEInfinityPolicy(RecencyPolicy):
     def add_eam(self, eam: np.ndarray) -> int:
         """Put a finished request's EAM into the collection; returns its slot."""
         eam = np.asarray(eam, np.float32)
-        with self._lock:
+        with self._eamc_lock:
             if self._n < self.capacity:
                 slot = self._n
                 self._n += 1
@@ -71,7 +75,7 @@ class MoEInfinityPolicy(RecencyPolicy):
 
     def match(self, eam: np.ndarray, layers: int) -> tuple[int, float]:
         """Nearest stored EAM over the first `layers` layers: (slot, cosine distance); (−1, 1.0) when empty."""
-        with self._lock:
+        with self._eamc_lock:
             n = self._n
             if n == 0 or layers <= 0:
                 return -1, 1.0
@@ -124,10 +128,11 @@ class MoEInfinityPolicy(RecencyPolicy):
         if slot < 0:
             return []
         L, cap = self.shape.num_layers, 2 * self.shape.top_k
-        with self._lock:
-            self._matched = slot
+        with self._eamc_lock:
             self._matched_count[slot] += 1
             ratio = self._eamc_ratio[slot].copy()  # [L, J]
+        with self._lock:
+            self._matched = slot
         out: list[Prefetch] = []
         for layer in range(l_now + 1, L):
             proximity = 1.0 - (layer - l_now) / L
