@@ -116,3 +116,12 @@ def test_cache_priority_mixes_matched_and_own_ratios_with_proximity():
         order.append(victim)
         candidates.remove(victim)
     assert order == [(1, 3), (2, 2), (1, 1), (0, 0)]
+
+
+def test_collection_grows_past_its_first_allocation_up_to_capacity():
+    policy = make(capacity=100)
+    rng = np.random.default_rng(0)
+    eams = rng.integers(0, 3, size=(101, 3, 4)).astype(np.float32)
+    slots = [policy.add_eam(e) for e in eams]
+    assert slots[:100] == list(range(100)) and len(policy) == 100
+    assert policy.match(eams[70], layers=3) == (70, pytest.approx(0.0, abs=1e-6))

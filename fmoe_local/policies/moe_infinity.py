@@ -42,11 +42,13 @@ class MoEInfinityPolicy(RecencyPolicy):
         # reads one EAMC row without it: a row rewritten meanwhile only skews one eviction score.
         self._lock = threading.Lock()
         self._eamc_lock = threading.Lock()
-        # Past requests' EAMs, kept only in the two normalised forms the policy reads.
-        self._eamc_ratio = np.zeros((self.capacity, L, J), np.float32)  # [C, L, J] rows summing to 1
-        self._eamc_unit = np.zeros((self.capacity, L, J), np.float32)  # [C, L, J] rows of unit norm (cosine)
-        self._matched_count = np.zeros(self.capacity, np.int64)
-        self._stamps = np.zeros(self.capacity, np.int64)
+        # Past requests' EAMs, kept only in the two normalised forms the policy reads. Grown on demand: one EAM
+        # per request fills far slower than fmoe's per-iteration maps, with which it shares store_capacity.
+        rows = min(self.capacity, 64)
+        self._eamc_ratio = np.zeros((rows, L, J), np.float32)  # [C, L, J] rows summing to 1
+        self._eamc_unit = np.zeros((rows, L, J), np.float32)  # [C, L, J] rows of unit norm (cosine)
+        self._matched_count = np.zeros(rows, np.int64)
+        self._stamps = np.zeros(rows, np.int64)
         self._n = 0
         self._next_stamp = 0
         self._ieam = np.zeros((L, J), np.float32)  # [L, J] this request's counts
@@ -62,6 +64,8 @@ class MoEInfinityPolicy(RecencyPolicy):
         eam = np.asarray(eam, np.float32)
         with self._eamc_lock:
             if self._n < self.capacity:
+                if self._n == len(self._stamps):
+                    self._grow(min(self.capacity, 2 * self._n))
                 slot = self._n
                 self._n += 1
             else:  # least matched, then oldest: lexsort's last key is primary
@@ -72,6 +76,15 @@ class MoEInfinityPolicy(RecencyPolicy):
             self._stamps[slot] = self._next_stamp
             self._next_stamp += 1
             return slot
+
+    def _grow(self, rows: int) -> None:
+        def bigger(a: np.ndarray) -> np.ndarray:
+            out = np.zeros((rows, *a.shape[1:]), a.dtype)
+            out[: len(a)] = a
+            return out
+
+        self._eamc_ratio, self._eamc_unit = bigger(self._eamc_ratio), bigger(self._eamc_unit)
+        self._matched_count, self._stamps = bigger(self._matched_count), bigger(self._stamps)
 
     def match(self, eam: np.ndarray, layers: int) -> tuple[int, float]:
         """Nearest stored EAM over the first `layers` layers: (slot, cosine distance); (−1, 1.0) when empty."""
