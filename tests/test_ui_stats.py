@@ -9,7 +9,7 @@ from ui.stats import cell_states, heatmap_figure, timeline_figure
 
 
 def _stats() -> RequestStats:
-    s = RequestStats(tokens=5, hits=3, misses=2, ttft_s=0.2, tpot_s=0.05)
+    s = RequestStats(tokens=5, hits=3, misses=2, ttft_s=0.2, tpot_s=0.05, cache_gb_used=0.5)
     s.layer_hits = [[2, 0, 1], [0, 0, 0]]
     s.layer_misses = [[0, 0, 1], [1, 0, 0]]
     s.layer_prefetched = [[1, 1, 0], [0, 0, 0]]
@@ -38,4 +38,5 @@ def test_timeline_plots_one_point_per_reply():
     hit_line = fig.axes[0].lines[0]
     assert np.allclose(hit_line.get_ydata(), [60.0, 60.0])
     assert np.allclose(fig.axes[1].lines[0].get_ydata(), [200.0, 200.0])  # TTFT in ms
+    assert np.allclose(fig.axes[3].lines[0].get_ydata(), [512.0, 512.0])  # cache in use, MB
     assert not timeline_figure([]).axes[0].lines

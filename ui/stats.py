@@ -69,17 +69,20 @@ def heatmap_figure(stats: RequestStats | None):
 
 
 def timeline_figure(history: list[RequestStats]):
-    fig, axes = plt.subplots(1, 3, figsize=(11, 2.8), dpi=100)
+    fig, axes = plt.subplots(1, 4, figsize=(13, 2.8), dpi=100)
     if not history:
         for ax in axes:
             ax.axis("off")
-        axes[1].text(0.5, 0.5, "Hit rate, TTFT and TPOT appear here after the first reply.", ha="center", va="center")
+        axes[1].text(
+            1.1, 0.5, "Hit rate, TTFT, TPOT and cache use appear here after the first reply.", ha="center", va="center"
+        )
         return fig
     x = np.arange(1, len(history) + 1)
     series = [
         ("Expert hit rate", [100 * s.hit_rate for s in history], "%", "#16a34a"),
         ("Time to first token", [1000 * s.ttft_s for s in history], "ms", "#6366f1"),
         ("Time per output token", [1000 * s.tpot_s for s in history], "ms", "#f59e0b"),
+        ("Expert cache in use", [1024 * s.cache_gb_used for s in history], "MB", "#0ea5e9"),
     ]
     for ax, (title, ys, unit, colour) in zip(axes, series, strict=True):
         ax.set_title(title, fontsize=10)
@@ -89,6 +92,7 @@ def timeline_figure(history: list[RequestStats]):
         if history:
             ax.plot(x, ys, marker="o", color=colour, linewidth=1.5, markersize=3)
             ax.set_xlim(0.5, len(history) + 0.5)
+            ax.set_ylim(bottom=0)  # from zero, so that small wobbles do not look like big changes
         ax.grid(alpha=0.3)
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
