@@ -74,3 +74,17 @@ def test_data_dir_that_does_not_exist_yet_becomes_a_folder(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         app.serve(app.build_parser().parse_args(["--no-browser", "--data-dir", str(target)]))
     assert opened == [target] and target.is_dir()
+
+
+def test_without_a_last_model_the_demo_model_is_next(tmp_path):
+    from fmoe_local import demo
+
+    try:
+        expected = demo.demo_model_dir()
+    except FileNotFoundError:
+        expected = None
+    found, note = app.resolve_model(None, tmp_path, str(tmp_path / "deleted-since"))
+    if expected is None:  # demo weights not built in this checkout: the app says so and opens the wizard
+        assert found is None and "Models tab" in note
+    else:
+        assert found == expected and note == ""
