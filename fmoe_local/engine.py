@@ -154,8 +154,10 @@ class Engine:
         self.prefetcher.wait_idle()
         if (new.store_capacity, new.prefetch_distance) != (old.store_capacity, old.prefetch_distance):
             self.map_store.reconfigure(capacity=new.store_capacity, prefetch_distance=new.prefetch_distance)
-        policy_changed = new.policy != old.policy or new.prefetch_distance != old.prefetch_distance
-        if policy_changed or new.store_capacity != old.store_capacity:
+        retune = getattr(self.policy, "reconfigure", None)  # optional: keeps what the policy learned so far
+        if new.policy == old.policy and retune is not None:
+            retune(prefetch_distance=new.prefetch_distance, store_capacity=new.store_capacity)
+        elif new.policy != old.policy or new.prefetch_distance != old.prefetch_distance:
             self.policy = make_policy(new.policy, self.shape, new, self.map_store)
             self.prefetcher.set_policy(self.policy)
             self.observer.want_lookahead = self.policy.needs_lookahead
