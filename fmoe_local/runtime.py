@@ -176,6 +176,11 @@ class Runtime:
             raise result
         return result
 
+    def clear_maps(self) -> None:
+        """Forget every expert map of this model (in memory and, through its persistence, on disk)."""
+        self._engine.prefetcher.wait_idle()
+        self._engine.map_store.clear()
+
     def close(self) -> None:
         if self._closed:
             return

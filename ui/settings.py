@@ -150,7 +150,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
     def clear_maps():
         if session.runtime is None:
             raise gr.Error("Load a model first: maps are kept per model.")
-        session.runtime.engine.map_store.clear()  # also clears the model's maps in SQLite
+        session.runtime.clear_maps()  # also clears the model's maps in SQLite
         return "Cleared the learned expert maps of this model. Prefetching learns again from the next reply."
 
     demo.load(lambda: refresh(session), None, refresh_outputs(tab), api_visibility="private")
