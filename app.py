@@ -68,10 +68,13 @@ def free_port(host: str, start: int, tries: int = PORT_TRIES) -> int:
 
 def persistence_factory(store_path: Path, model_dir: Path):
     """For `fmoe-local run --store`: the model's MapPersistence and a callable that closes the store."""
-    from store import open_store
+    from store import StoreError, open_store
     from ui.session import shape_of
 
-    store = open_store(store_path)
+    try:
+        store = open_store(store_path)
+    except StoreError as exc:
+        raise ValueError(str(exc)) from exc  # fmoe_local.cli prints ValueErrors as a sentence, not a traceback
     return store.map_persistence(model_dir, shape_of(model_dir)), store.close
 
 
@@ -99,7 +102,7 @@ def resolve_model(arg: str | None, models_dir: Path, last_model: str) -> tuple[P
 
 def serve(args: argparse.Namespace):
     """Open the store, load the model, build and launch the UI. Returns (demo, session, url); does not block."""
-    from store import StoreInUseError, open_store
+    from store import StoreError, open_store
 
     data_dir = None
     if args.data_dir:
@@ -108,7 +111,7 @@ def serve(args: argparse.Namespace):
         data_dir.mkdir(parents=True, exist_ok=True)
     try:
         store = open_store(data_dir)
-    except StoreInUseError as exc:
+    except StoreError as exc:  # in use by another instance, too new, unwritable: each a sentence
         raise SystemExit(f"fmoe-local: {exc}") from exc
     if store.recovered_from is not None:
         print(f"fmoe-local: the database was damaged; it was moved to {store.recovered_from} and a new one started.")
