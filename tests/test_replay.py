@@ -99,12 +99,19 @@ def test_prefetch_lands_within_bandwidth() -> None:
     assert r.stall_s == pytest.approx(0.1)
 
 
-def test_half_arrived_prefetch_is_a_hit_that_stalls() -> None:
+def test_half_arrived_prefetch_is_a_late_miss_that_stalls_less() -> None:
     trace = make_trace([[[0], [2]]], [0])
     half = CostModel(100, 1000.0, 0.05, 0.0)  # 50 B per window: the prefetch is half done at layer 1
-    r = replay(build_schedule(trace), Scripted({(0, 0): [(1, 2)]}), capacity=4, cost=half, mode="online")
-    assert (r.hits, r.misses) == (1, 1)
+    seen = []
+
+    class Spy(Scripted):
+        def record_access(self, layer, experts, hits):
+            seen.append(list(hits))
+
+    r = replay(build_schedule(trace), Spy({(0, 0): [(1, 2)]}), capacity=4, cost=half, mode="online")
+    assert (r.hits, r.misses, r.late) == (0, 2, 1) and r.prefetch_used == 1
     assert r.stall_s == pytest.approx(0.1 + 0.05)
+    assert seen == [[False], [True]]  # the policy hears what the runtime's cache would say: it was there
 
 
 def test_stale_and_wasted_prefetches() -> None:

@@ -227,7 +227,7 @@ def _print_table(name: str, model: str, s: Schedule, capacity: int, cost: CostMo
         f"(load {cost.load_s * 1e3:.2f} ms), layer {cost.layer_time_s * 1e3:.3f} ms"
     )
     header = f"{'policy':<13}{'hit rate':>9}{'vs oracle':>10}{'stalls':>9}{'stall s':>9}{'TPOT ms':>9}"
-    print(header + f"{'speed-up':>9}{'prefetched':>11}{'wasted':>8}{'wall s':>8}")
+    print(header + f"{'speed-up':>9}{'prefetched':>11}{'late':>7}{'wasted':>8}{'wall s':>8}")
     for d in _rows(results):
         if d["note"]:
             print(f"{d['policy']:<13}  {d['note']}")
@@ -236,7 +236,7 @@ def _print_table(name: str, model: str, s: Schedule, capacity: int, cost: CostMo
         sp = f"{d['speedup_vs_on_demand']:.2f}x" if d["speedup_vs_on_demand"] is not None else "-"
         print(
             f"{d['policy']:<13}{d['hit_rate']:>9.3f}{vs:>10}{d['stalls']:>9}{d['stall_s']:>9.2f}"
-            f"{d['tpot_s'] * 1e3:>9.2f}{sp:>9}{d['prefetched']:>11}{d['prefetch_wasted']:>8}{d['wall_s']:>8.1f}"
+            f"{d['tpot_s'] * 1e3:>9.2f}{sp:>9}{d['prefetched']:>11}{d['late']:>7}{d['prefetch_wasted']:>8}{d['wall_s']:>8.1f}"
         )
 
 

@@ -10,8 +10,9 @@ Timeline of one iteration (the runtime's order, prefetcher.py + cache.py):
      first (the previous layer's compute, or the iteration's head for l = 0); one copy at a time, a copy may span
      windows; a prefetch claims its slot (evicting through `choose_victim`) when its copy starts.
   2. access: the needed experts are the recorded top-K of the iteration's rows (union over a prefill's tokens).
-     Resident → hit (an in-flight copy counts as a hit and stalls for its remaining bytes, like cache.acquire);
-     else an on-demand load that stalls expert_bytes / bandwidth, prefetching paused meanwhile.
+     Resident and copied → hit. A prefetch still copying is a "late" miss: it stalls only for its remaining bytes
+     (the policy is told hit=True, as cache.acquire would). Else an on-demand load that stalls
+     expert_bytes / bandwidth, prefetching paused meanwhile.
      record_access, then observe_layer(l, mean probs of the rows) → more prefetches.
   Queued prefetches for layers ≤ l (or an older iteration) are stale and dropped, as in prefetcher.py.
 Eviction candidates never include the experts in use (the current layer's; during a window, the previous layer's)
@@ -149,6 +150,7 @@ class ReplayResult:
     compute_s: float = 0.0  # simulated layer compute of the measured iterations
     decode_s: float = 0.0  # compute + stalls of measured decode iterations
     decode_tokens: int = 0
+    late: int = 0  # misses whose prefetch was under way: they stall only for the bytes still to copy
     prefetched: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
@@ -182,25 +184,25 @@ class ReplayResult:
 
 
 class KeyArray(Sequence):
-    """Eviction candidates as a Sequence of (layer, expert) tuples backed by one [n, 2] int64 array.
+    """Eviction candidates: a Sequence of (layer, expert) tuples that is also a [n, 2] int64 array.
 
-    `np.asarray(candidates)` is free (policies vectorise their priority lookups that way), indexing gives tuples.
+    Both views already exist in the simulated cache, so handing them over costs no conversion: `np.asarray`
+    returns the array, indexing and iteration the tuples.
     """
 
-    def __init__(self, keys: np.ndarray) -> None:
-        self._keys = keys  # [n, 2]
+    def __init__(self, keys: np.ndarray, tuples: list[ExpertKey]) -> None:
+        self._keys, self._tuples = keys, tuples  # [n, 2], n tuples
 
     def __len__(self) -> int:
-        return self._keys.shape[0]
+        return len(self._tuples)
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
-            return KeyArray(self._keys[i])
-        row = self._keys[i]
-        return int(row[0]), int(row[1])
+            return KeyArray(self._keys[i], self._tuples[i])
+        return self._tuples[i]
 
     def __iter__(self) -> Iterator[ExpertKey]:
-        return ((int(a), int(b)) for a, b in self._keys.tolist())
+        return iter(self._tuples)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return self._keys if dtype is None else self._keys.astype(dtype)
@@ -227,6 +229,7 @@ class SimCache:
         self.inflight_left = 0.0  # bytes
         self.pinned: tuple[ExpertKey, ...] = ()
         self.current_layer = -1
+        self.late = 0  # accesses that found their prefetch still copying (counted as misses)
 
     def _put(self, row: int, key: ExpertKey) -> None:
         self.key_at[row] = key
@@ -278,7 +281,8 @@ class SimCache:
         else:
             if self.n_free == 0:
                 return False
-            victim = self.policy.choose_victim(KeyArray(self.keys[: self.n_free]), self.current_layer)
+            cand = KeyArray(self.keys[: self.n_free], self.key_at[: self.n_free])
+            victim = self.policy.choose_victim(cand, self.current_layer)
             victim = (int(victim[0]), int(victim[1]))
             if self.resident.pop(victim):
                 self.counters.prefetch_wasted += 1
@@ -331,14 +335,17 @@ class SimCache:
             self.set_pinned(chunk)
             for key in chunk:
                 if key in self.resident:
-                    hits.append(True)
-                    c.hits[key] += 1
+                    hits.append(True)  # what the runtime's cache tells the policy, late or not
                     if self.resident[key]:
                         self.resident[key] = False
                         c.prefetch_used += 1
-                    if key == self.inflight:  # wait for the copy to finish, as cache.acquire does
+                    if key == self.inflight:  # a late prefetch: wait for its copy, as cache.acquire does
                         stall += self.inflight_left / self.cost.bandwidth
                         self._finish_copy()
+                        c.misses[key] += 1
+                        self.late += 1
+                    else:
+                        c.hits[key] += 1
                     continue
                 hits.append(False)
                 c.misses[key] += 1
@@ -402,6 +409,7 @@ def replay(
             seq += 1
 
     before: LayerCounters | None = None
+    late_before = 0
     request = -1
     for i in range(schedule.num_iterations):
         r = int(schedule.request_of[i])
@@ -412,7 +420,7 @@ def replay(
                 heap.clear()
             request = r
             if r == warm:
-                before = sim.counters.snapshot()
+                before, late_before = sim.counters.snapshot(), sim.late
             policy.begin_request(schedule.requests[r])
         measuring = r >= warm
         sim.current_layer = -1
@@ -439,6 +447,7 @@ def replay(
         sim.end_request()
     measured = sim.counters.since(before) if before is not None else LayerCounters(shape.num_layers, shape.num_experts)
     result.hits, result.misses = int(measured.hits.sum()), int(measured.misses.sum())
+    result.late = sim.late - late_before if before is not None else 0
     result.layer_hits = measured.hits.sum(1).tolist()
     result.layer_misses = measured.misses.sum(1).tolist()
     result.stall_s = float(measured.stall_s)
