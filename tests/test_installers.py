@@ -94,7 +94,7 @@ def smoke_env(home: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (REPO / "app.py").is_file(), reason="app.py is not in the repository yet")
+@pytest.mark.installer
 def test_linux_launcher_smoke_installs_once_then_starts_fast(tmp_path: Path):
     home = tmp_path / "home"
     home.mkdir()
