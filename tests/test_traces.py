@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from fmoe_local.bench.traces import DECODE, PREFILL, Trace, TraceRecorder, load_trace, save_trace
+from tests.shared_data import SHARED_DATA
 
-SHARED = Path("/work/shared/data/traces")
+SHARED = SHARED_DATA / "traces"
 L, J, K, H = 3, 8, 2, 5
 
 

@@ -26,6 +26,8 @@ from transformers.models.phimoe import PhimoeConfig
 from transformers.models.qwen2_moe import Qwen2MoeConfig
 from transformers.models.qwen3_moe import Qwen3MoeConfig
 
+from tests.shared_data import SHARED_DATA
+
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 VOCAB_SIZE = 384
@@ -37,7 +39,7 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-PROMPTS_FILE = Path("/work/shared/data/prompts/alpaca-seed-tasks-175.jsonl")
+PROMPTS_FILE = SHARED_DATA / "prompts" / "alpaca-seed-tasks-175.jsonl"
 # Used when the shared prompts are absent (e.g. a fresh clone): enough text for a few hundred merges.
 FALLBACK_TEXT = (
     "The quick brown fox jumps over the lazy dog. Experts live in host memory and a small cache on the GPU "
