@@ -56,7 +56,9 @@ class RuntimeConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"Unknown policy '{self.policy}'. Choose one of: {', '.join(POLICIES)}.")
         if self.semantic_mode not in SEMANTIC_MODES:
-            raise ValueError(f"Unknown semantic mode '{self.semantic_mode}'. Choose one of: {', '.join(SEMANTIC_MODES)}.")
+            raise ValueError(
+                f"Unknown semantic mode '{self.semantic_mode}'. Choose one of: {', '.join(SEMANTIC_MODES)}."
+            )
         if self.cache_experts is None and self.cache_gb <= 0:
             raise ValueError("The expert cache needs more than 0 GB. Set cache GB to a positive number.")
         if self.cache_experts is not None and self.cache_experts < 1:
