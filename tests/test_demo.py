@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +14,9 @@ from fmoe_local.demo import demo_model_dir
 from fmoe_local.demo.analysis import Recording, record_request, topic_report, write_trace
 from fmoe_local.demo.data import CHAT_TEMPLATE, is_heldout, iter_sharegpt_raw, render_chat
 from fmoe_local.demo.train import build_tokenizer, lr_at
+from tests.shared_data import SHARED_DATA
 
-PROMPTS_DIR = Path("/work/shared/data/prompts")
+PROMPTS_DIR = SHARED_DATA / "prompts"
 SUPPORTED_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss"}
 
 
