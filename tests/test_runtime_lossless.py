@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fmoe_local.config import POLICIES, RuntimeConfig, Sampling
+from fmoe_local.demo import demo_model_dir
 from fmoe_local.runtime import Runtime
 from tests.tiny import FAMILIES
 
@@ -28,9 +29,9 @@ def reference_tokens(model_dir, prompt_ids: torch.Tensor, n: int) -> list[int]:
     return out[0, prompt_ids.shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "demo"])
 def test_greedy_tokens_equal_eager_for_every_policy_and_cache_size(family, tiny_model_dir):
-    model_dir = tiny_model_dir(family)
+    model_dir = demo_model_dir() if family == "demo" else tiny_model_dir(family)
     config = RuntimeConfig(device="cpu", cache_experts=1, sampling=Sampling(greedy=True, max_new_tokens=NEW_TOKENS))
     with Runtime.load(model_dir, config) as runtime:
         engine = runtime.engine
