@@ -181,7 +181,7 @@ def test_capacity_and_live_only_policies() -> None:
 
 def test_sim_cache_keeps_candidates_apart_from_held_experts() -> None:
     """Random pins, copies and loads: the candidate rows are exactly the resident experts not pinned or in flight."""
-    from fmoe_local.bench.replay import SimCache
+    from fmoe_local.bench.simcache import SimCache
 
     rng = np.random.default_rng(0)
     seen: list[set] = []
