@@ -105,6 +105,7 @@ class ExpertCache:
         self._free = list(range(self.capacity - 1, -1, -1))
         self._lock = threading.Condition()
         self._demand = 0  # on-demand loads in progress: the prefetcher yields to them
+        self._held: list[int] = []  # slots of the last acquire, pinned until the next one
         self._copier = _Copier(device)
         self.current_layer = -1
 
@@ -141,27 +142,33 @@ class ExpertCache:
         hits: list[bool] = []
         slots: list[int] = []
         with self._lock:
+            self._unhold_locked()
             self.current_layer = layer
             self._demand += 1
+            # Pin every resident expert of this access first, so that loading a missing one can never evict
+            # another expert the same layer is about to use.
             for e in experts:
-                key = (layer, e)
-                s = self._slot_of.get(key)
-                hit = s is not None
-                if hit:
-                    slot = self._slots[s]
-                    if slot.by_prefetch:
-                        slot.by_prefetch = False
-                        self.counters.prefetch_used += 1
-                    if not slot.ready.is_set():
-                        waits.append(s)
-                    self.counters.hits[layer, e] += 1
-                else:
-                    s = self._claim_locked(key, current_layer=layer)
-                    loads.append((s, key))
-                    self.counters.misses[layer, e] += 1
+                s = self._slot_of.get((layer, e))
+                hits.append(s is not None)
+                slots.append(-1 if s is None else s)
+                if s is None:
+                    continue
+                slot = self._slots[s]
+                slot.pins += 1
+                if slot.by_prefetch:
+                    slot.by_prefetch = False
+                    self.counters.prefetch_used += 1
+                if not slot.ready.is_set():
+                    waits.append(s)
+                self.counters.hits[layer, e] += 1
+            for i, e in enumerate(experts):
+                if hits[i]:
+                    continue
+                s = self._claim_locked((layer, e), current_layer=layer)
                 self._slots[s].pins += 1
-                hits.append(hit)
-                slots.append(s)
+                loads.append((s, (layer, e)))
+                slots[i] = s
+                self.counters.misses[layer, e] += 1
             self.policy.record_access(layer, list(experts), hits)
         t0 = time.perf_counter()
         try:
@@ -189,10 +196,23 @@ class ExpertCache:
             last_use.record(torch.cuda.current_stream(self.device))
         with self._lock:
             for s in slots:
-                self._slots[s].pins -= 1
                 if last_use is not None:
                     self._slots[s].last_use = last_use
+            # The layer's experts stay pinned until the next acquire (or the next forward pass): copies that
+            # overlap this layer must not evict what it is using — the replay benchmark models the same rule.
+            self._held.extend(slots)
             self._lock.notify_all()
+
+    def unhold(self) -> None:
+        """A new forward pass starts: the previous layer's experts are no longer in use."""
+        with self._lock:
+            self._unhold_locked()
+            self._lock.notify_all()
+
+    def _unhold_locked(self) -> None:
+        for s in self._held:
+            self._slots[s].pins -= 1
+        self._held.clear()
 
     # ---- prefetcher thread ---------------------------------------------------------------------------------------
     def try_prefetch(self, layer: int, expert: int) -> bool:

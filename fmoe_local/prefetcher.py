@@ -52,6 +52,7 @@ class Prefetcher:
         self._iteration = -1  # the forward pass now running (forward thread's view)
         self._idle = threading.Event()
         self._idle.set()
+        self._pending: _Event | None = None  # synchronous mode: the last router event, not handled yet
         self._thread: threading.Thread | None = None
         if not synchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-prefetcher", daemon=True)
@@ -62,8 +63,18 @@ class Prefetcher:
         if kind == "begin_iteration":
             self._iteration += 1
             self.cache.current_layer = -1
+            self.cache.unhold()
         event = _Event(kind, self._iteration, layer, value, lookahead)
         if self.synchronous:
+            # A router's event is handled when the next event arrives, i.e. after its layer's experts ran: the
+            # replay benchmark's order (access, record, observe, copies), so the two give the same hit counts.
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._handle(pending)
+                self._drain_heap()
+            if kind == "layer":
+                self._pending = event
+                return
             self._handle(event)
             self._drain_heap()
             return
