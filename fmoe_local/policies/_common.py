@@ -71,13 +71,22 @@ class RecencyPolicy:
 
     def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
         layers, experts = split_keys(candidates)
-        return candidates[int(np.argmin(self._last_use[layers, experts]))]
+        return lowest(candidates, layers, experts, self._last_use[layers, experts])
 
     def end_iteration(self) -> None:
         pass
 
     def end_request(self) -> None:
         pass
+
+
+def lowest(candidates: Sequence[ExpertKey], layers: np.ndarray, experts: np.ndarray, *keys: np.ndarray) -> ExpertKey:
+    """The candidate with the smallest `keys` (the last key is the most significant, as in np.lexsort).
+
+    Exact ties go to the smallest (layer, expert), so a choice never depends on the order the cache lists its
+    candidates in: the runtime and the replay benchmark list them differently and must still agree.
+    """
+    return candidates[int(np.lexsort((experts, layers, *keys))[0])]
 
 
 def split_keys(candidates: Sequence[ExpertKey]) -> tuple[np.ndarray, np.ndarray]:

@@ -41,7 +41,7 @@ import numpy as np
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.maps import ExpertMap, MapStore
-from fmoe_local.policies._common import normalised, prefetch_set, split_keys
+from fmoe_local.policies._common import lowest, normalised, prefetch_set, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
 
 P_FLOOR = 1e-4  # added to p in the eviction priority (see module docstring)
@@ -172,9 +172,7 @@ class FMoEPolicy:
         with self._lock:
             priority = 1.0 / ((self._p_est[layers, experts] + P_FLOOR) * (self._freq[layers, experts] + 1.0))
             mis = self._ran[layers] & self._prefetched[layers, experts] & ~self._used[layers, experts]
-        if mis.any():
-            priority = np.where(mis, priority, -np.inf)
-        return candidates[int(np.argmax(priority))]
+        return lowest(candidates, layers, experts, -priority, ~mis)  # mis-prefetched first, then largest priority
 
 
 def _delta(score: float) -> float:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.policies._common import RecencyPolicy, split_keys
+from fmoe_local.policies._common import RecencyPolicy, lowest, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape
 
 
@@ -28,6 +28,5 @@ class LFUPolicy(RecencyPolicy):
 
     def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
         layers, experts = split_keys(candidates)
-        # lexsort: last key is primary → fewest uses first, then oldest use.
-        order = np.lexsort((self._last_use[layers, experts], self._count[layers, experts]))
-        return candidates[int(order[0])]
+        # Fewest uses first, then oldest use.
+        return lowest(candidates, layers, experts, self._last_use[layers, experts], self._count[layers, experts])

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.policies._common import RecencyPolicy, split_keys, top_k
+from fmoe_local.policies._common import RecencyPolicy, lowest, split_keys, top_k
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
 
 
@@ -165,9 +165,8 @@ class MoEInfinityPolicy(RecencyPolicy):
         ratio = 0.5 * (own + matched)
         proximity = np.where(layers <= current_layer, 1.0, 1.0 - (layers - current_layer) / L)
         score = ratio * proximity
-        # lexsort: last key is primary → lowest score first, then least recently used.
-        order = np.lexsort((self._last_use[layers, experts], score))
-        return candidates[int(order[0])]
+        # Lowest score first, then least recently used.
+        return lowest(candidates, layers, experts, self._last_use[layers, experts], score)
 
 
 def _row_normalised(m: np.ndarray, order: int) -> np.ndarray:
