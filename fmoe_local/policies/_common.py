@@ -91,6 +91,9 @@ def lowest(candidates: Sequence[ExpertKey], layers: np.ndarray, experts: np.ndar
 
 def split_keys(candidates: Sequence[ExpertKey]) -> tuple[np.ndarray, np.ndarray]:
     """Candidates as two int arrays (layers, experts), for vectorised priority lookups."""
-    flat = itertools.chain.from_iterable(candidates)  # twice as fast as np.asarray on a list of tuples
-    keys = np.fromiter(flat, np.int64, count=2 * len(candidates)).reshape(-1, 2)  # [n, 2]
+    if hasattr(candidates, "__array__"):  # the replay's candidate lists are one array already
+        keys = np.asarray(candidates, dtype=np.int64).reshape(-1, 2)
+    else:
+        flat = itertools.chain.from_iterable(candidates)  # twice as fast as np.asarray on a list of tuples
+        keys = np.fromiter(flat, np.int64, count=2 * len(candidates)).reshape(-1, 2)  # [n, 2]
     return keys[:, 0], keys[:, 1]
