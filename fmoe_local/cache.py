@@ -124,10 +124,6 @@ class ExpertCache:
     def resident_bytes(self) -> int:
         return len(self.resident()) * self.expert_bytes
 
-    def is_resident(self, key: ExpertKey) -> bool:
-        with self._lock:
-            return key in self._slot_of
-
     @property
     def on_demand_active(self) -> bool:
         return self._demand > 0

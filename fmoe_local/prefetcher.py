@@ -100,16 +100,12 @@ class Prefetcher:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     # ---- worker --------------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._closed and not self._events and (not self._heap or self.cache.on_demand_active):
-                    if not self._events and not self._heap:
+                    if not self._heap:  # no event either: the loop condition says so
                         self._idle.set()
                     self._cond.wait(timeout=0.05)
                 if self._closed:
