@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from fmoe_local.maps import ExpertMap, MapStore
 from fmoe_local.policies.base import ModelShape
+from tests.threads import run_in_threads
 
 SHAPE = ModelShape(num_layers=4, num_experts=8, top_k=2, embed_dim=3)
 
@@ -186,31 +185,19 @@ def test_concurrent_adds_and_searches():
     shape = ModelShape(num_layers=4, num_experts=8, top_k=2, embed_dim=3)
     store = MapStore(shape, capacity=64, prefetch_distance=2)
     maps = random_maps(np.random.default_rng(4), 200)
-    errors: list[BaseException] = []
 
     def writer() -> None:
-        try:
-            for m in maps:
-                store.add(m)
-        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
-            errors.append(e)
+        for m in maps:
+            store.add(m)
 
     def reader() -> None:
-        try:
-            for m in maps:
-                for depth in range(1, 5):
-                    slot, score = store.match_trajectory(m.probs[:depth])
-                    assert slot < 64 and score <= 1.0 + 1e-5
-                store.match_semantic(m.semantic)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for m in maps:
+            for depth in range(1, 5):
+                slot, score = store.match_trajectory(m.probs[:depth])
+                assert slot < 64 and score <= 1.0 + 1e-5
+            store.match_semantic(m.semantic)
 
-    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert run_in_threads(writer, reader) == []
     assert len(store) == 64
     last = maps[-1]
     assert store.match_trajectory(last.probs)[1] == pytest.approx(1.0)

@@ -12,6 +12,7 @@ from fmoe_local.maps import ExpertMap, MapStore
 from fmoe_local.policies._common import prefetch_set
 from fmoe_local.policies.base import ModelShape
 from fmoe_local.policies.fmoe import FMoEPolicy
+from tests.threads import run_in_threads
 
 SHAPE = ModelShape(num_layers=4, num_experts=8, top_k=2, embed_dim=3)
 
@@ -184,7 +185,6 @@ def test_reconfigure_changes_distance_and_store_capacity():
 def test_matcher_and_forward_threads_together():
     policy = make(d=1, maps=[ExpertMap(MAP_A, np.array([1, 0, 0], np.float32), 0)])
     rng = np.random.default_rng(0)
-    errors: list[BaseException] = []
     done = threading.Event()
 
     def matcher() -> None:
@@ -194,27 +194,17 @@ def test_matcher_and_forward_threads_together():
                 for layer in range(4):
                     policy.observe_layer(layer, rng.dirichlet(np.ones(8)).astype(np.float32))
                 policy.end_iteration()
-        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
-            errors.append(e)
         finally:
             done.set()
 
     def forward() -> None:
-        try:
-            while not done.is_set():
-                for layer in range(4):
-                    policy.record_access(layer, [layer, 7 - layer], [True, False])
-                    victim = policy.choose_victim([(0, 0), (1, 1), (2, 5), (3, 3)], current_layer=layer)
-                    assert victim in [(0, 0), (1, 1), (2, 5), (3, 3)]
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        while not done.is_set():
+            for layer in range(4):
+                policy.record_access(layer, [layer, 7 - layer], [True, False])
+                victim = policy.choose_victim([(0, 0), (1, 1), (2, 5), (3, 3)], current_layer=layer)
+                assert victim in [(0, 0), (1, 1), (2, 5), (3, 3)]
 
-    threads = [threading.Thread(target=matcher), threading.Thread(target=forward)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert run_in_threads(matcher, forward) == []
     assert 1 <= len(policy.store) <= 16
 
 
