@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fmoe_local.host import HostStore
@@ -123,6 +124,16 @@ class ExpertCache:
 
     def resident_bytes(self) -> int:
         return len(self.resident()) * self.expert_bytes
+
+    def claimed_mask(self) -> np.ndarray:
+        """[L, J] bool: experts resident or being copied in, i.e. what a prefetch would find already there."""
+        mask = np.zeros((self.host.num_layers, self.host.num_experts), bool)
+        with self._lock:
+            keys = list(self._slot_of)
+        if keys:
+            layers, experts = zip(*keys, strict=True)
+            mask[list(layers), list(experts)] = True
+        return mask
 
     @property
     def on_demand_active(self) -> bool:
@@ -238,7 +249,7 @@ class ExpertCache:
                 # Every slot is pinned or still loading: wait for an in-flight copy or a release.
                 self._lock.wait(timeout=1.0)
                 candidates = self._evictable_locked()
-            victim = self.policy.choose_victim(candidates, current_layer)
+            victim = self.policy.choose_victims(candidates, current_layer, 1)[0]
             s = self._slot_of.pop(victim)
             if self._slots[s].by_prefetch:
                 self.counters.prefetch_wasted += 1

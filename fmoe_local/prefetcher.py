@@ -1,8 +1,8 @@
 """Prefetcher: the background worker that runs the policy's matcher and copies predicted experts into the cache.
 
 Scope: the event queue from the forward pass (iteration start, router probabilities per layer, iteration/request
-end), calling the policy off the critical path, a priority queue of prefetches, dropping stale ones, and yielding to
-on-demand loads. It does NOT choose experts (the policy does) or manage slots (the cache does).
+end), calling the policy off the critical path, feeding the PrefetchQueue (prefetch_queue.py) and copying from it,
+and yielding to on-demand loads. It does NOT choose experts (the policy does) or manage slots (the cache does).
 
 The forward thread only appends to a queue (`publish_*`); tensors are turned into numpy here, so a GPU → host copy
 never stalls the forward pass. In synchronous mode (tests, replay comparisons) the same code runs inline and every
@@ -11,10 +11,9 @@ queued prefetch completes before the forward pass goes on, which makes hit count
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +21,7 @@ import torch
 
 from fmoe_local.cache import ExpertCache
 from fmoe_local.policies.base import Policy, Prefetch
+from fmoe_local.prefetch_queue import PrefetchQueue
 
 
 def _to_numpy(t: torch.Tensor | np.ndarray | None) -> np.ndarray | None:
@@ -45,8 +45,7 @@ class Prefetcher:
         self.policy = policy
         self.synchronous = synchronous
         self._events: deque[_Event] = deque()
-        self._heap: list[tuple[float, int, int, int, int]] = []  # (-priority, seq, iteration, layer, expert)
-        self._seq = itertools.count()
+        self._queue = PrefetchQueue(cache.host.num_layers, cache.host.num_experts)
         self._cond = threading.Condition()
         self._closed = False
         self._iteration = -1  # the forward pass now running (forward thread's view)
@@ -71,12 +70,12 @@ class Prefetcher:
             pending, self._pending = self._pending, None
             if pending is not None:
                 self._handle(pending)
-                self._drain_heap()
+                self._drain_queue()
             if kind == "layer":
                 self._pending = event
                 return
             self._handle(event)
-            self._drain_heap()
+            self._drain_queue()
             return
         with self._cond:
             self._events.append(event)
@@ -87,7 +86,7 @@ class Prefetcher:
         self.wait_idle()
         with self._cond:
             self.policy = policy
-            self._heap.clear()
+            self._queue.clear()
 
     def wait_idle(self, timeout: float | None = 10.0) -> bool:
         """Block until every published event was handled (between requests; never on the token path)."""
@@ -104,8 +103,8 @@ class Prefetcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._events and (not self._heap or self.cache.on_demand_active):
-                    if not self._heap:  # no event either: the loop condition says so
+                while not self._closed and not self._events and (not self._queue or self.cache.on_demand_active):
+                    if not self._queue:  # no event either: the loop condition says so
                         self._idle.set()
                     self._cond.wait(timeout=0.05)
                 if self._closed:
@@ -133,30 +132,27 @@ class Prefetcher:
         elif event.kind == "end_request":
             policy.end_request()
             with self._cond:
-                self._heap.clear()
+                self._queue.clear()
         else:
             raise ValueError(f"unknown prefetcher event {event.kind}")
 
-    def _push(self, iteration: int, prefetches: list[Prefetch]) -> None:
+    def _push(self, iteration: int, prefetches: Sequence[Prefetch]) -> None:
         with self._cond:
-            for p in prefetches:
-                heapq.heappush(self._heap, (-p.priority, next(self._seq), iteration, p.layer, p.expert))
-
-    def _stale(self, iteration: int, layer: int) -> bool:
-        # A prefetch for a layer the forward pass already passed (or an older forward pass) is useless now.
-        return iteration < self._iteration or (iteration == self._iteration and layer <= self.cache.current_layer)
+            self._queue.push(iteration, prefetches)
 
     def _pop_and_copy(self) -> bool:
+        # Entries for a layer the forward pass already reached (or an older forward pass) are useless now.
         with self._cond:
-            while self._heap:
-                _, _, iteration, layer, expert = heapq.heappop(self._heap)
-                if not self._stale(iteration, layer):
-                    break
-            else:
+            if not self._queue:
                 return False
-        self.cache.try_prefetch(layer, expert)
+        claimed = self.cache.claimed_mask()  # outside our lock: the cache takes its own
+        with self._cond:
+            key = self._queue.pop(self._iteration, self.cache.current_layer, claimed)
+        if key is None:
+            return False
+        self.cache.try_prefetch(*key)
         return True
 
-    def _drain_heap(self) -> None:
-        while self._heap:
-            self._pop_and_copy()
+    def _drain_queue(self) -> None:
+        while self._pop_and_copy():
+            pass

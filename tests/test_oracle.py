@@ -59,8 +59,8 @@ class Greedy(LRU):
     def observe_layer(self, layer, probs, lookahead=None):
         return [Prefetch(layer + 1, e, 1.0) for e in self.prev.get(layer + 1, [])]
 
-    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
-        return candidates[int(self.rng.integers(len(candidates)))]
+    def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
+        return [candidates[int(i)] for i in self.rng.choice(len(candidates), size=count, replace=False)]
 
 
 def registry_policies() -> list[str]:

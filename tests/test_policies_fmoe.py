@@ -113,7 +113,7 @@ def test_eviction_priority_is_inverse_p_times_freq():
     candidates = [(0, 0), (0, 1), (0, 2), (0, 5), (3, 0)]
     order = []
     while candidates:
-        victim = policy.choose_victim(candidates, current_layer=0)
+        victim = policy.choose_victims(candidates, current_layer=0)[0]
         order.append(victim)
         candidates.remove(victim)
     assert order == [(0, 5), (0, 2), (3, 0), (0, 1), (0, 0)]
@@ -125,17 +125,17 @@ def test_mis_prefetched_experts_go_first_once_their_layer_ran():
     policy.begin_iteration(sem)  # prefetches layer 0: experts 0, 1
     candidates = [(0, 1), (3, 5)]
     # Before layer 0 runs, (0,1) is a plain prediction: p = 0.3 → 3.3 < uniform (3,5): 1/(0.125) = 8.
-    assert policy.choose_victim(candidates, current_layer=0) == (3, 5)
+    assert policy.choose_victims(candidates, current_layer=0)[0] == (3, 5)
     policy.observe_layer(0, row(0.5, 0.2, 0.3))
     policy.record_access(0, [0, 2], [True, False])  # expert 1 was prefetched and not used
     # By priority alone (3,5) would still go (1/(0.2·1) = 5 < 8); being mis-prefetched puts (0,1) first.
-    assert policy.choose_victim(candidates, current_layer=0) == (0, 1)
+    assert policy.choose_victims(candidates, current_layer=0)[0] == (0, 1)
     # A new iteration forgets the last one's mistakes.
     policy.end_iteration()
     policy.begin_iteration(sem)
     policy.observe_layer(0, row(0.5, 0.2, 0.3))
     policy.record_access(0, [0, 1], [True, True])
-    assert policy.choose_victim(candidates, current_layer=0) == (3, 5)
+    assert policy.choose_victims(candidates, current_layer=0)[0] == (3, 5)
 
 
 def test_end_iteration_feeds_complete_maps_only_and_end_request_drops_trajectory():
@@ -201,7 +201,7 @@ def test_matcher_and_forward_threads_together():
         while not done.is_set():
             for layer in range(4):
                 policy.record_access(layer, [layer, 7 - layer], [True, False])
-                victim = policy.choose_victim([(0, 0), (1, 1), (2, 5), (3, 3)], current_layer=layer)
+                victim = policy.choose_victims([(0, 0), (1, 1), (2, 5), (3, 3)], current_layer=layer)[0]
                 assert victim in [(0, 0), (1, 1), (2, 5), (3, 3)]
 
     assert run_in_threads(matcher, forward) == []
@@ -217,4 +217,4 @@ def test_frequency_counts_carry_across_requests():
     policy.begin_iteration(None)
     policy.observe_layer(0, row(0.5, 0.5))
     # Equal p; (0,0) was used 3 times in the previous request → 1/(0.5·4) against (0,1)'s 1/(0.5·1).
-    assert policy.choose_victim([(0, 0), (0, 1)], current_layer=0) == (0, 1)
+    assert policy.choose_victims([(0, 0), (0, 1)], current_layer=0)[0] == (0, 1)

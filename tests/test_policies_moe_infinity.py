@@ -112,7 +112,7 @@ def test_cache_priority_mixes_matched_and_own_ratios_with_proximity():
     candidates = [(0, 0), (1, 1), (2, 2), (1, 3)]
     order = []
     while candidates:
-        victim = policy.choose_victim(candidates, current_layer=0)
+        victim = policy.choose_victims(candidates, current_layer=0)[0]
         order.append(victim)
         candidates.remove(victim)
     assert order == [(1, 3), (2, 2), (1, 1), (0, 0)]

@@ -17,7 +17,7 @@ SHAPE = ModelShape(num_layers=3, num_experts=8, top_k=2)
 def evict_all(policy, candidates, current_layer=0):
     candidates, order = list(candidates), []
     while candidates:
-        victim = policy.choose_victim(candidates, current_layer)
+        victim = policy.choose_victims(candidates, current_layer)[0]
         order.append(victim)
         candidates.remove(victim)
     return order
@@ -56,4 +56,4 @@ def test_speculative_prefetches_next_layer_top_k_from_lookahead():
     assert policy.observe_layer(1, np.full(8, 1 / 8, np.float32), lookahead=None) == []
     assert policy.observe_layer(2, np.full(8, 1 / 8, np.float32), lookahead=guess) == []  # no layer 3
     policy.record_access(1, [1], [True])
-    assert policy.choose_victim([(1, 1), (2, 0)], current_layer=1) == (2, 0)
+    assert policy.choose_victims([(1, 1), (2, 0)], current_layer=1)[0] == (2, 0)

@@ -31,3 +31,35 @@ def test_fmoe_uses_the_given_store_or_sizes_its_own_from_config():
 def test_unknown_name_lists_the_choices():
     with pytest.raises(ValueError, match="Choose one of: fmoe, .*on_demand"):
         make_policy("belady", SHAPE, RuntimeConfig(), None)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_several_victims_at_once_are_the_victims_one_at_a_time(name: str) -> None:
+    """The contract that lets the replay ask once per layer while the runtime's cache asks per miss."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    policy = make_policy(name, SHAPE, RuntimeConfig(policy=name, prefetch_distance=1), None)
+    for request in range(3):  # give every policy some history: accesses, maps, an EAM
+        policy.begin_request(request)
+        for _ in range(4):
+            policy.begin_iteration(rng.standard_normal(4).astype(np.float32))
+            for layer in range(SHAPE.num_layers):
+                probs = rng.dirichlet(np.full(8, 0.3)).astype(np.float32)
+                policy.observe_layer(layer, probs, probs)
+                experts = np.argsort(-probs)[:2].tolist()
+                policy.record_access(layer, experts, [bool(rng.integers(2)) for _ in experts])
+            policy.end_iteration()
+        policy.end_request()
+    policy.begin_request(9)
+    policy.begin_iteration(rng.standard_normal(4).astype(np.float32))
+    policy.observe_layer(0, rng.dirichlet(np.full(8, 0.3)).astype(np.float32))
+    keys = [(layer, e) for layer in range(3) for e in range(8)]
+    candidates = [keys[i] for i in rng.permutation(len(keys))[:15]]
+    at_once = policy.choose_victims(candidates, 0, 6)
+    one_by_one, left = [], list(candidates)
+    for _ in range(6):
+        victim = policy.choose_victims(left, 0, 1)[0]
+        one_by_one.append(victim)
+        left.remove(victim)
+    assert at_once == one_by_one and len(set(at_once)) == 6

@@ -48,8 +48,8 @@ class LRU:
             self.clock += 1
             self.last[(layer, e)] = self.clock
 
-    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
-        return min(candidates, key=lambda k: self.last.get(k, 0))
+    def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
+        return sorted(candidates, key=lambda k: self.last.get(k, 0))[:count]
 
     def end_iteration(self) -> None: ...
 
@@ -182,28 +182,30 @@ def test_capacity_and_live_only_policies() -> None:
 def test_sim_cache_keeps_candidates_apart_from_held_experts() -> None:
     """Random pins, copies and loads: the candidate rows are exactly the resident experts not pinned or in flight."""
     from fmoe_local.bench.simcache import SimCache
+    from fmoe_local.prefetch_queue import PrefetchQueue
 
     rng = np.random.default_rng(0)
     seen: list[set] = []
 
     class Checking(LRU):
-        def choose_victim(self, candidates, current_layer):
+        def choose_victims(self, candidates, current_layer, count=1):
             keys = set(candidates)
             seen.append(keys)
             assert not keys & set(sim.pinned) and sim.inflight not in keys
             assert keys == set(sim.resident) - set(sim.pinned) - {sim.inflight}
-            return candidates[int(rng.integers(len(candidates)))]
+            return [candidates[int(i)] for i in rng.choice(len(candidates), size=count, replace=False)]
 
     shape = ModelShape(3, 8, 2)
     sim = SimCache(shape, 7, Checking(), CostModel(100, 1000.0, 0.01, 0.0))
     for step in range(300):
         layer = step % 3
-        heap = [(-1.0, i, 0, int(rng.integers(layer, 3)), int(rng.integers(8))) for i in range(2)]
+        queue = PrefetchQueue(3, 8)
+        queue.push(0, [Prefetch(int(rng.integers(layer, 3)), int(rng.integers(8)), 1.0) for _ in range(2)])
         sim.current_layer = layer - 1
-        sim.transfer(float(rng.choice([0, 50, 100, 250])), heap, 0)
+        sim.transfer(float(rng.choice([0, 50, 100, 250])), queue, 0)
         sim.access(layer, tuple(int(e) for e in rng.choice(8, size=2, replace=False)))
-        rows = {sim.key_at[r] for r in range(len(sim.resident))}
-        assert rows == set(sim.resident) and all(sim.row_of[k] < len(sim.resident) for k in rows)
+        assert set(sim.candidates()) == set(sim.resident) - set(sim.pinned) - {sim.inflight}
+        assert {tuple(k) for k in np.argwhere(sim.resident_mask)} == set(sim.resident)
     assert len(seen) > 100
 
 

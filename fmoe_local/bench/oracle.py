@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from fmoe_local.policies._common import lowest, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
 
 NEVER = np.iinfo(np.int32).max
@@ -68,9 +69,8 @@ class OraclePolicy:
     def record_access(self, layer: int, experts: Sequence[int], hits: Sequence[bool]) -> None:
         self.known.update((layer, int(e)) for e in experts)
 
-    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
-        keys = np.asarray(candidates, np.int64).reshape(-1, 2)  # [n, 2]
-        layers, experts = keys[:, 0], keys[:, 1]
+    def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
+        layers, experts = split_keys(candidates)
         # A candidate of a layer not reached yet in this iteration may still be used in it; one already passed
         # is next used in a later iteration.
         i = self.iteration
@@ -78,10 +78,9 @@ class OraclePolicy:
         use = self.next_use[row, layers, experts].astype(np.int64)  # [n] iteration of the next use
         # Position in access order; never-used-again sorts last of all.
         pos = np.where(use == NEVER, np.iinfo(np.int64).max, use * self.shape.num_layers + layers)
-        best = int(np.argmax(pos))
-        victim = (int(layers[best]), int(experts[best]))
-        self.known.discard(victim)
-        return victim
+        victims = lowest(candidates, layers, experts, -pos, count=count)  # furthest next use first
+        self.known.difference_update(victims)
+        return victims
 
     def end_iteration(self) -> None:
         pass

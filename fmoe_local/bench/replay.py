@@ -8,13 +8,14 @@ Timeline of one iteration (the runtime's order, prefetcher.py + cache.py):
   begin_iteration(semantic) → prefetches queued; then for each MoE layer l:
   1. transfer window: the copy engine moves up to bandwidth × layer time bytes of queued prefetches, highest priority
      first (the previous layer's compute, or the iteration's head for l = 0); one copy at a time, a copy may span
-     windows; a prefetch claims its slot (evicting through `choose_victim`) when its copy starts.
+     windows; a prefetch claims its slot (evicting through `choose_victims`) when its copy starts.
   2. access: the needed experts are the recorded top-K of the iteration's rows (union over a prefill's tokens).
      Resident and copied → hit. A prefetch still copying is a "late" miss: it stalls only for its remaining bytes
      (the policy is told hit=True, as cache.acquire would). Else an on-demand load that stalls
      expert_bytes / bandwidth, prefetching paused meanwhile.
      record_access, then observe_layer(l, mean probs of the rows) → more prefetches.
-  Queued prefetches for layers ≤ l (or an older iteration) are stale and dropped, as in prefetcher.py.
+  Queued prefetches for layers ≤ l (or an older iteration) are stale and dropped: the same PrefetchQueue
+  (prefetch_queue.py) as the runtime's prefetcher.
 Eviction candidates never include the experts in use (the current layer's; during a window, the previous layer's)
 nor the copy in flight. `bandwidth = inf` makes every queued prefetch land before the next layer — the runtime's
 synchronous prefetcher mode, which is how replay and runtime hit counts are compared.
@@ -27,7 +28,6 @@ fallback is named in the result: "prev_map" (the request's previous iteration's 
 
 from __future__ import annotations
 
-import heapq
 import math
 import multiprocessing
 import time
@@ -40,7 +40,8 @@ import numpy as np
 from fmoe_local.bench.presets import CostModel
 from fmoe_local.bench.simcache import SimCache
 from fmoe_local.bench.traces import DECODE, Trace
-from fmoe_local.policies.base import ModelShape, Policy, Prefetch
+from fmoe_local.policies.base import ModelShape, Policy
+from fmoe_local.prefetch_queue import PrefetchQueue
 from fmoe_local.stats import LayerCounters
 
 MODES = ("offline", "online")
@@ -216,15 +217,7 @@ def replay(
     sim = SimCache(shape, capacity, policy, cost)
     warm = int(warm_fraction * len(schedule.requests)) if mode == "offline" else 0
     result = ReplayResult(trace_name, name, semantic_source=schedule.semantic_source)
-    heap: list[tuple[float, int, int, int, int]] = []  # (-priority, seq, iteration, layer, expert)
-    seq = 0
-
-    def push(prefetches: list[Prefetch], iteration: int) -> None:
-        nonlocal seq
-        for p in prefetches:
-            heapq.heappush(heap, (-p.priority, seq, iteration, p.layer, p.expert))
-            seq += 1
-
+    queue = PrefetchQueue(shape.num_layers, shape.num_experts)
     before: LayerCounters | None = None
     late_before = 0
     request = -1
@@ -234,7 +227,7 @@ def replay(
             if request >= 0:
                 policy.end_request()
                 sim.end_request()
-                heap.clear()
+                queue.clear()
             request = r
             if r == warm:
                 before, late_before = sim.counters.snapshot(), sim.late
@@ -242,16 +235,16 @@ def replay(
         measuring = r >= warm
         sim.current_layer = -1
         sim.set_pinned(())
-        push(policy.begin_iteration(schedule.semantics[i]), i)
+        queue.push(i, policy.begin_iteration(schedule.semantics[i]))
         layer_s = cost.layer_s(int(schedule.tokens[i]))
         budget = cost.bandwidth * layer_s
         stall_total = 0.0
         for layer, experts in enumerate(schedule.needed[i]):
-            sim.transfer(budget, heap, i)
+            sim.transfer(budget, queue, i)
             hits, stall = sim.access(layer, experts)
             stall_total += stall
             policy.record_access(layer, list(experts), hits)
-            push(policy.observe_layer(layer, schedule.probs[i, layer]), i)
+            queue.push(i, policy.observe_layer(layer, schedule.probs[i, layer]))
         policy.end_iteration()
         if measuring:
             result.iterations_measured += 1

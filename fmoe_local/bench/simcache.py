@@ -1,137 +1,87 @@
 """The replay's simulated expert cache: slots, pins, one copy in flight, on-demand loads, hit/miss accounting.
 
-Scope: residency and the copy engine's progress in bytes, evicting only through the policy's `choose_victim`
+Scope: residency and the copy engine's progress in bytes, evicting only through the policy's `choose_victims`
 (the same call the runtime's cache.py makes). It does NOT order events or time iterations (replay.py does) and it
 never decides what to prefetch or evict.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterator, Sequence
-
 import numpy as np
 
 from fmoe_local.bench.presets import CostModel
-from fmoe_local.policies.base import ExpertKey, ModelShape, Policy
+from fmoe_local.policies.base import CandidateKeys, ExpertKey, ModelShape, Policy
+from fmoe_local.prefetch_queue import PrefetchQueue
 from fmoe_local.stats import LayerCounters
-
-
-class KeyArray(Sequence):
-    """Eviction candidates: a Sequence of (layer, expert) tuples that is also a [n, 2] int64 array.
-
-    Both views already exist in the simulated cache, so handing them over costs no conversion: `np.asarray`
-    returns the array, indexing and iteration the tuples.
-    """
-
-    def __init__(self, keys: np.ndarray, tuples: list[ExpertKey]) -> None:
-        self._keys, self._tuples = keys, tuples  # [n, 2], n tuples
-
-    def __len__(self) -> int:
-        return len(self._tuples)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return KeyArray(self._keys[i], self._tuples[i])
-        return self._tuples[i]
-
-    def __iter__(self) -> Iterator[ExpertKey]:
-        return iter(self._tuples)
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        return self._keys if dtype is None else self._keys.astype(dtype)
 
 
 class SimCache:
     """Residency of `capacity` slots; the only place the replay evicts, always through the policy.
 
-    `keys[:n_free]` are the eviction candidates and `keys[n_free:n]` the experts that may not be evicted now
-    (pinned by the layer in use, or the copy in flight): swapping rows keeps the candidates one contiguous view,
-    so an eviction costs no copy of the resident set.
+    Residency and holds are [L, J] masks, so the eviction candidates (resident, not pinned by the layer in use,
+    not the copy in flight) are one `flatnonzero` away, already in (layer, expert) order.
     """
 
     def __init__(self, shape: ModelShape, capacity: int, policy: Policy, cost: CostModel) -> None:
         self.capacity, self.policy, self.cost = capacity, policy, cost
+        self.num_experts = shape.num_experts
         self.resident: dict[ExpertKey, bool] = {}  # key → loaded by a prefetch and not used yet
-        self.row_of: dict[ExpertKey, int] = {}
-        self.keys = np.zeros((capacity, 2), np.int64)  # [capacity, 2]
-        self.key_at: list[ExpertKey] = [(-1, -1)] * capacity  # the same rows as tuples
-        self.n_free = 0
-        self.held: set[ExpertKey] = set()  # pinned ∪ in flight
+        self.resident_mask = np.zeros((shape.num_layers, shape.num_experts), bool)  # [L, J] the same keys
+        self.held_mask = np.zeros((shape.num_layers, shape.num_experts), bool)  # [L, J] pinned ∪ in flight
         self.counters = LayerCounters(shape.num_layers, shape.num_experts)
         self.inflight: ExpertKey | None = None
         self.inflight_left = 0.0  # bytes
         self.pinned: tuple[ExpertKey, ...] = ()
         self.current_layer = -1
         self.late = 0  # accesses that found their prefetch still copying (counted as misses)
+        self._victims: list[ExpertKey] = []  # chosen in one call for a layer's misses, used first to last
 
-    def _put(self, row: int, key: ExpertKey) -> None:
-        self.key_at[row] = key
-        self.keys[row, 0], self.keys[row, 1] = key
-        self.row_of[key] = row
-
-    def _swap(self, r1: int, r2: int) -> None:
-        if r1 != r2:
-            k1, k2 = self.key_at[r1], self.key_at[r2]
-            self._put(r1, k2)
-            self._put(r2, k1)
-
-    def _hold(self, key: ExpertKey) -> None:
-        self.held.add(key)
-        row = self.row_of.get(key)
-        if row is not None and row < self.n_free:
-            self.n_free -= 1
-            self._swap(row, self.n_free)
-
-    def _release(self, key: ExpertKey) -> None:
-        self.held.discard(key)
-        row = self.row_of.get(key)
-        if row is not None and row >= self.n_free:
-            self._swap(row, self.n_free)
-            self.n_free += 1
+    def candidates(self) -> CandidateKeys:
+        codes = np.flatnonzero(self.resident_mask & ~self.held_mask)
+        layers = codes // self.num_experts
+        return CandidateKeys(layers, codes - layers * self.num_experts)
 
     def set_pinned(self, keys: tuple[ExpertKey, ...]) -> None:
         for key in self.pinned:
-            if key != self.inflight and key not in keys:
-                self._release(key)
+            if key != self.inflight:
+                self.held_mask[key] = False
         self.pinned = keys
         for key in keys:
-            self._hold(key)
+            self.held_mask[key] = True
 
     def _finish_copy(self) -> None:
         key, self.inflight = self.inflight, None
         if key not in self.pinned:
-            self._release(key)
+            self.held_mask[key] = False
 
     def _insert(self, key: ExpertKey, by_prefetch: bool) -> bool:
         """Give `key` a slot, evicting through the policy when full; False when every slot is held."""
-        n = len(self.resident)
-        if n < self.capacity:
-            row = n  # just past the held rows
-            self._put(row, key)
-            if key not in self.held:
-                self._swap(row, self.n_free)
-                self.n_free += 1
-        else:
-            if self.n_free == 0:
-                return False
-            cand = KeyArray(self.keys[: self.n_free], self.key_at[: self.n_free])
-            victim = self.policy.choose_victim(cand, self.current_layer)
+        if len(self.resident) >= self.capacity:
+            if self._victims:
+                victim = self._victims.pop()
+            else:
+                chosen = self._choose(1)
+                if not chosen:
+                    return False
+                victim = chosen[0]
             victim = (int(victim[0]), int(victim[1]))
             if self.resident.pop(victim):
                 self.counters.prefetch_wasted += 1
-            row = self.row_of.pop(victim)  # a candidate row: the new key takes it
-            self._put(row, key)
-            if key in self.held:
-                self.n_free -= 1
-                self._swap(row, self.n_free)
+            self.resident_mask[victim] = False
         self.resident[key] = by_prefetch
+        self.resident_mask[key] = True
         return True
 
-    def transfer(self, budget: float, heap: list, iteration: int) -> None:
+    def _choose(self, count: int) -> list[ExpertKey]:
+        cand = self.candidates()
+        if not len(cand):
+            return []
+        return self.policy.choose_victims(cand, self.current_layer, min(count, len(cand)))
+
+    def transfer(self, budget: float, queue: PrefetchQueue, iteration: int) -> None:
         """Move up to `budget` bytes of queued prefetches, highest priority first (timeline: replay.py)."""
         while budget > 0:
-            if self.inflight is None and not self._start_next(heap, iteration):
+            if self.inflight is None and not self._start_next(queue, iteration):
                 return
             step = min(budget, self.inflight_left)
             budget -= step
@@ -139,15 +89,12 @@ class SimCache:
             if self.inflight_left <= 0:
                 self._finish_copy()
 
-    def _start_next(self, heap: list, iteration: int) -> bool:
-        while heap:
-            _, _, it, layer, expert = heapq.heappop(heap)
-            key = (layer, expert)
-            if it < iteration or layer <= self.current_layer or key in self.resident:
-                continue
-            self.held.add(key)  # a copy in flight is never a victim
+    def _start_next(self, queue: PrefetchQueue, iteration: int) -> bool:
+        while (key := queue.pop(iteration, self.current_layer, self.resident_mask)) is not None:
+            layer, expert = key
+            self.held_mask[key] = True  # a copy in flight is never a victim
             if not self._insert(key, by_prefetch=True):
-                self.held.discard(key)
+                self.held_mask[key] = False
                 continue  # every slot held: the runtime drops the prefetch too
             self.counters.prefetched[layer, expert] += 1
             self.counters.bytes_moved += self.cost.expert_bytes
@@ -167,6 +114,12 @@ class SimCache:
         for start in range(0, len(keys), self.capacity):
             chunk = keys[start : start + self.capacity]
             self.set_pinned(chunk)
+            # Nothing changes the policy's mind between this layer's loads (record_access comes after the layer):
+            # ask for all the victims its misses need at once — the Policy contract makes that the same choice.
+            missing = sum(1 for key in chunk if key not in self.resident)
+            need = missing - (self.capacity - len(self.resident))
+            if need > 0:
+                self._victims = self._choose(need)[::-1]  # popped from the end: first victim first
             for key in chunk:
                 if key in self.resident:
                     hits.append(True)  # what the runtime's cache tells the policy, late or not
@@ -191,6 +144,7 @@ class SimCache:
                         raise RuntimeError("The cache has no slot to load into; raise the cache size.")
                 c.bytes_moved += self.cost.expert_bytes
                 stall += self.cost.load_s
+            self._victims = []
         c.stall_s += stall
         return hits, stall
 

@@ -7,8 +7,10 @@ and by the replay benchmark (bench/replay.py), which is what makes comparisons f
 Layers here are MoE-layer indices 0..L-1 (dense layers are not counted). Probabilities are float32 numpy arrays
 over all J experts of a layer; a prefill iteration passes the mean over its tokens.
 
+Prefetches come back as any Sequence[Prefetch]: a list, or a PrefetchBatch when a policy predicts many at once.
+
 Threading contract (runtime): `begin_iteration`/`observe_layer` run on the background matcher thread;
-`record_access`/`choose_victim` run on the forward thread and must never wait for the matcher (keep them cheap,
+`record_access`/`choose_victims` run on the forward thread and must never wait for the matcher (keep them cheap,
 lock-free or under a lock the matcher holds only briefly).
 """
 
@@ -40,6 +42,62 @@ class Prefetch:
     priority: float
 
 
+class PrefetchBatch(Sequence[Prefetch]):
+    """Many prefetches held as three arrays; a Sequence of Prefetch for everyone else.
+
+    For policies that predict whole layers at once (moe_infinity queues up to 2K experts for every later layer,
+    after every layer): building an object per item cost more than the replay's whole simulation.
+    """
+
+    def __init__(self, layers: np.ndarray, experts: np.ndarray, priorities: np.ndarray) -> None:
+        self.layers = np.asarray(layers, np.int64).reshape(-1)
+        self.experts = np.asarray(experts, np.int64).reshape(-1)
+        self.priorities = np.asarray(priorities, np.float64).reshape(-1)
+
+    def __len__(self) -> int:
+        return self.layers.size
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return PrefetchBatch(self.layers[i], self.experts[i], self.priorities[i])
+        return Prefetch(int(self.layers[i]), int(self.experts[i]), float(self.priorities[i]))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class CandidateKeys(Sequence[ExpertKey]):
+    """Eviction candidates held as two arrays (layers, experts); a Sequence of (layer, expert) for everyone else.
+
+    The replay evicts about a million times per trace: policies read the arrays (split_keys) instead of
+    converting hundreds of tuples each time, and only the chosen victims become tuples.
+    """
+
+    def __init__(self, layers: np.ndarray, experts: np.ndarray) -> None:
+        self.layers, self.experts = layers, experts
+
+    def __len__(self) -> int:
+        return self.layers.size
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return CandidateKeys(self.layers[i], self.experts[i])
+        return int(self.layers[i]), int(self.experts[i])
+
+
+def prefetch_arrays(prefetches: Sequence[Prefetch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(layers, experts, priorities) of any prefetch sequence, without copying a PrefetchBatch."""
+    if isinstance(prefetches, PrefetchBatch):
+        return prefetches.layers, prefetches.experts, prefetches.priorities
+    n = len(prefetches)
+    layers = np.fromiter((p.layer for p in prefetches), np.int64, count=n)
+    experts = np.fromiter((p.expert for p in prefetches), np.int64, count=n)
+    priorities = np.fromiter((p.priority for p in prefetches), np.float64, count=n)
+    return layers, experts, priorities
+
+
 @runtime_checkable
 class Policy(Protocol):
     name: str
@@ -48,11 +106,11 @@ class Policy(Protocol):
 
     def begin_request(self, request_id: int) -> None: ...
 
-    def begin_iteration(self, semantic: np.ndarray | None) -> list[Prefetch]:
+    def begin_iteration(self, semantic: np.ndarray | None) -> Sequence[Prefetch]:
         """A new forward pass starts. `semantic` [h] is its semantic embedding (None when unavailable)."""
         ...
 
-    def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> list[Prefetch]:
+    def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> Sequence[Prefetch]:
         """The router of `layer` produced `probs` [J]. Returns the prefetches to queue now."""
         ...
 
@@ -60,8 +118,13 @@ class Policy(Protocol):
         """The forward pass used these experts of `layer`; hits[i] says whether experts[i] was resident."""
         ...
 
-    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
-        """Pick the resident expert to evict among `candidates` (never empty, never in use)."""
+    def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
+        """The `count` resident experts to evict among `candidates` (never empty, never in use), first victim first.
+
+        Must equal picking one victim, removing it from `candidates`, and picking again: a cache that needs several
+        slots for one layer asks once (the replay does), another may ask one at a time (the runtime does), and the
+        two must agree.
+        """
         ...
 
     def end_iteration(self) -> None:

@@ -42,7 +42,7 @@ import numpy as np
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.maps import ExpertMap, MapStore
 from fmoe_local.policies._common import lowest, normalised, prefetch_set, split_keys
-from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
+from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
 
 P_FLOOR = 1e-4  # added to p in the eviction priority (see module docstring)
 
@@ -63,12 +63,15 @@ class FMoEPolicy:
             map_store.reconfigure(prefetch_distance=config.prefetch_distance)
         self.store = map_store
         L, J = shape.num_layers, shape.num_experts
-        # Held only for O(L·J) bookkeeping: the forward thread's record_access/choose_victim never wait on a search.
+        # Held only for O(L·J) bookkeeping: the forward thread's record_access/choose_victims never wait on a search.
         self._lock = threading.Lock()
         self._p_est = np.full((L, J), 1.0 / J, np.float32)  # [L, J] newest p per layer (eviction)
         self._last_seen = np.zeros((L, J), np.float32)  # [L, J] last observed distribution per layer (fallback)
         self._has_seen = np.zeros(L, bool)
         self._freq = np.zeros((L, J), np.float32)  # [L, J] accesses since the policy was built
+        # [L, J] the eviction priority 1/(p·freq), kept up to date row by row as p and freq change: an eviction
+        # then reads it instead of recomputing it for hundreds of candidates.
+        self._evict = 1.0 / ((self._p_est + P_FLOOR) * (self._freq + 1.0))
         self._request_id = 0
         self._reset_iteration(None)
 
@@ -95,8 +98,9 @@ class FMoEPolicy:
         self._prefetched = np.zeros((L, J), bool)  # [L, J] prefetch issued this iteration
         self._used = np.zeros((L, J), bool)  # [L, J] accessed this iteration
         self._ran = np.zeros(L, bool)  # [L] layer accessed this iteration
+        self._not_mis = np.ones((L, J), bool)  # [L, J] not mis-prefetched (updated when a layer runs)
 
-    def begin_iteration(self, semantic: np.ndarray | None) -> list[Prefetch]:
+    def begin_iteration(self, semantic: np.ndarray | None) -> Sequence[Prefetch]:
         sem = None if semantic is None else np.asarray(semantic, np.float32).reshape(-1).copy()
         with self._lock:
             self._reset_iteration(sem)
@@ -112,12 +116,12 @@ class FMoEPolicy:
                 out += self._fallback(layer, l_now=-1)
         return out
 
-    def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> list[Prefetch]:
+    def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> Sequence[Prefetch]:
         p = np.asarray(probs, np.float32).reshape(-1)
         with self._lock:
             self._live[layer] = p
             self._observed[layer] = True
-            self._p_est[layer] = p
+            self._set_p(layer, p)
             self._last_seen[layer] = p
             self._has_seen[layer] = True
             trajectory = self._live[: layer + 1].copy()  # [l+1, J]
@@ -127,7 +131,7 @@ class FMoEPolicy:
         slot, score = self.store.match_trajectory(trajectory)
         if slot < 0:
             return self._fallback(target, l_now=layer)
-        return self._plan(target, self.store.probs(slot)[target], _delta(score), l_now=layer)
+        return self._plan(target, self.store.layer_probs(slot, target), _delta(score), l_now=layer)
 
     def end_iteration(self) -> None:
         with self._lock:
@@ -141,18 +145,22 @@ class FMoEPolicy:
             self._reset_iteration(None)
 
     # --- prediction ------------------------------------------------------------------------------------------
-    def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> list[Prefetch]:
+    def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
         p = normalised(predicted)
         if p is None:
             return []
         chosen = prefetch_set(p, delta, self.shape.top_k)
         with self._lock:
-            self._p_est[layer] = p
+            self._set_p(layer, p)
             self._prefetched[layer, chosen] = True
         distance = layer - l_now
-        return [Prefetch(layer, int(j), float(p[j]) / distance) for j in chosen]
+        return PrefetchBatch(np.full(chosen.size, layer), chosen, p[chosen].astype(np.float64) / distance)
 
-    def _fallback(self, layer: int, l_now: int) -> list[Prefetch]:
+    def _set_p(self, layer: int, p: np.ndarray) -> None:  # under self._lock
+        self._p_est[layer] = p
+        self._evict[layer] = 1.0 / ((p + P_FLOOR) * (self._freq[layer] + 1.0))
+
+    def _fallback(self, layer: int, l_now: int) -> Sequence[Prefetch]:
         with self._lock:
             if not self._has_seen[layer]:
                 return []
@@ -163,16 +171,19 @@ class FMoEPolicy:
     def record_access(self, layer: int, experts: Sequence[int], hits: Sequence[bool]) -> None:
         idx = np.asarray(experts, np.int64)
         with self._lock:
-            self._freq[layer, idx] += 1.0
-            self._used[layer, idx] = True
+            freq, used = self._freq[layer], self._used[layer]  # row views
+            freq[idx] += 1.0
+            used[idx] = True
             self._ran[layer] = True
+            self._evict[layer] = 1.0 / ((self._p_est[layer] + P_FLOOR) * (freq + 1.0))
+            np.logical_or(~self._prefetched[layer], used, out=self._not_mis[layer])  # not (prefetched and unused)
 
-    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
+    def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
         with self._lock:
-            priority = 1.0 / ((self._p_est[layers, experts] + P_FLOOR) * (self._freq[layers, experts] + 1.0))
-            mis = self._ran[layers] & self._prefetched[layers, experts] & ~self._used[layers, experts]
-        return lowest(candidates, layers, experts, -priority, ~mis)  # mis-prefetched first, then largest priority
+            priority, not_mis = self._evict[layers, experts], self._not_mis[layers, experts]
+        # Mis-prefetched first, then the largest priority.
+        return lowest(candidates, layers, experts, -priority, not_mis, count=count)
 
 
 def _delta(score: float) -> float:

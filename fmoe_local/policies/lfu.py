@@ -26,7 +26,8 @@ class LFUPolicy(RecencyPolicy):
         super().record_access(layer, experts, hits)
         self._count[layer, np.asarray(experts, np.int64)] += 1
 
-    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
+    def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
         # Fewest uses first, then oldest use.
-        return lowest(candidates, layers, experts, self._last_use[layers, experts], self._count[layers, experts])
+        last, uses = self._last_use[layers, experts], self._count[layers, experts]
+        return lowest(candidates, layers, experts, last, uses, count=count)

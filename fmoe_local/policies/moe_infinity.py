@@ -26,7 +26,7 @@ import numpy as np
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.policies._common import RecencyPolicy, lowest, split_keys, top_k
-from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
+from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
 
 
 class MoEInfinityPolicy(RecencyPolicy):
@@ -37,8 +37,8 @@ class MoEInfinityPolicy(RecencyPolicy):
         config = config or RuntimeConfig()
         L, J = shape.num_layers, shape.num_experts
         self.capacity = config.store_capacity
-        # Two locks so that choose_victim (forward thread) never waits for an EAMC search: `_lock` guards the
-        # request's state and is held only for O(L·J) copies; `_eamc_lock` guards the collection. choose_victim
+        # Two locks so that choose_victims (forward thread) never waits for an EAMC search: `_lock` guards the
+        # request's state and is held only for O(L·J) copies; `_eamc_lock` guards the collection. choose_victims
         # reads one EAMC row without it: a row rewritten meanwhile only skews one eviction score.
         self._lock = threading.Lock()
         self._eamc_lock = threading.Lock()
@@ -93,7 +93,8 @@ class MoEInfinityPolicy(RecencyPolicy):
             if n == 0 or layers <= 0:
                 return -1, 1.0
             q = _row_normalised(np.asarray(eam, np.float32)[:layers], order=2)  # [l, J]
-            sims = np.einsum("clj,lj->c", self._eamc_unit[:n, :layers], q) / layers  # [n] mean per-layer cosine
+            flat = self._eamc_unit[:n, :layers].reshape(n, -1)  # [n, l·J]
+            sims = (flat @ q.reshape(-1)) / layers  # [n] mean per-layer cosine (rows are unit per layer)
             best = int(np.argmax(sims))
             return best, float(1.0 - sims[best])
 
@@ -136,37 +137,39 @@ class MoEInfinityPolicy(RecencyPolicy):
             self.add_eam(eam)
 
     # --- prediction ------------------------------------------------------------------------------------------
-    def _predict(self, seen: np.ndarray, layers: int, l_now: int) -> list[Prefetch]:
+    def _predict(self, seen: np.ndarray, layers: int, l_now: int) -> PrefetchBatch | list[Prefetch]:
         slot, _ = self.match(seen, layers)
         if slot < 0:
             return []
         L, cap = self.shape.num_layers, 2 * self.shape.top_k
         with self._eamc_lock:
             self._matched_count[slot] += 1
-            ratio = self._eamc_ratio[slot].copy()  # [L, J]
+            ratio = self._eamc_ratio[slot, l_now + 1 :].copy()  # [L', J] the layers after l_now
         with self._lock:
             self._matched = slot
-        out: list[Prefetch] = []
-        for layer in range(l_now + 1, L):
-            proximity = 1.0 - (layer - l_now) / L
-            row = ratio[layer]
-            for j in top_k(row, cap):
-                if row[j] > 0:
-                    out.append(Prefetch(layer, int(j), float(row[j]) * proximity))
-        return out
+        # Per later layer its `cap` most active experts (ties: lower index), layer by layer, most active first.
+        chosen = np.argsort(-ratio, axis=1, kind="stable")[:, :cap]  # [L', cap]
+        values = np.take_along_axis(ratio, chosen, axis=1)
+        later = np.arange(l_now + 1, L)
+        proximity = 1.0 - (later - l_now) / L  # [L']
+        active = values > 0
+        layer_of = np.broadcast_to(later[:, None], chosen.shape)
+        return PrefetchBatch(layer_of[active], chosen[active], (values * proximity[:, None])[active])
 
     # --- eviction --------------------------------------------------------------------------------------------
-    def choose_victim(self, candidates: Sequence[ExpertKey], current_layer: int) -> ExpertKey:
+    def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
         L = self.shape.num_layers
         with self._lock:
-            own = _row_normalised(self._ieam[layers], order=1)[np.arange(len(layers)), experts]
+            totals = self._ieam.sum(axis=1)[layers]  # [n] the candidate's layer's count total
+            counts = self._ieam[layers, experts]
+            own = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)  # the request's ratio
             matched = self._eamc_ratio[self._matched, layers, experts] if self._matched >= 0 else own
         ratio = 0.5 * (own + matched)
         proximity = np.where(layers <= current_layer, 1.0, 1.0 - (layers - current_layer) / L)
         score = ratio * proximity
         # Lowest score first, then least recently used.
-        return lowest(candidates, layers, experts, self._last_use[layers, experts], score)
+        return lowest(candidates, layers, experts, self._last_use[layers, experts], score, count=count)
 
 
 def _row_normalised(m: np.ndarray, order: int) -> np.ndarray:
