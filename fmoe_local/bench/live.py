@@ -56,6 +56,8 @@ class PolicyRow:
     prefetch_wasted: int = 0
     wall_s: float = 0.0
     tpot_vs_resident: float | None = None
+    request_ttft_s: list[float] = field(default_factory=list)
+    request_tpot_s: list[float] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     expert_accesses: list[list[int]] = field(default_factory=list)  # [L][J] hits + misses
@@ -84,6 +86,7 @@ def summarise(policy: str, cache_experts: int, finals: Sequence, wall_s: float) 
         row.hits, row.misses, row.stall_s = row.hits + s.hits, row.misses + s.misses, row.stall_s + s.stall_s
         row.bytes_moved += s.bytes_moved
         row.prefetched, row.prefetch_wasted = row.prefetched + s.prefetched, row.prefetch_wasted + s.prefetch_wasted
+    row.request_ttft_s, row.request_tpot_s = [s.ttft_s for s in stats], [s.tpot_s for s in stats]
     row.prompt_tokens = [s.prompt_tokens for s in stats]
     row.token_ids = [list(f.token_ids) for f in finals]
     accesses = [np.asarray(s.layer_hits) + np.asarray(s.layer_misses) for s in stats if s.layer_hits]
@@ -92,9 +95,10 @@ def summarise(policy: str, cache_experts: int, finals: Sequence, wall_s: float) 
 
 
 def _fresh_cache(runtime: object, policy: str, capacity: int) -> None:
-    # Runtime.reconfigure keeps the cache when its size does not change; stepping through another size is how the
-    # public API gives a new, cold one. The map store is emptied so that no policy learns from another's run.
-    runtime.reconfigure(policy=policy, cache_experts=capacity - 1 if capacity > 1 else capacity + 1)
+    # Runtime.reconfigure keeps the cache when its size does not change; stepping through another size (a tiny one,
+    # so that the step never needs much device memory) is how the public API gives a new, cold one. The map store
+    # is emptied so that no policy learns from another's run.
+    runtime.reconfigure(policy=policy, cache_experts=1 if capacity != 1 else 2)
     runtime.reconfigure(cache_experts=capacity)
     runtime.clear_maps()
 
