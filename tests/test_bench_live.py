@@ -59,3 +59,9 @@ def test_missing_prompts_file_is_one_sentence(tiny_model_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and str(missing) in err and "--prompts" in err
     assert len(err.splitlines()) == 1 and err.endswith(".") and err.count(". ") == 0
+
+
+def test_live_needs_exactly_one_of_model_and_synthetic(capsys):
+    assert main(["bench", "live"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--model" in err and "--synthetic" in err
