@@ -1,10 +1,11 @@
 """`fmoe-local bench …`: argument parsing and printing for the benchmarks.
 
-Scope: `bench replay` (every policy on recorded traces, a table, --json, --plot, --sweep prefetch-distance) and
-`bench matcher` (map-search cost). The main CLI (fmoe_local/cli.py) calls `add_parser(subparsers)` and
-`run(args)`; `python -m fmoe_local.bench.cli …` works on its own too. It does NOT simulate anything itself
-(replay.py) and builds policies only through `policies.make_policy` (the oracle through bench/oracle.py).
-If bench/live.py exposes `add_parser(sub)` and `run(args)`, `bench live` is wired to it.
+Scope: `bench replay` (every policy on recorded traces, a table, --json, --plot, --sweep prefetch-distance),
+`bench matcher` (map-search cost), and the wiring of `bench live` (bench/live.py) and `bench overhead`
+(bench/overhead.py), whose modules own their arguments. The main CLI (fmoe_local/cli.py) calls
+`add_parser(subparsers)` and `run(args)`; `python -m fmoe_local.bench.cli …` works on its own too. It does NOT
+simulate anything itself (replay.py) and builds policies only through `policies.make_policy` (the oracle through
+bench/oracle.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from fmoe_local.bench import live, overhead
 from fmoe_local.bench.oracle import OraclePolicy
 from fmoe_local.bench.presets import BITS, PRESETS, CostModel, cost_model
 from fmoe_local.bench.replay import (
@@ -39,7 +41,9 @@ D_INDEPENDENT = ("lru", "lfu", "on_demand", "oracle")  # policies that never loo
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="replay routing traces through every policy; map-search cost")
+    bench = subparsers.add_parser(
+        "bench", help="replay routing traces through every policy; live timings; map-search cost; overhead"
+    )
     sub = bench.add_subparsers(dest="bench_command", required=True)
     r = sub.add_parser("replay", help="simulate every policy on recorded routing traces (.npz)")
     r.add_argument("traces", nargs="+", type=Path, help="trace files (format: DESIGN.md)")
@@ -71,17 +75,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--maps", type=int, default=32768)
     m.add_argument("--layers", type=int, default=26)
     m.add_argument("--experts", type=int, default=64)
-    live = _live_module()
-    if live is not None:
-        live.add_parser(sub)
-
-
-def _live_module():
-    try:
-        from fmoe_local.bench import live
-    except ImportError:
-        return None
-    return live if hasattr(live, "add_parser") and hasattr(live, "run") else None
+    live.add_parser(sub)
+    overhead.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
         return run_replay(args)
     if args.bench_command == "matcher":
         return run_matcher(args)
-    live = _live_module()
-    if args.bench_command == "live" and live is not None:
-        return live.run(args) or 0
+    if args.bench_command == "live":
+        return live.run(args)
+    if args.bench_command == "overhead":
+        return overhead.run(args)
     raise ValueError(f"Unknown bench command '{args.bench_command}'.")
 
 

@@ -2,26 +2,29 @@
 
 Scope: measures the cost of our machinery (hooks, matcher thread, cache bookkeeping) when offloading has nothing to
 do, on the same greedy tokens. Prints a table; asserts nothing (performance is measured, never a test).
-`fmoe-local bench overhead --model DIR [--tokens N] [--repeats R]`.
+`fmoe-local bench overhead --model DIR [--tokens N] [--repeats R]`, or `python -m fmoe_local.bench.overhead …`.
+torch and transformers are imported when measuring, so that building the command line stays fast.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoModelForCausalLM, DynamicCache
-
-from fmoe_local.config import RuntimeConfig, Sampling
-from fmoe_local.runtime import Runtime
+if TYPE_CHECKING:
+    import torch
 
 PROMPT = [{"role": "user", "content": "Tell me about the ocean, its waves, its tides and the life in it."}]
 
 
 def _time_plain(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> float:
     """The same token loop as ours (prefill, then one token at a time with a KV cache) on the plain model."""
+    import torch
+    from transformers import DynamicCache
+
     t0 = time.perf_counter()
     cache = DynamicCache(config=model.config)
     inputs = ids
@@ -34,6 +37,12 @@ def _time_plain(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> float
 
 def measure(model_dir: Path, tokens: int = 64, repeats: int = 7, policy: str = "fmoe") -> dict:
     """Median wall time of the same greedy generation, ours and plain, alternating so both see the same load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fmoe_local.config import RuntimeConfig, Sampling
+    from fmoe_local.runtime import Runtime
+
     config = RuntimeConfig(device="cpu", cache_experts=10**9, policy=policy)
     sampling = Sampling(greedy=True, max_new_tokens=tokens)
     plain_model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
@@ -70,17 +79,29 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m fmoe_local.bench.overhead", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, action="append", required=True, help="model folder (repeatable)")
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--policy", default="fmoe")
-    args = p.parse_args(argv)
+    p.add_argument("--tokens", type=int, default=64, help="greedy tokens per generation (default 64)")
+    p.add_argument("--repeats", type=int, default=7, help="timed generations of each, median taken (default 7)")
+    p.add_argument("--policy", default="fmoe", help="the runtime's policy (default fmoe)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    add_arguments(sub.add_parser("overhead", help="runtime with every expert resident vs plain transformers"))
+
+
+def run(args: argparse.Namespace) -> int:
+    for m in args.model:
+        if not m.is_dir():
+            raise FileNotFoundError(f"No model folder at {m}: pass --model with a downloaded checkpoint.")
     print_table([measure(m, args.tokens, args.repeats, args.policy) for m in args.model])
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fmoe_local.bench.overhead", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

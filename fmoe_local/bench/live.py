@@ -1,0 +1,364 @@
+"""`fmoe-local bench live`: real TTFT, TPOT and hit rate of every policy on a real model, against all-resident.
+
+Scope: prompts (a seeded sample of ../shared/data/prompts or a file), one model load, then per policy a fresh cold
+cache and an empty map store through `Runtime.reconfigure`, the same prompts greedily, and last the all-resident
+baseline (every expert in the cache, warmed by one untimed pass). Prints a table with the device's name, checks
+that the greedy tokens are identical across runs (loudly, without stopping), writes --json. `--synthetic` runs the
+same on a random model with real shapes whose routing is forced from a trace (bench/synthetic.py). It does NOT
+simulate anything (replay.py does) and uses the runtime only through its public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fmoe_local.bench.prompts import sample_prompts, shared_data_dir
+
+DEFAULT_POLICIES = "fmoe,moe_infinity,lru,lfu,on_demand"
+RESIDENT = "all-resident"
+DEFAULT_TRACE = "deepseek-v2-lite-intent.npz"
+
+
+# ---- the benchmark -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LiveSettings:
+    policies: tuple[str, ...] = tuple(DEFAULT_POLICIES.split(","))
+    cache_fraction: float | None = None  # of all experts; the default when none of the three is given is 0.25
+    cache_gb: float | None = None
+    cache_experts: int | None = None
+    prefetch_distance: int = 3
+    max_new_tokens: int = 32
+    device: str = "auto"
+    dtype: str = "auto"
+    baseline: bool = True
+
+
+@dataclass
+class PolicyRow:
+    policy: str
+    cache_experts: int
+    requests: int = 0
+    ttft_s: float = 0.0  # mean over requests
+    tpot_s: float = 0.0  # mean over requests that generated more than one token
+    tokens_per_s: float = 0.0  # decode tokens after the first, over the time they took
+    hits: int = 0
+    misses: int = 0
+    stall_s: float = 0.0
+    bytes_moved: int = 0
+    prefetched: int = 0
+    prefetch_wasted: int = 0
+    wall_s: float = 0.0
+    tpot_vs_resident: float | None = None
+    request_ttft_s: list[float] = field(default_factory=list)
+    request_tpot_s: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    expert_accesses: list[list[int]] = field(default_factory=list)  # [L][J] hits + misses
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"hit_rate": self.hit_rate}
+
+
+def summarise(policy: str, cache_experts: int, finals: Sequence, wall_s: float) -> PolicyRow:
+    """One row from the `Finished` events of a policy's requests."""
+    import numpy as np
+
+    stats = [f.stats for f in finals]
+    row = PolicyRow(policy, cache_experts, requests=len(stats), wall_s=wall_s)
+    row.ttft_s = sum(s.ttft_s for s in stats) / max(len(stats), 1)
+    decoded = [s for s in stats if s.tokens > 1]
+    row.tpot_s = sum(s.tpot_s for s in decoded) / len(decoded) if decoded else 0.0
+    decode_time = sum(s.tpot_s * (s.tokens - 1) for s in decoded)
+    row.tokens_per_s = sum(s.tokens - 1 for s in decoded) / decode_time if decode_time > 0 else 0.0
+    for s in stats:
+        row.hits, row.misses, row.stall_s = row.hits + s.hits, row.misses + s.misses, row.stall_s + s.stall_s
+        row.bytes_moved += s.bytes_moved
+        row.prefetched, row.prefetch_wasted = row.prefetched + s.prefetched, row.prefetch_wasted + s.prefetch_wasted
+    row.request_ttft_s, row.request_tpot_s = [s.ttft_s for s in stats], [s.tpot_s for s in stats]
+    row.prompt_tokens = [s.prompt_tokens for s in stats]
+    row.token_ids = [list(f.token_ids) for f in finals]
+    accesses = [np.asarray(s.layer_hits) + np.asarray(s.layer_misses) for s in stats if s.layer_hits]
+    row.expert_accesses = np.sum(accesses, axis=0).tolist() if accesses else []
+    return row
+
+
+def _fresh_cache(runtime: object, policy: str, capacity: int) -> None:
+    # Runtime.reconfigure keeps the cache when its size does not change; stepping through another size (a tiny one,
+    # so that the step never needs much device memory) is how the public API gives a new, cold one. The map store
+    # is emptied so that no policy learns from another's run.
+    runtime.reconfigure(policy=policy, cache_experts=1 if capacity != 1 else 2)
+    runtime.reconfigure(cache_experts=capacity)
+    runtime.clear_maps()
+
+
+def capacity_of(settings: LiveSettings, info: object) -> int:
+    """Cache slots from --cache-experts, --cache-gb or --cache-fraction (default 0.25 of every expert)."""
+    from fmoe_local.cache import slots_for_budget
+
+    total = info.num_layers * info.num_experts
+    if settings.cache_experts is not None:
+        slots = settings.cache_experts
+    elif settings.cache_gb is not None:
+        slots = slots_for_budget(settings.cache_gb, info.expert_bytes)
+    else:
+        slots = int(total * (settings.cache_fraction if settings.cache_fraction is not None else 0.25))
+    if slots < 1:
+        raise ValueError(
+            f"That cache holds no expert (one is {info.expert_bytes / 1e6:.1f} MB): give it more GB or experts."
+        )
+    return min(slots, total)
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def benchmark(
+    model_dir: Path,
+    settings: LiveSettings,
+    prompts: Sequence[str],
+    routing: Callable[[object], object] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Every policy, then all-resident, on `prompts`; returns {"config", "rows", "lossless"}.
+
+    `routing(runtime)`, when given, is called once after loading and returns an object whose `begin_request(i)` is
+    called before request i (the synthetic mode forces routing that way).
+    """
+    import torch
+
+    from fmoe_local.config import RuntimeConfig, Sampling
+    from fmoe_local.runtime import Runtime
+
+    sampling = Sampling(greedy=True, max_new_tokens=settings.max_new_tokens)
+    config = RuntimeConfig(
+        device=settings.device,
+        dtype=settings.dtype,
+        cache_experts=1,  # resized below, once the model's shape is known
+        prefetch_distance=settings.prefetch_distance,
+        policy="on_demand",  # every measured policy is then built fresh by reconfigure
+    )
+    rows: list[PolicyRow] = []
+    with Runtime.load(model_dir, config) as runtime:
+        info = runtime.info
+        capacity = capacity_of(settings, info)
+        total = info.num_layers * info.num_experts
+        forced = routing(runtime) if routing is not None else None
+
+        def run_all(policy: str, slots: int) -> PolicyRow:
+            t0 = time.perf_counter()
+            finals = []
+            for i, prompt in enumerate(prompts):
+                if forced is not None:
+                    forced.begin_request(i)
+                final = runtime.generate([{"role": "user", "content": prompt}], sampling)
+                if final.reason == "error":
+                    raise RuntimeError(f"Generation failed with policy {policy}: {final.error}")
+                finals.append(final)
+            return summarise(policy, slots, finals, time.perf_counter() - t0)
+
+        name = device_name(info.device)
+        log(f"device: {name}")
+        log(
+            f"model {info.name} ({info.family}, {info.dtype}): {info.num_layers} MoE layers x {info.num_experts} "
+            f"experts, top-{info.top_k}, expert {info.expert_bytes / 1e6:.1f} MB; cache {capacity}/{total} experts "
+            f"({capacity / total:.0%}); d={settings.prefetch_distance}; {len(prompts)} requests x "
+            f"{settings.max_new_tokens} tokens, greedy"
+        )
+        _fresh_cache(runtime, "on_demand", capacity)
+        if forced is not None:
+            forced.begin_request(0)
+        # One untimed request takes one-time costs (allocator, kernels, staging buffers) out of the first policy.
+        runtime.generate([{"role": "user", "content": prompts[0]}], Sampling(greedy=True, max_new_tokens=2))
+        for policy in settings.policies:
+            _fresh_cache(runtime, policy, capacity)
+            rows.append(run_all(policy, capacity))
+            log(f"  {policy}: done in {rows[-1].wall_s:.1f} s")
+        if settings.baseline:
+            try:
+                _fresh_cache(runtime, "on_demand", total)
+                run_all(RESIDENT, total)  # fills the cache with every expert these prompts use
+                rows.append(run_all(RESIDENT, total))
+                log(f"  {RESIDENT}: done in {rows[-1].wall_s:.1f} s")
+            except torch.OutOfMemoryError:
+                log(f"  {RESIDENT}: skipped, {total} experts do not fit on {name}")
+    resident = next((r for r in rows if r.policy == RESIDENT), None)
+    for r in rows:
+        if resident is not None and resident.tpot_s > 0:
+            r.tpot_vs_resident = r.tpot_s / resident.tpot_s
+    out_config = asdict(settings) | {
+        "model": str(model_dir),
+        "device_name": name,
+        "device": info.device,
+        "dtype": info.dtype,
+        "num_layers": info.num_layers,
+        "num_experts": info.num_experts,
+        "top_k": info.top_k,
+        "expert_bytes": info.expert_bytes,
+        "cache_experts": capacity,
+        "requests": len(prompts),
+        "torch": torch.__version__,
+    }
+    lossless, line = lossless_check(rows)
+    return {"config": out_config, "rows": [r.to_dict() for r in rows], "lossless": lossless, "lossless_line": line}
+
+
+def lossless_check(rows: Sequence[PolicyRow]) -> tuple[bool, str]:
+    """Whether every run produced the same greedy tokens as the reference (all-resident, else the first policy)."""
+    if not rows:
+        return True, "lossless: nothing was run"
+    ref = next((r for r in rows if r.policy == RESIDENT), rows[0])
+    bad = {
+        r.policy: [i for i, (a, b) in enumerate(zip(r.token_ids, ref.token_ids, strict=True)) if a != b]
+        for r in rows
+        if r.token_ids != ref.token_ids
+    }
+    if not bad:
+        return True, f"lossless: greedy tokens identical across all {len(rows)} runs ({ref.requests} requests each)"
+    diffs = "; ".join(f"{p} (requests {', '.join(map(str, idx))})" for p, idx in bad.items())
+    return False, f"!!! NOT LOSSLESS: greedy tokens differ from {ref.policy} for {diffs}"
+
+
+def print_table(result: dict) -> None:
+    print(
+        f"\n{'policy':<14}{'cache':>7}{'TTFT ms':>10}{'TPOT ms':>10}{'tok/s':>9}{'hit rate':>10}{'stall s':>9}"
+        f"{'MB moved':>11}{'vs resident':>13}{'wall s':>8}"
+    )
+    for r in result["rows"]:
+        vs = f"{r['tpot_vs_resident']:.2f}x" if r["tpot_vs_resident"] is not None else "-"
+        print(
+            f"{r['policy']:<14}{r['cache_experts']:>7}{r['ttft_s'] * 1e3:>10.1f}{r['tpot_s'] * 1e3:>10.2f}"
+            f"{r['tokens_per_s']:>9.1f}{r['hit_rate']:>10.3f}{r['stall_s']:>9.2f}{r['bytes_moved'] / 1e6:>11.1f}"
+            f"{vs:>13}{r['wall_s']:>8.1f}"
+        )
+    print(result["lossless_line"])
+
+
+# ---- command line --------------------------------------------------------------------------------------------------
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from fmoe_local.bench.synthetic import SYNTHETIC
+
+    p = sub.add_parser("live", help="real TTFT/TPOT/hit rate of every policy on a model, vs all experts resident")
+    p.add_argument("--model", type=Path, help="model folder (a Hugging Face MoE checkpoint)")
+    p.add_argument("--synthetic", choices=list(SYNTHETIC), help="random weights with this model's real shapes")
+    p.add_argument("--layers", type=int, default=4, help="--synthetic: number of layers (default 4)")
+    p.add_argument("--trace", type=Path, help=f"--synthetic: routing trace (default shared {DEFAULT_TRACE})")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--cache-fraction", type=float, help="cache slots as a fraction of all experts (default 0.25)")
+    size.add_argument("--cache-gb", type=float, help="cache budget in GB")
+    size.add_argument("--cache-experts", type=int, help="cache slots as a number of experts")
+    p.add_argument("--prefetch-distance", type=int, default=LiveSettings.prefetch_distance, help="d")
+    p.add_argument("--prompts", type=Path, help="a .json/.jsonl prompts file or folder (default shared prompts)")
+    p.add_argument("--requests", type=int, default=8, help="prompts sampled (seeded) from --prompts (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample")
+    p.add_argument("--max-prompt-chars", type=int, default=1500, help="sample only prompts up to this length")
+    p.add_argument("--max-new-tokens", type=int, default=LiveSettings.max_new_tokens)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (--model only)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the all-resident run")
+    p.add_argument("--json", type=Path, metavar="OUT", help="write config and rows as JSON")
+
+
+def settings_from_args(args: argparse.Namespace) -> LiveSettings:
+    from fmoe_local.config import POLICIES
+
+    policies = tuple(n.strip() for n in args.policies.split(",") if n.strip())
+    unknown = [n for n in policies if n not in POLICIES]
+    if unknown:
+        raise ValueError(f"Unknown policy {', '.join(unknown)}. Choose from: {', '.join(POLICIES)}.")
+    return LiveSettings(
+        policies=policies,
+        cache_fraction=args.cache_fraction,
+        cache_gb=args.cache_gb,
+        cache_experts=args.cache_experts,
+        prefetch_distance=args.prefetch_distance,
+        max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        baseline=not args.no_baseline,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    if (args.model is None) == (args.synthetic is None):
+        raise ValueError("Pass either --model DIR (a MoE checkpoint) or --synthetic NAME, not both or neither.")
+    if args.requests < 1 or args.max_new_tokens < 1:
+        raise ValueError("--requests and --max-new-tokens must be at least 1.")
+    prompts_path = args.prompts or shared_data_dir() / "prompts"
+    prompts = sample_prompts(prompts_path, args.requests, args.seed, args.max_prompt_chars)
+    if args.synthetic is not None:
+        trace = args.trace or shared_data_dir() / "traces" / DEFAULT_TRACE
+        result = run_synthetic(args.synthetic, args.layers, trace, prompts, settings)
+    else:
+        if not args.model.is_dir():
+            raise FileNotFoundError(f"No model folder at {args.model}: pass --model with a downloaded checkpoint.")
+        result = benchmark(args.model, settings, prompts)
+    result["config"] |= {"prompts": str(prompts_path), "seed": args.seed, "max_prompt_chars": args.max_prompt_chars}
+    result["prompts"] = prompts
+    print_table(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"results written to {args.json}")
+    return 0
+
+
+def run_synthetic(
+    name_or_shapes: str | dict,
+    layers: int,
+    trace_path: Path,
+    prompts: Sequence[str],
+    settings: LiveSettings,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """`benchmark` on a random model with real shapes (a SYNTHETIC name, or shapes for tests), routing from a trace.
+
+    bf16 on CUDA; float32 on CPU (only sensible at tiny scale). The checkpoint lives in a temporary folder.
+    """
+    import torch
+
+    from fmoe_local.architectures import architecture_for
+    from fmoe_local.bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, fold_trace
+    from fmoe_local.bench.traces import load_trace
+
+    if not Path(trace_path).exists():
+        raise FileNotFoundError(f"No routing trace at {trace_path}: pass --trace FILE.npz (format in DESIGN.md).")
+    shapes = SYNTHETIC[name_or_shapes] if isinstance(name_or_shapes, str) else name_or_shapes
+    cuda = settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
+    trace = load_trace(trace_path)
+    folded = fold_trace(
+        trace, layers, shapes["num_local_experts"], shapes["num_experts_per_tok"], Path(trace_path).name
+    )
+    log(folded.mapping)
+
+    def routing(runtime: object) -> ForcedRouting:
+        model = runtime.engine.model
+        refs = architecture_for(model.config).moe_layers(model)
+        return ForcedRouting(folded, [r.router for r in refs], runtime.info.device).attach()
+
+    with tempfile.TemporaryDirectory(prefix="fmoe-synthetic-") as tmp:
+        t0 = time.perf_counter()
+        dtype = "bfloat16" if cuda else "float32"
+        build_synthetic(tmp, shapes, layers, prompts, dtype=dtype, init_device="cuda" if cuda else "cpu")
+        log(f"synthetic model ({layers} layers, {dtype}) built in {time.perf_counter() - t0:.1f} s")
+        result = benchmark(Path(tmp), settings, prompts, routing, log)
+    label = name_or_shapes if isinstance(name_or_shapes, str) else "custom shapes"
+    result["config"] |= {"synthetic": label, "layers": layers, "trace": str(trace_path), "mapping": folded.mapping}
+    return result

@@ -1,0 +1,67 @@
+"""`fmoe-local bench live` through the CLI on a tiny model: rows, cold caches, the baseline, the lossless check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fmoe_local.bench import live
+from fmoe_local.cli import main
+
+PROMPTS = ["Write a short poem about the sea.", "Explain how a router picks two experts for every token."]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_live_cli_runs_every_policy_and_the_baseline_on_the_same_tokens(tiny_model_dir, tmp_path):
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "source": "test"} for p in PROMPTS])
+    out = tmp_path / "live.json"
+    args = ["bench", "live", "--model", str(tiny_model_dir("mixtral")), "--policies", "fmoe,lru", "--prompts"]
+    args += [str(prompts), "--requests", "2", "--max-new-tokens", "4", "--device", "cpu", "--cache-experts", "6"]
+    assert main([*args, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in result["rows"]}
+    assert list(rows) == ["fmoe", "lru", live.RESIDENT]
+    assert result["config"]["cache_experts"] == 6 and result["config"]["device_name"].startswith("CPU")
+    for name in ("fmoe", "lru"):
+        r = rows[name]
+        assert r["cache_experts"] == 6 and r["requests"] == 2
+        assert r["hits"] + r["misses"] > 0 and r["misses"] > 0
+        assert r["ttft_s"] > 0 and r["tpot_s"] > 0 and r["bytes_moved"] > 0
+        assert r["tpot_vs_resident"] == pytest.approx(r["tpot_s"] / rows[live.RESIDENT]["tpot_s"])
+    # lru never prefetches: on a cold cache every expert it touches must have been loaded by a miss at least once.
+    # (fmoe ran first, so a cache left warm by it would fail this.)
+    assert rows["lru"]["misses"] >= np.count_nonzero(rows["lru"]["expert_accesses"])
+    resident = rows[live.RESIDENT]
+    assert resident["cache_experts"] == 4 * 8 and resident["hit_rate"] == 1.0 and resident["bytes_moved"] == 0
+    tokens = [r["token_ids"] for r in rows.values()]
+    assert all(t == tokens[0] for t in tokens) and all(0 < len(seq) <= 4 for seq in tokens[0])
+    assert result["lossless"] is True
+
+
+def test_lossless_check_names_the_policy_and_request_that_differ():
+    a = live.PolicyRow("lru", 4, requests=2, token_ids=[[1, 2], [3, 4]])
+    b = live.PolicyRow("fmoe", 4, requests=2, token_ids=[[1, 2], [3, 5]])
+    ok, line = live.lossless_check([a, b])
+    assert not ok and "NOT LOSSLESS" in line and "fmoe (requests 1)" in line
+    assert live.lossless_check([a, live.PolicyRow("lfu", 4, token_ids=[[1, 2], [3, 4]])])[0]
+
+
+def test_missing_prompts_file_is_one_sentence(tiny_model_dir, tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    rc = main(["bench", "live", "--model", str(tiny_model_dir("mixtral")), "--prompts", str(missing)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and str(missing) in err and "--prompts" in err
+    assert len(err.splitlines()) == 1 and err.endswith(".") and err.count(". ") == 0
+
+
+def test_live_needs_exactly_one_of_model_and_synthetic(capsys):
+    assert main(["bench", "live"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--model" in err and "--synthetic" in err
