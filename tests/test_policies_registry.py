@@ -63,3 +63,38 @@ def test_several_victims_at_once_are_the_victims_one_at_a_time(name: str) -> Non
         one_by_one.append(victim)
         left.remove(victim)
     assert at_once == one_by_one and len(set(at_once)) == 6
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if hasattr(REGISTRY[n], "observe_iteration")])
+def test_observe_iteration_learns_what_the_layer_by_layer_calls_learn(name: str) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    config = RuntimeConfig(policy=name, prefetch_distance=1)
+    whole = make_policy(name, SHAPE, config, None)
+    stepwise = make_policy(name, SHAPE, config, None)
+    for request in range(3):
+        for p in (whole, stepwise):
+            p.begin_request(request)
+        for _ in range(3):
+            probs = rng.dirichlet(np.full(8, 0.3), size=SHAPE.num_layers).astype(np.float32)  # [L, J]
+            semantic = rng.standard_normal(4).astype(np.float32)
+            whole.observe_iteration(probs, semantic)
+            stepwise.begin_iteration(semantic)
+            for layer in range(SHAPE.num_layers):
+                stepwise.observe_layer(layer, probs[layer])
+            stepwise.end_iteration()
+        for p in (whole, stepwise):
+            p.end_request()
+    if name == "fmoe":
+        assert len(whole.store) == len(stepwise.store) > 0
+        for slot in range(len(whole.store)):
+            np.testing.assert_array_equal(whole.store.probs(slot), stepwise.store.probs(slot))
+    keys = [(layer, e) for layer in range(3) for e in range(8)]
+    for p in (whole, stepwise):
+        p.begin_request(7)
+    semantic = rng.standard_normal(4).astype(np.float32)
+    assert list(whole.begin_iteration(semantic)) == list(stepwise.begin_iteration(semantic))
+    probs = rng.dirichlet(np.full(8, 0.3)).astype(np.float32)
+    assert list(whole.observe_layer(0, probs)) == list(stepwise.observe_layer(0, probs))
+    assert whole.choose_victims(keys, 0, len(keys)) == stepwise.choose_victims(keys, 0, len(keys))

@@ -7,8 +7,8 @@ other policies are measured against. It does NOT run live (the future is unknown
 Knowledge: `need[i, l, j]` — iteration i (in replay order) accesses expert j of layer l. The replay calls
 begin_iteration once per iteration in that order, which is how the oracle knows where it is.
 
-Prefetching: at begin_iteration it queues this iteration's accesses that are not known to be resident, priority
-L − layer (earliest need first). It never queues more distinct experts than capacity − 2K: with at most that many
+Prefetching: at begin_iteration it queues this iteration's accesses, priority L − layer (earliest need first); the
+queue drops the ones already resident. It never queues more distinct experts than capacity − 2K: with at most that many
 wanted, Belady always finds a victim whose next use is later than anything queued (K slots may be pinned by the
 layer in use, K by the next), so a prefetch never pushes out something needed sooner. Prefetches for a later
 iteration are not queued: the replay (like the runtime's prefetcher) drops queued work once its layer has passed.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fmoe_local.policies._common import lowest, split_keys
-from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
+from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
 
 NEVER = np.iinfo(np.int32).max
 
@@ -43,31 +43,24 @@ class OraclePolicy:
             self.next_use[i] = np.where(need[i], i, self.next_use[i + 1])
         self.iteration = -1
         self.window = max(0, capacity - 2 * shape.top_k)
-        self.known: set[ExpertKey] = set()  # accessed and not evicted since: no need to queue them
 
     def begin_request(self, request_id: int) -> None:
         pass
 
-    def begin_iteration(self, semantic: np.ndarray | None) -> list[Prefetch]:
+    def begin_iteration(self, semantic: np.ndarray | None) -> PrefetchBatch:
         self.iteration += 1
         if self.iteration >= self.need.shape[0]:
             raise RuntimeError("The oracle was replayed past the end of the trace it was built from.")
-        out: list[Prefetch] = []
-        wanted = 0
-        L = self.shape.num_layers
-        for layer in range(L):
-            experts = np.flatnonzero(self.need[self.iteration, layer])
-            wanted += experts.shape[0]
-            if wanted > self.window:
-                break
-            out.extend(Prefetch(layer, int(e), float(L - layer)) for e in experts if (layer, int(e)) not in self.known)
-        return out
+        need = self.need[self.iteration]  # [L, J]
+        within = int(np.count_nonzero(np.cumsum(need.sum(1)) <= self.window))  # leading layers inside the window
+        layers, experts = np.nonzero(need[:within])  # layer by layer, experts ascending
+        return PrefetchBatch(layers, experts, (self.shape.num_layers - layers).astype(np.float64))
 
     def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> list[Prefetch]:
         return []
 
     def record_access(self, layer: int, experts: Sequence[int], hits: Sequence[bool]) -> None:
-        self.known.update((layer, int(e)) for e in experts)
+        pass
 
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
@@ -78,9 +71,7 @@ class OraclePolicy:
         use = self.next_use[row, layers, experts].astype(np.int64)  # [n] iteration of the next use
         # Position in access order; never-used-again sorts last of all.
         pos = np.where(use == NEVER, np.iinfo(np.int64).max, use * self.shape.num_layers + layers)
-        victims = lowest(candidates, layers, experts, -pos, count=count)  # furthest next use first
-        self.known.difference_update(victims)
-        return victims
+        return lowest(candidates, layers, experts, -pos, count=count)  # furthest next use first
 
     def end_iteration(self) -> None:
         pass

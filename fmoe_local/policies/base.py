@@ -7,6 +7,11 @@ and by the replay benchmark (bench/replay.py), which is what makes comparisons f
 Layers here are MoE-layer indices 0..L-1 (dense layers are not counted). Probabilities are float32 numpy arrays
 over all J experts of a layer; a prefill iteration passes the mean over its tokens.
 
+Optional extras a policy may offer (callers look them up with getattr): `reconfigure(prefetch_distance=,
+store_capacity=)` to retune in place, and `observe_iteration(probs[L, J], semantic)` to learn from a whole forward
+pass without predicting (a complete cache, a replay's warm-up) — it stands for begin_iteration + observe_layer per
+layer + end_iteration.
+
 Prefetches come back as any Sequence[Prefetch]: a list, or a PrefetchBatch when a policy predicts many at once.
 
 Threading contract (runtime): `begin_iteration`/`observe_layer` run on the background matcher thread;

@@ -144,6 +144,22 @@ class FMoEPolicy:
         with self._lock:
             self._reset_iteration(None)
 
+    def observe_iteration(self, probs: np.ndarray, semantic: np.ndarray | None) -> None:
+        """A whole forward pass to learn from with nothing to predict (a complete cache, or a replay's warm-up):
+        what begin_iteration + observe_layer for every layer + end_iteration leave behind, without the searches."""
+        p = np.asarray(probs, np.float32)
+        sem = None if semantic is None else np.asarray(semantic, np.float32).reshape(-1).copy()
+        with self._lock:
+            self._reset_iteration(sem)
+            self._live[:] = p
+            self._observed[:] = True
+            self._p_est[:] = p
+            self._evict[:] = 1.0 / ((p + P_FLOOR) * (self._freq + 1.0))
+            self._last_seen[:] = p
+            self._has_seen[:] = True
+            request_id = self._request_id
+        self.store.add(ExpertMap(p.copy(), sem, request_id))
+
     # --- prediction ------------------------------------------------------------------------------------------
     def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
         p = normalised(predicted)

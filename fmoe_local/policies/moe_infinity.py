@@ -124,6 +124,13 @@ class MoEInfinityPolicy(RecencyPolicy):
             return []
         return self._predict(seen, layer + 1, l_now=layer)
 
+    def observe_iteration(self, probs: np.ndarray, semantic: np.ndarray | None) -> None:
+        """A whole forward pass to learn from with nothing to predict: the counts observe_layer would add."""
+        chosen = np.argsort(-np.asarray(probs, np.float32), axis=1, kind="stable")[:, : self.shape.top_k]  # [L, K]
+        with self._lock:
+            self._ieam[np.arange(self.shape.num_layers)[:, None], chosen] += 1.0
+            self._layer_now = self.shape.num_layers - 1
+
     def end_iteration(self) -> None:
         pass
 
