@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -79,6 +78,7 @@ class MapStore:
         self._next_stamp = 0
         self._version = 0  # bumped on every write: invalidates the incremental trajectory cache
         self._traj_cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (query prefix, dots, version)
+        self._sem_cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (query, dots, version)
         self._alloc(capacity)
 
     # --- sizes -----------------------------------------------------------------------------------------------
@@ -139,6 +139,7 @@ class MapStore:
             if n == 0 or qn == 0.0 or not self._has_sem[:n].any():
                 return -1, 0.0
             dots = self._semantic_dots(q, n)  # [n]
+            self._sem_cache = (q.copy(), dots, self._version)
             scores = np.where(self._has_sem[:n], dots / np.maximum(self._sem_norm[:n] * qn, _EPS), -np.inf)
             best = int(np.argmax(scores))
             return best, float(scores[best])
@@ -220,9 +221,13 @@ class MapStore:
         q = np.asarray(probs, np.float32)
         with self._lock:
             n = self._n
-            dots = np.zeros(n, np.float32)
-            for i in range(L):
-                dots += self._layer_dots(i, q[i], n)
+            # The iteration's own searches usually computed these dots already: its last trajectory match (all L
+            # layers of this very map) and its semantic match (the same embedding), with no write since.
+            dots = self._cached_dots(self._traj_cache, q)
+            if dots is None:
+                dots = np.zeros(n, np.float32)
+                for i in range(L):
+                    dots += self._layer_dots(i, q[i], n)
             qn = float(np.sqrt(np.square(q, dtype=np.float64).sum()))
             s_traj = dots * self._inv_norm[L, :n] / max(qn, _EPS)
             s_sem = s_traj
@@ -230,10 +235,18 @@ class MapStore:
                 qs = self._as_semantic(semantic)
                 qn = float(np.linalg.norm(qs))
                 if qn > 0:
-                    cos = (self._semantic_dots(qs, n)) / np.maximum(self._sem_norm[:n] * qn, _EPS)
+                    sem_dots = self._cached_dots(self._sem_cache, qs)
+                    if sem_dots is None:
+                        sem_dots = self._semantic_dots(qs, n)
+                    cos = sem_dots / np.maximum(self._sem_norm[:n] * qn, _EPS)
                     s_sem = np.where(self._has_sem[:n], cos, s_traj)
             w = min(self.prefetch_distance, L) / L
             return w * s_sem + (1.0 - w) * s_traj
+
+    def _cached_dots(self, cache: tuple[np.ndarray, np.ndarray, int] | None, q: np.ndarray) -> np.ndarray | None:
+        if cache is None or cache[2] != self._version or cache[0].shape != q.shape or cache[1].size != self._n:
+            return None
+        return cache[1] if np.array_equal(cache[0], q) else None
 
     def _choose_slot(self, probs: np.ndarray, sem: np.ndarray | None) -> int:
         if self._n == 0:
@@ -355,35 +368,3 @@ class MapStore:
         self._persistence.clear()
         for s in range(self._n):
             self._persistence.put(s, self.get(s))
-
-
-def bench_matcher(num_maps: int = 32768, L: int = 26, J: int = 64, iterations: int = 8, seed: int = 0) -> float:
-    """Mean ms per `match_trajectory` call as the matcher uses it (l = 1..L per iteration), dense full maps.
-
-    Not a test: the bench CLI prints it. Maps are softmaxes of random logits, so every query takes the dense path.
-    """
-    from fmoe_local.policies.base import ModelShape
-
-    rng = np.random.default_rng(seed)
-    store = MapStore(ModelShape(L, J, top_k=min(6, J)), capacity=num_maps, prefetch_distance=3)
-
-    def softmax_maps(count: int) -> np.ndarray:
-        logits = rng.standard_normal((count, L, J), dtype=np.float32) * 2.0
-        e = np.exp(logits - logits.max(-1, keepdims=True))
-        return e / e.sum(-1, keepdims=True)
-
-    # Filled slot by slot as load_from does (no RDY per map): add() would cost O(n²) before the first query.
-    for start in range(0, num_maps, 4096):
-        chunk = softmax_maps(min(4096, num_maps - start))
-        for i, p in enumerate(chunk):
-            store._write(start + i, p, None, 0)
-        store._n = start + len(chunk)
-    queries = softmax_maps(iterations)
-    calls, total = 0, 0.0
-    for q in queries:
-        for depth in range(1, L + 1):
-            t0 = time.perf_counter()
-            store.match_trajectory(q[:depth])
-            total += time.perf_counter() - t0
-            calls += 1
-    return 1000.0 * total / calls

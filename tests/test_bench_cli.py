@@ -38,3 +38,12 @@ def test_unknown_policy_is_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixt
     save_trace(synthetic_trace(0, requests=2, length=2), trace)
     assert cli.main(["replay", str(trace), "--policies", "belady2"]) == 2
     assert "Unknown policy belady2" in capsys.readouterr().err
+
+
+def test_bench_matcher_prints_every_search_of_a_pass(capsys) -> None:
+    from fmoe_local.cli import main
+
+    assert main(["bench", "matcher", "--maps", "64", "--layers", "3", "--experts", "8", "--embed-dim", "16"]) == 0
+    out = capsys.readouterr().out
+    for line in ("trajectory search", "semantic search", "storing the map", "all of it, per layer"):
+        assert line in out

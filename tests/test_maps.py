@@ -211,3 +211,23 @@ def test_layer_probs_is_one_row_of_the_stored_map() -> None:
     np.testing.assert_array_equal(store.layer_probs(slot, 2), probs[2])
     with pytest.raises(IndexError):
         store.layer_probs(slot + 1, 0)
+
+
+def test_redundancy_reuses_the_iterations_own_searches_only_when_they_fit() -> None:
+    rng = np.random.default_rng(3)
+    shape = ModelShape(num_layers=4, num_experts=6, top_k=2, embed_dim=5)
+    store = MapStore(shape, capacity=16, prefetch_distance=2)
+    for i in range(10):
+        store.add(ExpertMap(rng.dirichlet(np.ones(6), size=4).astype(np.float32), rng.standard_normal(5), i))
+    q = rng.dirichlet(np.ones(6), size=4).astype(np.float32)
+    sem = rng.standard_normal(5).astype(np.float32)
+    fresh = store.redundancy(q, sem)
+    store.match_semantic(sem)
+    for depth in range(1, 5):
+        store.match_trajectory(q[:depth])
+    np.testing.assert_array_equal(store.redundancy(q, sem), fresh)
+    other, other_sem = q[::-1].copy(), -sem  # a different map: the cached dots must not be used
+    expected = MapStore(shape, capacity=16, prefetch_distance=2)
+    for slot in range(len(store)):
+        expected.add(store.get(slot))
+    np.testing.assert_allclose(store.redundancy(other, other_sem), expected.redundancy(other, other_sem), rtol=1e-6)

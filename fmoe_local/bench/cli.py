@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_local.bench import live, overhead
+from fmoe_local.bench import live, matcher, overhead
 from fmoe_local.bench.oracle import OraclePolicy
 from fmoe_local.bench.presets import BITS, PRESETS, CostModel, cost_model
 from fmoe_local.bench.replay import (
@@ -71,10 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--plot", type=Path, metavar="OUT.png", help="plot hit rate vs cache fraction 0.1…0.6")
     r.add_argument("--sweep", choices=["prefetch-distance"], help="also vary d over 1…6")
     r.add_argument("--jobs", type=int, default=2, help="policies replayed in parallel processes (default 2)")
-    m = sub.add_parser("matcher", help="time the map search (trajectory match) on a large store, on this CPU")
-    m.add_argument("--maps", type=int, default=32768)
-    m.add_argument("--layers", type=int, default=26)
-    m.add_argument("--experts", type=int, default=64)
+    matcher.add_parser(sub)
     live.add_parser(sub)
     overhead.add_parser(sub)
 
@@ -83,23 +80,12 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_command == "replay":
         return run_replay(args)
     if args.bench_command == "matcher":
-        return run_matcher(args)
+        return matcher.run(args)
     if args.bench_command == "live":
         return live.run(args)
     if args.bench_command == "overhead":
         return overhead.run(args)
     raise ValueError(f"Unknown bench command '{args.bench_command}'.")
-
-
-def run_matcher(args: argparse.Namespace) -> int:
-    from fmoe_local.maps import bench_matcher
-
-    ms = bench_matcher(num_maps=args.maps, L=args.layers, J=args.experts)
-    print(
-        f"map search (trajectory match, one call per layer) with a {args.maps}-map store of "
-        f"{args.layers} layers x {args.experts} experts: {ms:.3f} ms per layer on this CPU"
-    )
-    return 0
 
 
 class _Factory:
