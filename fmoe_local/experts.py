@@ -120,6 +120,8 @@ class OffloadedExperts:
         `top_k_weights[token_idx, top_k_pos, None]`, an in-place add for `index_add_` of one row)."""
         pos = {e: k for k, e in enumerate(chosen) if 0 <= e < module.num_experts}
         needed = sorted(pos)
+        if not needed:  # every entry masked: the general path would not touch the cache either
+            return out
         slots = cache.acquire(layer, needed)
         try:
             for e, s in zip(needed, slots, strict=True):
