@@ -109,6 +109,8 @@ class ExpertCache:
         self._held: list[int] = []  # slots of the last acquire, pinned until the next one
         self._copier = _Copier(device)
         self.current_layer = -1
+        self._total = host.num_layers * host.num_experts
+        self._complete = False  # every expert resident and loaded: see `complete`
 
     # ---- introspection -------------------------------------------------------------------------------------------
     @property
@@ -139,18 +141,30 @@ class ExpertCache:
     def on_demand_active(self) -> bool:
         return self._demand > 0
 
+    @property
+    def complete(self) -> bool:
+        """Every expert of the model is resident and loaded. Final: with no key ever missing, no slot is claimed
+        again, so nothing is evicted and nothing can miss — prediction and copies have nothing left to do."""
+        return self._complete
+
     # ---- forward thread ------------------------------------------------------------------------------------------
     def acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
         """Make `experts` of `layer` resident and pinned; returns their slots. Misses load now (on demand)."""
         if len(experts) > self.capacity:
             raise ValueError("acquire() got more experts than the cache has slots; compute in chunks.")
-        loads: list[tuple[int, ExpertKey]] = []
-        waits: list[int] = []
-        hits: list[bool] = []
-        slots: list[int] = []
         with self._lock:
             self._unhold_locked()
             self.current_layer = layer
+            if self._complete:
+                # Nothing to load or wait for (every slot is ready): no on-demand bracket, no stall clock.
+                slots = [self._pin_hit_locked(layer, e, self._slot_of[(layer, e)]) for e in experts]
+                self.policy.record_access(layer, list(experts), [True] * len(experts))
+                self._wait_copies(slots)
+                return slots
+            loads: list[tuple[int, ExpertKey]] = []
+            waits: list[int] = []
+            hits: list[bool] = []
+            slots = []
             self._demand += 1
             # Pin every resident expert of this access first, so that loading a missing one can never evict
             # another expert the same layer is about to use.
@@ -160,14 +174,9 @@ class ExpertCache:
                 slots.append(-1 if s is None else s)
                 if s is None:
                     continue
-                slot = self._slots[s]
-                slot.pins += 1
-                if slot.by_prefetch:
-                    slot.by_prefetch = False
-                    self.counters.prefetch_used += 1
-                if not slot.ready.is_set():
+                self._pin_hit_locked(layer, e, s)
+                if not self._slots[s].ready.is_set():
                     waits.append(s)
-                self.counters.hits[layer, e] += 1
             for i, e in enumerate(experts):
                 if hits[i]:
                     continue
@@ -188,17 +197,33 @@ class ExpertCache:
                 self._demand -= 1
                 self.counters.stall_s += time.perf_counter() - t0
                 self._lock.notify_all()
-        if self._copier.cuda:
-            stream = torch.cuda.current_stream(self.device)
-            for s in slots:
-                ev = self._slots[s].copy_event
-                if ev is not None:
-                    stream.wait_event(ev)
+        self._wait_copies(slots)
         return slots
+
+    def _pin_hit_locked(self, layer: int, expert: int, s: int) -> int:
+        slot = self._slots[s]
+        slot.pins += 1
+        if slot.by_prefetch:
+            slot.by_prefetch = False
+            self.counters.prefetch_used += 1
+        self.counters.hits[layer, expert] += 1
+        return s
+
+    def _wait_copies(self, slots: list[int]) -> None:
+        """CUDA: the compute stream waits for the copies into `slots`. Once it has, later work on that stream is
+        ordered after them anyway, so the event is dropped (the slots are pinned: no copy can replace it)."""
+        if not self._copier.cuda:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        for s in slots:
+            slot = self._slots[s]
+            if slot.copy_event is not None:
+                stream.wait_event(slot.copy_event)
+                slot.copy_event = None
 
     def release(self, slots: Sequence[int]) -> None:
         last_use = None
-        if self._copier.cuda:
+        if self._copier.cuda and not self._complete:  # complete: no copy will ever need to wait for these kernels
             last_use = torch.cuda.Event()
             last_use.record(torch.cuda.current_stream(self.device))
         with self._lock:
@@ -265,6 +290,8 @@ class ExpertCache:
         with self._lock:
             self.counters.bytes_moved += self.expert_bytes
             slot.ready.set()
+            if len(self._slot_of) == self._total and all(x.ready.is_set() for x in self._slots):
+                self._complete = True
             self._lock.notify_all()
 
     def drop_unused_prefetches(self) -> int:

@@ -72,7 +72,12 @@ class Engine:
         self.cache = ExpertCache(self.host, self._capacity(config), self.device, self.policy, self.counters)
         self.prefetcher = Prefetcher(self.cache, self.policy, synchronous=config.synchronous_prefetch)
         self.observer = RoutingObserver(
-            self.model.get_input_embeddings(), self.moe_layers, self.arch, self.prefetcher.publish, config.semantic_mode
+            self.model.get_input_embeddings(),
+            self.moe_layers,
+            self.arch,
+            self.prefetcher.publish,
+            config.semantic_mode,
+            per_layer=lambda: self.prefetcher.per_layer,
         )
         self.observer.want_lookahead = self.policy.needs_lookahead
         self.observer.attach()

@@ -22,6 +22,8 @@ from transformers.integrations.moe import ExpertsInterface
 from fmoe_local.cache import ExpertCache
 
 _names = itertools.count()
+# Up to this many routing entries, a Python set finds the distinct experts faster than torch.unique.
+_SMALL = 256
 
 
 def expert_forward(module: torch.nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor], s: int) -> torch.Tensor:
@@ -77,8 +79,17 @@ class OffloadedExperts:
         layer = self._layer_of[id(module)]
         cache = self._cache()
         out = torch.zeros_like(hidden_states)
+        if top_k_index.shape[0] == 1:
+            # Decode (one token): its expert list is the routing decision itself; reading it is the layer's one
+            # device→host sync, as in eager, and the rows need no masks.
+            chosen = top_k_index[0].tolist()  # [K]
+            if len(set(chosen)) == len(chosen) and len(chosen) <= cache.capacity:
+                return self._one_token(module, layer, cache, hidden_states, chosen, top_k_weights, out)
         # The routing decision has to reach the host to know what to load: one sync per layer, as in eager.
-        needed = torch.unique(top_k_index).tolist()
+        if top_k_index.numel() <= _SMALL:
+            needed = sorted(set(top_k_index.view(-1).tolist()))  # a few ids: cheaper than torch.unique's dispatch
+        else:
+            needed = torch.unique(top_k_index).tolist()
         needed = [e for e in needed if 0 <= e < module.num_experts]
         for start in range(0, len(needed), cache.capacity):
             chunk = needed[start : start + cache.capacity]
@@ -92,4 +103,32 @@ class OffloadedExperts:
                     out.index_add_(0, token_idx, current.to(out.dtype))
             finally:
                 cache.release(slots)
+        return out
+
+    @staticmethod
+    def _one_token(
+        module: torch.nn.Module,
+        layer: int,
+        cache: ExpertCache,
+        hidden_states: torch.Tensor,  # [1, H]
+        chosen: list[int],  # [K] distinct expert ids, in top-k order
+        top_k_weights: torch.Tensor,  # [1, K]
+        out: torch.Tensor,  # [1, H] zeros
+    ) -> torch.Tensor:
+        """Eager's loop for a single token, without its masks: same experts in the same (ascending) order, and the
+        same ops on the same values (the whole row for `hidden_states[token_idx]`, a [1, 1] weight slice for
+        `top_k_weights[token_idx, top_k_pos, None]`, an in-place add for `index_add_` of one row)."""
+        pos = {e: k for k, e in enumerate(chosen) if 0 <= e < module.num_experts}
+        needed = sorted(pos)
+        if not needed:  # every entry masked: the general path would not touch the cache either
+            return out
+        slots = cache.acquire(layer, needed)
+        try:
+            for e, s in zip(needed, slots, strict=True):
+                k = pos[e]
+                current = expert_forward(module, hidden_states, cache.tensors, s)
+                current = current * top_k_weights[:, k : k + 1]
+                out.add_(current.to(out.dtype))
+        finally:
+            cache.release(slots)
         return out

@@ -24,12 +24,14 @@ class RoutingObserver:
         arch: Architecture,
         publish: Callable[..., None],
         semantic_mode: str = "running_mean",
+        per_layer: Callable[[], bool] = lambda: True,
     ) -> None:
         self._embedding = embedding
         self._layers = list(moe_layers)
         self._arch = arch
         self._publish = publish
         self.semantic_mode = semantic_mode
+        self._per_layer = per_layer  # False while the consumer takes the pass whole: no lookahead to compute
         self.want_lookahead = False
         self.recording = False  # keep per-token rows for a trace
         self.rows_probs: list[torch.Tensor] = []  # per layer [T, J] of the current forward pass
@@ -65,19 +67,22 @@ class RoutingObserver:
         if self.recording:
             self.rows_embed = tokens
             self.rows_probs = []
-        self._publish("begin_iteration", value=semantic.clone())
+        # `semantic` is a fresh tensor (the running sum is replaced, never updated in place): no copy needed.
+        self._publish("begin_iteration", value=semantic)
 
     def _router_hook(self, layer: int) -> Callable:
         def hook(module: torch.nn.Module, inputs: tuple, output: object) -> None:
             if self._in_lookahead:
                 return
-            probs = self._arch.router_probs(output).detach()  # [T, J]
+            probs = self._arch.router_probs(output).detach()  # [T, J] float32
             if self.recording:
-                self.rows_probs.append(probs.float())
+                self.rows_probs.append(probs)
             lookahead = None
-            if self.want_lookahead and layer + 1 < len(self._layers):
+            if self.want_lookahead and layer + 1 < len(self._layers) and self._per_layer():
                 lookahead = self._lookahead(layer, inputs[0])
-            self._publish("layer", layer=layer, value=probs.float().mean(0), lookahead=lookahead)
+            # A decode step's mean is its one row: a view costs a fraction of a reduction's dispatch.
+            mean = probs[0] if probs.shape[0] == 1 else probs.mean(0)  # [J]
+            self._publish("layer", layer=layer, value=mean, lookahead=lookahead)
 
         return hook
 

@@ -32,11 +32,20 @@ def _to_numpy(t: torch.Tensor | np.ndarray | None) -> np.ndarray | None:
 
 @dataclass
 class _Event:
-    kind: str  # begin_request | begin_iteration | layer | end_iteration | end_request
+    kind: str  # begin_request | begin_iteration | layer | end_iteration | end_request | pass
     iteration: int = -1
     layer: int = -1
-    value: object = None  # request id, semantic embedding [h], or probs [J]
+    value: object = None  # request id, semantic embedding [h], probs [J], or a whole _Pass
     lookahead: object = None
+
+
+@dataclass
+class _Pass:
+    """A forward pass run with every expert resident, gathered on the forward thread and handed over at its end."""
+
+    semantic: object  # [h] or None
+    layers: list[int]
+    probs: list[object]  # per layer [J]
 
 
 class Prefetcher:
@@ -52,6 +61,7 @@ class Prefetcher:
         self._idle = threading.Event()
         self._idle.set()
         self._pending: _Event | None = None  # synchronous mode: the last router event, not handled yet
+        self._pass: _Pass | None = None  # the forward pass now running, when the cache is complete
         self._thread: threading.Thread | None = None
         if not synchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-prefetcher", daemon=True)
@@ -63,6 +73,20 @@ class Prefetcher:
             self._iteration += 1
             self.cache.current_layer = -1
             self.cache.unhold()
+            # Every expert resident: nothing can miss, so nothing is urgent. The pass's distributions still teach
+            # the policy, in one event at its end: no per-layer wake-up, no matching while the layers run.
+            self._pass = _Pass(value, [], []) if self.cache.complete else None
+        if self._pass is not None:
+            if kind == "layer":
+                self._pass.layers.append(layer)
+                self._pass.probs.append(value)
+                return
+            if kind == "begin_iteration":
+                return
+            if kind == "end_iteration":
+                kind, value, self._pass = "pass", self._pass, None
+            else:  # the request ended inside a pass: an incomplete map has nothing to teach
+                self._pass = None
         event = _Event(kind, self._iteration, layer, value, lookahead)
         if self.synchronous:
             # A router's event is handled when the next event arrives, i.e. after its layer's experts ran: the
@@ -81,6 +105,11 @@ class Prefetcher:
             self._events.append(event)
             self._idle.clear()
             self._cond.notify_all()
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the running forward pass is handled layer by layer (False when the cache is complete)."""
+        return self._pass is None
 
     def set_policy(self, policy: Policy) -> None:
         self.wait_idle()
@@ -129,12 +158,29 @@ class Prefetcher:
             self._push(event.iteration, policy.observe_layer(event.layer, probs, look))
         elif event.kind == "end_iteration":
             policy.end_iteration()
+        elif event.kind == "pass":
+            self._learn(event.value)
         elif event.kind == "end_request":
             policy.end_request()
             with self._cond:
                 self._queue.clear()
         else:
             raise ValueError(f"unknown prefetcher event {event.kind}")
+
+    def _learn(self, p: _Pass) -> None:
+        """Give the policy a whole pass with nothing to prefetch: `observe_iteration` when it has one (learning
+        without matching), else the usual event sequence with its prefetches dropped."""
+        policy = self.policy
+        semantic = _to_numpy(p.semantic)
+        probs = torch.stack(p.probs).float().cpu().numpy() if p.probs else None  # [L, J]: one transfer
+        observe_iteration = getattr(policy, "observe_iteration", None)
+        if observe_iteration is not None and probs is not None and p.layers == list(range(len(probs))):
+            observe_iteration(probs, semantic)
+            return
+        policy.begin_iteration(semantic)
+        for i, layer in enumerate(p.layers):
+            policy.observe_layer(layer, probs[i], None)
+        policy.end_iteration()
 
     def _push(self, iteration: int, prefetches: Sequence[Prefetch]) -> None:
         with self._cond:

@@ -1,0 +1,107 @@
+"""ExpertCache: residency, hit/miss accounting, pinning, and the complete state (every expert resident).
+
+A small in-memory host store stands in for a checkpoint: each expert's weights are filled with a value naming it,
+so a slot's content says which expert it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fmoe_local.cache import ExpertCache
+from fmoe_local.policies.base import ModelShape
+from fmoe_local.policies.lru import LRUPolicy
+from fmoe_local.stats import LayerCounters
+
+L, J, K = 3, 4, 2
+
+
+class ValueHost:
+    """Expert (l, e) is a [2, 3] block of the value 10·l + e."""
+
+    num_layers, num_experts = L, J
+    param_shapes = {"w": (2, 3)}
+    param_dtype = torch.float32
+    expert_bytes = 2 * 3 * 4
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[int, int]] = []
+
+    def read(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        self.reads.append((layer, expert))
+        return {"w": torch.full((2, 3), float(10 * layer + expert))}
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingPolicy(LRUPolicy):
+    """lru, keeping every record_access call."""
+
+    def __init__(self) -> None:
+        super().__init__(ModelShape(L, J, K))
+        self.accesses: list[tuple[int, list[int], list[bool]]] = []
+
+    def record_access(self, layer: int, experts: Sequence[int], hits: Sequence[bool]) -> None:
+        self.accesses.append((layer, list(experts), list(hits)))
+        super().record_access(layer, experts, hits)
+
+
+def make_cache(capacity: int) -> tuple[ExpertCache, ValueHost, RecordingPolicy]:
+    host, policy = ValueHost(), RecordingPolicy()
+    cache = ExpertCache(host, capacity, torch.device("cpu"), policy, LayerCounters(L, J))
+    return cache, host, policy
+
+
+def holds(cache: ExpertCache, slot: int, layer: int, expert: int) -> bool:
+    return bool((cache.tensors["w"][slot] == 10 * layer + expert).all())
+
+
+def test_cache_is_complete_once_every_expert_is_loaded_and_then_only_hits():
+    cache, host, policy = make_cache(capacity=10**6)
+    assert cache.capacity == L * J
+    for layer in range(L):
+        assert not cache.complete
+        cache.release(cache.acquire(layer, list(range(J))))
+    assert cache.complete
+    assert len(host.reads) == L * J
+    assert int(cache.counters.misses.sum()) == L * J and int(cache.counters.hits.sum()) == 0
+
+    slots = cache.acquire(1, [0, 3])
+    assert holds(cache, slots[0], 1, 0) and holds(cache, slots[1], 1, 3)
+    assert policy.accesses[-1] == (1, [0, 3], [True, True])
+    assert int(cache.counters.hits[1, 0]) == 1 and int(cache.counters.hits[1, 3]) == 1
+    # The running layer's experts stay pinned until the next acquire, as on the general path.
+    assert all(cache._slots[s].pins == 1 for s in slots)
+    cache.release(slots)
+    assert all(cache._slots[s].pins == 1 for s in slots)
+    cache.release(cache.acquire(2, [1]))
+    assert all(cache._slots[s].pins == 0 for s in slots)
+    assert len(host.reads) == L * J  # nothing was copied again
+    assert not cache.try_prefetch(0, 0)
+
+
+def test_a_cache_smaller_than_the_model_is_never_complete():
+    cache, host, _ = make_cache(capacity=L * J - 1)
+    for _ in range(2):
+        for layer in range(L):
+            cache.release(cache.acquire(layer, list(range(J))))
+            assert not cache.complete
+    assert cache.resident_bytes() <= cache.budget_bytes
+
+
+def test_prefetched_expert_counts_as_used_on_its_first_hit_in_the_complete_state():
+    cache, _, _ = make_cache(capacity=L * J)
+    for layer in range(L):
+        for e in range(J):
+            if (layer, e) != (2, 3):
+                cache.release(cache.acquire(layer, [e]))
+    assert not cache.complete
+    assert cache.try_prefetch(2, 3)
+    assert cache.complete
+    cache.release(cache.acquire(2, [3]))
+    cache.release(cache.acquire(2, [3]))
+    assert cache.counters.prefetch_used == 1
+    assert cache.drop_unused_prefetches() == 0
