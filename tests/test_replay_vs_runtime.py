@@ -18,16 +18,7 @@ from fmoe_local.runtime import Runtime
 PROMPTS = ["Tell me about the ocean.", "Write a poem about the moon.", "Tell me about the sea and its waves."]
 
 
-KNOWN_GAP = pytest.mark.xfail(
-    strict=True, reason="moe_infinity under a 5-slot cache: replay counts one hit more in 257 accesses (open)"
-)
-
-
-CASES = [
-    pytest.param(policy, slots, marks=KNOWN_GAP if (policy, slots) == ("moe_infinity", 5) else ())
-    for policy in ("fmoe", "moe_infinity", "lru", "lfu", "on_demand")
-    for slots in (5, 12)
-]
+CASES = [(policy, slots) for policy in ("fmoe", "moe_infinity", "lru", "lfu", "on_demand") for slots in (5, 12)]
 
 
 @pytest.mark.parametrize("policy, slots", CASES)

@@ -13,7 +13,8 @@ Timeline of one iteration (the runtime's order, prefetcher.py + cache.py):
      Resident and copied → hit. A prefetch still copying is a "late" miss: it stalls only for its remaining bytes
      (the policy is told hit=True, as cache.acquire would). Else an on-demand load that stalls
      expert_bytes / bandwidth, prefetching paused meanwhile.
-     record_access, then observe_layer(l, mean probs of the rows) → more prefetches.
+     record_access (by the simulated cache, per chunk as cache.acquire does), then observe_layer(l, mean probs of
+     the rows) → more prefetches.
   Queued prefetches for layers ≤ l (or an older iteration) are stale and dropped: the same PrefetchQueue
   (prefetch_queue.py) as the runtime's prefetcher.
 Eviction candidates never include the experts in use (the current layer's; during a window, the previous layer's)
@@ -249,7 +250,6 @@ def replay(
             sim.transfer(budget, queue, i)
             hits, stall = sim.access(layer, experts)
             stall_total += stall
-            policy.record_access(layer, list(experts), hits)
             queue.push(i, policy.observe_layer(layer, schedule.probs[i, layer]))
         policy.end_iteration()
         if measuring:

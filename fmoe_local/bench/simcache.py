@@ -105,7 +105,9 @@ class SimCache:
     def access(self, layer: int, experts: tuple[int, ...]) -> tuple[list[bool], float]:
         """The forward pass needs `experts` of `layer`: returns hits and the stall in seconds.
 
-        More experts than slots (a long prefill) are taken in chunks of `capacity`, as experts.py computes them.
+        More experts than slots (a long prefill) are taken in chunks of `capacity`, as experts.py computes them;
+        like cache.acquire, each chunk's slots are claimed and then the chunk is reported to the policy
+        (record_access), so a later chunk's evictions see the earlier chunk's use.
         """
         self.current_layer = layer
         keys = tuple((layer, e) for e in experts)
@@ -113,9 +115,10 @@ class SimCache:
         c = self.counters
         for start in range(0, len(keys), self.capacity):
             chunk = keys[start : start + self.capacity]
+            first = len(hits)
             self.set_pinned(chunk)
-            # Nothing changes the policy's mind between this layer's loads (record_access comes after the layer):
-            # ask for all the victims its misses need at once — the Policy contract makes that the same choice.
+            # Nothing changes the policy's mind between this chunk's loads (record_access comes after them): ask for
+            # all the victims its misses need at once — the Policy contract makes that the same choice.
             missing = sum(1 for key in chunk if key not in self.resident)
             need = missing - (self.capacity - len(self.resident))
             if need > 0:
@@ -145,6 +148,7 @@ class SimCache:
                 c.bytes_moved += self.cost.expert_bytes
                 stall += self.cost.load_s
             self._victims = []
+            self.policy.record_access(layer, list(experts[start : start + self.capacity]), hits[first:])
         c.stall_s += stall
         return hits, stall
 
