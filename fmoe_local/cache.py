@@ -7,6 +7,9 @@ prefetch (policies/), when (prefetcher.py), or how experts are computed (experts
 Budget: the slot tensors are the only device memory expert weights ever occupy, so `capacity * expert_bytes` is a
 hard ceiling, in prefill too (experts.py computes a layer in chunks of at most `capacity` experts).
 
+Complete: once every expert of the model is resident (possible only with L·J slots) nothing can miss or be evicted
+again, and acquire takes a short path (no loads, waits or stall clock).
+
 Threads: the forward thread calls acquire/release; the prefetcher thread calls try_prefetch. One lock guards the
 residency tables; copies run outside it. Host copies are permanent, so eviction only frees a slot.
 """

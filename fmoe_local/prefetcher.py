@@ -7,6 +7,9 @@ and yielding to on-demand loads. It does NOT choose experts (the policy does) or
 The forward thread only appends to a queue (`publish_*`); tensors are turned into numpy here, so a GPU → host copy
 never stalls the forward pass. In synchronous mode (tests, replay comparisons) the same code runs inline and every
 queued prefetch completes before the forward pass goes on, which makes hit counts deterministic.
+
+Once the cache is complete (every expert resident) nothing is left to predict: a forward pass's events are gathered
+on the forward thread and reach the policy as one event at the pass's end (`_learn`), so that it keeps learning.
 """
 
 from __future__ import annotations
