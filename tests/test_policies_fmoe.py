@@ -68,8 +68,8 @@ def test_semantic_match_prefetches_first_d_layers_with_delta_and_priority():
     policy = make(d=2, maps=[ExpertMap(MAP_A, np.array([1, 0, 0], np.float32), 0)])
     # cos([1,1,0], [1,0,0]) = 0.7071 → δ = 0.2929: the top expert (0.6) alone reaches it, but K = 2.
     out = policy.begin_iteration(np.array([1, 1, 0], np.float32))
-    # Priority p / (l − l_now) with l_now = −1: layer 0 divides by 1, layer 1 by 2.
-    assert as_tuples(out) == [(0, 0, 0.6), (0, 1, 0.3), (1, 2, 0.3), (1, 3, 0.15)]
+    # Priority layer + 0.5·p/(l − l_now) with l_now = −1: layer 0 divides by 1, layer 1 by 2.
+    assert as_tuples(out) == [(0, 0, 0.3), (0, 1, 0.15), (1, 2, 1.15), (1, 3, 1.075)]
     # A weak match (cos 0) → δ = 1 → every expert with mass.
     out = policy.begin_iteration(np.array([0, 0, 1], np.float32))
     assert [(p.layer, p.expert) for p in out] == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 3), (1, 4)]
@@ -81,9 +81,9 @@ def test_switch_from_semantic_to_trajectory_at_layer_d():
     first = policy.begin_iteration(sem_a)  # semantic picks A for layers 0 and 1 only
     assert {p.layer for p in first} == {0, 1}
     assert {p.expert for p in first if p.layer == 0} == {0, 1}
-    # The routing follows B: the trajectory (layer 0 = B's) predicts layer 2 = 0 + d from B, priority p/d.
+    # The routing follows B: the trajectory (layer 0 = B's) predicts layer 2 = 0 + d from B, priority 2 + 0.5·p/d.
     out = policy.observe_layer(0, MAP_B[0])
-    assert as_tuples(out) == [(2, 3, 0.3), (2, 2, 0.15)]
+    assert as_tuples(out) == [(2, 3, 2.15), (2, 2, 2.075)]
     out = policy.observe_layer(1, MAP_B[1])
     assert [(p.layer, p.expert) for p in out] == [(3, 1), (3, 0)]
     assert policy.observe_layer(2, MAP_B[2]) == []  # layer 4 does not exist
@@ -96,10 +96,10 @@ def test_trajectory_score_sets_delta():
     policy.begin_iteration(None)
     # Layer 0 = 0.6/0.3/0.1 on experts 0/2/4 against A's 0/1/2: cos = (0.36 + 0.03) / 0.46 = 0.848 → δ = 0.152.
     out = policy.observe_layer(0, perm(P, [0, 2, 4]))
-    assert as_tuples(out) == [(1, 2, 0.6)]  # 0.6 ≥ δ: one expert, priority p / (1 − 0)
+    assert as_tuples(out) == [(1, 2, 1.3)]  # 0.6 ≥ δ: one expert, priority 1 + 0.5·p/(1 − 0)
     # Add a unit vector on expert 7 (A has nothing there): cos = 0.39 / sqrt(1.46 · 0.92) = 0.337 → δ = 0.663.
     out = policy.observe_layer(1, row(0, 0, 0, 0, 0, 0, 0, 1.0))
-    assert as_tuples(out) == [(2, 4, 0.6), (2, 5, 0.3)]  # 0.6 < δ ≤ 0.9: two experts
+    assert as_tuples(out) == [(2, 4, 2.3), (2, 5, 2.15)]  # 0.6 < δ ≤ 0.9: two experts
 
 
 def test_eviction_priority_is_inverse_p_times_freq():
@@ -167,9 +167,9 @@ def test_without_store_or_semantic_falls_back_to_last_observed_top_k():
     assert policy.observe_layer(0, MAP_A[0]) == []  # empty store, layer 2 never seen
     for layer in range(1, 4):
         policy.observe_layer(layer, MAP_A[layer])
-    # No semantic embedding: the previous iteration's routing of layers 0, 1, top-K, priority p/(l+1).
+    # No semantic embedding: the previous iteration's routing of layers 0, 1, top-K, priority l + 0.5·p/(l+1).
     out = policy.begin_iteration(None)
-    assert as_tuples(out) == [(0, 0, 0.6), (0, 1, 0.3), (1, 2, 0.3), (1, 3, 0.15)]
+    assert as_tuples(out) == [(0, 0, 0.3), (0, 1, 0.15), (1, 2, 1.15), (1, 3, 1.075)]
 
 
 def test_reconfigure_changes_distance_and_store_capacity():
@@ -218,3 +218,53 @@ def test_frequency_counts_carry_across_requests():
     policy.observe_layer(0, row(0.5, 0.5))
     # Equal p; (0,0) was used 3 times in the previous request → 1/(0.5·4) against (0,1)'s 1/(0.5·1).
     assert policy.choose_victims([(0, 0), (0, 1)], current_layer=0)[0] == (0, 1)
+
+
+def test_prefetch_priority_puts_the_farther_target_layer_first():
+    policy = make(d=2, maps=[ExpertMap(MAP_A, np.array([1, 0, 0], np.float32), 0)])
+    out = policy.begin_iteration(np.array([1, 0, 0], np.float32))
+    # Layer 1's weakest pick (p = 0.3) outranks layer 0's strongest (p = 0.6): a copy for the nearer layer is the
+    # one that lands late when the link is the bottleneck. Within a layer, larger p first.
+    ranked = [(p.layer, p.expert) for p in sorted(out, key=lambda p: -p.priority)]
+    assert ranked == [(1, 2), (1, 3), (0, 0), (0, 1)]
+
+
+def test_eviction_ranks_every_remaining_layer_by_the_current_match():
+    policy = make(d=1, maps=[ExpertMap(MAP_A, None, 0), ExpertMap(MAP_B, None, 0)])
+    policy.begin_iteration(None)
+    # Nothing predicted for layer 3 yet: uniform p, equal freq → the tie goes to the smaller key.
+    assert policy.choose_victims([(3, 0), (3, 1)], current_layer=0)[0] == (3, 0)
+    policy.observe_layer(0, MAP_A[0])  # matches A, which predicts layer 1 (the prefetch target) and 2, 3 too
+    # A's layer 3: expert 0 has 0.1, expert 1 nothing → (3,1) goes; layer 2: expert 4 has 0.6, expert 3 nothing.
+    assert policy.choose_victims([(3, 0), (3, 1)], current_layer=0)[0] == (3, 1)
+    assert policy.choose_victims([(2, 3), (2, 4)], current_layer=0)[0] == (2, 3)
+
+
+def test_successor_link_predicts_the_next_iteration():
+    sem = np.array([1, 0, 0], np.float32)
+    policy = make(d=2)
+    # Request 1 routes A, then B: the store holds A (slot 0) and B (slot 1), linked 0 → 1.
+    for expert_map in (MAP_A, MAP_B):
+        policy.begin_iteration(sem)
+        for layer in range(4):
+            policy.observe_layer(layer, expert_map[layer])
+        policy.end_iteration()
+    assert len(policy.store) == 2
+    # Request 2 routes A again. After layer 0 the match is A, whose successor is B: layer 0's next use (the next
+    # iteration) is predicted by B's layer 0 (expert 7: 0.6, expert 0: nothing), not by what layer 0 just used.
+    policy.begin_request(2)
+    policy.begin_iteration(sem)
+    policy.observe_layer(0, MAP_A[0])
+    assert policy.choose_victims([(0, 0), (0, 7)], current_layer=0)[0] == (0, 0)
+    for layer in range(1, 4):
+        policy.observe_layer(layer, MAP_A[layer])
+    policy.end_iteration()
+    # The next iteration's first d layers come from B (the successor of the all-layer match, score 1 → δ = 0,
+    # top-K), although the semantic embedding matches A's.
+    out = policy.begin_iteration(sem)
+    assert as_tuples(out) == [(0, 7, 0.3), (0, 6, 0.15), (1, 5, 1.15), (1, 4, 1.075)]
+    # A stopped iteration leaves no link to follow: the semantic match (A) predicts again.
+    policy.observe_layer(0, MAP_A[0])
+    policy.end_iteration()
+    out = policy.begin_iteration(sem)
+    assert {(p.layer, p.expert) for p in out} == {(0, 0), (0, 1), (1, 2), (1, 3)}

@@ -7,7 +7,8 @@ eviction, and feeding finished maps to the MapStore. It does NOT search arrays i
 
 Layer indices (0-based here, 1-based in the paper). The paper predicts layers 1..d from the semantic match and,
 "at layer l", layer l+d from the trajectory 1..l−1. Here:
-- begin_iteration (nothing observed yet, "l_now = −1") predicts layers 0..d−1 from the semantic match;
+- begin_iteration (nothing observed yet, "l_now = −1") predicts layers 0..d−1 from the semantic match (or, after
+  the request's first iteration, from a successor link: below);
 - observe_layer(l) (the router of layer l has run, so the trajectory is 0..l) predicts layer l+d.
 Every layer ≥ d is thus predicted exactly d layers before it runs, with no gap at the switch; compared to the
 paper the trajectory also includes the current layer's gate, which our router hook already has at that point.
@@ -16,16 +17,34 @@ Prefetch priority p/(l − l_now) therefore divides by l+1 (semantic) or d (traj
 Predicted distributions are normalised to sum 1 before δ is applied, so δ means a share of the predicted mass
 whether a map holds full softmaxes or only top-k entries (recordings from other tools).
 
-Eviction priority 1/(p·freq), largest evicted first, with:
-- p_{l,j}: the newest estimate for layer l — this iteration's prediction, replaced by the observed distribution
-  once layer l ran; layers not predicted yet keep the last observed one (the previous iteration's routing), and a
-  uniform 1/J before anything was seen. Smoothed as p + 1e-4 so an expert nobody predicts ranks by frequency.
+Eviction priority 1/(p·freq), largest evicted first, with p_{l,j} the newest estimate for layer l's NEXT use:
+- layers this iteration has not run yet: the latest trajectory match's prediction for that layer (every remaining
+  layer, not only l+d: a map matched on layers 0..l predicts layer l+5 about as well as l+1), or the semantic /
+  fallback prediction before the first match; a uniform 1/J before anything was seen.
+- layers already run this iteration are next used by the NEXT iteration: p is the successor of the current best
+  match (the map stored right after it in its own request, see "Successor links"); without one, the observed
+  distribution (decode steps partly repeat). Every p row is normalised to sum 1, so predicted and observed rows
+  weigh alike, and smoothed as p + 1e-4 so an expert nobody predicts ranks by frequency.
 - freq_{l,j}: accesses since the policy was built (every request) + 1 (Laplace), so a never-used expert has
   freq 1. Counting over the session rather than per request measured better in replay (first 20 requests of
   each shared DeepSeek-V2-Lite trace, cache 25% of experts, d = 3): hit rate intent 0.558 → 0.607, law
-  0.540 → 0.551.
+  0.540 → 0.551. Decaying it per iteration (horizon 16 iterations) measured worse (docs/bench.md, Tuning).
 Mis-prefetched experts — prefetched for a layer in this iteration, that layer has run, and they were not used —
 go before everything else (largest 1/(p·freq) first among them).
+
+Successor links: the policy remembers, for each map it stored, the slot of the map stored after it in the same
+request. The successor of the map most similar to the current iteration is a prediction of the next iteration.
+It sets the eviction p of layers already run (above) and, at the start of an iteration, predicts layers 0..d−1
+from the successor of the previous iteration's final (all-layer) match, with δ = 1 − that match's score. The
+semantic match is used for a request's first iteration, or when no link is known (maps loaded from disk carry
+none). Replacing a stored map keeps the links to its slot: the store replaces the map most similar to the new one,
+so the link still points at a similar map until a new successor is recorded.
+
+Prefetch priority: the target layer first, then p / (l − l_now). Copies leave one at a time at the link's rate;
+when the queue backs up (DeepSeek-V2-Lite at 25 GB/s: 0.41 experts per layer), a copy for a layer that runs
+sooner than one copy time is late anyway, while the farthest target (l_now + d, just planned) is the one that
+can still land in time. When the link keeps up, the queue drains every layer and the order changes little.
+Within a layer the paper's p / (l − l_now) orders the copies.
 
 Empty store, or no semantic embedding: predict a layer from its last observed distribution (the previous
 iteration's routing, which decode steps largely repeat) with δ = 0, i.e. its top-K; before anything was observed,
@@ -73,6 +92,10 @@ class FMoEPolicy:
         # then reads it instead of recomputing it for hundreds of candidates.
         self._evict = 1.0 / ((self._p_est + P_FLOOR) * (self._freq + 1.0))
         self._request_id = 0
+        # Successor links (module docstring): _next_of[s] = slot stored right after slot s in its request, or −1.
+        self._next_of = np.full(self.store.capacity, -1, np.int64)  # [C]
+        self._prev_slot = -1  # where this request's previous iteration was stored (−1: none, or it stopped)
+        self._final: tuple[int, float] = (-1, 0.0)  # the previous iteration's all-layer match (slot, score)
         self._reset_iteration(None)
 
     # --- runtime settings ------------------------------------------------------------------------------------
@@ -82,11 +105,16 @@ class FMoEPolicy:
         self.store.reconfigure(capacity=store_capacity, prefetch_distance=prefetch_distance)
         if prefetch_distance is not None:
             self.prefetch_distance = prefetch_distance
+        if self._next_of.size != self.store.capacity:  # a resized store may renumber its slots: links are void
+            with self._lock:
+                self._next_of = np.full(self.store.capacity, -1, np.int64)
+                self._prev_slot, self._final = -1, (-1, 0.0)
 
     # --- request / iteration lifecycle -----------------------------------------------------------------------
     def begin_request(self, request_id: int) -> None:
         with self._lock:
             self._request_id = request_id
+            self._prev_slot, self._final = -1, (-1, 0.0)
             self._reset_iteration(None)
 
     def _reset_iteration(self, semantic: np.ndarray | None) -> None:
@@ -104,11 +132,16 @@ class FMoEPolicy:
         sem = None if semantic is None else np.asarray(semantic, np.float32).reshape(-1).copy()
         with self._lock:
             self._reset_iteration(sem)
+            final, self._final = self._final, (-1, 0.0)
         first = min(self.prefetch_distance, self.shape.num_layers)
-        slot, score = self.store.match_semantic(sem) if sem is not None else (-1, 0.0)
+        successor = self._successor(final[0])
+        if successor is not None:  # the previous iteration's routing says more than the semantic match here
+            slot, score, predicted = final[0], final[1], successor
+        else:
+            slot, score = self.store.match_semantic(sem) if sem is not None else (-1, 0.0)
+            predicted = self.store.probs(slot) if slot >= 0 else None
         out: list[Prefetch] = []
-        if slot >= 0:
-            predicted = self.store.probs(slot)
+        if predicted is not None:
             for layer in range(first):
                 out += self._plan(layer, predicted[layer], _delta(score), l_now=-1)
         else:
@@ -121,14 +154,21 @@ class FMoEPolicy:
         with self._lock:
             self._live[layer] = p
             self._observed[layer] = True
-            self._set_p(layer, p)
+            observed = normalised(p)
+            if observed is not None:
+                self._set_p(layer, observed)
             self._last_seen[layer] = p
             self._has_seen[layer] = True
             trajectory = self._live[: layer + 1].copy()  # [l+1, J]
-        target = layer + self.prefetch_distance
-        if target >= self.shape.num_layers:
+        L, target = self.shape.num_layers, layer + self.prefetch_distance
+        slot, score = self.store.match_trajectory(trajectory)  # also past the last target: eviction uses it
+        if slot >= 0:
+            self._estimate_next_use(layer, self.store.probs(slot), self._successor(slot))
+            if layer == L - 1:
+                with self._lock:
+                    self._final = (slot, score)
+        if target >= L:
             return []
-        slot, score = self.store.match_trajectory(trajectory)
         if slot < 0:
             return self._fallback(target, l_now=layer)
         return self._plan(target, self.store.layer_probs(slot, target), _delta(score), l_now=layer)
@@ -137,8 +177,15 @@ class FMoEPolicy:
         with self._lock:
             complete = bool(self._observed.all())
             expert_map = ExpertMap(self._live.copy(), self._semantic, self._request_id) if complete else None
-        if expert_map is not None:  # a stopped iteration has no full map: nothing to learn from
-            self.store.add(expert_map)
+        if expert_map is None:  # a stopped iteration has no full map: nothing to learn from, no link to make
+            with self._lock:
+                self._prev_slot, self._final = -1, (-1, 0.0)
+            return
+        slot = self.store.add(expert_map)
+        with self._lock:
+            if 0 <= self._prev_slot < self._next_of.size and slot < self._next_of.size:
+                self._next_of[self._prev_slot] = slot
+            self._prev_slot = slot
 
     def end_request(self) -> None:
         with self._lock:
@@ -146,21 +193,46 @@ class FMoEPolicy:
 
     def observe_iteration(self, probs: np.ndarray, semantic: np.ndarray | None) -> None:
         """A whole forward pass to learn from with nothing to predict (a complete cache, or a replay's warm-up):
-        what begin_iteration + observe_layer for every layer + end_iteration leave behind, without the searches."""
+        what begin_iteration + observe_layer for every layer + end_iteration leave behind, without the searches
+        (so no all-layer match is remembered for the next iteration's successor prediction)."""
         p = np.asarray(probs, np.float32)
         sem = None if semantic is None else np.asarray(semantic, np.float32).reshape(-1).copy()
         with self._lock:
             self._reset_iteration(sem)
             self._live[:] = p
             self._observed[:] = True
-            self._p_est[:] = p
-            self._evict[:] = 1.0 / ((p + P_FLOOR) * (self._freq + 1.0))
+            for layer in range(self.shape.num_layers):
+                observed = normalised(p[layer])
+                if observed is not None:
+                    self._p_est[layer] = observed
+            self._evict[:] = 1.0 / ((self._p_est + P_FLOOR) * (self._freq + 1.0))
             self._last_seen[:] = p
             self._has_seen[:] = True
-            request_id = self._request_id
-        self.store.add(ExpertMap(p.copy(), sem, request_id))
+            self._final = (-1, 0.0)
+        self.end_iteration()
 
     # --- prediction ------------------------------------------------------------------------------------------
+    def _successor(self, slot: int) -> np.ndarray | None:
+        """[L, J] the map stored after `slot` in its request, if a link is known (a prediction of what follows)."""
+        if not 0 <= slot < self._next_of.size:
+            return None
+        nxt = int(self._next_of[slot])
+        if not 0 <= nxt < len(self.store):  # no link, or the store was cleared since
+            return None
+        return self.store.probs(nxt)
+
+    def _estimate_next_use(self, layer: int, matched: np.ndarray, successor: np.ndarray | None) -> None:
+        """Eviction p after `layer` ran: the match for layers still to run, its successor for those that ran."""
+        first = 0 if successor is not None else layer + 1  # without a successor, run layers keep the observed p
+        rows = matched[first:].copy()  # [L − first, J]
+        if successor is not None:
+            rows[: layer + 1] = successor[: layer + 1]
+        sums = rows.sum(1)
+        known = sums > 0  # a layer the map never reached keeps the previous estimate
+        with self._lock:
+            self._p_est[first:][known] = rows[known] / sums[known, None]
+            self._evict[first:] = 1.0 / ((self._p_est[first:] + P_FLOOR) * (self._freq[first:] + 1.0))
+
     def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
         p = normalised(predicted)
         if p is None:
@@ -170,7 +242,9 @@ class FMoEPolicy:
             self._set_p(layer, p)
             self._prefetched[layer, chosen] = True
         distance = layer - l_now
-        return PrefetchBatch(np.full(chosen.size, layer), chosen, p[chosen].astype(np.float64) / distance)
+        # Target layer first (module docstring); p/distance ≤ 1 is scaled into [0, 0.5] so it only orders a layer.
+        priority = layer + 0.5 * p[chosen].astype(np.float64) / distance
+        return PrefetchBatch(np.full(chosen.size, layer), chosen, priority)
 
     def _set_p(self, layer: int, p: np.ndarray) -> None:  # under self._lock
         self._p_est[layer] = p
