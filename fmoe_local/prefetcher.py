@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fmoe_local.cache import ExpertCache
+from fmoe_local.policies._common import learn_pass
 from fmoe_local.policies.base import Policy, Prefetch
 from fmoe_local.prefetch_queue import PrefetchQueue
 
@@ -171,19 +172,11 @@ class Prefetcher:
             raise ValueError(f"unknown prefetcher event {event.kind}")
 
     def _learn(self, p: _Pass) -> None:
-        """Give the policy a whole pass with nothing to prefetch: `observe_iteration` when it has one (learning
-        without matching), else the usual event sequence with its prefetches dropped."""
-        policy = self.policy
-        semantic = _to_numpy(p.semantic)
-        probs = torch.stack(p.probs).float().cpu().numpy() if p.probs else None  # [L, J]: one transfer
-        observe_iteration = getattr(policy, "observe_iteration", None)
-        if observe_iteration is not None and probs is not None and p.layers == list(range(len(probs))):
-            observe_iteration(probs, semantic)
+        """Give the policy a whole pass with nothing to prefetch (policies/_common.py `learn_pass`)."""
+        if not p.probs:
             return
-        policy.begin_iteration(semantic)
-        for i, layer in enumerate(p.layers):
-            policy.observe_layer(layer, probs[i], None)
-        policy.end_iteration()
+        probs = torch.stack(p.probs).float().cpu().numpy()  # [L, J]: one transfer
+        learn_pass(self.policy, probs, _to_numpy(p.semantic), p.layers)
 
     def _push(self, iteration: int, prefetches: Sequence[Prefetch]) -> None:
         with self._cond:

@@ -44,6 +44,7 @@ import numpy as np
 from fmoe_local.bench.presets import CostModel
 from fmoe_local.bench.simcache import SimCache
 from fmoe_local.bench.traces import DECODE, Trace
+from fmoe_local.policies._common import learn_pass
 from fmoe_local.policies.base import ModelShape, Policy
 from fmoe_local.prefetch_queue import PrefetchQueue
 from fmoe_local.stats import LayerCounters
@@ -282,17 +283,9 @@ def _learn(policy: Policy, schedule: Schedule, i: int) -> None:
     simulated cache took most of a replay's time, and only the last one shapes the cache the measured part starts
     with.
     """
-    observe_iteration = getattr(policy, "observe_iteration", None)  # optional: learning without the searches
-    if observe_iteration is None:
-        policy.begin_iteration(schedule.semantics[i])
     for layer, experts in enumerate(schedule.needed[i]):
         policy.record_access(layer, list(experts), [True] * len(experts))
-        if observe_iteration is None:
-            policy.observe_layer(layer, schedule.probs[i, layer])
-    if observe_iteration is None:
-        policy.end_iteration()
-    else:
-        observe_iteration(schedule.probs[i], schedule.semantics[i])
+    learn_pass(policy, schedule.probs[i], schedule.semantics[i])
 
 
 PolicyFactory = Callable[[str, Schedule, int], Policy]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.policies.base import CandidateKeys, ExpertKey, ModelShape, Prefetch
+from fmoe_local.policies.base import CandidateKeys, ExpertKey, ModelShape, Policy, Prefetch
 
 
 def prefetch_set(probs: np.ndarray, delta: float, k: int) -> np.ndarray:
@@ -78,6 +78,25 @@ class RecencyPolicy:
 
     def end_request(self) -> None:
         pass
+
+
+def learn_pass(
+    policy: Policy, probs: np.ndarray, semantic: np.ndarray | None, layers: Sequence[int] | None = None
+) -> None:
+    """A forward pass the policy only learns from, with nothing to prefetch (a complete cache, a replay's warm-up).
+
+    `probs` [n, J] are the distributions of MoE layers `layers` (default: 0..n−1, every layer of the pass). Layers
+    0..n−1 in order go to the policy's optional `observe_iteration`; otherwise its usual calls, prefetches dropped.
+    """
+    layers = list(range(len(probs))) if layers is None else list(layers)
+    observe_iteration = getattr(policy, "observe_iteration", None)
+    if observe_iteration is not None and layers == list(range(len(probs))):
+        observe_iteration(probs, semantic)
+        return
+    policy.begin_iteration(semantic)
+    for row, layer in enumerate(layers):
+        policy.observe_layer(layer, probs[row])
+    policy.end_iteration()
 
 
 def lowest(
