@@ -37,7 +37,7 @@ from fmoe_local.policies.base import Policy
 DEFAULT_POLICIES = "fmoe,moe_infinity,lru,lfu,on_demand,oracle"
 PLOT_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 SWEEP_DISTANCES = (1, 2, 3, 4, 5, 6)
-D_INDEPENDENT = ("lru", "lfu", "on_demand", "oracle")  # policies that never look at d
+D_INDEPENDENT = ("moe_infinity", "lru", "lfu", "on_demand", "oracle")  # policies that never look at d
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
