@@ -90,7 +90,8 @@ class FMoEPolicy:
         self._freq = np.zeros((L, J), np.float32)  # [L, J] accesses since the policy was built
         # [L, J] the eviction priority 1/(p·freq), kept up to date row by row as p and freq change: an eviction
         # then reads it instead of recomputing it for hundreds of candidates.
-        self._evict = 1.0 / ((self._p_est + P_FLOOR) * (self._freq + 1.0))
+        self._evict = np.empty((L, J), np.float32)
+        self._refresh_evict(slice(None))
         self._request_id = 0
         # Successor links (module docstring): _next_of[s] = slot stored right after slot s in its request, or −1.
         self._next_of = np.full(self.store.capacity, -1, np.int64)  # [C]
@@ -205,7 +206,7 @@ class FMoEPolicy:
                 observed = normalised(p[layer])
                 if observed is not None:
                     self._p_est[layer] = observed
-            self._evict[:] = 1.0 / ((self._p_est + P_FLOOR) * (self._freq + 1.0))
+            self._refresh_evict(slice(None))
             self._last_seen[:] = p
             self._has_seen[:] = True
             self._final = (-1, 0.0)
@@ -231,7 +232,7 @@ class FMoEPolicy:
         known = sums > 0  # a layer the map never reached keeps the previous estimate
         with self._lock:
             self._p_est[first:][known] = rows[known] / sums[known, None]
-            self._evict[first:] = 1.0 / ((self._p_est[first:] + P_FLOOR) * (self._freq[first:] + 1.0))
+            self._refresh_evict(slice(first, None))
 
     def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
         p = normalised(predicted)
@@ -246,9 +247,13 @@ class FMoEPolicy:
         priority = layer + 0.5 * p[chosen].astype(np.float64) / distance
         return PrefetchBatch(np.full(chosen.size, layer), chosen, priority)
 
+    def _refresh_evict(self, rows: int | slice) -> None:  # under self._lock (or before the policy is shared)
+        """Recompute the eviction priority 1/(p·freq) of these layers after their p or freq changed."""
+        self._evict[rows] = 1.0 / ((self._p_est[rows] + P_FLOOR) * (self._freq[rows] + 1.0))
+
     def _set_p(self, layer: int, p: np.ndarray) -> None:  # under self._lock
         self._p_est[layer] = p
-        self._evict[layer] = 1.0 / ((p + P_FLOOR) * (self._freq[layer] + 1.0))
+        self._refresh_evict(layer)
 
     def _fallback(self, layer: int, l_now: int) -> Sequence[Prefetch]:
         with self._lock:
@@ -265,7 +270,7 @@ class FMoEPolicy:
             freq[idx] += 1.0
             used[idx] = True
             self._ran[layer] = True
-            self._evict[layer] = 1.0 / ((self._p_est[layer] + P_FLOOR) * (freq + 1.0))
+            self._refresh_evict(layer)
             np.logical_or(~self._prefetched[layer], used, out=self._not_mis[layer])  # not (prefetched and unused)
 
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
