@@ -167,14 +167,19 @@ class Engine:
             self.prefetcher.set_policy(self.policy)
             self.observer.want_lookahead = self.policy.needs_lookahead
         self.cache.policy = self.policy
-        if self._capacity(new) != self._capacity(old):
-            # A new cache starts cold; the old slots are freed first so both never coexist on the device.
-            self.cache.tensors.clear()
-            self.cache = ExpertCache(self.host, self._capacity(new), self.device, self.policy, self.counters)
-            self.prefetcher.cache = self.cache
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
         self.config = new
+        if self._capacity(new) != self._capacity(old):
+            self.reset_cache()
+
+    def reset_cache(self) -> None:
+        """A new, cold cache of the configured size (between requests only): every expert back to RAM only."""
+        self.prefetcher.wait_idle()
+        # The old slots are freed first so both caches never coexist on the device.
+        self.cache.tensors.clear()
+        self.cache = ExpertCache(self.host, self._capacity(self.config), self.device, self.policy, self.counters)
+        self.prefetcher.cache = self.cache
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         self.prefetcher.close()

@@ -2,7 +2,8 @@
 
 `Runtime.load(model_dir, config)` builds the offloaded model; `stream(messages)` yields `TextDelta` events and one
 final `Finished` with the request's statistics; `stop()` ends the generation within one token; `reconfigure()`
-changes cache size, prefetch distance, policy or store capacity without reloading the model; `close()` stops every
+changes cache size, prefetch distance, policy or store capacity without reloading the model; `reset_cache()` empties
+the expert cache so the next request starts cold (benchmarks); `close()` stops every
 thread. One worker thread owns the model; each request has its own response queue and its own stop flag.
 
 It does NOT persist anything (the app passes a MapPersistence from store/), nor probe hardware beyond resolving
@@ -15,14 +16,17 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.engine import Engine
 from fmoe_local.generate import Detokenizer, generate_ids
 from fmoe_local.stats import RequestStats
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -169,8 +173,22 @@ class Runtime:
             changes["cache_experts"] = cache_experts  # an explicit GB value replaces an earlier slot count
         new = self.config.with_changes(**changes)
         new.validate()
+
+        def apply() -> RuntimeConfig:
+            self._engine.reconfigure(new)
+            return self._engine.config
+
+        return self._between_requests(apply)
+
+    def reset_cache(self) -> None:
+        """Empty the expert cache (waits for the current request) so the next request starts cold, as after a
+        fresh start; what the policy and the map store learned is kept (clear_maps forgets the maps)."""
+        self._between_requests(self._engine.reset_cache)
+
+    def _between_requests(self, fn: Callable[[], T]) -> T:
+        """Run fn on the worker thread between two requests and hand back its result or its exception."""
         done: queue.Queue = queue.Queue()
-        self._jobs.put(("reconfigure", new, done))
+        self._jobs.put((fn, done))
         result = done.get()
         if isinstance(result, BaseException):
             raise result
@@ -203,10 +221,9 @@ class Runtime:
             if job is _SENTINEL:
                 return
             if isinstance(job, tuple):
-                _, new, done = job
+                fn, done = job
                 try:
-                    self._engine.reconfigure(new)
-                    done.put(self._engine.config)
+                    done.put(fn())
                 except Exception as exc:  # noqa: BLE001 - handed back to the caller's thread
                     done.put(exc)
                 continue

@@ -129,6 +129,24 @@ def test_reconfigure_changes_cache_and_residency_stays_in_budget(tiny_model_dir)
         assert runtime.info.cache_experts == 2
 
 
+def test_reset_cache_makes_the_next_request_start_cold(tiny_model_dir):
+    # A cache with room for every expert and no prefetching: a repeated prompt hits everything it loaded the first
+    # time, until reset_cache() empties the cache and the same loads happen again.
+    model_dir = tiny_model_dir("mixtral")
+    config = RuntimeConfig(device="cpu", policy="on_demand", sampling=Sampling(greedy=True, max_new_tokens=4))
+    prompt = [{"role": "user", "content": "Warm the cache up with something."}]
+    with Runtime.load(model_dir, config) as runtime:
+        shape = runtime.engine.shape
+        runtime.reconfigure(cache_experts=shape.num_layers * shape.num_experts)
+        first = runtime.generate(prompt).stats
+        again = runtime.generate(prompt).stats
+        runtime.reset_cache()
+        assert runtime.engine.cache.resident() == []
+        cold = runtime.generate(prompt).stats
+    assert first.misses > 0 and again.misses == 0
+    assert cold.misses == first.misses and cold.layer_misses == first.layer_misses
+
+
 def test_invalid_reconfigure_is_explained(tiny_model_dir):
     with Runtime.load(tiny_model_dir("mixtral"), RuntimeConfig(device="cpu", cache_experts=2)) as runtime:
         with pytest.raises(ValueError, match="Prefetch distance"):

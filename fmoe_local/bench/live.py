@@ -95,11 +95,9 @@ def summarise(policy: str, cache_experts: int, finals: Sequence, wall_s: float) 
 
 
 def _fresh_cache(runtime: object, policy: str, capacity: int) -> None:
-    # Runtime.reconfigure keeps the cache when its size does not change; stepping through another size (a tiny one,
-    # so that the step never needs much device memory) is how the public API gives a new, cold one. The map store
-    # is emptied so that no policy learns from another's run.
-    runtime.reconfigure(policy=policy, cache_experts=1 if capacity != 1 else 2)
-    runtime.reconfigure(cache_experts=capacity)
+    # A cold cache of `capacity` slots, and an empty map store so that no policy learns from another's run.
+    runtime.reconfigure(policy=policy, cache_experts=capacity)
+    runtime.reset_cache()
     runtime.clear_maps()
 
 
