@@ -39,7 +39,7 @@ class SimCache:
     def candidates(self) -> CandidateKeys:
         codes = np.flatnonzero(self.resident_mask & ~self.held_mask)
         layers = codes // self.num_experts
-        return CandidateKeys(layers, codes - layers * self.num_experts)
+        return CandidateKeys(layers, codes - layers * self.num_experts, in_order=True)  # flatnonzero: ascending
 
     def set_pinned(self, keys: tuple[ExpertKey, ...]) -> None:
         for key in self.pinned:

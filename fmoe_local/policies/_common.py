@@ -107,35 +107,45 @@ def lowest(
 
     Exact ties go to the smallest (layer, expert), so a choice never depends on the order the cache lists its
     candidates in: the runtime and the replay benchmark list them differently and must still agree.
-    The result is np.lexsort's first rows, found by narrowing key by key instead of sorting everything: this runs
-    for every eviction, about a million per replayed trace.
+    The result is np.lexsort's first rows without sorting everything: this runs for every eviction, about a
+    million times per replayed trace. Candidates known to come in (layer, expert) order (`CandidateKeys.in_order`,
+    the replay's) break ties by position, so one victim under a single key is one argmin.
     """
-    code = layers * 1_048_576 + experts  # (layer, expert) order as one integer (J < 2^20); distinct per candidate
-    ordered = [*reversed(keys), code]  # most significant first
-    picked = _smallest(np.arange(len(layers)), ordered, min(count, len(layers)))
-    return [candidates[i] for i in picked]
-
-
-def _smallest(idx: np.ndarray, ordered: list[np.ndarray], need: int) -> list[int]:
-    """The `need` smallest of `idx` under the keys in `ordered` (most significant first), in order."""
-    if need <= 0 or idx.size == 0:
+    n = len(layers)
+    need = min(count, n)
+    if need <= 0:
         return []
-    if not ordered:  # every key tied: cannot happen below the distinct (layer, expert) code
-        return idx[:need].tolist()
-    if idx.size == 1:
-        return [int(idx[0])]
-    if idx.size <= need:  # all of them: just sort
-        return idx[np.lexsort([key[idx] for key in reversed(ordered)])].tolist()
-    k = ordered[0][idx]
+    in_order = isinstance(candidates, CandidateKeys) and candidates.in_order
     if need == 1:
-        bound = k.min()
-        first: list[int] = []
-    else:
-        bound = np.partition(k, need - 1)[need - 1]
-        below = idx[k < bound]  # all of these are in the answer, ahead of every tie at `bound`
-        first = below[np.lexsort([key[below] for key in reversed(ordered)])].tolist()
-    tied = idx[k == bound]
-    return first + _smallest(tied, ordered[1:], need - len(first))
+        return [candidates[_first(keys, layers, experts, in_order)]]
+    # Everything up to the need-th smallest primary key, ties included, then sorted on all keys.
+    primary = keys[-1] if keys else _order_key(None, layers, experts, in_order)
+    bound = np.partition(primary, need - 1)[need - 1]
+    sel = np.flatnonzero(primary <= bound)
+    picked = sel[np.lexsort([_order_key(sel, layers, experts, in_order), *(key[sel] for key in keys)])[:need]]
+    return [candidates[i] for i in picked.tolist()]
+
+
+def _first(keys: tuple[np.ndarray, ...], layers: np.ndarray, experts: np.ndarray, in_order: bool) -> int:
+    """Position of the smallest candidate: narrowed key by key (most significant first) until one is left."""
+    idx: np.ndarray | None = None  # the candidates still tied (None: all of them)
+    for level in range(len(keys) - 1, -1, -1):
+        k = keys[level] if idx is None else keys[level][idx]
+        pos = int(np.argmin(k))  # the first of the smallest: the smallest position among ties
+        if (in_order and level == 0) or np.count_nonzero(k == k[pos]) == 1:
+            return pos if idx is None else int(idx[pos])
+        tied = np.flatnonzero(k == k[pos])
+        idx = tied if idx is None else idx[tied]
+    pos = int(np.argmin(_order_key(idx, layers, experts, in_order)))  # distinct: one smallest
+    return pos if idx is None else int(idx[pos])
+
+
+def _order_key(idx: np.ndarray | None, layers: np.ndarray, experts: np.ndarray, in_order: bool) -> np.ndarray:
+    """The (layer, expert) order of the candidates `idx` (None: all) as one distinct integer each."""
+    if in_order:  # positions are in (layer, expert) order already
+        return np.arange(layers.size) if idx is None else idx
+    lay, exp = (layers, experts) if idx is None else (layers[idx], experts[idx])
+    return lay * 1_048_576 + exp  # J < 2^20
 
 
 def split_keys(candidates: Sequence[ExpertKey]) -> tuple[np.ndarray, np.ndarray]:

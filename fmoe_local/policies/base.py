@@ -77,18 +77,19 @@ class CandidateKeys(Sequence[ExpertKey]):
     """Eviction candidates held as two arrays (layers, experts); a Sequence of (layer, expert) for everyone else.
 
     The replay evicts about a million times per trace: policies read the arrays (split_keys) instead of
-    converting hundreds of tuples each time, and only the chosen victims become tuples.
+    converting hundreds of tuples each time, and only the chosen victims become tuples. `in_order`: the caller
+    promises ascending (layer, expert) order, so ties may be broken by position (policies._common.lowest).
     """
 
-    def __init__(self, layers: np.ndarray, experts: np.ndarray) -> None:
-        self.layers, self.experts = layers, experts
+    def __init__(self, layers: np.ndarray, experts: np.ndarray, in_order: bool = False) -> None:
+        self.layers, self.experts, self.in_order = layers, experts, in_order
 
     def __len__(self) -> int:
         return self.layers.size
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
-            return CandidateKeys(self.layers[i], self.experts[i])
+            return CandidateKeys(self.layers[i], self.experts[i], self.in_order and (i.step or 1) > 0)
         return int(self.layers[i]), int(self.experts[i])
 
 
