@@ -166,6 +166,7 @@ class ReplayResult:
     iterations_measured: int = 0
     semantic_source: str = ""
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of building the policy and replaying it (replay_all), the speed figure to compare
     note: str = ""  # set when the policy could not be replayed
     layer_hits: list[int] = field(default_factory=list)
     layer_misses: list[int] = field(default_factory=list)
@@ -290,11 +291,28 @@ def _learn(policy: Policy, schedule: Schedule, i: int) -> None:
 
 PolicyFactory = Callable[[str, Schedule, int], Policy]
 
+# Relative replay cost per policy (CPU seconds on one 8K-iteration trace, docs/bench.md "Replay speed"): the
+# policies go to the worker processes longest first, so the two long ones never share a worker and the short ones
+# fill in behind them. Unknown names count as the cheapest.
+REPLAY_COST = {"fmoe": 30.0, "moe_infinity": 13.0, "oracle": 6.0, "lfu": 4.0, "lru": 3.5, "on_demand": 3.5}
 
-def _replay_one(args: tuple) -> ReplayResult:
-    schedule, name, factory, capacity, cost, mode, trace_name = args
+# What every task of one replay_all shares, set once per worker process (inherited when workers fork) rather than
+# pickled with each task: a schedule is ~100 MB.
+_shared: tuple = ()
+
+
+def _share(*shared: object) -> None:
+    global _shared
+    _shared = shared
+
+
+def _replay_one(name: str) -> ReplayResult:
+    schedule, factory, capacity, cost, mode, trace_name = _shared
+    t0 = time.process_time()
     policy = factory(name, schedule, capacity)
-    return replay(schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name)
+    result = replay(schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name)
+    result.cpu_s = time.process_time() - t0
+    return result
 
 
 def replay_all(
@@ -309,16 +327,23 @@ def replay_all(
 ) -> list[ReplayResult]:
     """Every named policy on the same schedule, cache and costs; live-only policies get a note, not numbers.
 
-    `jobs` > 1 replays policies in that many processes (the factory must then be picklable); results keep the
-    order of `names` either way, and each policy's numbers do not depend on `jobs`.
+    `jobs` > 1 replays policies in that many processes (the factory must then be picklable where processes are
+    spawned, not forked); results keep the order of `names` either way, and each policy's numbers do not depend on
+    `jobs`.
     """
-    tasks = [(schedule, n, factory, capacity, cost, mode, trace_name) for n in names if n not in LIVE_ONLY]
-    if jobs > 1 and len(tasks) > 1:
+    todo = sorted(dict.fromkeys(n for n in names if n not in LIVE_ONLY), key=lambda n: -REPLAY_COST.get(n, 0.0))
+    shared = (schedule, factory, capacity, cost, mode, trace_name)
+    if jobs > 1 and len(todo) > 1:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
-            done = list(pool.map(_replay_one, tasks))
+        workers = min(jobs, len(todo))
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_share, initargs=shared) as pool:
+            done = list(pool.map(_replay_one, todo))  # handed out in this order as workers come free
     else:
-        done = [_replay_one(t) for t in tasks]
+        _share(*shared)
+        try:
+            done = [_replay_one(n) for n in todo]
+        finally:
+            _share()
     by_name = {r.policy: r for r in done}
     return [
         by_name[n]
