@@ -32,6 +32,7 @@ fallback is named in the result: "prev_map" (the request's previous iteration's 
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing
 import time
@@ -74,11 +75,13 @@ class Schedule:
 
     def need_matrix(self) -> np.ndarray:
         """[N, L, J] bool: which experts each iteration accesses (the oracle's future knowledge)."""
-        m = np.zeros((self.num_iterations, self.shape.num_layers, self.shape.num_experts), bool)
-        for i, layers in enumerate(self.needed):
-            for layer, experts in enumerate(layers):
-                m[i, layer, list(experts)] = True
-        return m
+        n, L, J = self.num_iterations, self.shape.num_layers, self.shape.num_experts
+        m = np.zeros((n * L, J), bool)
+        cells = [experts for layers in self.needed for experts in layers]  # [N·L] row by row
+        sizes = np.fromiter(map(len, cells), np.int64, count=len(cells))
+        experts = np.fromiter(itertools.chain.from_iterable(cells), np.int64, count=int(sizes.sum()))
+        m[np.repeat(np.arange(n * L), sizes), experts] = True
+        return m.reshape(n, L, J)
 
 
 def build_schedule(trace: Trace, semantic_mode: str = "running_mean", fallback: str = "request_map_mean") -> Schedule:
@@ -89,13 +92,22 @@ def build_schedule(trace: Trace, semantic_mode: str = "running_mean", fallback: 
     n = len(iters)
     probs = np.zeros((n, L, J), np.float32)
     needed: list[list[tuple[int, ...]]] = []
+    # Every row at once (decode steps are one row each: most of a trace), then per iteration only what remains.
+    rows = trace.num_rows
+    dist, sel = trace.distributions(0, rows), trace.selected(0, rows)  # [T, L, J], [T, L, K]
+    complete = bool((sel >= 0).all())
+    sel_lists = sel.tolist()
+    starts = np.array([it.start for it in iters], np.int64)
+    single = np.array([it.stop - it.start == 1 for it in iters], bool)
+    probs[single] = dist[starts[single]]  # the mean of one row
     for i, it in enumerate(iters):
-        probs[i] = trace.distributions(it.start, it.stop).mean(0)
-        sel = trace.selected(it.start, it.stop)  # [n_rows, L, K]
-        if sel.shape[0] == 1:
-            needed.append([tuple(int(e) for e in row if e >= 0) for row in sel[0]])
+        if single[i]:
+            row = sel_lists[it.start]
+            needed.append(list(map(tuple, row)) if complete else [tuple(e for e in r if e >= 0) for r in row])
         else:
-            needed.append([tuple(int(e) for e in np.unique(sel[:, layer]) if e >= 0) for layer in range(L)])
+            probs[i] = dist[it.start : it.stop].mean(0)
+            rows_sel = sel[it.start : it.stop]
+            needed.append([tuple(int(e) for e in np.unique(rows_sel[:, layer]) if e >= 0) for layer in range(L)])
     seqs = [it.seq_id for it in iters]
     requests = list(dict.fromkeys(seqs))
     index = {s: r for r, s in enumerate(requests)}

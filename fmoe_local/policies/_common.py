@@ -118,12 +118,48 @@ def lowest(
     in_order = isinstance(candidates, CandidateKeys) and candidates.in_order
     if need == 1:
         return [candidates[_first(keys, layers, experts, in_order)]]
-    # Everything up to the need-th smallest primary key, ties included, then sorted on all keys.
-    primary = keys[-1] if keys else _order_key(None, layers, experts, in_order)
-    bound = np.partition(primary, need - 1)[need - 1]
-    sel = np.flatnonzero(primary <= bound)
-    picked = sel[np.lexsort([_order_key(sel, layers, experts, in_order), *(key[sel] for key in keys)])[:need]]
-    return [candidates[i] for i in picked.tolist()]
+    ordered: list[np.ndarray | None] = [*reversed(keys), None]  # most significant first; None: (layer, expert)
+    picked: list[int] = []
+    idx: np.ndarray | None = None  # the candidates still in the running (None: all of them)
+    for level, key in enumerate(ordered):
+        k = _at(key, idx, layers, experts, in_order)
+        bound = np.partition(k, need - 1)[need - 1]
+        head = k <= bound
+        if level == len(ordered) - 1 or np.count_nonzero(head) <= 2 * need + 8:
+            # Few enough: sort everything up to the need-th smallest, ties included, on all remaining keys.
+            sel = _within(idx, np.flatnonzero(head))
+            picked += sel[_lexsort(sel, ordered[level:], layers, experts, in_order)[:need]].tolist()
+            break
+        # Many ties at `bound` (a bool key, a shared timestamp): the ones below it are in, then narrow the ties.
+        tied = k == bound
+        if np.count_nonzero(tied) == k.size:  # all tie (a bool key nobody sets): the next key decides
+            continue
+        below = _within(idx, np.flatnonzero(k < bound))
+        picked += below[_lexsort(below, ordered[level:], layers, experts, in_order)].tolist()
+        need -= below.size
+        idx = _within(idx, np.flatnonzero(tied))
+    return [candidates[i] for i in picked]
+
+
+def _within(idx: np.ndarray | None, pos: np.ndarray) -> np.ndarray:
+    """Candidate indices of positions `pos` in the subset `idx` (None: all candidates)."""
+    return pos if idx is None else idx[pos]
+
+
+def _at(
+    key: np.ndarray | None, idx: np.ndarray | None, layers: np.ndarray, experts: np.ndarray, in_order: bool
+) -> np.ndarray:
+    """`key` at the candidates `idx` (None: all); key None is the (layer, expert) order."""
+    if key is None:
+        return _order_key(idx, layers, experts, in_order)
+    return key if idx is None else key[idx]
+
+
+def _lexsort(idx: np.ndarray, ordered: list, layers: np.ndarray, experts: np.ndarray, in_order: bool) -> np.ndarray:
+    """Positions in `idx` sorting it by `ordered` (most significant first, None = (layer, expert))."""
+    if idx.size <= 1:
+        return np.arange(idx.size)
+    return np.lexsort([_at(key, idx, layers, experts, in_order) for key in reversed(ordered)])
 
 
 def _first(keys: tuple[np.ndarray, ...], layers: np.ndarray, experts: np.ndarray, in_order: bool) -> int:
@@ -132,10 +168,14 @@ def _first(keys: tuple[np.ndarray, ...], layers: np.ndarray, experts: np.ndarray
     for level in range(len(keys) - 1, -1, -1):
         k = keys[level] if idx is None else keys[level][idx]
         pos = int(np.argmin(k))  # the first of the smallest: the smallest position among ties
-        if (in_order and level == 0) or np.count_nonzero(k == k[pos]) == 1:
+        if in_order and level == 0:
             return pos if idx is None else int(idx[pos])
-        tied = np.flatnonzero(k == k[pos])
-        idx = tied if idx is None else idx[tied]
+        tied = k == k[pos]
+        ties = np.count_nonzero(tied)
+        if ties == 1:
+            return pos if idx is None else int(idx[pos])
+        if ties < k.size:  # else all tie (a bool key nobody sets): the next key decides among the same ones
+            idx = _within(idx, np.flatnonzero(tied))
     pos = int(np.argmin(_order_key(idx, layers, experts, in_order)))  # distinct: one smallest
     return pos if idx is None else int(idx[pos])
 
