@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fmoe_local.policies._common import lowest, split_keys
+from fmoe_local.policies._common import flat_codes, lowest, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
 
 NEVER = np.iinfo(np.int32).max
@@ -80,7 +80,7 @@ class OraclePolicy:
         if current_layer > self._switched:
             self._switch_rows(self._switched + 1, current_layer + 1, self.iteration + 1)
             self._switched = current_layer
-        key = self._key[layers * self.shape.num_experts + experts]
+        key = self._key[flat_codes(candidates, layers, experts, self.shape.num_experts)]
         return lowest(candidates, layers, experts, key, count=count)  # furthest next use first
 
     def _switch_rows(self, start: int, stop: int, i: int) -> None:

@@ -237,6 +237,7 @@ def replay(
     result = ReplayResult(trace_name, name, semantic_source=schedule.semantic_source)
     queue = PrefetchQueue(shape.num_layers, shape.num_experts)
     before: LayerCounters | None = None
+    transfer, access, push, observe_layer = sim.transfer, sim.access, queue.push, policy.observe_layer
     late_before = 0
     request = -1
     for i in range(schedule.num_iterations):
@@ -260,11 +261,11 @@ def replay(
         layer_s = cost.layer_s(int(schedule.tokens[i]))
         budget = cost.bandwidth * layer_s
         stall_total = 0.0
+        probs = schedule.probs[i]  # [L, J]
         for layer, experts in enumerate(schedule.needed[i]):
-            sim.transfer(budget, queue, i)
-            hits, stall = sim.access(layer, experts)
-            stall_total += stall
-            queue.push(i, policy.observe_layer(layer, schedule.probs[i, layer]))
+            transfer(budget, queue, i)
+            stall_total += access(layer, experts)[1]
+            push(i, observe_layer(layer, probs[layer]))
         policy.end_iteration()
         if measuring:
             result.iterations_measured += 1

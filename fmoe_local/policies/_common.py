@@ -71,7 +71,8 @@ class RecencyPolicy:
 
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
-        return lowest(candidates, layers, experts, self._last_use[layers, experts], count=count)
+        codes = flat_codes(candidates, layers, experts, self.shape.num_experts)
+        return lowest(candidates, layers, experts, self._last_use.ravel()[codes], count=count)
 
     def end_iteration(self) -> None:
         pass
@@ -186,6 +187,14 @@ def _order_key(idx: np.ndarray | None, layers: np.ndarray, experts: np.ndarray, 
         return np.arange(layers.size) if idx is None else idx
     lay, exp = (layers, experts) if idx is None else (layers[idx], experts[idx])
     return lay * 1_048_576 + exp  # J < 2^20
+
+
+def flat_codes(
+    candidates: Sequence[ExpertKey], layers: np.ndarray, experts: np.ndarray, num_experts: int
+) -> np.ndarray:
+    """layer · J + expert of each candidate: indices into a raveled [L, J] array (one gather instead of two)."""
+    codes = candidates.codes if isinstance(candidates, CandidateKeys) else None
+    return codes if codes is not None else layers * num_experts + experts
 
 
 def split_keys(candidates: Sequence[ExpertKey]) -> tuple[np.ndarray, np.ndarray]:

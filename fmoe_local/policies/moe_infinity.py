@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.policies._common import RecencyPolicy, lowest, split_keys, top_k
+from fmoe_local.policies._common import RecencyPolicy, flat_codes, lowest, split_keys, top_k
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
 
 
@@ -195,10 +195,11 @@ class MoEInfinityPolicy(RecencyPolicy):
     # --- eviction --------------------------------------------------------------------------------------------
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
+        codes = flat_codes(candidates, layers, experts, self.shape.num_experts)
         L = self.shape.num_layers
         with self._lock:
-            own = self._own[layers, experts]  # the request's ratio
-            matched = self._eamc_ratio[self._matched, layers, experts] if self._matched >= 0 else own
+            own = self._own.ravel()[codes]  # the request's ratio
+            matched = self._eamc_ratio[self._matched].ravel()[codes] if self._matched >= 0 else own
         ratio = 0.5 * (own + matched)
         if current_layer != self._proximity_at:
             later = np.arange(L)
@@ -206,7 +207,7 @@ class MoEInfinityPolicy(RecencyPolicy):
             self._proximity_at = current_layer
         score = ratio * self._proximity[layers]
         # Lowest score first, then least recently used.
-        return lowest(candidates, layers, experts, self._last_use[layers, experts], score, count=count)
+        return lowest(candidates, layers, experts, self._last_use.ravel()[codes], score, count=count)
 
 
 class _Plan:
