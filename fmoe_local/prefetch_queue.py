@@ -59,7 +59,7 @@ class PrefetchQueue:
             # The same expert twice in one batch (rare) must keep request order; writing each position into a
             # scratch cell reads back another position wherever a code repeats.
             self._scratch[codes] = order
-            if not np.array_equal(self._scratch[codes], order):
+            if (self._scratch[codes] != order).any():
                 for i in range(codes.size):
                     self._put(codes[i : i + 1], priorities[i : i + 1], order[i : i + 1])
                 return
@@ -84,20 +84,20 @@ class PrefetchQueue:
             self.clear()
             self.iteration = max(self.iteration, iteration)
             return None
-        if current_layer >= 0 and self._count:
-            passed = self._priority[: current_layer + 1]
-            dropped = int(np.count_nonzero(passed != _NONE))
-            if dropped:  # can never be handed out in this iteration: forget them so len() means "work to do"
-                passed.fill(_NONE)
-                self._count -= dropped
-        if resident is not None and self._count:
-            done = resident & (self._priority != _NONE)
-            dropped = int(np.count_nonzero(done))
-            if dropped:
-                self._priority[done] = _NONE
-                self._count -= dropped
         if not self._count:
             return None
+        # Entries that can never be handed out — for a layer the forward pass reached, or already resident — are
+        # forgotten, so len() means "work to do".
+        live = self._priority != _NONE  # [L, J]
+        drop = live & resident if resident is not None else np.zeros_like(live)
+        if current_layer >= 0:
+            drop[: current_layer + 1] = live[: current_layer + 1]
+        dropped = int(np.count_nonzero(drop))
+        if dropped:
+            self._priority[drop] = _NONE
+            self._count -= dropped
+            if not self._count:
+                return None
         flat = self._priority.reshape(-1)
         best = int(np.argmax(flat))
         tied = np.flatnonzero(flat == flat[best])
