@@ -304,10 +304,10 @@ def _learn(policy: Policy, schedule: Schedule, i: int) -> None:
 
 PolicyFactory = Callable[[str, Schedule, int], Policy]
 
-# Relative replay cost per policy (CPU seconds on one 8K-iteration trace, docs/bench.md "Replay speed"): the
+# Replay cost per policy (CPU seconds on the shared intent trace, load ≈ 5; docs/bench.md "Replay speed"): the
 # policies go to the worker processes longest first, so the two long ones never share a worker and the short ones
-# fill in behind them. Unknown names count as the cheapest.
-REPLAY_COST = {"fmoe": 30.0, "moe_infinity": 13.0, "oracle": 6.0, "lfu": 4.0, "lru": 3.5, "on_demand": 3.5}
+# fill in behind them. Only the order matters; unknown names count as the cheapest.
+REPLAY_COST = {"fmoe": 38.6, "moe_infinity": 18.9, "oracle": 7.9, "lfu": 6.2, "lru": 4.3, "on_demand": 4.0}
 
 # What every task of one replay_all shares, set once per worker process (inherited when workers fork) rather than
 # pickled with each task: a schedule is ~100 MB.
