@@ -30,6 +30,7 @@ class PrefetchQueue:
     def __init__(self, num_layers: int, num_experts: int) -> None:
         self._priority = np.full((num_layers, num_experts), _NONE)  # [L, J]
         self._order = np.zeros((num_layers, num_experts), np.int64)  # [L, J] when the kept entry was requested
+        self._scratch = np.zeros(num_layers * num_experts, np.int64)  # [L·J] push's duplicate check
         self._next = 0
         self._count = 0
         self.iteration = -1
@@ -51,21 +52,27 @@ class PrefetchQueue:
         if not len(prefetches):
             return
         layers, experts, priorities = prefetch_arrays(prefetches)
-        order = np.arange(self._next, self._next + layers.size)
-        self._next += layers.size
-        J = self._priority.shape[1]
-        if layers.size > 1 and len(set((layers * J + experts).tolist())) != layers.size:
-            for i in range(layers.size):  # rare: the same expert twice in one batch; keep request order
-                self._put(layers[i : i + 1], experts[i : i + 1], priorities[i : i + 1], order[i : i + 1])
-            return
-        self._put(layers, experts, priorities, order)
+        codes = layers * self._priority.shape[1] + experts
+        order = np.arange(self._next, self._next + codes.size)
+        self._next += codes.size
+        if codes.size > 1:
+            # The same expert twice in one batch (rare) must keep request order; writing each position into a
+            # scratch cell reads back another position wherever a code repeats.
+            self._scratch[codes] = order
+            if (self._scratch[codes] != order).any():
+                for i in range(codes.size):
+                    self._put(codes[i : i + 1], priorities[i : i + 1], order[i : i + 1])
+                return
+        self._put(codes, priorities, order)
 
-    def _put(self, layers: np.ndarray, experts: np.ndarray, priorities: np.ndarray, order: np.ndarray) -> None:
-        current = self._priority[layers, experts]
+    def _put(self, codes: np.ndarray, priorities: np.ndarray, order: np.ndarray) -> None:
+        flat = self._priority.reshape(-1)
+        current = flat[codes]
         better = priorities > current  # equal: the earlier request stays
-        self._count += int(np.count_nonzero(better & (current == _NONE)))
-        self._priority[layers[better], experts[better]] = priorities[better]
-        self._order[layers[better], experts[better]] = order[better]
+        self._count += int(np.count_nonzero(current[better] == _NONE))
+        codes = codes[better]
+        flat[codes] = priorities[better]
+        self._order.reshape(-1)[codes] = order[better]
 
     def pop(self, iteration: int, current_layer: int, resident: np.ndarray | None = None) -> ExpertKey | None:
         """Take the best entry of `iteration` for a layer after `current_layer`; None when there is none.
@@ -77,20 +84,20 @@ class PrefetchQueue:
             self.clear()
             self.iteration = max(self.iteration, iteration)
             return None
-        if current_layer >= 0 and self._count:
-            passed = self._priority[: current_layer + 1]
-            dropped = int(np.count_nonzero(passed != _NONE))
-            if dropped:  # can never be handed out in this iteration: forget them so len() means "work to do"
-                passed.fill(_NONE)
-                self._count -= dropped
-        if resident is not None and self._count:
-            done = resident & (self._priority != _NONE)
-            dropped = int(np.count_nonzero(done))
-            if dropped:
-                self._priority[done] = _NONE
-                self._count -= dropped
         if not self._count:
             return None
+        # Entries that can never be handed out — for a layer the forward pass reached, or already resident — are
+        # forgotten, so len() means "work to do".
+        live = self._priority != _NONE  # [L, J]
+        drop = live & resident if resident is not None else np.zeros_like(live)
+        if current_layer >= 0:
+            drop[: current_layer + 1] = live[: current_layer + 1]
+        dropped = int(np.count_nonzero(drop))
+        if dropped:
+            self._priority[drop] = _NONE
+            self._count -= dropped
+            if not self._count:
+                return None
         flat = self._priority.reshape(-1)
         best = int(np.argmax(flat))
         tied = np.flatnonzero(flat == flat[best])

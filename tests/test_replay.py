@@ -169,6 +169,33 @@ def test_embeddings_give_semantics() -> None:
     assert run.shape.embed_dim == 2 and run.semantic_source.startswith("embeddings")
 
 
+def _two_policies(name: str, schedule, capacity: int):
+    """Module-level (picklable) factory: an LRU, or a policy that prefetches a fixed set every iteration."""
+    if name == "test-lru":
+        return LRU()
+    return Scripted({(i, -1): [(1, 2), (1, 3)] for i in range(schedule.num_iterations)})
+
+
+def test_replay_all_in_worker_processes_matches_one_process() -> None:
+    rng = np.random.default_rng(3)
+    steps = [[[int(e) for e in rng.choice(4, 2, replace=False)] for _ in range(2)] for _ in range(40)]
+    schedule = build_schedule(make_trace(steps, [i // 8 for i in range(40)]))
+    names = ["scripted", "test-lru", "speculative"]
+    one = replay_all(schedule, names, _two_policies, 3, COST, "online", jobs=1)
+    two = replay_all(schedule, names, _two_policies, 3, COST, "online", jobs=2)
+    assert [r.policy for r in one] == [r.policy for r in two] == names  # the order asked, not the order run
+    for a, b in zip(one[:2], two[:2], strict=True):
+        assert (a.hits, a.misses, a.late, a.prefetched, a.stall_s) == (
+            b.hits,
+            b.misses,
+            b.late,
+            b.prefetched,
+            b.stall_s,
+        )
+        assert b.cpu_s > 0
+    assert one[0].prefetched > 0 and one[0].hits != one[1].hits
+
+
 def test_capacity_and_live_only_policies() -> None:
     shape = ModelShape(26, 64, 6)
     assert capacity_for(shape, cache_fraction=0.25) == 416

@@ -135,7 +135,7 @@ def _capacity(args: argparse.Namespace, schedule: Schedule, cost: CostModel, fra
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_s()
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     _check_policies(names)
     cost = cost_model(args.preset, args.dtype, args.bandwidth_gbs, args.expert_mb, args.layer_time_ms)
@@ -182,8 +182,21 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
         print(f"results written to {args.json}")
-    print(f"total wall time {time.perf_counter() - t0:.1f} s")
+    print(
+        f"total wall time {time.perf_counter() - t0:.1f} s, {_cpu_s() - cpu0:.1f} s CPU (this process and its workers)"
+    )
     return 0
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and of its finished child processes (only its own on Windows,
+    which has no `resource` module)."""
+    try:
+        import resource
+    except ImportError:
+        return time.process_time()
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _rows(results: list[ReplayResult]) -> list[dict]:
@@ -209,7 +222,7 @@ def _print_table(name: str, model: str, s: Schedule, capacity: int, cost: CostMo
         f"(load {cost.load_s * 1e3:.2f} ms), layer {cost.layer_time_s * 1e3:.3f} ms"
     )
     header = f"{'policy':<13}{'hit rate':>9}{'vs oracle':>10}{'stalls':>9}{'stall s':>9}{'TPOT ms':>9}"
-    print(header + f"{'speed-up':>9}{'prefetched':>11}{'late':>7}{'wasted':>8}{'wall s':>8}")
+    print(header + f"{'speed-up':>9}{'prefetched':>11}{'late':>7}{'wasted':>8}{'wall s':>8}{'CPU s':>7}")
     for d in _rows(results):
         if d["note"]:
             print(f"{d['policy']:<13}  {d['note']}")
@@ -219,6 +232,7 @@ def _print_table(name: str, model: str, s: Schedule, capacity: int, cost: CostMo
         print(
             f"{d['policy']:<13}{d['hit_rate']:>9.3f}{vs:>10}{d['stalls']:>9}{d['stall_s']:>9.2f}"
             f"{d['tpot_s'] * 1e3:>9.2f}{sp:>9}{d['prefetched']:>11}{d['late']:>7}{d['prefetch_wasted']:>8}{d['wall_s']:>8.1f}"
+            f"{d['cpu_s']:>7.1f}"
         )
 
 

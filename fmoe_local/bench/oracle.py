@@ -20,10 +20,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fmoe_local.policies._common import lowest, split_keys
+from fmoe_local.policies._common import flat_codes, lowest, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
 
 NEVER = np.iinfo(np.int32).max
+_LAST = np.iinfo(np.int64).max  # position of "never used again": after every real one
 
 
 class OraclePolicy:
@@ -39,10 +40,15 @@ class OraclePolicy:
         # next_use[i, l, j]: first iteration ≥ i that accesses (l, j); NEVER if none.
         self.next_use = np.empty((n + 1, L, J), np.int32)
         self.next_use[n] = NEVER
-        for i in range(n - 1, -1, -1):
-            self.next_use[i] = np.where(need[i], i, self.next_use[i + 1])
+        self.next_use[:n] = np.where(need, np.arange(n, dtype=np.int32)[:, None, None], NEVER)
+        np.minimum.accumulate(self.next_use[::-1], axis=0, out=self.next_use[::-1])  # the nearest one at or after i
         self.iteration = -1
         self.window = max(0, capacity - 2 * shape.top_k)
+        # [L·J] eviction key of every expert for the current iteration and layer (choose_victims); rows up to
+        # `_switched` hold the next iteration's next use, the others this one's.
+        self._key = np.zeros(L * J, np.int64)
+        self._switch_rows(0, L, self.iteration)  # iteration −1 reads next_use[−1]: never, as indexing it did
+        self._switched = -1
 
     def begin_request(self, request_id: int) -> None:
         pass
@@ -51,6 +57,8 @@ class OraclePolicy:
         self.iteration += 1
         if self.iteration >= self.need.shape[0]:
             raise RuntimeError("The oracle was replayed past the end of the trace it was built from.")
+        self._switch_rows(0, self.shape.num_layers, self.iteration)
+        self._switched = -1
         need = self.need[self.iteration]  # [L, J]
         within = int(np.count_nonzero(np.cumsum(need.sum(1)) <= self.window))  # leading layers inside the window
         layers, experts = np.nonzero(need[:within])  # layer by layer, experts ascending
@@ -66,12 +74,22 @@ class OraclePolicy:
         layers, experts = split_keys(candidates)
         # A candidate of a layer not reached yet in this iteration may still be used in it; one already passed
         # is next used in a later iteration.
-        i = self.iteration
-        row = np.where(layers > current_layer, i, i + 1)
-        use = self.next_use[row, layers, experts].astype(np.int64)  # [n] iteration of the next use
-        # Position in access order; never-used-again sorts last of all.
-        pos = np.where(use == NEVER, np.iinfo(np.int64).max, use * self.shape.num_layers + layers)
-        return lowest(candidates, layers, experts, -pos, count=count)  # furthest next use first
+        if current_layer < self._switched:  # a layer again (not in the replay's order): start over
+            self._switch_rows(0, self.shape.num_layers, self.iteration)
+            self._switched = -1
+        if current_layer > self._switched:
+            self._switch_rows(self._switched + 1, current_layer + 1, self.iteration + 1)
+            self._switched = current_layer
+        key = self._key[flat_codes(candidates, layers, experts, self.shape.num_experts)]
+        return lowest(candidates, layers, experts, key, count=count)  # furthest next use first
+
+    def _switch_rows(self, start: int, stop: int, i: int) -> None:
+        """Key rows start..stop−1 from the next use at or after iteration i: −(position in access order), where
+        never used again is the most negative of all."""
+        L = self.shape.num_layers
+        use = self.next_use[min(i, self.need.shape[0]), start:stop].astype(np.int64)  # [rows, J]
+        pos = np.where(use == NEVER, _LAST, use * L + np.arange(start, stop)[:, None])
+        self._key.reshape(L, -1)[start:stop] = -pos
 
     def end_iteration(self) -> None:
         pass

@@ -32,6 +32,7 @@ fallback is named in the result: "prev_map" (the request's previous iteration's 
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing
 import time
@@ -74,11 +75,13 @@ class Schedule:
 
     def need_matrix(self) -> np.ndarray:
         """[N, L, J] bool: which experts each iteration accesses (the oracle's future knowledge)."""
-        m = np.zeros((self.num_iterations, self.shape.num_layers, self.shape.num_experts), bool)
-        for i, layers in enumerate(self.needed):
-            for layer, experts in enumerate(layers):
-                m[i, layer, list(experts)] = True
-        return m
+        n, L, J = self.num_iterations, self.shape.num_layers, self.shape.num_experts
+        m = np.zeros((n * L, J), bool)
+        cells = [experts for layers in self.needed for experts in layers]  # [N·L] row by row
+        sizes = np.fromiter(map(len, cells), np.int64, count=len(cells))
+        experts = np.fromiter(itertools.chain.from_iterable(cells), np.int64, count=int(sizes.sum()))
+        m[np.repeat(np.arange(n * L), sizes), experts] = True
+        return m.reshape(n, L, J)
 
 
 def build_schedule(trace: Trace, semantic_mode: str = "running_mean", fallback: str = "request_map_mean") -> Schedule:
@@ -89,13 +92,22 @@ def build_schedule(trace: Trace, semantic_mode: str = "running_mean", fallback: 
     n = len(iters)
     probs = np.zeros((n, L, J), np.float32)
     needed: list[list[tuple[int, ...]]] = []
+    # Every row at once (decode steps are one row each: most of a trace), then per iteration only what remains.
+    rows = trace.num_rows
+    dist, sel = trace.distributions(0, rows), trace.selected(0, rows)  # [T, L, J], [T, L, K]
+    complete = bool((sel >= 0).all())
+    sel_lists = sel.tolist()
+    starts = np.array([it.start for it in iters], np.int64)
+    single = np.array([it.stop - it.start == 1 for it in iters], bool)
+    probs[single] = dist[starts[single]]  # the mean of one row
     for i, it in enumerate(iters):
-        probs[i] = trace.distributions(it.start, it.stop).mean(0)
-        sel = trace.selected(it.start, it.stop)  # [n_rows, L, K]
-        if sel.shape[0] == 1:
-            needed.append([tuple(int(e) for e in row if e >= 0) for row in sel[0]])
+        if single[i]:
+            row = sel_lists[it.start]
+            needed.append(list(map(tuple, row)) if complete else [tuple(e for e in r if e >= 0) for r in row])
         else:
-            needed.append([tuple(int(e) for e in np.unique(sel[:, layer]) if e >= 0) for layer in range(L)])
+            probs[i] = dist[it.start : it.stop].mean(0)
+            rows_sel = sel[it.start : it.stop]
+            needed.append([tuple(int(e) for e in np.unique(rows_sel[:, layer]) if e >= 0) for layer in range(L)])
     seqs = [it.seq_id for it in iters]
     requests = list(dict.fromkeys(seqs))
     index = {s: r for r, s in enumerate(requests)}
@@ -166,6 +178,7 @@ class ReplayResult:
     iterations_measured: int = 0
     semantic_source: str = ""
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of building the policy and replaying it (replay_all), the speed figure to compare
     note: str = ""  # set when the policy could not be replayed
     layer_hits: list[int] = field(default_factory=list)
     layer_misses: list[int] = field(default_factory=list)
@@ -224,6 +237,7 @@ def replay(
     result = ReplayResult(trace_name, name, semantic_source=schedule.semantic_source)
     queue = PrefetchQueue(shape.num_layers, shape.num_experts)
     before: LayerCounters | None = None
+    transfer, access, push, observe_layer = sim.transfer, sim.access, queue.push, policy.observe_layer
     late_before = 0
     request = -1
     for i in range(schedule.num_iterations):
@@ -247,11 +261,11 @@ def replay(
         layer_s = cost.layer_s(int(schedule.tokens[i]))
         budget = cost.bandwidth * layer_s
         stall_total = 0.0
+        probs = schedule.probs[i]  # [L, J]
         for layer, experts in enumerate(schedule.needed[i]):
-            sim.transfer(budget, queue, i)
-            hits, stall = sim.access(layer, experts)
-            stall_total += stall
-            queue.push(i, policy.observe_layer(layer, schedule.probs[i, layer]))
+            transfer(budget, queue, i)
+            stall_total += access(layer, experts)[1]
+            push(i, observe_layer(layer, probs[layer]))
         policy.end_iteration()
         if measuring:
             result.iterations_measured += 1
@@ -290,11 +304,28 @@ def _learn(policy: Policy, schedule: Schedule, i: int) -> None:
 
 PolicyFactory = Callable[[str, Schedule, int], Policy]
 
+# Replay cost per policy (CPU seconds on the shared intent trace, load ≈ 5; docs/bench.md "Replay speed"): the
+# policies go to the worker processes longest first, so the two long ones never share a worker and the short ones
+# fill in behind them. Only the order matters; unknown names count as the cheapest.
+REPLAY_COST = {"fmoe": 38.6, "moe_infinity": 18.9, "oracle": 7.9, "lfu": 6.2, "lru": 4.3, "on_demand": 4.0}
 
-def _replay_one(args: tuple) -> ReplayResult:
-    schedule, name, factory, capacity, cost, mode, trace_name = args
+# What every task of one replay_all shares, set once per worker process (inherited when workers fork) rather than
+# pickled with each task: a schedule is ~100 MB.
+_shared: tuple = ()
+
+
+def _share(*shared: object) -> None:
+    global _shared
+    _shared = shared
+
+
+def _replay_one(name: str) -> ReplayResult:
+    schedule, factory, capacity, cost, mode, trace_name = _shared
+    t0 = time.process_time()
     policy = factory(name, schedule, capacity)
-    return replay(schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name)
+    result = replay(schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name)
+    result.cpu_s = time.process_time() - t0
+    return result
 
 
 def replay_all(
@@ -309,16 +340,23 @@ def replay_all(
 ) -> list[ReplayResult]:
     """Every named policy on the same schedule, cache and costs; live-only policies get a note, not numbers.
 
-    `jobs` > 1 replays policies in that many processes (the factory must then be picklable); results keep the
-    order of `names` either way, and each policy's numbers do not depend on `jobs`.
+    `jobs` > 1 replays policies in that many processes (the factory must then be picklable where processes are
+    spawned, not forked); results keep the order of `names` either way, and each policy's numbers do not depend on
+    `jobs`.
     """
-    tasks = [(schedule, n, factory, capacity, cost, mode, trace_name) for n in names if n not in LIVE_ONLY]
-    if jobs > 1 and len(tasks) > 1:
+    todo = sorted(dict.fromkeys(n for n in names if n not in LIVE_ONLY), key=lambda n: -REPLAY_COST.get(n, 0.0))
+    shared = (schedule, factory, capacity, cost, mode, trace_name)
+    if jobs > 1 and len(todo) > 1:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
-            done = list(pool.map(_replay_one, tasks))
+        workers = min(jobs, len(todo))
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_share, initargs=shared) as pool:
+            done = list(pool.map(_replay_one, todo))  # handed out in this order as workers come free
     else:
-        done = [_replay_one(t) for t in tasks]
+        _share(*shared)
+        try:
+            done = [_replay_one(n) for n in todo]
+        finally:
+            _share()
     by_name = {r.policy: r for r in done}
     return [
         by_name[n]

@@ -39,7 +39,7 @@ class SimCache:
     def candidates(self) -> CandidateKeys:
         codes = np.flatnonzero(self.resident_mask & ~self.held_mask)
         layers = codes // self.num_experts
-        return CandidateKeys(layers, codes - layers * self.num_experts)
+        return CandidateKeys(layers, codes - layers * self.num_experts, in_order=True, codes=codes)  # ascending
 
     def set_pinned(self, keys: tuple[ExpertKey, ...]) -> None:
         for key in self.pinned:
@@ -110,24 +110,26 @@ class SimCache:
         (record_access), so a later chunk's evictions see the earlier chunk's use.
         """
         self.current_layer = layer
-        keys = tuple((layer, e) for e in experts)
-        hits, stall = [], 0.0
-        c = self.counters
-        for start in range(0, len(keys), self.capacity):
-            chunk = keys[start : start + self.capacity]
+        resident, c, cap = self.resident, self.counters, self.capacity
+        hits: list[bool] = []
+        stall = 0.0
+        for start in range(0, len(experts), cap):
+            chunk_experts = experts[start : start + cap]
+            chunk = tuple([(layer, e) for e in chunk_experts])
             first = len(hits)
             self.set_pinned(chunk)
             # Nothing changes the policy's mind between this chunk's loads (record_access comes after them): ask for
             # all the victims its misses need at once — the Policy contract makes that the same choice.
-            missing = sum(1 for key in chunk if key not in self.resident)
-            need = missing - (self.capacity - len(self.resident))
+            missing = [key for key in chunk if key not in resident]
+            need = len(missing) - (cap - len(resident))
             if need > 0:
                 self._victims = self._choose(need)[::-1]  # popped from the end: first victim first
             for key in chunk:
-                if key in self.resident:
+                unused = resident.get(key)
+                if unused is not None:
                     hits.append(True)  # what the runtime's cache tells the policy, late or not
-                    if self.resident[key]:
-                        self.resident[key] = False
+                    if unused:
+                        resident[key] = False
                         c.prefetch_used += 1
                     if key == self.inflight:  # a late prefetch: wait for its copy, as cache.acquire does
                         stall += self.inflight_left / self.cost.bandwidth
@@ -148,7 +150,7 @@ class SimCache:
                 c.bytes_moved += self.cost.expert_bytes
                 stall += self.cost.load_s
             self._victims = []
-            self.policy.record_access(layer, list(experts[start : start + self.capacity]), hits[first:])
+            self.policy.record_access(layer, list(chunk_experts), hits[first:])
         c.stall_s += stall
         return hits, stall
 

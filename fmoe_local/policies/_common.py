@@ -71,7 +71,8 @@ class RecencyPolicy:
 
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
-        return lowest(candidates, layers, experts, self._last_use[layers, experts], count=count)
+        codes = flat_codes(candidates, layers, experts, self.shape.num_experts)
+        return lowest(candidates, layers, experts, self._last_use.ravel()[codes], count=count)
 
     def end_iteration(self) -> None:
         pass
@@ -107,35 +108,93 @@ def lowest(
 
     Exact ties go to the smallest (layer, expert), so a choice never depends on the order the cache lists its
     candidates in: the runtime and the replay benchmark list them differently and must still agree.
-    The result is np.lexsort's first rows, found by narrowing key by key instead of sorting everything: this runs
-    for every eviction, about a million per replayed trace.
+    The result is np.lexsort's first rows without sorting everything: this runs for every eviction, about a
+    million times per replayed trace. Candidates known to come in (layer, expert) order (`CandidateKeys.in_order`,
+    the replay's) break ties by position, so one victim under a single key is one argmin.
     """
-    code = layers * 1_048_576 + experts  # (layer, expert) order as one integer (J < 2^20); distinct per candidate
-    ordered = [*reversed(keys), code]  # most significant first
-    picked = _smallest(np.arange(len(layers)), ordered, min(count, len(layers)))
+    n = len(layers)
+    need = min(count, n)
+    if need <= 0:
+        return []
+    in_order = isinstance(candidates, CandidateKeys) and candidates.in_order
+    if need == 1:
+        return [candidates[_first(keys, layers, experts, in_order)]]
+    ordered: list[np.ndarray | None] = [*reversed(keys), None]  # most significant first; None: (layer, expert)
+    picked: list[int] = []
+    idx: np.ndarray | None = None  # the candidates still in the running (None: all of them)
+    for level, key in enumerate(ordered):
+        k = _at(key, idx, layers, experts, in_order)
+        bound = np.partition(k, need - 1)[need - 1]
+        head = k <= bound
+        if level == len(ordered) - 1 or np.count_nonzero(head) <= 2 * need + 8:
+            # Few enough: sort everything up to the need-th smallest, ties included, on all remaining keys.
+            sel = _within(idx, np.flatnonzero(head))
+            picked += sel[_lexsort(sel, ordered[level:], layers, experts, in_order)[:need]].tolist()
+            break
+        # Many ties at `bound` (a bool key, a shared timestamp): the ones below it are in, then narrow the ties.
+        tied = k == bound
+        if np.count_nonzero(tied) == k.size:  # all tie (a bool key nobody sets): the next key decides
+            continue
+        below = _within(idx, np.flatnonzero(k < bound))
+        picked += below[_lexsort(below, ordered[level:], layers, experts, in_order)].tolist()
+        need -= below.size
+        idx = _within(idx, np.flatnonzero(tied))
     return [candidates[i] for i in picked]
 
 
-def _smallest(idx: np.ndarray, ordered: list[np.ndarray], need: int) -> list[int]:
-    """The `need` smallest of `idx` under the keys in `ordered` (most significant first), in order."""
-    if need <= 0 or idx.size == 0:
-        return []
-    if not ordered:  # every key tied: cannot happen below the distinct (layer, expert) code
-        return idx[:need].tolist()
-    if idx.size == 1:
-        return [int(idx[0])]
-    if idx.size <= need:  # all of them: just sort
-        return idx[np.lexsort([key[idx] for key in reversed(ordered)])].tolist()
-    k = ordered[0][idx]
-    if need == 1:
-        bound = k.min()
-        first: list[int] = []
-    else:
-        bound = np.partition(k, need - 1)[need - 1]
-        below = idx[k < bound]  # all of these are in the answer, ahead of every tie at `bound`
-        first = below[np.lexsort([key[below] for key in reversed(ordered)])].tolist()
-    tied = idx[k == bound]
-    return first + _smallest(tied, ordered[1:], need - len(first))
+def _within(idx: np.ndarray | None, pos: np.ndarray) -> np.ndarray:
+    """Candidate indices of positions `pos` in the subset `idx` (None: all candidates)."""
+    return pos if idx is None else idx[pos]
+
+
+def _at(
+    key: np.ndarray | None, idx: np.ndarray | None, layers: np.ndarray, experts: np.ndarray, in_order: bool
+) -> np.ndarray:
+    """`key` at the candidates `idx` (None: all); key None is the (layer, expert) order."""
+    if key is None:
+        return _order_key(idx, layers, experts, in_order)
+    return key if idx is None else key[idx]
+
+
+def _lexsort(idx: np.ndarray, ordered: list, layers: np.ndarray, experts: np.ndarray, in_order: bool) -> np.ndarray:
+    """Positions in `idx` sorting it by `ordered` (most significant first, None = (layer, expert))."""
+    if idx.size <= 1:
+        return np.arange(idx.size)
+    return np.lexsort([_at(key, idx, layers, experts, in_order) for key in reversed(ordered)])
+
+
+def _first(keys: tuple[np.ndarray, ...], layers: np.ndarray, experts: np.ndarray, in_order: bool) -> int:
+    """Position of the smallest candidate: narrowed key by key (most significant first) until one is left."""
+    idx: np.ndarray | None = None  # the candidates still tied (None: all of them)
+    for level in range(len(keys) - 1, -1, -1):
+        k = keys[level] if idx is None else keys[level][idx]
+        pos = int(np.argmin(k))  # the first of the smallest: the smallest position among ties
+        if in_order and level == 0:
+            return pos if idx is None else int(idx[pos])
+        tied = k == k[pos]
+        ties = np.count_nonzero(tied)
+        if ties == 1:
+            return pos if idx is None else int(idx[pos])
+        if ties < k.size:  # else all tie (a bool key nobody sets): the next key decides among the same ones
+            idx = _within(idx, np.flatnonzero(tied))
+    pos = int(np.argmin(_order_key(idx, layers, experts, in_order)))  # distinct: one smallest
+    return pos if idx is None else int(idx[pos])
+
+
+def _order_key(idx: np.ndarray | None, layers: np.ndarray, experts: np.ndarray, in_order: bool) -> np.ndarray:
+    """The (layer, expert) order of the candidates `idx` (None: all) as one distinct integer each."""
+    if in_order:  # positions are in (layer, expert) order already
+        return np.arange(layers.size) if idx is None else idx
+    lay, exp = (layers, experts) if idx is None else (layers[idx], experts[idx])
+    return lay * 1_048_576 + exp  # J < 2^20
+
+
+def flat_codes(
+    candidates: Sequence[ExpertKey], layers: np.ndarray, experts: np.ndarray, num_experts: int
+) -> np.ndarray:
+    """layer · J + expert of each candidate: indices into a raveled [L, J] array (one gather instead of two)."""
+    codes = candidates.codes if isinstance(candidates, CandidateKeys) else None
+    return codes if codes is not None else layers * num_experts + experts
 
 
 def split_keys(candidates: Sequence[ExpertKey]) -> tuple[np.ndarray, np.ndarray]:
