@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.policies._common import RecencyPolicy, lowest, split_keys
+from fmoe_local.policies._common import RecencyPolicy, flat_codes, lowest, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape
 
 
@@ -28,6 +28,7 @@ class LFUPolicy(RecencyPolicy):
 
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
+        codes = flat_codes(candidates, layers, experts, self.shape.num_experts)
         # Fewest uses first, then oldest use.
-        last, uses = self._last_use[layers, experts], self._count[layers, experts]
+        last, uses = self._last_use.ravel()[codes], self._count.ravel()[codes]
         return lowest(candidates, layers, experts, last, uses, count=count)
