@@ -40,9 +40,10 @@ class RuntimeConfig:
     # k: semantic embeddings longer than this are searched through a random projection to k dimensions (0 = always
     # the exact full scan); 256 keeps a 32K-map search under 1 ms per layer (docs/bench.md, "Matcher").
     sketch_dim: int = 256
-    # m: maps whose exact cosine (and exact RDY) re-ranks the sketch's best guesses. 32 full rows cost little
-    # next to the sketch scan, and hold the exact best on real routing (docs/bench.md, "Matcher").
-    sketch_candidates: int = 32
+    # m: maps whose exact cosine (and exact RDY) re-ranks the sketch's best guesses. 128 full rows cost little next
+    # to the sketch scan; on mean token embeddings fewer candidates measurably miss the exact best (docs/bench.md,
+    # "Matcher").
+    sketch_candidates: int = 128
     # Host RAM for expert weights; None = all of them. What does not fit stays memory-mapped from the checkpoint.
     host_ram_gb: float | None = None
     # Semantic embedding of an iteration: running mean over the request's tokens, or the iteration's tokens only.

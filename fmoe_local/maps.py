@@ -13,11 +13,9 @@ map instead of taking a new slot, even when the store is not full. RDY mixes bot
 both the routing (≥ ~0.999) and the prompt embedding (≥ ~0.99 at d/L = 3/26) are near-identical — e.g. a repeated
 prompt, or a decode loop repeating one token.
 
-Sketched semantic side (embeddings longer than `sketch_dim`, semantic_index.py): `match_semantic` re-ranks the
-`sketch_candidates` best maps by sketch cosine with the exact cosine, so its score is exact and its slot is the
-exact best whenever that one is among the candidates. RDY is likewise estimated for every map from the sketch
-cosines (the trajectory part is always exact), made exact on the `sketch_candidates` highest estimates, and the
-replaced slot is the argmax among those; the dedup threshold is compared with exact values only.
+Sketched semantic side (h > `sketch_dim`; what is exact: semantic_index.py): RDY is estimated from sketch cosines
+(its trajectory part is always exact), made exact on the `sketch_candidates` highest estimates, and the replaced
+slot is the argmax among those; the dedup threshold is compared with exact values only.
 
 Slot −1 with score 0.0 is the answer of a search with nothing to match.
 """

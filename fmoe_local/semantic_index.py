@@ -129,7 +129,8 @@ class SemanticIndex:
     def exact(self, q: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """[m] exact cosine of q with the given slots' full embeddings (0 for a slot without one)."""
         qn = float(np.linalg.norm(q))
-        return (self._emb[slots] @ q) / np.maximum(self._norm[slots] * qn, _EPS)
+        rows = self._emb[slots]  # [m, h] copy: m rows, not the store
+        return self._dots(rows, q, rows.shape[0]) / np.maximum(self._norm[slots] * qn, _EPS)
 
     def shortlist(self, scores: np.ndarray) -> np.ndarray:
         """Slots of the `candidates` highest scores, in ascending slot order (so ties go to the lowest slot)."""

@@ -158,3 +158,21 @@ def test_config_rejects_impossible_sketch_settings():
         RuntimeConfig(sketch_candidates=0).validate()
     with pytest.raises(ValueError, match="at least one candidate"):
         MapStore(SHAPE, 4, 1, sketch_candidates=0)
+
+
+def test_bench_agreement_counts_every_choice_and_agrees_when_every_map_is_reranked(tmp_path):
+    from fmoe_local.bench.matcher import trace_agreement
+    from fmoe_local.bench.traces import save_trace
+    from tests.test_oracle import synthetic_trace
+
+    path = tmp_path / "t.npz"
+    save_trace(synthetic_trace(0, requests=6, length=15), path)  # 90 passes; h = L·J = 24 (request-map-mean)
+    # Re-ranking as many maps as the store holds makes the sketched store exact: the bench's own brute force (its
+    # mirror of the store, its RDY formula) must then agree with every choice.
+    a, h = trace_agreement(str(path), capacity=16, sketch_dim=4, candidates=16)
+    assert h == 24
+    # No semantic input on a request's first pass; the second pass of the first request finds no stored map with an
+    # embedding yet (the first was stored without); the very first add has nothing to compare with.
+    assert (a.searches, a.adds) == (90 - 6 - 1, 90 - 1)
+    assert (a.same_top1, a.same_rdy) == (a.searches, a.adds)
+    assert a.top1_loss == pytest.approx(0.0, abs=1e-5) and a.rdy_loss == pytest.approx(0.0, abs=1e-5)
