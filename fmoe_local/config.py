@@ -75,8 +75,8 @@ class RuntimeConfig:
         if self.store_capacity < 1:
             raise ValueError("The map store needs room for at least one expert map.")
         if self.sketch_dim < 0:
-            raise ValueError("The semantic sketch size must be 0 (no sketch) or a positive number of dimensions.")
+            raise ValueError("Set the semantic sketch size to 0 (exact search) or a positive number of dimensions.")
         if self.sketch_candidates < 1:
-            raise ValueError("The semantic search must re-rank at least one candidate map.")
+            raise ValueError("Set the semantic sketch candidates to at least 1: that many maps are re-ranked exactly.")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"Unknown device '{self.device}'. Use auto, cpu or cuda.")

@@ -32,7 +32,7 @@ import numpy as np
 _EPS = 1e-12
 # Fixed so that the same stored maps give the same answers in the runtime, the replay and after a restart.
 SKETCH_SEED = 20251122
-_GEMM_ROWS = 16  # fewer new rows than this are projected one gemv each: measured 7 ms for a [1, h] @ [h, k] gemm
+_GEMM_ROWS = 16  # fewer new rows are projected one blocked gemv each: a [1, h] @ [h, k] gemm went multi-threaded, ~7 ms
 _FLUSH_ROWS = 4096  # rows projected per matrix product when the sketch catches up (bounds the temporary copy)
 # Elements per BLAS call of the sketch scan: OpenBLAS keeps a gemv this small on one thread. Measured on the busy
 # 2-core machine, CPU time of one 32768-map scan at k = 256: 2.0–2.3 ms in 131072-element blocks, 1.5–1.7 ms in
@@ -43,9 +43,9 @@ _SCAN_ELEMS = 262144
 class SemanticIndex:
     def __init__(self, dim: int, capacity: int, sketch_dim: int, candidates: int, block_elems: int) -> None:
         if sketch_dim < 0:
-            raise ValueError("The semantic sketch size must be 0 (no sketch) or a positive number of dimensions.")
+            raise ValueError("Set the semantic sketch size to 0 (exact search) or a positive number of dimensions.")
         if candidates < 1:
-            raise ValueError("The semantic search must re-rank at least one candidate map.")
+            raise ValueError("Set the semantic sketch candidates to at least 1: that many maps are re-ranked exactly.")
         self.dim = dim
         self.candidates = candidates
         self._block_elems = block_elems  # elements per BLAS call, see maps._BLOCK_ELEMS

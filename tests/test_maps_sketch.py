@@ -154,9 +154,9 @@ def test_maps_without_embedding_never_win_the_semantic_search():
 def test_config_rejects_impossible_sketch_settings():
     with pytest.raises(ValueError, match="sketch size"):
         RuntimeConfig(sketch_dim=-1).validate()
-    with pytest.raises(ValueError, match="at least one candidate"):
+    with pytest.raises(ValueError, match="candidates to at least 1"):
         RuntimeConfig(sketch_candidates=0).validate()
-    with pytest.raises(ValueError, match="at least one candidate"):
+    with pytest.raises(ValueError, match="candidates to at least 1"):
         MapStore(SHAPE, 4, 1, sketch_candidates=0)
 
 
