@@ -37,6 +37,13 @@ class RuntimeConfig:
     policy: str = "fmoe"
     # C: expert maps kept by the map store.
     store_capacity: int = 1000
+    # k: semantic embeddings longer than this are searched through a random projection to k dimensions (0 = always
+    # the exact full scan); 256 keeps a 32K-map search under 1 ms per layer (docs/bench.md, "Matcher").
+    sketch_dim: int = 256
+    # m: maps whose exact cosine (and exact RDY) re-ranks the sketch's best guesses. 128 full rows cost little next
+    # to the sketch scan; on mean token embeddings fewer candidates measurably miss the exact best (docs/bench.md,
+    # "Matcher").
+    sketch_candidates: int = 128
     # Host RAM for expert weights; None = all of them. What does not fit stays memory-mapped from the checkpoint.
     host_ram_gb: float | None = None
     # Semantic embedding of an iteration: running mean over the request's tokens, or the iteration's tokens only.
@@ -67,5 +74,9 @@ class RuntimeConfig:
             raise ValueError("Prefetch distance must be at least 1 layer.")
         if self.store_capacity < 1:
             raise ValueError("The map store needs room for at least one expert map.")
+        if self.sketch_dim < 0:
+            raise ValueError("Set the semantic sketch size to 0 (exact search) or a positive number of dimensions.")
+        if self.sketch_candidates < 1:
+            raise ValueError("Set the semantic sketch candidates to at least 1: that many maps are re-ranked exactly.")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"Unknown device '{self.device}'. Use auto, cpu or cuda.")

@@ -2,8 +2,9 @@
 
 Scope: `ExpertMap` (one iteration's gate distributions + semantic embedding), the `MapPersistence` protocol that
 `store/` implements over SQLite, and `MapStore`: the in-memory arrays, capacity with redundancy-based replacement
-(RDY), dedup, and the two cosine searches (semantic, trajectory). It does NOT decide what to prefetch (that is
-policies/fmoe.py), does not touch SQLite, and does not run a thread of its own: it is safe to call from several.
+(RDY), dedup, and the two cosine searches (semantic, trajectory). The semantic side (embeddings and their sketch)
+lives in semantic_index.py. It does NOT decide what to prefetch (that is policies/fmoe.py), does not touch SQLite,
+and does not run a thread of its own: it is safe to call from several.
 
 Array legend: C capacity, n maps stored (slots 0..n-1, always contiguous), L MoE layers, J experts, h embed dim.
 
@@ -11,6 +12,10 @@ Dedup rule: a new map whose RDY against some stored map is ≥ `dedup_threshold`
 map instead of taking a new slot, even when the store is not full. RDY mixes both cosines, so this fires only when
 both the routing (≥ ~0.999) and the prompt embedding (≥ ~0.99 at d/L = 3/26) are near-identical — e.g. a repeated
 prompt, or a decode loop repeating one token.
+
+Sketched semantic side (h > `sketch_dim`; what is exact: semantic_index.py): RDY is estimated from sketch cosines
+(its trajectory part is always exact), made exact on the `sketch_candidates` highest estimates, and the replaced
+slot is the argmax among those; the dedup threshold is compared with exact values only.
 
 Slot −1 with score 0.0 is the answer of a search with nothing to match.
 """
@@ -23,6 +28,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
+
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.semantic_index import SemanticIndex
 
 if TYPE_CHECKING:  # policies/ imports this module (fmoe); a runtime import back would be circular
     from fmoe_local.policies.base import ModelShape
@@ -63,6 +71,8 @@ class MapStore:
         prefetch_distance: int,
         persistence: MapPersistence | None = None,
         dedup_threshold: float = 0.999,
+        sketch_dim: int = RuntimeConfig.sketch_dim,
+        sketch_candidates: int = RuntimeConfig.sketch_candidates,
     ) -> None:
         if capacity < 1:
             raise ValueError("The map store needs room for at least one expert map.")
@@ -78,7 +88,8 @@ class MapStore:
         self._next_stamp = 0
         self._version = 0  # bumped on every write: invalidates the incremental trajectory cache
         self._traj_cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (query prefix, dots, version)
-        self._sem_cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (query, dots, version)
+        self._sem_cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (query, cosines, version)
+        self._semantic = SemanticIndex(shape.embed_dim, capacity, sketch_dim, sketch_candidates, _BLOCK_ELEMS)
         self._alloc(capacity)
 
     # --- sizes -----------------------------------------------------------------------------------------------
@@ -90,7 +101,7 @@ class MapStore:
         return self._n
 
     def _alloc(self, capacity: int) -> None:
-        L, J, h = self.shape.num_layers, self.shape.num_experts, self.shape.embed_dim
+        L, J = self.shape.num_layers, self.shape.num_experts
         self._capacity = capacity
         # Layer-major with maps innermost: one layer's [J, n] block is contiguous, so a trajectory search is one
         # gemv per new layer, and a sparse query reads only its non-zero experts' rows.
@@ -99,9 +110,7 @@ class MapStore:
         self._cumsq = np.zeros((L + 1, capacity), np.float64)  # [L+1, C]
         # 1/sqrt(cumsq) (0 for an all-zero prefix): a search is then one gemv, one multiply and one argmax.
         self._inv_norm = np.zeros((L + 1, capacity), np.float32)  # [L+1, C]
-        self._sem = np.zeros((capacity, h), np.float32)  # [C, h]
-        self._sem_norm = np.zeros(capacity, np.float32)  # [C]
-        self._has_sem = np.zeros(capacity, bool)
+        self._semantic.alloc(capacity)
         self._request_ids = np.zeros(capacity, np.int64)
         self._stamps = np.zeros(capacity, np.int64)  # insertion order: which maps to keep when shrinking
 
@@ -121,28 +130,29 @@ class MapStore:
     def get(self, slot: int) -> ExpertMap:
         with self._lock:
             self._check_slot(slot)
-            sem = self._sem[slot].copy() if self._has_sem[slot] else None
-            return ExpertMap(self.probs(slot), sem, int(self._request_ids[slot]))
+            return ExpertMap(self.probs(slot), self._semantic.get(slot), int(self._request_ids[slot]))
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self._n:
             raise IndexError(f"Map slot {slot} is empty; the store holds {self._n} maps.")
 
     def match_semantic(self, semantic: np.ndarray | None) -> tuple[int, float]:
-        """Best stored map by cosine of semantic embeddings; maps stored without one never match."""
+        """Best stored map by cosine of semantic embeddings; maps stored without one never match.
+
+        The score is the exact cosine; with a sketch the slot is the exact best when it is among the sketch's
+        candidates (module docstring).
+        """
         if semantic is None or self.shape.embed_dim == 0:
             return -1, 0.0
         q = self._as_semantic(semantic)
         qn = float(np.linalg.norm(q))
         with self._lock:
             n = self._n
-            if n == 0 or qn == 0.0 or not self._has_sem[:n].any():
+            if n == 0 or qn == 0.0 or not self._semantic.has(n).any():
                 return -1, 0.0
-            dots = self._semantic_dots(q, n)  # [n]
-            self._sem_cache = (q.copy(), dots, self._version)
-            scores = np.where(self._has_sem[:n], dots / np.maximum(self._sem_norm[:n] * qn, _EPS), -np.inf)
-            best = int(np.argmax(scores))
-            return best, float(scores[best])
+            best, score, cos = self._semantic.search(q, n)
+            self._sem_cache = (q.copy(), cos, self._version)
+            return best, score
 
     def match_trajectory(self, partial: np.ndarray) -> tuple[int, float]:
         """Best stored map by cosine of the concatenated first l layers ([l, J] given) with the same slice.
@@ -190,15 +200,6 @@ class MapStore:
             np.matmul(qv, rows[:, a : a + step], out=out[a : a + step])
         return out
 
-    def _semantic_dots(self, q: np.ndarray, n: int) -> np.ndarray:
-        """[n] dot products of a semantic query with every stored embedding, in row blocks (see _BLOCK_ELEMS)."""
-        out = np.empty(n, np.float32)
-        step = max(1, _BLOCK_ELEMS // max(1, q.shape[0]))
-        for a in range(0, n, step):
-            b = min(a + step, n)
-            np.matmul(self._sem[a:b], q, out=out[a:b])
-        return out
-
     # --- writing ---------------------------------------------------------------------------------------------
     def add(self, expert_map: ExpertMap) -> int:
         """Store a map; returns its slot (a new one, or the replaced most-redundant/near-identical one)."""
@@ -215,8 +216,26 @@ class MapStore:
     def redundancy(self, probs: np.ndarray, semantic: np.ndarray | None) -> np.ndarray:
         """[n] RDY of a candidate map against every stored map: d/L·score_sem + (L−d)/L·score_traj.
 
-        Where either side lacks a semantic embedding, score_traj stands in for score_sem.
+        Where either side lacks a semantic embedding, score_traj stands in for score_sem. With a sketch, score_sem
+        is the sketch estimate except on the `sketch_candidates` highest RDYs, which are exact.
         """
+        return self._redundancy(probs, semantic)[0]
+
+    def most_redundant(self, probs: np.ndarray, semantic: np.ndarray | None) -> tuple[int, float]:
+        """(slot, exact RDY) of the stored map a new one would replace; (−1, 0.0) on an empty store. With a
+        sketch it is the exact argmax whenever that map is among the candidates (module docstring)."""
+        with self._lock:
+            if self._n == 0:
+                return -1, 0.0
+            rdy, cand = self._redundancy(probs, semantic)
+            if cand is None:
+                best = int(np.argmax(rdy))
+            else:
+                best = int(cand[np.argmax(rdy[cand])])
+            return best, float(rdy[best])
+
+    def _redundancy(self, probs: np.ndarray, semantic: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(RDY [n], the slots where it is exact, or None when it is exact everywhere)."""
         L = self.shape.num_layers
         q = np.asarray(probs, np.float32)
         with self._lock:
@@ -230,18 +249,24 @@ class MapStore:
                     dots += self._layer_dots(i, q[i], n)
             qn = float(np.sqrt(np.square(q, dtype=np.float64).sum()))
             s_traj = dots * self._inv_norm[L, :n] / max(qn, _EPS)
-            s_sem = s_traj
+            s_sem, qs = s_traj, None
             if semantic is not None and self.shape.embed_dim > 0:
                 qs = self._as_semantic(semantic)
-                qn = float(np.linalg.norm(qs))
-                if qn > 0:
-                    sem_dots = self._cached_dots(self._sem_cache, qs)
-                    if sem_dots is None:
-                        sem_dots = self._semantic_dots(qs, n)
-                    cos = sem_dots / np.maximum(self._sem_norm[:n] * qn, _EPS)
-                    s_sem = np.where(self._has_sem[:n], cos, s_traj)
+                if float(np.linalg.norm(qs)) > 0:
+                    cos = self._cached_dots(self._sem_cache, qs)  # the pass's semantic search, if it was this one
+                    if cos is None:
+                        cos = self._semantic.cosines(qs, n)
+                    s_sem = np.where(self._semantic.has(n), cos, s_traj)
+                else:
+                    qs = None
             w = min(self.prefetch_distance, L) / L
-            return w * s_sem + (1.0 - w) * s_traj
+            rdy = w * s_sem + (1.0 - w) * s_traj
+            if qs is None or not self._semantic.sketched:
+                return rdy, None
+            cand = self._semantic.shortlist(rdy)  # [m]: estimated RDY → exact RDY on these
+            exact = np.where(self._semantic.has(n)[cand], self._semantic.exact(qs, cand), s_traj[cand])
+            rdy[cand] = w * exact + (1.0 - w) * s_traj[cand]
+            return rdy, cand
 
     def _cached_dots(self, cache: tuple[np.ndarray, np.ndarray, int] | None, q: np.ndarray) -> np.ndarray | None:
         if cache is None or cache[2] != self._version or cache[0].shape != q.shape or cache[1].size != self._n:
@@ -251,9 +276,8 @@ class MapStore:
     def _choose_slot(self, probs: np.ndarray, sem: np.ndarray | None) -> int:
         if self._n == 0:
             return 0
-        rdy = self.redundancy(probs, sem)
-        best = int(np.argmax(rdy))
-        if rdy[best] >= self.dedup_threshold or self._n == self._capacity:
+        best, rdy = self.most_redundant(probs, sem)
+        if rdy >= self.dedup_threshold or self._n == self._capacity:
             return best
         return self._n
 
@@ -263,13 +287,7 @@ class MapStore:
         self._cumsq[1:, slot] = np.cumsum(np.square(probs, dtype=np.float64).sum(axis=1))
         cs = self._cumsq[:, slot]
         self._inv_norm[:, slot] = np.where(cs > 0, 1.0 / np.sqrt(np.maximum(cs, _EPS)), 0.0)
-        if sem is not None:
-            self._sem[slot] = sem
-            self._sem_norm[slot] = np.linalg.norm(sem)
-        else:
-            self._sem[slot] = 0.0
-            self._sem_norm[slot] = 0.0
-        self._has_sem[slot] = sem is not None
+        self._semantic.write(slot, sem)
         self._request_ids[slot] = request_id
         self._stamps[slot] = self._next_stamp
         self._next_stamp += 1
@@ -325,6 +343,7 @@ class MapStore:
                 self._write(self._n, *self._validate(m), m.request_id)
                 self._n += 1
             self._stamps[: self._n] = old_stamps  # keep the true age order, not the rewrite order
+            self._semantic.flush()  # the sketch of every map in one batch, not at the next search
             self._traj_cache = None
             if renumber:
                 self._rewrite_persistence()
@@ -357,6 +376,7 @@ class MapStore:
                 m = entries[s]
                 self._write(self._n, *self._validate(m), m.request_id)
                 self._n += 1
+            self._semantic.flush()  # the sketch of every map in one batch, not at the next search
             self._traj_cache = None
             if skipped or slots != list(range(len(slots))) or len(entries) > len(slots):
                 self._rewrite_persistence()
