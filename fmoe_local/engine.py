@@ -65,7 +65,7 @@ class Engine:
             p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta"
         )
         self.counters = LayerCounters(self.shape.num_layers, self.shape.num_experts)
-        self.map_store = MapStore(self.shape, config.store_capacity, config.prefetch_distance, map_persistence)
+        self.map_store = MapStore.for_config(self.shape, config, map_persistence)
         if map_persistence is not None:
             self.map_store.load_from()  # the user's earlier maps: why prediction improves over time
         self.policy = make_policy(config.policy, self.shape, config, self.map_store)

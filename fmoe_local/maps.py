@@ -92,6 +92,20 @@ class MapStore:
         self._semantic = SemanticIndex(shape.embed_dim, capacity, sketch_dim, sketch_candidates, _BLOCK_ELEMS)
         self._alloc(capacity)
 
+    @classmethod
+    def for_config(
+        cls, shape: ModelShape, config: RuntimeConfig, persistence: MapPersistence | None = None
+    ) -> MapStore:
+        """The store a runtime with these settings uses (capacity, d, semantic sketch)."""
+        return cls(
+            shape,
+            config.store_capacity,
+            config.prefetch_distance,
+            persistence,
+            sketch_dim=config.sketch_dim,
+            sketch_candidates=config.sketch_candidates,
+        )
+
     # --- sizes -----------------------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:

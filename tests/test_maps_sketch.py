@@ -176,3 +176,12 @@ def test_bench_agreement_counts_every_choice_and_agrees_when_every_map_is_rerank
     assert (a.searches, a.adds) == (90 - 6 - 1, 90 - 1)
     assert (a.same_top1, a.same_rdy) == (a.searches, a.adds)
     assert a.top1_loss == pytest.approx(0.0, abs=1e-5) and a.rdy_loss == pytest.approx(0.0, abs=1e-5)
+
+
+def test_for_config_builds_the_store_the_settings_describe():
+    shape = ModelShape(num_layers=3, num_experts=8, top_k=2, embed_dim=512)
+    config = RuntimeConfig(store_capacity=17, prefetch_distance=2, sketch_dim=64, sketch_candidates=5)
+    store = MapStore.for_config(shape, config)
+    assert (store.capacity, store.prefetch_distance) == (17, 2)
+    assert store._semantic.sketch_dim == 64 and store._semantic.candidates == 5
+    assert not MapStore.for_config(shape, config.with_changes(sketch_dim=0))._semantic.sketched

@@ -107,7 +107,7 @@ class _Factory:
             store_capacity=self.store_capacity,
             semantic_mode=self.semantic_mode,
         )
-        store = MapStore(schedule.shape, self.store_capacity, self.distance)
+        store = MapStore.for_config(schedule.shape, config)
         return make_policy(name, schedule.shape, config, store)
 
 

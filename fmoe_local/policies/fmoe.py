@@ -77,7 +77,7 @@ class FMoEPolicy:
         self.shape = shape
         self.prefetch_distance = config.prefetch_distance
         if map_store is None:
-            map_store = MapStore(shape, config.store_capacity, config.prefetch_distance)
+            map_store = MapStore.for_config(shape, config)
         elif map_store.prefetch_distance != config.prefetch_distance:
             map_store.reconfigure(prefetch_distance=config.prefetch_distance)
         self.store = map_store
