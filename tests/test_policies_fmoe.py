@@ -161,7 +161,7 @@ def test_eviction_looks_ahead_along_the_successor_chain():
     assert eviction_order(policy, [(2, 2), (2, 4), (2, 6)], current_layer=-1) == [(2, 6), (2, 4), (2, 2)]
 
 
-def test_mis_prefetched_experts_go_first_once_their_layer_ran():
+def test_prefetched_but_unused_experts_are_ranked_by_next_use_like_any_other():
     sem = np.array([1, 0, 0], np.float32)
     policy = make(d=1, maps=[ExpertMap(MAP_A, sem, 0)])
     policy.begin_iteration(sem)  # prefetches layer 0: experts 0, 1
@@ -170,14 +170,12 @@ def test_mis_prefetched_experts_go_first_once_their_layer_ran():
     assert policy.choose_victims(candidates, current_layer=-1)[0] == (3, 5)
     policy.observe_layer(0, row(0.5, 0.3, 0.2))  # matches A: layer 3 = experts 6, 7, so (3,5) → 3 + 4·2 = 11
     policy.record_access(0, [0, 2], [True, False])  # expert 1 was prefetched and not used
-    # By key (3,5) would go (layer 0's observed top-K still holds expert 1: 4 < 11); mis-prefetched goes first.
-    assert policy.choose_victims(candidates, current_layer=0)[0] == (0, 1)
-    # A new iteration forgets the last one's mistakes.
-    policy.end_iteration()
-    policy.begin_iteration(sem)
-    policy.observe_layer(0, row(0.5, 0.3, 0.2))
-    policy.record_access(0, [0, 1], [True, True])
+    # No mis-prefetched-first rule (the paper's): layer 0's observed top-K still holds expert 1, next run → 4 < 11.
     assert policy.choose_victims(candidates, current_layer=0)[0] == (3, 5)
+    # Once nothing predicts it any more, it waits at its use rate: layer 0 ran once, expert 1 never used
+    # → 4 + 4·(1 + 2)/(0 + 1) = 16 > 11.
+    policy.observe_layer(0, row(0.5, 0.0, 0.5))
+    assert policy.choose_victims(candidates, current_layer=0)[0] == (0, 1)
 
 
 def test_end_iteration_feeds_complete_maps_only_and_end_request_drops_trajectory():

@@ -1,8 +1,8 @@
 """fmoe: the fMoE policy — prefetch from the most similar past expert map, evict the latest predicted next use.
 
 Scope: the paper's rules (DESIGN.md) over the Policy interface: semantic search at the start of an iteration,
-trajectory search after each observed layer, δ-sized prefetch sets, the two priorities, mis-prefetched-first
-eviction, and feeding finished maps to the MapStore. It does NOT search arrays itself (maps.py), copy weights
+trajectory search after each observed layer, δ-sized prefetch sets, the prefetch priority, eviction by
+predicted next use, and feeding finished maps to the MapStore. It does NOT search arrays itself (maps.py), copy weights
 (prefetcher.py) or own the cache.
 
 Layer indices (0-based here, 1-based in the paper). The paper predicts layers 1..d from the semantic match and,
@@ -37,8 +37,9 @@ Only the top-K of a predicted row counts (an expert is in it or not): whether a 
 top-k entries only, that is the map's prediction of which experts run (it measured better than weighing runs by
 min(1, K·p)). HORIZON = 16 runs: 4, 8, 16, 32 gave pooled hit rates 0.580, 0.596, 0.601, 0.597 on the halves of
 the shared traces.
-Mis-prefetched experts — prefetched for a layer in this iteration, that layer has run, and they were not used —
-go before everything else (latest predicted use first among them).
+The paper's (ExpertFlow's) mis-prefetched-first rule — experts prefetched for a layer that ran without using them
+go before everything else — is dropped: with next-use times their chance of use is already in the key, and
+putting them first cost 1.4 points on both halves (0.6144 → 0.6007 pooled, docs/bench.md "Tuning", session 3).
 
 Successor links: the policy remembers, for each map it stored, the slot of the map stored after it in the same
 request. The successor of the map most similar to the current iteration is a prediction of the next iteration.
@@ -142,11 +143,7 @@ class FMoEPolicy:
         self._live = np.zeros((L, J), np.float32)  # [L, J] this iteration's observed trajectory
         self._observed = np.zeros(L, bool)
         self._semantic = semantic
-        # Mis-prefetched = prefetched for a layer that has run, and not used by it.
-        self._prefetched = np.zeros((L, J), bool)  # [L, J] prefetch issued this iteration
-        self._used = np.zeros((L, J), bool)  # [L, J] accessed this iteration
         self._ran = np.zeros(L, bool)  # [L] layer accessed this iteration
-        self._not_mis = np.ones((L, J), bool)  # [L, J] not mis-prefetched (updated when a layer runs)
 
     def begin_iteration(self, semantic: np.ndarray | None) -> Sequence[Prefetch]:
         sem = None if semantic is None else np.asarray(semantic, np.float32).reshape(-1).copy()
@@ -307,7 +304,6 @@ class FMoEPolicy:
         chosen = prefetch_set(p, delta, self.shape.top_k)
         with self._lock:
             self._set_p(layer, p)
-            self._prefetched[layer, chosen] = True
         distance = layer - l_now
         # Target layer first (module docstring); p/distance ≤ 1 is scaled into [0, 0.5] so it only orders a layer.
         priority = layer + 0.5 * p[chosen].astype(np.float64) / distance
@@ -356,14 +352,11 @@ class FMoEPolicy:
     def record_access(self, layer: int, experts: Sequence[int], hits: Sequence[bool]) -> None:
         idx = np.asarray(experts, np.int64)
         with self._lock:
-            freq, used = self._freq[layer], self._used[layer]  # row views
-            freq[idx] += 1.0
-            used[idx] = True
+            self._freq[layer, idx] += 1.0
             if not self._ran[layer]:  # a long prefill reports a layer in chunks: one run
                 self._runs[layer] += 1.0
             self._ran[layer] = True
             self._refresh_evict(layer, p_changed=False)
-            np.logical_or(~self._prefetched[layer], used, out=self._not_mis[layer])  # not (prefetched and unused)
 
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
@@ -371,9 +364,8 @@ class FMoEPolicy:
         # Key [0] for layers still to run this iteration, [1] for the layers that ran (current_layer included).
         flat = np.where(layers > current_layer, 0, L * J) + layers * J + experts
         with self._lock:
-            when, not_mis = self._fresh_keys().reshape(-1)[flat], self._not_mis[layers, experts]
-        # Mis-prefetched first, then the latest predicted next use.
-        return lowest(candidates, layers, experts, -when, not_mis, count=count)
+            when = self._fresh_keys().reshape(-1)[flat]
+        return lowest(candidates, layers, experts, -when, count=count)  # the latest predicted next use first
 
 
 def predicted_use(rows: np.ndarray, k: int) -> np.ndarray:
