@@ -18,7 +18,8 @@ Predicted distributions are normalised to sum 1 before δ is applied, so δ mean
 whether a map holds full softmaxes or only top-k entries (recordings from other tools).
 
 Eviction: evict the expert whose predicted next use is farthest away (Belady's rule on a prediction; the paper's
-1/(p·freq) gave up to 4 points less on the shared traces, docs/bench.md "Tuning", session 3). Time is counted in
+1/(p·freq) with mis-prefetched first gave 5.4–5.6 points less hit rate on the halves of the shared traces,
+docs/bench.md "Tuning", session 3). Time is counted in
 layer steps: a layer still to run this iteration runs again in l − l_now steps, one that ran in L − (l_now − l),
 then every L steps. Per (layer, expert) the next use is predicted at:
 - the layer's next run, if the expert is in the top-K of p_{l}, the newest estimate for that run: for layers this
@@ -35,11 +36,11 @@ then every L steps. Per (layer, expert) the next use is predicted at:
   passes that ran the layer).
 Only the top-K of a predicted row counts (an expert is in it or not): whether a map holds full softmaxes or
 top-k entries only, that is the map's prediction of which experts run (it measured better than weighing runs by
-min(1, K·p)). HORIZON = 16 runs: 4, 8, 16, 32 gave pooled hit rates 0.580, 0.596, 0.601, 0.597 on the halves of
-the shared traces.
+min(1, K·p)). HORIZON = 16 runs: 8, 16 and 32 gave pooled hit rates 0.610, 0.614 and 0.611 on the halves of the
+shared traces.
 The paper's (ExpertFlow's) mis-prefetched-first rule — experts prefetched for a layer that ran without using them
 go before everything else — is dropped: with next-use times their chance of use is already in the key, and
-putting them first cost 1.4 points on both halves (0.6144 → 0.6007 pooled, docs/bench.md "Tuning", session 3).
+putting them first cost 1.3–1.5 points on each half (pooled 0.614 against 0.601).
 
 Successor links: the policy remembers, for each map it stored, the slot of the map stored after it in the same
 request. The successor of the map most similar to the current iteration is a prediction of the next iteration.
