@@ -1,4 +1,5 @@
-"""fMoE policy: hand-computed δ sets, priorities, the semantic → trajectory switch, eviction order, map feeding."""
+"""fMoE policy: hand-computed δ sets, priorities, the semantic → trajectory switch, eviction order (predicted
+next-use time along the successor chain), map feeding."""
 
 from __future__ import annotations
 
@@ -102,40 +103,79 @@ def test_trajectory_score_sets_delta():
     assert as_tuples(out) == [(2, 4, 2.3), (2, 5, 2.15)]  # 0.6 < δ ≤ 0.9: two experts
 
 
-def test_eviction_priority_is_inverse_p_times_freq():
-    policy = make(d=1)
+def eviction_order(policy: FMoEPolicy, candidates: list[tuple[int, int]], current_layer: int) -> list:
+    """Victims one at a time until none is left (the Policy contract: equal to asking for all at once)."""
+    candidates, order = list(candidates), []
+    while candidates:
+        victim = policy.choose_victims(candidates, current_layer=current_layer)[0]
+        order.append(victim)
+        candidates.remove(victim)
+    assert policy.choose_victims(order[::-1], current_layer, count=len(order)) == order
+    return order
+
+
+def test_eviction_key_is_the_predicted_next_use_time():
+    policy = make(d=1)  # L = 4, K = 2, empty store: no successor chain, the use rate covers every later run
+    policy.begin_iteration(None)
+    policy.record_access(0, [0, 2], [False, False])
     policy.begin_iteration(None)
     policy.observe_layer(0, row(0.6, 0.3, 0.1))
     policy.record_access(0, [0, 1], [False, False])
-    policy.record_access(0, [0], [True])
-    # (0,0): 1/((0.6+ε)·3) = 0.56; (0,1): 1/((0.3+ε)·2) = 1.67; (0,2): 1/((0.1+ε)·1) = 10;
-    # (0,5): never predicted nor seen → 1/(ε·1) = 10⁴; (3,0): nothing known → uniform 1/8 → 8.
-    candidates = [(0, 0), (0, 1), (0, 2), (0, 5), (3, 0)]
-    order = []
-    while candidates:
-        victim = policy.choose_victims(candidates, current_layer=0)[0]
-        order.append(victim)
-        candidates.remove(victim)
-    assert order == [(0, 5), (0, 2), (3, 0), (0, 1), (0, 0)]
+    policy.record_access(0, [0], [True])  # a second chunk of the same run: freq grows, runs do not
+    # Layer 0 ran (current_layer 0): its next run is L + 0 = 4 steps on. Predicted there (top-K of the observed
+    # row: experts 0, 1) → 4. Otherwise the expected wait at the use rate (runs + 2)/(freq + 1) runs, 2 runs so
+    # far: (0,2) used once → 4 + 4·(4/2) = 12; (0,5) never → 4 + 4·(4/1) = 20. Layers 2 and 3 are still to run
+    # (2 and 3 steps on) and, knowing nothing yet (uniform p), predicted: 2 and 3.
+    order = eviction_order(policy, [(0, 0), (0, 1), (0, 2), (0, 5), (2, 1), (3, 0)], current_layer=0)
+    assert order == [(0, 5), (0, 2), (0, 0), (0, 1), (3, 0), (2, 1)]
 
 
-def test_mis_prefetched_experts_go_first_once_their_layer_ran():
+def chain_maps() -> list[np.ndarray]:
+    """Four maps whose every layer uses experts (2i, 2i+1) with probabilities 0.6, 0.4 in map i."""
+    return [np.tile(perm(row(0.6, 0.4), [2 * i, 2 * i + 1]), (4, 1)) for i in range(4)]
+
+
+def test_eviction_looks_ahead_along_the_successor_chain():
+    policy = make(d=1)
+    for m in chain_maps():  # request 1 stores maps 0, 1, 2, 3, linked 0 → 1 → 2 → 3
+        policy.begin_iteration(None)
+        for layer in range(4):
+            policy.observe_layer(layer, m[layer])
+        policy.end_iteration()
+    policy.begin_request(2)
+    policy.begin_iteration(None)
+    policy.observe_layer(0, chain_maps()[0][0])  # matches map 0: the chain is maps 0, 1, 2, 3
+    # Layer 0 ran: next run (step 4) is map 1's, then map 2's (8), map 3's (12); expert 0 (map 0 only) is
+    # predicted by none of them: past the chain's 2 later runs, the wait at the use rate (0 + 2)/(0 + 1) = 2
+    # → 4 + 4·(2 + 2) = 20.
+    assert eviction_order(policy, [(0, 2), (0, 4), (0, 6), (0, 0)], current_layer=0) == [(0, 0), (0, 6), (0, 4), (0, 2)]
+    # Layer 2 is still to run: this iteration (map 0, step 2), then maps 1, 2, 3 at 6, 10, 14.
+    assert eviction_order(policy, [(2, 0), (2, 2), (2, 4), (2, 6)], current_layer=0) == [(2, 6), (2, 4), (2, 2), (2, 0)]
+    # Across layers: (2, 2) is next used at step 6, after (0, 2) at step 4, so it goes first.
+    assert policy.choose_victims([(0, 2), (2, 2)], current_layer=0) == [(2, 2)]
+    # The next iteration moves along the chain: layer 2's next run is now map 1's, then maps 2, 3.
+    for layer in range(1, 4):
+        policy.observe_layer(layer, chain_maps()[0][layer])
+    policy.end_iteration()
+    policy.begin_iteration(None)
+    assert eviction_order(policy, [(2, 2), (2, 4), (2, 6)], current_layer=-1) == [(2, 6), (2, 4), (2, 2)]
+
+
+def test_prefetched_but_unused_experts_are_ranked_by_next_use_like_any_other():
     sem = np.array([1, 0, 0], np.float32)
     policy = make(d=1, maps=[ExpertMap(MAP_A, sem, 0)])
     policy.begin_iteration(sem)  # prefetches layer 0: experts 0, 1
     candidates = [(0, 1), (3, 5)]
-    # Before layer 0 runs, (0,1) is a plain prediction: p = 0.3 → 3.3 < uniform (3,5): 1/(0.125) = 8.
-    assert policy.choose_victims(candidates, current_layer=0)[0] == (3, 5)
-    policy.observe_layer(0, row(0.5, 0.2, 0.3))
+    # Before layer 0 runs, (0,1) is predicted for it (step 0); (3,5), knowing nothing of layer 3, at step 3.
+    assert policy.choose_victims(candidates, current_layer=-1)[0] == (3, 5)
+    policy.observe_layer(0, row(0.5, 0.3, 0.2))  # matches A: layer 3 = experts 6, 7, so (3,5) → 3 + 4·2 = 11
     policy.record_access(0, [0, 2], [True, False])  # expert 1 was prefetched and not used
-    # By priority alone (3,5) would still go (1/(0.2·1) = 5 < 8); being mis-prefetched puts (0,1) first.
-    assert policy.choose_victims(candidates, current_layer=0)[0] == (0, 1)
-    # A new iteration forgets the last one's mistakes.
-    policy.end_iteration()
-    policy.begin_iteration(sem)
-    policy.observe_layer(0, row(0.5, 0.2, 0.3))
-    policy.record_access(0, [0, 1], [True, True])
+    # No mis-prefetched-first rule (the paper's): layer 0's observed top-K still holds expert 1, next run → 4 < 11.
     assert policy.choose_victims(candidates, current_layer=0)[0] == (3, 5)
+    # Once nothing predicts it any more, it waits at its use rate: layer 0 ran once, expert 1 never used
+    # → 4 + 4·(1 + 2)/(0 + 1) = 16 > 11.
+    policy.observe_layer(0, row(0.5, 0.0, 0.5))
+    assert policy.choose_victims(candidates, current_layer=0)[0] == (0, 1)
 
 
 def test_end_iteration_feeds_complete_maps_only_and_end_request_drops_trajectory():
@@ -211,12 +251,12 @@ def test_matcher_and_forward_threads_together():
 def test_frequency_counts_carry_across_requests():
     policy = make(d=1)
     for _ in range(3):
-        policy.record_access(0, [0], [True])
+        policy.record_access(0, [0], [True])  # one run of layer 0, expert 0 three times (chunks)
     policy.end_request()
     policy.begin_request(2)
     policy.begin_iteration(None)
-    policy.observe_layer(0, row(0.5, 0.5))
-    # Equal p; (0,0) was used 3 times in the previous request → 1/(0.5·4) against (0,1)'s 1/(0.5·1).
+    policy.observe_layer(0, row(0, 0, 0.5, 0.5))  # predicts experts 2, 3: neither candidate
+    # Waits (runs + 2)/(freq + 1) at least 1: (0,0) used 3 times in the previous request → 1, (0,1) → 3.
     assert policy.choose_victims([(0, 0), (0, 1)], current_layer=0)[0] == (0, 1)
 
 
@@ -232,11 +272,11 @@ def test_prefetch_priority_puts_the_farther_target_layer_first():
 def test_eviction_ranks_every_remaining_layer_by_the_current_match():
     policy = make(d=1, maps=[ExpertMap(MAP_A, None, 0), ExpertMap(MAP_B, None, 0)])
     policy.begin_iteration(None)
-    # Nothing predicted for layer 3 yet: uniform p, equal freq → the tie goes to the smaller key.
-    assert policy.choose_victims([(3, 0), (3, 1)], current_layer=0)[0] == (3, 0)
+    # Nothing predicted for layer 3 yet: uniform p, every expert in its top-K → the tie goes to the smaller key.
+    assert policy.choose_victims([(3, 0), (3, 6)], current_layer=0)[0] == (3, 0)
     policy.observe_layer(0, MAP_A[0])  # matches A, which predicts layer 1 (the prefetch target) and 2, 3 too
-    # A's layer 3: expert 0 has 0.1, expert 1 nothing → (3,1) goes; layer 2: expert 4 has 0.6, expert 3 nothing.
-    assert policy.choose_victims([(3, 0), (3, 1)], current_layer=0)[0] == (3, 1)
+    # A's layer 3: top-K experts 6, 7 (expert 0's 0.1 is third) → (3,0) goes; layer 2: 4 and 5, not 3.
+    assert policy.choose_victims([(3, 6), (3, 0)], current_layer=0)[0] == (3, 0)
     assert policy.choose_victims([(2, 3), (2, 4)], current_layer=0)[0] == (2, 3)
 
 

@@ -1,8 +1,8 @@
-"""fmoe: the fMoE policy — prefetch from the most similar past expert map, evict by probability × frequency.
+"""fmoe: the fMoE policy — prefetch from the most similar past expert map, evict the latest predicted next use.
 
 Scope: the paper's rules (DESIGN.md) over the Policy interface: semantic search at the start of an iteration,
-trajectory search after each observed layer, δ-sized prefetch sets, the two priorities, mis-prefetched-first
-eviction, and feeding finished maps to the MapStore. It does NOT search arrays itself (maps.py), copy weights
+trajectory search after each observed layer, δ-sized prefetch sets, the prefetch priority, eviction by
+predicted next use, and feeding finished maps to the MapStore. It does NOT search arrays itself (maps.py), copy weights
 (prefetcher.py) or own the cache.
 
 Layer indices (0-based here, 1-based in the paper). The paper predicts layers 1..d from the semantic match and,
@@ -17,25 +17,36 @@ Prefetch priority p/(l − l_now) therefore divides by l+1 (semantic) or d (traj
 Predicted distributions are normalised to sum 1 before δ is applied, so δ means a share of the predicted mass
 whether a map holds full softmaxes or only top-k entries (recordings from other tools).
 
-Eviction priority 1/(p·freq), largest evicted first, with p_{l,j} the newest estimate for layer l's NEXT use:
-- layers this iteration has not run yet: the latest trajectory match's prediction for that layer (every remaining
-  layer, not only l+d: a map matched on layers 0..l predicts layer l+5 about as well as l+1), or the semantic /
-  fallback prediction before the first match; a uniform 1/J before anything was seen.
-- layers already run this iteration are next used by the NEXT iteration: p is the successor of the current best
-  match (the map stored right after it in its own request, see "Successor links"); without one, the observed
-  distribution (decode steps partly repeat). Every p row is normalised to sum 1, so predicted and observed rows
-  weigh alike, and smoothed as p + 1e-4 so an expert nobody predicts ranks by frequency.
-- freq_{l,j}: accesses since the policy was built (every request) + 1 (Laplace), so a never-used expert has
-  freq 1. Counting over the session rather than per request measured better in replay (first 20 requests of
-  each shared DeepSeek-V2-Lite trace, cache 25% of experts, d = 3): hit rate intent 0.558 → 0.607, law
-  0.540 → 0.551. Decaying it per iteration (horizon 16 iterations) measured worse (docs/bench.md, Tuning).
-Mis-prefetched experts — prefetched for a layer in this iteration, that layer has run, and they were not used —
-go before everything else (largest 1/(p·freq) first among them).
+Eviction: evict the expert whose predicted next use is farthest away (Belady's rule on a prediction; the paper's
+1/(p·freq) with mis-prefetched first gave 5.4–5.6 points less hit rate on the halves of the shared traces,
+docs/bench.md "Tuning", session 3). Time is counted in
+layer steps: a layer still to run this iteration runs again in l − l_now steps, one that ran in L − (l_now − l),
+then every L steps. Per (layer, expert) the next use is predicted at:
+- the layer's next run, if the expert is in the top-K of p_{l}, the newest estimate for that run: for layers this
+  iteration has not run yet, the latest trajectory match's row (every remaining layer, not only l+d: a map matched
+  on layers 0..l predicts layer l+5 about as well as l+1), or the semantic / fallback prediction before the first
+  match, a uniform 1/J (every expert predicted) before anything was seen; for layers already run, which the NEXT
+  iteration runs next, the current best match's successor (the map stored right after it in its own request, see
+  "Successor links"), without one the observed distribution (decode steps partly repeat);
+- else the first later run whose map along the successor chain (the match's successor, that map's successor, …,
+  up to HORIZON runs in all) has the expert in its top-K: a past request that routed like this one goes on
+  routing like the next iterations of this one;
+- else, past the runs the chain covers, after the expected wait 1/rate runs, rate = (freq + 1) / (runs + 2) the
+  layer's use rate of the expert (freq: its accesses since the policy was built, every request; runs: forward
+  passes that ran the layer).
+Only the top-K of a predicted row counts (an expert is in it or not): whether a map holds full softmaxes or
+top-k entries only, that is the map's prediction of which experts run (it measured better than weighing runs by
+min(1, K·p)). HORIZON = 16 runs: 8, 16 and 32 gave pooled hit rates 0.610, 0.614 and 0.611 on the halves of the
+shared traces.
+The paper's (ExpertFlow's) mis-prefetched-first rule — experts prefetched for a layer that ran without using them
+go before everything else — is dropped: with next-use times their chance of use is already in the key, and
+putting them first cost 1.3–1.5 points on each half (pooled 0.614 against 0.601).
 
 Successor links: the policy remembers, for each map it stored, the slot of the map stored after it in the same
 request. The successor of the map most similar to the current iteration is a prediction of the next iteration.
-It sets the eviction p of layers already run (above) and, at the start of an iteration, predicts layers 0..d−1
-from the successor of the previous iteration's final (all-layer) match, with δ = 1 − that match's score. The
+It sets the eviction p of layers already run, its own successors the later runs (above), and, at the start of an
+iteration, predicts layers 0..d−1 from the successor of the previous iteration's final (all-layer) match, with
+δ = 1 − that match's score. The
 semantic match is used for a request's first iteration, or when no link is known (maps loaded from disk carry
 none). Replacing a stored map keeps the links to its slot: the store replaces the map most similar to the new one,
 so the link still points at a similar map until a new successor is recorded.
@@ -63,7 +74,7 @@ from fmoe_local.maps import ExpertMap, MapStore
 from fmoe_local.policies._common import lowest, normalised, prefetch_set, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
 
-P_FLOOR = 1e-4  # added to p in the eviction priority (see module docstring)
+HORIZON = 16  # runs of a layer, the next one included, whose use the successor chain predicts (module docstring)
 
 
 class FMoEPolicy:
@@ -88,13 +99,21 @@ class FMoEPolicy:
         self._last_seen = np.zeros((L, J), np.float32)  # [L, J] last observed distribution per layer (fallback)
         self._has_seen = np.zeros(L, bool)
         self._freq = np.zeros((L, J), np.float32)  # [L, J] accesses since the policy was built
-        # [L, J] the eviction priority 1/(p·freq), kept up to date row by row as p and freq change: an eviction
-        # then reads it instead of recomputing it for hundreds of candidates.
-        self._evict = np.empty((L, J), np.float32)
-        self._refresh_evict(slice(None))
-        self._request_id = 0
+        self._runs = np.zeros(L, np.float32)  # [L] forward passes that ran each layer (freq / runs = use rate)
         # Successor links (module docstring): _next_of[s] = slot stored right after slot s in its request, or −1.
         self._next_of = np.full(self.store.capacity, -1, np.int64)  # [C]
+        # [2, L, J] eviction key = predicted time of next use in layer steps, up to a shift common to all
+        # candidates; [0] for a layer still to run this iteration, [1] for one that ran. Kept up to date row by
+        # row as p, freq and the chain change: an eviction reads it instead of recomputing hundreds of candidates.
+        self._evict = np.empty((2, L, J), np.float64)
+        # [2, L, 1] the key of a use at the next run: layer l still to run is next run l steps from layer 0,
+        # one that ran L + l steps (the shift common to every candidate, current_layer, is left out).
+        self._offset = (np.arange(2)[:, None, None] * L + np.arange(L)[None, :, None]).astype(np.float64)
+        self._p_use = np.zeros((L, J), bool)  # [L, J] p_est's top-K: predicted to be used at the next run
+        self._stale = np.ones(L, bool)  # [L] layers whose eviction keys need recomputing
+        self._p_stale = np.ones(L, bool)  # [L] layers whose p_use needs recomputing
+        self._reset_chain()
+        self._request_id = 0
         self._prev_slot = -1  # where this request's previous iteration was stored (−1: none, or it stopped)
         self._final: tuple[int, float] = (-1, 0.0)  # the previous iteration's all-layer match (slot, score)
         self._reset_iteration(None)
@@ -110,6 +129,7 @@ class FMoEPolicy:
             with self._lock:
                 self._next_of = np.full(self.store.capacity, -1, np.int64)
                 self._prev_slot, self._final = -1, (-1, 0.0)
+                self._reset_chain()
 
     # --- request / iteration lifecycle -----------------------------------------------------------------------
     def begin_request(self, request_id: int) -> None:
@@ -117,23 +137,24 @@ class FMoEPolicy:
             self._request_id = request_id
             self._prev_slot, self._final = -1, (-1, 0.0)
             self._reset_iteration(None)
+            self._reset_chain()
 
     def _reset_iteration(self, semantic: np.ndarray | None) -> None:
         L, J = self.shape.num_layers, self.shape.num_experts
         self._live = np.zeros((L, J), np.float32)  # [L, J] this iteration's observed trajectory
         self._observed = np.zeros(L, bool)
         self._semantic = semantic
-        # Mis-prefetched = prefetched for a layer that has run, and not used by it.
-        self._prefetched = np.zeros((L, J), bool)  # [L, J] prefetch issued this iteration
-        self._used = np.zeros((L, J), bool)  # [L, J] accessed this iteration
         self._ran = np.zeros(L, bool)  # [L] layer accessed this iteration
-        self._not_mis = np.ones((L, J), bool)  # [L, J] not mis-prefetched (updated when a layer runs)
 
     def begin_iteration(self, semantic: np.ndarray | None) -> Sequence[Prefetch]:
         sem = None if semantic is None else np.asarray(semantic, np.float32).reshape(-1).copy()
         with self._lock:
             self._reset_iteration(sem)
             final, self._final = self._final, (-1, 0.0)
+            # The chain's successor is this iteration's map now; read it again at the first match (a link may have
+            # been added, a slot rewritten).
+            self._set_chain(self._chain[1:])
+            self._chain_head = None
         first = min(self.prefetch_distance, self.shape.num_layers)
         successor = self._successor(final[0])
         if successor is not None:  # the previous iteration's routing says more than the semantic match here
@@ -164,7 +185,7 @@ class FMoEPolicy:
         L, target = self.shape.num_layers, layer + self.prefetch_distance
         slot, score = self.store.match_trajectory(trajectory)  # also past the last target: eviction uses it
         if slot >= 0:
-            self._estimate_next_use(layer, self.store.probs(slot), self._successor(slot))
+            self._estimate_next_use(layer, *self._follow(slot))
             if layer == L - 1:
                 with self._lock:
                     self._final = (slot, score)
@@ -206,10 +227,11 @@ class FMoEPolicy:
                 observed = normalised(p[layer])
                 if observed is not None:
                     self._p_est[layer] = observed
-            self._refresh_evict(slice(None))
             self._last_seen[:] = p
             self._has_seen[:] = True
             self._final = (-1, 0.0)
+            self._reset_chain()
+            self._refresh_evict(slice(None))  # p changed too
         self.end_iteration()
 
     # --- prediction ------------------------------------------------------------------------------------------
@@ -221,6 +243,48 @@ class FMoEPolicy:
         if not 0 <= nxt < len(self.store):  # no link, or the store was cleared since
             return None
         return self.store.probs(nxt)
+
+    def _follow(self, slot: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The match's map and its successor; also makes the chain from `slot` the one eviction looks ahead with."""
+        if self._chain_head is not None and self._chain_head[0] == slot:  # unchanged since the last layer
+            return self._chain_head[1], self._chain_head[2]
+        maps: list[np.ndarray] = []  # [L, J] each: the match, its successor, the successor's successor, ...
+        s, n = slot, len(self.store)
+        while len(maps) <= HORIZON and 0 <= s < n:
+            maps.append(self.store.probs(s))
+            s = int(self._next_of[s]) if s < self._next_of.size else -1
+        successor = maps[1] if len(maps) > 1 else None
+        with self._lock:
+            self._set_chain(predicted_use(np.stack(maps), self.shape.top_k))
+            self._chain_head = (slot, maps[0], successor)
+        return maps[0], successor
+
+    def _reset_chain(self) -> None:  # under self._lock (or before the policy is shared)
+        L, J = self.shape.num_layers, self.shape.num_experts
+        self._chain_head: tuple[int, np.ndarray, np.ndarray | None] | None = None
+        self._set_chain(np.zeros((0, L, J), bool))
+
+    def _set_chain(self, chain: np.ndarray) -> None:  # under self._lock
+        """chain [m, L, J] bool: predicted use in the current iteration's map (row 0) and the m − 1 after it.
+
+        A layer still to run is next run by this iteration (row 0, which p_est already holds), then by the
+        iterations of rows 1, 2, …; a layer that ran is next run by the iteration of row 1 (p_est), then rows 2, ….
+        Kept per case (still to run, ran): the key of an expert that p_est does not predict, as `_base` (the first
+        later run the chain predicts, else the number of runs it covers) plus `_past` (1 where the chain predicts
+        none, to be scaled by the expected wait at the use rate).
+        """
+        L, J = self.shape.num_layers, self.shape.num_experts
+        self._chain = chain[: HORIZON + 1]
+        runs = np.zeros((2, L, J), np.float64)  # [2, L, J] runs after the next one until a predicted use
+        self._past = np.ones((2, L, J), np.float64)  # [2, L, J] 1: the chain predicts no use
+        for case in (0, 1):
+            rows = self._chain[case + 1 : case + HORIZON]  # runs 1 .. HORIZON − 1 after the next
+            if rows.shape[0]:
+                hit = rows.any(0)
+                runs[case] = np.where(hit, rows.argmax(0) + 1, rows.shape[0])
+                self._past[case] = ~hit
+        self._base = self._offset + L * runs
+        self._refresh_evict(slice(None), p_changed=False)
 
     def _estimate_next_use(self, layer: int, matched: np.ndarray, successor: np.ndarray | None) -> None:
         """Eviction p after `layer` ran: the match for layers still to run, its successor for those that ran."""
@@ -241,15 +305,38 @@ class FMoEPolicy:
         chosen = prefetch_set(p, delta, self.shape.top_k)
         with self._lock:
             self._set_p(layer, p)
-            self._prefetched[layer, chosen] = True
         distance = layer - l_now
         # Target layer first (module docstring); p/distance ≤ 1 is scaled into [0, 0.5] so it only orders a layer.
         priority = layer + 0.5 * p[chosen].astype(np.float64) / distance
         return PrefetchBatch(np.full(chosen.size, layer), chosen, priority)
 
-    def _refresh_evict(self, rows: int | slice) -> None:  # under self._lock (or before the policy is shared)
-        """Recompute the eviction priority 1/(p·freq) of these layers after their p or freq changed."""
-        self._evict[rows] = 1.0 / ((self._p_est[rows] + P_FLOOR) * (self._freq[rows] + 1.0))
+    def _refresh_evict(self, rows: int | slice, p_changed: bool = True) -> None:  # under self._lock (or in __init__)
+        """Mark these layers' eviction keys stale after p (`p_changed`), freq or the chain changed.
+
+        Recomputed when an eviction reads them (`_fresh_keys`): the offline warm-up, and every layer between two
+        evictions, then cost nothing.
+        """
+        self._stale[rows] = True
+        if p_changed:
+            self._p_stale[rows] = True
+
+    def _fresh_keys(self) -> np.ndarray:  # under self._lock
+        """[2, L, J] the eviction keys, the stale layers recomputed: the predicted next use, in layer steps.
+
+        Runs after the next one: 0 when p_est predicts use, else the chain's first predicting run, else (past the
+        chain) the runs it covers plus the expected wait 1/rate at the use rate freq / runs (Laplace-smoothed).
+        """
+        if self._stale.any():
+            rows = np.flatnonzero(self._stale)
+            p_rows = np.flatnonzero(self._p_stale)
+            if p_rows.size:
+                self._p_use[p_rows] = predicted_use(self._p_est[p_rows], self.shape.top_k)
+            wait = np.maximum((self._runs[rows, None] + 2.0) / (self._freq[rows] + 1.0), 1.0)  # [r, J] 1/rate
+            later = self._base[:, rows] + (self.shape.num_layers * wait) * self._past[:, rows]  # [2, r, J]
+            self._evict[:, rows] = np.where(self._p_use[rows], self._offset[:, rows], later)
+            self._stale[:] = False
+            self._p_stale[:] = False
+        return self._evict
 
     def _set_p(self, layer: int, p: np.ndarray) -> None:  # under self._lock
         self._p_est[layer] = p
@@ -266,19 +353,27 @@ class FMoEPolicy:
     def record_access(self, layer: int, experts: Sequence[int], hits: Sequence[bool]) -> None:
         idx = np.asarray(experts, np.int64)
         with self._lock:
-            freq, used = self._freq[layer], self._used[layer]  # row views
-            freq[idx] += 1.0
-            used[idx] = True
+            self._freq[layer, idx] += 1.0
+            if not self._ran[layer]:  # a long prefill reports a layer in chunks: one run
+                self._runs[layer] += 1.0
             self._ran[layer] = True
-            self._refresh_evict(layer)
-            np.logical_or(~self._prefetched[layer], used, out=self._not_mis[layer])  # not (prefetched and unused)
+            self._refresh_evict(layer, p_changed=False)
 
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         layers, experts = split_keys(candidates)
+        L, J = self.shape.num_layers, self.shape.num_experts
+        # Key [0] for layers still to run this iteration, [1] for the layers that ran (current_layer included).
+        flat = np.where(layers > current_layer, 0, L * J) + layers * J + experts
         with self._lock:
-            priority, not_mis = self._evict[layers, experts], self._not_mis[layers, experts]
-        # Mis-prefetched first, then the largest priority.
-        return lowest(candidates, layers, experts, -priority, not_mis, count=count)
+            when = self._fresh_keys().reshape(-1)[flat]
+        return lowest(candidates, layers, experts, -when, count=count)  # the latest predicted next use first
+
+
+def predicted_use(rows: np.ndarray, k: int) -> np.ndarray:
+    """[..., J] bool: each row's k most probable experts (all of a tie at the k-th), never a zero entry."""
+    k = min(k, rows.shape[-1])
+    kth = -np.partition(-rows, k - 1, axis=-1)[..., k - 1 : k]
+    return (rows >= kth) & (rows > 0)
 
 
 def _delta(score: float) -> float:
