@@ -174,28 +174,15 @@ class MapStore:
         Incremental: when `partial` extends the previous query (the matcher's usual pattern within one
         iteration) and no map was written since, only the new layers are multiplied.
         """
-        slots, scores = self.match_trajectory_top(partial, 1)
-        if slots.size == 0:
-            return -1, 0.0
-        return int(slots[0]), float(scores[0])
-
-    def match_trajectory_top(self, partial: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The `n` best stored maps by trajectory cosine (as match_trajectory), best first: (slots [m], scores [m]).
-
-        m = min(n, maps stored); both arrays are empty when nothing is stored. Equal scores keep the lower slot
-        first. A query with no mass matches slot 0 with score 0, as match_trajectory always has.
-        """
-        if n < 1:
-            raise ValueError("Ask for at least one trajectory match.")
         q = np.asarray(partial, np.float32)
         L, J = self.shape.num_layers, self.shape.num_experts
         if q.ndim != 2 or q.shape[1] != J or not 1 <= q.shape[0] <= L:
             raise ValueError(f"A trajectory is [l, {J}] with 1 ≤ l ≤ {L}; got {q.shape}.")
         depth = q.shape[0]
         with self._lock:
-            count = self._n
-            if count == 0:
-                return np.zeros(0, np.int64), np.zeros(0, np.float64)
+            n = self._n
+            if n == 0:
+                return -1, 0.0
             start, dots = 0, None
             cache = self._traj_cache
             if cache is not None and cache[2] == self._version:
@@ -203,24 +190,16 @@ class MapStore:
                 if prev.shape[0] <= depth and np.array_equal(prev, q[: prev.shape[0]]):
                     start, dots = prev.shape[0], prev_dots.copy()
             if dots is None:
-                dots = np.zeros(count, np.float32)
+                dots = np.zeros(n, np.float32)
             for i in range(start, depth):
-                dots += self._layer_dots(i, q[i], count)
+                dots += self._layer_dots(i, q[i], n)
             self._traj_cache = (q.copy(), dots, self._version)
             qn = float(np.sqrt(np.square(q, dtype=np.float64).sum()))
             if qn == 0.0:
-                return np.zeros(1, np.int64), np.zeros(1, np.float64)
-            scores = dots * self._inv_norm[depth, :count]  # cosine × ‖q‖: the same order
-            if n == 1:  # the matcher's usual call: argmax, no sort
-                best = np.array([int(np.argmax(scores))], np.int64)
-            else:
-                m = min(n, count)
-                neg = -scores
-                bound = np.partition(neg, m - 1)[m - 1]  # the m-th best score, negated
-                above = np.flatnonzero(neg < bound)
-                top = np.concatenate([above, np.flatnonzero(neg == bound)[: m - above.size]])  # ties: lower slots
-                best = top[np.lexsort((top, neg[top]))].astype(np.int64)  # by score, then lower slot
-            return best, scores[best].astype(np.float64) / qn
+                return 0, 0.0
+            scores = dots * self._inv_norm[depth, :n]  # cosine × ‖q‖: the same argmax
+            best = int(np.argmax(scores))
+            return best, float(scores[best]) / qn
 
     def _layer_dots(self, layer: int, q: np.ndarray, n: int) -> np.ndarray:
         """[n] dot products of one layer's query row with every stored map's same layer."""

@@ -94,43 +94,6 @@ def test_trajectory_search_equals_brute_force_in_any_call_order(sparse):
     assert store.match_trajectory(maps[15].probs[:3]) == (len(store) - 1, pytest.approx(1.0))
 
 
-def test_trajectory_top_hand_computed_order_and_ties():
-    store = MapStore(SHAPE, capacity=4, prefetch_distance=1, dedup_threshold=1.1)
-    store.add(one_hot_map([0, 1, 2, 3]))
-    store.add(one_hot_map([0, 5, 2, 3]))
-    store.add(one_hot_map([4, 5, 6, 3]))
-    q = one_hot_map([0, 5, 6, 0]).probs[:3]
-    # Shared unit entries of 3: slot 0 → 1, slot 1 → 2, slot 2 → 2 (tie with slot 1: the lower slot first).
-    slots, scores = store.match_trajectory_top(q, 2)
-    assert slots.tolist() == [1, 2]
-    assert scores == pytest.approx([2 / 3, 2 / 3])
-    slots, scores = store.match_trajectory_top(q, 10)  # more than stored: all of them, best first
-    assert slots.tolist() == [1, 2, 0]
-    assert scores == pytest.approx([2 / 3, 2 / 3, 1 / 3])
-    assert store.match_trajectory(q) == (1, pytest.approx(2 / 3))  # its n = 1 case
-    empty = MapStore(SHAPE, capacity=4, prefetch_distance=1)
-    assert [a.size for a in empty.match_trajectory_top(q, 3)] == [0, 0]
-    with pytest.raises(ValueError):
-        store.match_trajectory_top(q, 0)
-
-
-def test_trajectory_top_equals_brute_force_sort_incrementally():
-    rng = np.random.default_rng(3)
-    maps = random_maps(rng, 24)
-    store = MapStore(SHAPE, capacity=32, prefetch_distance=2, dedup_threshold=1.1)
-    for m in maps[:20]:
-        store.add(m)
-    stored = np.stack([store.probs(s) for s in range(len(store))])
-    for q in maps[20:]:
-        for depth in [1, 2, 3, 4]:  # the incremental cache serves both searches
-            want = np.array([cosine(q.probs[:depth], s[:depth]) for s in stored])
-            order = np.argsort(-want, kind="stable")[:5]
-            slots, scores = store.match_trajectory_top(q.probs[:depth], 5)
-            assert slots.tolist() == order.tolist()
-            assert scores == pytest.approx(want[order], rel=1e-5)
-            assert store.match_trajectory(q.probs[:depth]) == (int(order[0]), pytest.approx(want[order[0]], rel=1e-5))
-
-
 def test_semantic_match_skips_maps_without_embedding():
     store = MapStore(SHAPE, capacity=4, prefetch_distance=1)
     store.add(one_hot_map([0, 0, 0, 0], sem=None))
