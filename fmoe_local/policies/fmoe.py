@@ -294,9 +294,15 @@ class FMoEPolicy:
             rows[: layer + 1] = successor[: layer + 1]
         sums = rows.sum(1)
         known = sums > 0  # a layer the map never reached keeps the previous estimate
+        layers = first + np.flatnonzero(known)
+        rows = rows[known] / sums[known, None]
         with self._lock:
-            self._p_est[first:][known] = rows[known] / sums[known, None]
-            self._refresh_evict(slice(first, None))
+            # Within an iteration the match is mostly the same map as one layer earlier: only the rows that moved
+            # need their keys recomputed at the next eviction.
+            moved = (self._p_est[layers] != rows).any(1)
+            if moved.any():
+                self._p_est[layers[moved]] = rows[moved]
+                self._refresh_evict(layers[moved])
 
     def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
         p = normalised(predicted)
@@ -310,7 +316,7 @@ class FMoEPolicy:
         priority = layer + 0.5 * p[chosen].astype(np.float64) / distance
         return PrefetchBatch(np.full(chosen.size, layer), chosen, priority)
 
-    def _refresh_evict(self, rows: int | slice, p_changed: bool = True) -> None:  # under self._lock (or in __init__)
+    def _refresh_evict(self, rows: int | slice | np.ndarray, p_changed: bool = True) -> None:  # under self._lock (or in __init__)
         """Mark these layers' eviction keys stale after p (`p_changed`), freq or the chain changed.
 
         Recomputed when an eviction reads them (`_fresh_keys`): the offline warm-up, and every layer between two
