@@ -316,7 +316,9 @@ class FMoEPolicy:
         priority = layer + 0.5 * p[chosen].astype(np.float64) / distance
         return PrefetchBatch(np.full(chosen.size, layer), chosen, priority)
 
-    def _refresh_evict(self, rows: int | slice | np.ndarray, p_changed: bool = True) -> None:  # under self._lock (or in __init__)
+    def _refresh_evict(
+        self, rows: int | slice | np.ndarray, p_changed: bool = True
+    ) -> None:  # under self._lock (or in __init__)
         """Mark these layers' eviction keys stale after p (`p_changed`), freq or the chain changed.
 
         Recomputed when an eviction reads them (`_fresh_keys`): the offline warm-up, and every layer between two
