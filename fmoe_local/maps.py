@@ -2,9 +2,9 @@
 
 Scope: `ExpertMap` (one iteration's gate distributions + semantic embedding), the `MapPersistence` protocol that
 `store/` implements over SQLite, and `MapStore`: the in-memory arrays, capacity with redundancy-based replacement
-(RDY), dedup, and the two cosine searches (semantic, trajectory). The semantic side (embeddings and their sketch)
-lives in semantic_index.py. It does NOT decide what to prefetch (that is policies/fmoe.py), does not touch SQLite,
-and does not run a thread of its own: it is safe to call from several.
+(RDY), dedup, the two cosine searches (semantic, trajectory) and successor links (rules: map_links.py). The
+semantic side (embeddings and their sketch) lives in semantic_index.py. It does NOT decide what to prefetch (that
+is policies/fmoe.py), does not touch SQLite, and does not run a thread of its own: it is safe to call from several.
 
 Array legend: C capacity, n maps stored (slots 0..n-1, always contiguous), L MoE layers, J experts, h embed dim.
 
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 from fmoe_local.config import RuntimeConfig
+from fmoe_local.map_links import SuccessorLinks
 from fmoe_local.semantic_index import SemanticIndex
 
 if TYPE_CHECKING:  # policies/ imports this module (fmoe); a runtime import back would be circular
@@ -52,12 +53,15 @@ class ExpertMap:
 
 @runtime_checkable
 class MapPersistence(Protocol):
-    """Where maps survive restarts. Slot numbers are the identity on disk: `put` on a used slot replaces it."""
+    """Where maps survive restarts. Slot numbers are the identity on disk: `put` on a used slot replaces it.
 
-    def load(self) -> list[tuple[int, ExpertMap]]: ...
+    Optional `put_link(slot, next_slot)` keeps successor links (`put` leaves a slot's link); `load()` then gives
+    (slot, map, next_slot), −1 for none. Without it, entries are (slot, map) and links last only in memory."""
+
+    def load(self) -> list[tuple[int, ExpertMap]] | list[tuple[int, ExpertMap, int]]: ...
 
     def put(self, slot: int, expert_map: ExpertMap) -> None:
-        """Must not block the caller (queue the write). Writes and `clear` must apply in call order."""
+        """Must not block the caller (queue the write). Writes, links and `clear` must apply in call order."""
         ...
 
     def clear(self) -> None: ...
@@ -82,6 +86,8 @@ class MapStore:
         self.prefetch_distance = prefetch_distance
         self.dedup_threshold = dedup_threshold
         self._persistence = persistence
+        self._put_link = getattr(persistence, "put_link", None)  # optional (MapPersistence)
+        self._links = SuccessorLinks(capacity)
         # Reentrant: reconfigure/load_from write slots through the same helpers add() uses.
         self._lock = threading.RLock()
         self._n = 0
@@ -145,6 +151,11 @@ class MapStore:
         with self._lock:
             self._check_slot(slot)
             return ExpertMap(self.probs(slot), self._semantic.get(slot), int(self._request_ids[slot]))
+
+    def successor(self, slot: int) -> int:
+        """The slot of the map stored right after `slot` in its request (a prediction of what follows), or −1."""
+        with self._lock:
+            return self._links.get(slot, self._n)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self._n:
@@ -215,8 +226,9 @@ class MapStore:
         return out
 
     # --- writing ---------------------------------------------------------------------------------------------
-    def add(self, expert_map: ExpertMap) -> int:
-        """Store a map; returns its slot (a new one, or the replaced most-redundant/near-identical one)."""
+    def add(self, expert_map: ExpertMap, after: int = -1) -> int:
+        """Store a map; returns its slot (a new one, or the replaced most-redundant/near-identical one). `after`: the
+        slot of the map stored before this one in its request, which is then linked to this one."""
         probs, sem = self._validate(expert_map)
         with self._lock:
             slot = self._choose_slot(probs, sem)
@@ -225,6 +237,8 @@ class MapStore:
             self._write(slot, probs, sem, expert_map.request_id)
             if self._persistence is not None:
                 self._persistence.put(slot, ExpertMap(probs, sem, expert_map.request_id))
+            if self._links.record(after, slot, self._n) and self._put_link is not None:
+                self._put_link(after, slot)
             return slot
 
     def redundancy(self, probs: np.ndarray, semantic: np.ndarray | None) -> np.ndarray:
@@ -329,13 +343,15 @@ class MapStore:
     def clear(self) -> None:
         with self._lock:
             self._n = 0
+            self._links.clear()
             self._version += 1
             self._traj_cache = None
             if self._persistence is not None:
                 self._persistence.clear()
 
     def reconfigure(self, capacity: int | None = None, prefetch_distance: int | None = None) -> None:
-        """Change C and/or d at runtime. Shrinking below len() keeps the newest maps (renumbered, rewritten)."""
+        """Change C and/or d at runtime. Shrinking below len() keeps the newest maps (renumbered with their links,
+        rewritten)."""
         with self._lock:
             if prefetch_distance is not None:
                 if prefetch_distance < 1:
@@ -346,9 +362,9 @@ class MapStore:
             if capacity < 1:
                 raise ValueError("The map store needs room for at least one expert map.")
             old = [self.get(s) for s in range(self._n)]
-            old_stamps = self._stamps[: self._n].copy()
-            renumber = len(old) > capacity
-            if renumber:
+            old_stamps, links, keep = self._stamps[: self._n].copy(), self._links.targets(self._n), np.arange(self._n)
+            renumbered = len(old) > capacity
+            if renumbered:
                 keep = np.sort(np.argsort(-old_stamps, kind="stable")[:capacity])  # newest, in slot order
                 old, old_stamps = [old[i] for i in keep], old_stamps[keep]
             self._alloc(capacity)
@@ -357,42 +373,45 @@ class MapStore:
                 self._write(self._n, *self._validate(m), m.request_id)
                 self._n += 1
             self._stamps[: self._n] = old_stamps  # keep the true age order, not the rewrite order
+            self._links.reset(capacity, keep, links[keep])
             self._semantic.flush()  # the sketch of every map in one batch, not at the next search
             self._traj_cache = None
-            if renumber:
+            if renumbered:
                 self._rewrite_persistence()
 
     def load_from(self, persistence: MapPersistence | None = None) -> int:
         """Fill the store from persistence (and keep using it). Returns the number of maps loaded.
 
-        Maps of another shape are skipped; if slots on disk are not exactly 0..k-1 (or exceed the capacity),
-        the kept maps are renumbered and the disk copy rewritten, so the slot identity stays true.
+        Maps of another shape are skipped, links to maps not kept dropped; if slots on disk are not exactly 0..k-1
+        (or exceed the capacity), maps and links are renumbered and the disk copy rewritten: slots stay the identity.
         """
         with self._lock:
             if persistence is not None:
                 self._persistence = persistence
             if self._persistence is None:
                 return 0
-            entries: dict[int, ExpertMap] = {}
+            self._put_link = getattr(self._persistence, "put_link", None)
+            entries: dict[int, tuple[ExpertMap, int]] = {}
             skipped = 0
-            for slot, m in self._persistence.load():
+            for slot, m, *link in self._persistence.load():
                 try:
                     self._validate(m)
                 except ValueError:
                     skipped += 1
                     continue
-                entries[int(slot)] = m
+                entries[int(slot)] = m, int(link[0]) if link else -1
             if skipped:
                 log.warning("Skipped %d stored expert maps of another model shape.", skipped)
             slots = sorted(entries)[: self._capacity]
             self._n = 0
             for s in slots:
-                m = entries[s]
+                m = entries[s][0]
                 self._write(self._n, *self._validate(m), m.request_id)
                 self._n += 1
+            dangling = self._links.reset(self._capacity, np.array(slots), [entries[s][1] for s in slots])
             self._semantic.flush()  # the sketch of every map in one batch, not at the next search
             self._traj_cache = None
-            if skipped or slots != list(range(len(slots))) or len(entries) > len(slots):
+            if skipped or dangling or slots != list(range(len(slots))) or len(entries) > len(slots):
                 self._rewrite_persistence()
             return self._n
 
@@ -402,3 +421,6 @@ class MapStore:
         self._persistence.clear()
         for s in range(self._n):
             self._persistence.put(s, self.get(s))
+        for s, nxt in enumerate(self._links.targets(self._n)):
+            if nxt >= 0 and self._put_link is not None:
+                self._put_link(s, int(nxt))

@@ -1,8 +1,9 @@
 """Expert maps on disk: a model fingerprint, and SqliteMapPersistence (the runtime's MapPersistence over SQLite).
 
-Scope: rows of (fingerprint, slot, probs, semantic, request_id, created), a fast `load()`, and a background
-writer that commits `put`s in batches. It does NOT match, deduplicate or choose slots: the runtime's MapStore
-does, and slot numbers are the identity here, so a map replaced in memory is replaced on disk (INSERT OR REPLACE).
+Scope: rows of (fingerprint, slot, probs, semantic, request_id, created, next_slot), a fast `load()`, and a
+background writer that commits `put`s and `put_link`s in batches. It does NOT match, deduplicate, choose slots or
+decide links: the runtime's MapStore does, and slot numbers are the identity here, so a map replaced in memory is
+replaced on disk. `put` keeps the slot's link (next_slot, the successor link; NULL: none), as the store does.
 
 On disk probs [L, J] and semantic [h] are float16 (half the bytes; gate probabilities and embeddings keep ~3
 significant digits, far below what changes a cosine ranking); `load()` returns float32.
@@ -62,7 +63,7 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 @dataclass(frozen=True)
 class WriterStatus:
-    pending: int  # puts not yet committed
+    pending: int  # puts, links and clears not yet committed
     written: int  # rows committed since start
     batches: int  # transactions committed
     failed: int  # puts lost to errors (disk full, read-only file)
@@ -72,6 +73,12 @@ class WriterStatus:
 _CLEAR = object()
 _STOP = object()
 _FLUSH = object()  # ends the writer's linger so a waiting flush() returns at once
+
+
+@dataclass(frozen=True)
+class _Link:
+    slot: int
+    next_slot: int
 
 
 class SqliteMapPersistence:
@@ -107,15 +114,16 @@ class SqliteMapPersistence:
 
     # --- MapPersistence -------------------------------------------------------------------------------------
 
-    def load(self) -> list[tuple[int, ExpertMap]]:
-        """Every stored map of this model, by slot (pending puts are flushed first), as float32 arrays."""
+    def load(self) -> list[tuple[int, ExpertMap, int]]:
+        """Every stored map of this model, by slot, with its successor link (−1: none); pending writes are flushed
+        first; arrays are float32."""
         from fmoe_local.maps import ExpertMap
 
         self.flush()
         L, J, h = self.num_layers, self.num_experts, self.embed_dim
         where = "fingerprint = ? AND length(probs) = ?"  # a blob of another shape is not decoded
         args = [self.fingerprint, L * J * 2]
-        out: list[tuple[int, ExpertMap]] = []
+        out: list[tuple[int, ExpertMap, int]] = []
         with self._store_db.lock, self._store_db.db.atomic():  # one snapshot for the counts and the rows
             db = self._store_db.db
             n = db.execute(f"SELECT count(*) FROM maps WHERE {where}", args).fetchone()[0]
@@ -127,17 +135,20 @@ class SqliteMapPersistence:
             # second copy of every blob (hundreds of MB at 32K maps with embeddings).
             probs = np.empty((n, L, J), np.float32)
             sems = np.empty((n_sem, h), np.float32)
-            cursor = db.execute(f"SELECT slot, probs, semantic, request_id FROM maps WHERE {where} ORDER BY slot", args)
+            cursor = db.execute(
+                f"SELECT slot, probs, semantic, request_id, next_slot FROM maps WHERE {where} ORDER BY slot", args
+            )
             k = 0
             while chunk := cursor.fetchmany(1024):
-                for slot, probs_blob, sem_blob, request_id in chunk:
+                for slot, probs_blob, sem_blob, request_id, next_slot in chunk:
                     i = len(out)
                     probs[i] = np.frombuffer(probs_blob, np.float16).reshape(L, J)
                     semantic = None
                     if h > 0 and sem_blob is not None and len(sem_blob) == h * 2:
                         sems[k] = np.frombuffer(sem_blob, np.float16)
                         semantic, k = sems[k], k + 1
-                    out.append((int(slot), ExpertMap(probs=probs[i], semantic=semantic, request_id=int(request_id))))
+                    m = ExpertMap(probs=probs[i], semantic=semantic, request_id=int(request_id))
+                    out.append((int(slot), m, -1 if next_slot is None else int(next_slot)))
         return out
 
     def put(self, slot: int, expert_map: ExpertMap) -> None:
@@ -153,6 +164,12 @@ class SqliteMapPersistence:
         with self._cond:
             self._enqueued += 1
         self._queue.put(item)
+
+    def put_link(self, slot: int, next_slot: int) -> None:
+        """Queue the successor link of `slot` (a stored map): `next_slot` was stored right after it. Never waits."""
+        if self._closed:
+            raise RuntimeError("This map persistence is closed; open a new one for the model.")
+        self._enqueue(_Link(int(slot), int(next_slot)))
 
     def clear(self) -> None:
         """Delete every map of this model, after whatever was put before and before what is put next.
@@ -256,15 +273,21 @@ class SqliteMapPersistence:
             db.conn.close()
 
     def _commit(self, db, batch: list) -> None:
-        # Within a batch a later put to a slot wins; a clear drops the puts queued before it.
+        # Within a batch a later put (or link) to a slot wins; a clear drops what was queued before it. Links are
+        # applied after the puts: a link joins stored maps, so its slot's put came before it (this batch or one
+        # earlier), and a put leaves a slot's link as it was.
         cleared = False
         pending: dict[int, tuple] = {}
+        links: dict[int, int] = {}
         for item in batch:
             if item is _CLEAR:
                 pending.clear()
+                links.clear()
                 cleared = True
             elif isinstance(item, tuple):
                 pending[item[0]] = item
+            elif isinstance(item, _Link):
+                links[item.slot] = item.next_slot
         rows = [
             (self.fingerprint, s, p.tobytes(), None if e is None else e.tobytes(), r, t)
             for s, p, e, r, t in pending.values()
@@ -275,9 +298,14 @@ class SqliteMapPersistence:
                 if cleared:
                     db.execute("DELETE FROM maps WHERE fingerprint = ?", [self.fingerprint])
                 db.conn.executemany(
-                    "INSERT OR REPLACE INTO maps (fingerprint, slot, probs, semantic, request_id, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO maps (fingerprint, slot, probs, semantic, request_id, created) "
+                    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (fingerprint, slot) DO UPDATE SET probs = excluded.probs, "
+                    "semantic = excluded.semantic, request_id = excluded.request_id, created = excluded.created",
                     rows,
+                )
+                db.conn.executemany(
+                    "UPDATE maps SET next_slot = ? WHERE fingerprint = ? AND slot = ?",
+                    [(n, self.fingerprint, s) for s, n in links.items()],
                 )
         except Exception as exc:  # disk full, read-only file: the app keeps running on its in-memory maps
             error = f"{type(exc).__name__}: {exc}"

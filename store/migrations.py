@@ -77,7 +77,13 @@ def _v2_message_search(db: sqlite_utils.Database) -> None:
     db["messages"].enable_fts(["content"], create_triggers=True, tokenize="trigram")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1_initial, _v2_message_search]
+def _v3_map_links(db: sqlite_utils.Database) -> None:
+    # The slot of the map stored right after this one in its request (fmoe_local/map_links.py); NULL: none known.
+    # Rows written before v3 load with no link, as they did.
+    db.execute("ALTER TABLE maps ADD COLUMN next_slot INTEGER")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1_initial, _v2_message_search, _v3_map_links]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -29,6 +29,25 @@ class FakePersistence:
         self.rows.clear()
 
 
+class LinkedPersistence(FakePersistence):
+    """A persistence that keeps successor links too: load() gives (slot, map, next_slot)."""
+
+    def __init__(self, initial: list[tuple[int, ExpertMap, int]] | None = None) -> None:
+        super().__init__([(s, m) for s, m, _ in initial or []])
+        self.links: dict[int, int] = {s: n for s, _, n in initial or [] if n >= 0}
+
+    def load(self) -> list[tuple[int, ExpertMap, int]]:
+        return [(s, m, self.links.get(s, -1)) for s, m in self.rows.items()]
+
+    def put_link(self, slot: int, next_slot: int) -> None:
+        self.calls.append(("link", slot, next_slot))
+        self.links[slot] = next_slot
+
+    def clear(self) -> None:
+        super().clear()
+        self.links.clear()
+
+
 def one_hot_map(experts: list[int], sem: list[float] | None = None, request_id: int = 0) -> ExpertMap:
     p = np.zeros((SHAPE.num_layers, SHAPE.num_experts), np.float32)
     for layer, e in enumerate(experts):
@@ -231,3 +250,68 @@ def test_redundancy_reuses_the_iterations_own_searches_only_when_they_fit() -> N
     for slot in range(len(store)):
         expected.add(store.get(slot))
     np.testing.assert_allclose(store.redundancy(other, other_sem), expected.redundancy(other, other_sem), rtol=1e-6)
+
+
+# Four maps that share no expert in any layer: a copy of one is redundant with that one only.
+CHAIN = [[0, 1, 2, 3], [4, 5, 6, 7], [1, 2, 3, 4], [5, 6, 7, 0]]
+
+
+def linked_store(capacity: int, persistence: LinkedPersistence) -> MapStore:
+    """CHAIN stored as one request (links 0 → 1 → 2 → 3), then a copy of map 0 after map 3: slot 0 is replaced."""
+    store = MapStore(SHAPE, capacity=capacity, prefetch_distance=1, persistence=persistence, dedup_threshold=1.1)
+    prev = -1
+    for experts in [*CHAIN, CHAIN[0]]:
+        prev = store.add(one_hot_map(experts), after=prev)
+    return store
+
+
+def test_links_follow_a_request_and_survive_replacing_either_end():
+    fake = LinkedPersistence()
+    store = linked_store(4, fake)
+    # The copy replaced slot 0 and was linked from slot 3; slot 0 keeps its own link to 1 until a new one is made.
+    assert [store.successor(s) for s in range(4)] == [1, 2, 3, 0]
+    assert fake.calls == [
+        ("put", 0), ("put", 1), ("link", 0, 1), ("put", 2), ("link", 1, 2),
+        ("put", 3), ("link", 2, 3), ("put", 0), ("link", 3, 0),
+    ]  # fmt: skip
+    assert store.add(one_hot_map(CHAIN[2]), after=-1) == 2  # a new request's first map replaces slot 2
+    assert [store.successor(s) for s in range(4)] == [1, 2, 3, 0]  # 1 → 2 still points at the similar map
+    assert store.successor(-1) == store.successor(4) == -1
+    store.clear()
+    assert fake.links == {} and store.successor(0) == -1
+    store.add(one_hot_map(CHAIN[0]))
+    assert store.add(one_hot_map(CHAIN[1])) == 1
+    assert store.successor(0) == -1  # the cleared link does not come back with the slot
+
+
+def test_reconfigure_keeps_links_when_growing_and_renumbers_them_when_shrinking():
+    fake = LinkedPersistence()
+    store = linked_store(4, fake)
+    store.reconfigure(capacity=6)
+    assert [store.successor(s) for s in range(4)] == [1, 2, 3, 0]
+    # Shrinking keeps the two newest maps, slots 0 (the copy) and 3, as slots 0 and 1: 3 → 0 becomes 1 → 0, and
+    # 0 → 1 goes with map 1.
+    store.reconfigure(capacity=2)
+    assert [store.successor(s) for s in range(2)] == [-1, 0]
+    assert fake.links == {1: 0} and sorted(fake.rows) == [0, 1]
+    prev = store.add(one_hot_map(CHAIN[1]), after=0)
+    assert store.successor(0) == prev
+
+
+def test_load_from_restores_links_renumbered_and_drops_dangling_ones():
+    maps = random_maps(np.random.default_rng(4), 3)
+    fake = LinkedPersistence([(0, maps[0], 5), (5, maps[1], 7), (7, maps[2], 3)])  # slot 3 is not on disk
+    store = MapStore(SHAPE, capacity=8, prefetch_distance=1)
+    assert store.load_from(fake) == 3
+    assert [store.successor(s) for s in range(3)] == [1, 2, -1]
+    assert fake.links == {0: 1, 1: 2} and sorted(fake.rows) == [0, 1, 2]  # rewritten, links included
+    fake.calls.clear()
+    again = MapStore(SHAPE, capacity=8, prefetch_distance=1)
+    assert again.load_from(fake) == 3 and fake.calls == []  # in order already: nothing rewritten
+    assert [again.successor(s) for s in range(3)] == [1, 2, -1]
+    # A persistence without links loads with none, and is never asked to keep one.
+    plain = FakePersistence([(0, maps[0]), (1, maps[1])])
+    store = MapStore(SHAPE, capacity=8, prefetch_distance=1)
+    store.load_from(plain)
+    assert store.add(maps[2], after=1) == 2 and store.successor(1) == 2
+    assert [c[0] for c in plain.calls] == ["put"]

@@ -1,4 +1,5 @@
-"""Expert maps in SQLite: fingerprints keep models apart, load/put/replace/clear, and put never waits for disk."""
+"""Expert maps in SQLite: fingerprints keep models apart, load/put/replace/clear, put never waits for disk, and
+successor links survive a restart."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import threading
 import numpy as np
 import pytest
 
-from fmoe_local.maps import ExpertMap
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.maps import ExpertMap, MapStore
 from fmoe_local.policies.base import ModelShape
+from fmoe_local.policies.fmoe import FMoEPolicy
 from store import open_store
 from store.maps import SqliteMapPersistence, model_fingerprint
 
@@ -83,8 +86,8 @@ def test_put_load_round_trip_with_and_without_semantic(store, tmp_path):
     for slot, m in maps.items():
         p.put(slot, m)
     loaded = p.load()
-    assert [slot for slot, _ in loaded] == list(range(10))
-    for slot, m in loaded:
+    assert [(slot, link) for slot, _, link in loaded] == [(s, -1) for s in range(10)]
+    for slot, m, _ in loaded:
         assert_same_map(m, maps[slot])
     assert p.count() == 10
 
@@ -100,7 +103,7 @@ def test_replaced_slot_is_replaced_on_disk_and_survives_reopen(tmp_path):
         p.flush()
         p.put(0, third)  # MapStore evicted the redundant map of slot 0
     with open_store(tmp_path / "data") as s:
-        loaded = dict(s.map_persistence(model, SHAPE).load())
+        loaded = {slot: m for slot, m, _ in s.map_persistence(model, SHAPE).load()}
     assert sorted(loaded) == [0, 1]
     assert_same_map(loaded[0], third)
     assert_same_map(loaded[1], second)
@@ -114,11 +117,11 @@ def test_maps_of_one_model_are_never_served_to_another(store, tmp_path):
     a.put(0, random_map(rng, 1))
     a.put(1, random_map(rng, 2))
     b.put(0, random_map(rng, 3))
-    assert [m.request_id for _, m in a.load()] == [1, 2]
-    assert [m.request_id for _, m in b.load()] == [3]
+    assert [m.request_id for _, m, _ in a.load()] == [1, 2]
+    assert [m.request_id for _, m, _ in b.load()] == [3]
     a.clear()
     assert a.load() == []
-    assert [m.request_id for _, m in b.load()] == [3]
+    assert [m.request_id for _, m, _ in b.load()] == [3]
     assert {row["maps"] for row in store.models_with_maps()} == {0, 1}
 
 
@@ -129,7 +132,7 @@ def test_clear_keeps_order_with_puts_around_it(store, tmp_path):
         p.put(slot, random_map(rng, slot))
     p.clear()  # must also drop the puts still queued before it
     p.put(7, random_map(rng, 70))
-    assert [(slot, m.request_id) for slot, m in p.load()] == [(7, 70)]
+    assert [(slot, m.request_id) for slot, m, _ in p.load()] == [(7, 70)]
 
 
 def test_a_model_with_a_new_shape_does_not_decode_old_blobs(store, tmp_path):
@@ -227,4 +230,76 @@ def test_a_failing_disk_write_is_counted_and_the_writer_keeps_going(store, tmp_p
     with store.db.lock:
         store.db.db.execute("ALTER TABLE maps_gone RENAME TO maps")
     p.put(0, random_map(rng, 42))
-    assert [(slot, m.request_id) for slot, m in p.load()] == [(0, 42)]
+    assert [(slot, m.request_id) for slot, m, _ in p.load()] == [(0, 42)]
+
+
+def test_links_round_trip_and_a_replaced_map_keeps_its_link(tmp_path):
+    rng = np.random.default_rng(7)
+    model = fake_model(tmp_path / "m")
+    maps = [random_map(rng, i) for i in range(4)]
+    with open_store(tmp_path / "data") as s:
+        p = s.map_persistence(model, SHAPE)
+        for slot in range(3):
+            p.put(slot, maps[slot])
+        p.put_link(0, 1)
+        p.put_link(1, 2)
+        p.put_link(1, 0)  # a later link of the same slot wins, in one batch or across batches
+        p.flush()
+        p.put(0, maps[3])  # MapStore replaced slot 0: its link stays until a new one is recorded
+    with open_store(tmp_path / "data") as s:
+        p = s.map_persistence(model, SHAPE)
+        loaded = p.load()
+        assert [(slot, link) for slot, _, link in loaded] == [(0, 1), (1, 0), (2, -1)]
+        assert_same_map(loaded[0][1], maps[3])
+        p.put_link(2, 1)
+        p.clear()  # drops the link queued before it; maps put after it start without links
+        p.put(0, maps[0])
+        assert [(slot, link) for slot, _, link in p.load()] == [(0, -1)]
+
+
+def f16_exact(m: ExpertMap) -> ExpertMap:
+    """The map as the disk returns it (float16 values), so a reloaded store holds exactly what was recorded."""
+    sem = None if m.semantic is None else m.semantic.astype(np.float16).astype(np.float32)
+    return ExpertMap(m.probs.astype(np.float16).astype(np.float32), sem, m.request_id)
+
+
+def predictions(policy: FMoEPolicy, expert_maps: list[ExpertMap], request_id: int) -> list:
+    """Feed one request; return everything the policy predicted: prefetches, and the eviction order after each layer."""
+    every = [(layer, e) for layer in range(SHAPE.num_layers) for e in range(SHAPE.num_experts)]
+    seen: list = []
+    policy.begin_request(request_id)
+    for m in expert_maps:
+        seen.append([(p.layer, p.expert, p.priority) for p in policy.begin_iteration(m.semantic)])
+        for layer in range(SHAPE.num_layers):
+            seen.append([(p.layer, p.expert, p.priority) for p in policy.observe_layer(layer, m.probs[layer])])
+            seen.append(policy.choose_victims(every, current_layer=layer, count=len(every)))
+        policy.end_iteration()
+    return seen
+
+
+def test_a_policy_on_maps_reloaded_from_disk_predicts_from_successors_as_on_the_recording_store(tmp_path):
+    config = RuntimeConfig(prefetch_distance=2, store_capacity=16)
+    rng = np.random.default_rng(8)
+    model = fake_model(tmp_path / "m")
+    recorded = [[f16_exact(random_map(rng, r)) for _ in range(3)] for r in (1, 2)]  # two requests, 3 iterations
+    with open_store(tmp_path / "data") as s:
+        store = MapStore.for_config(SHAPE, config, s.map_persistence(model, SHAPE))
+        recorder = FMoEPolicy(SHAPE, config, store)
+        for r, expert_maps in enumerate(recorded):
+            predictions(recorder, expert_maps, r)
+        assert [store.successor(slot) for slot in range(6)] == [1, 2, -1, 4, 5, -1]
+        # In-memory copies of the recording store (its persistence closes with the file), with and without links.
+        linked, unlinked = MapStore.for_config(SHAPE, config), MapStore.for_config(SHAPE, config)
+        for slot in range(6):
+            linked.add(store.get(slot), after=slot - 1 if slot and store.successor(slot - 1) == slot else -1)
+            unlinked.add(store.get(slot))  # what a restart used to give
+        assert [linked.successor(slot) for slot in range(6)] == [1, 2, -1, 4, 5, -1]
+    with open_store(tmp_path / "data") as s:  # restart
+        reloaded = MapStore.for_config(SHAPE, config)
+        assert reloaded.load_from(s.map_persistence(model, SHAPE)) == 6
+        # A new request routed like request 1 (its own embeddings): predicted along the links a0 → a1 → a2.
+        request = [ExpertMap(m.probs, f16_exact(random_map(rng, 3)).semantic, 3) for m in recorded[0]]
+        after_restart = predictions(FMoEPolicy(SHAPE, config, reloaded), request, 3)
+    expected = predictions(FMoEPolicy(SHAPE, config, linked), request, 3)
+    assert after_restart == expected
+    assert predictions(FMoEPolicy(SHAPE, config, unlinked), request, 3) != expected  # the links are what count

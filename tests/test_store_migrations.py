@@ -52,7 +52,7 @@ def test_v1_file_is_migrated_with_its_data_and_becomes_searchable(tmp_path):
     probs = make_v1(db_file)
     with open_store(tmp_path) as s:
         assert s.recovered_from is None
-        assert schema_version(s.db.db) == SCHEMA_VERSION == 2
+        assert schema_version(s.db.db) == SCHEMA_VERSION == 3
         conv = s.chats.get(1)
         assert (conv.title, conv.model, conv.settings) == ("Old chat", "mixtral", {"cache_gb": 3.0})
         assert [m.content for m in s.chats.messages(1)] == [
@@ -66,9 +66,14 @@ def test_v1_file_is_migrated_with_its_data_and_becomes_searchable(tmp_path):
         assert [h.conversation.id for h in s.chats.search("chlorophyll")] == [1]
         assert s.settings.load().policy == "lfu"
         shape = ModelShape(num_layers=2, num_experts=4, top_k=1, embed_dim=0)
-        [(slot, m)] = SqliteMapPersistence(s.db, "f", shape).load()
+        persistence = SqliteMapPersistence(s.db, "f", shape)
+        [(slot, m, link)] = persistence.load()
         assert slot == 0 and m.request_id == 9 and m.semantic is None
+        assert link == -1  # v3 added successor links: a map written before them has none
         np.testing.assert_array_equal(m.probs, probs.astype(np.float32))
+        persistence.put(1, m)
+        persistence.put_link(0, 1)  # and an old row takes one
+        assert [(slot, link) for slot, _, link in persistence.load()] == [(0, 1), (1, -1)]
     with open_store(tmp_path) as s:  # already current: nothing to do, nothing broken
         assert migrate(s.db.db) == []
 

@@ -42,14 +42,14 @@ The paper's (ExpertFlow's) mis-prefetched-first rule — experts prefetched for 
 go before everything else — is dropped: with next-use times their chance of use is already in the key, and
 putting them first cost 1.3–1.5 points on each half (pooled 0.614 against 0.601).
 
-Successor links: the policy remembers, for each map it stored, the slot of the map stored after it in the same
-request. The successor of the map most similar to the current iteration is a prediction of the next iteration.
+Successor links: when the policy stores a map it names the slot of the request's previous map, and the store links
+that one to the new one (MapStore.successor; kept, renumbered and saved with the maps, rules in map_links.py, so the
+user's history keeps its links across restarts). The successor of the map most similar to the current iteration is
+a prediction of the next iteration.
 It sets the eviction p of layers already run, its own successors the later runs (above), and, at the start of an
 iteration, predicts layers 0..d−1 from the successor of the previous iteration's final (all-layer) match, with
-δ = 1 − that match's score. The
-semantic match is used for a request's first iteration, or when no link is known (maps loaded from disk carry
-none). Replacing a stored map keeps the links to its slot: the store replaces the map most similar to the new one,
-so the link still points at a similar map until a new successor is recorded.
+δ = 1 − that match's score. The semantic match is used for a request's first iteration, or when the match has no
+successor.
 
 Prefetch priority: the target layer first, then p / (l − l_now). Copies leave one at a time at the link's rate;
 when the queue backs up (DeepSeek-V2-Lite at 25 GB/s: 0.41 experts per layer), a copy for a layer that runs
@@ -92,6 +92,7 @@ class FMoEPolicy:
         elif map_store.prefetch_distance != config.prefetch_distance:
             map_store.reconfigure(prefetch_distance=config.prefetch_distance)
         self.store = map_store
+        self._store_capacity = map_store.capacity  # a resize may renumber slots (reconfigure)
         L, J = shape.num_layers, shape.num_experts
         # Held only for O(L·J) bookkeeping: the forward thread's record_access/choose_victims never wait on a search.
         self._lock = threading.Lock()
@@ -100,8 +101,6 @@ class FMoEPolicy:
         self._has_seen = np.zeros(L, bool)
         self._freq = np.zeros((L, J), np.float32)  # [L, J] accesses since the policy was built
         self._runs = np.zeros(L, np.float32)  # [L] forward passes that ran each layer (freq / runs = use rate)
-        # Successor links (module docstring): _next_of[s] = slot stored right after slot s in its request, or −1.
-        self._next_of = np.full(self.store.capacity, -1, np.int64)  # [C]
         # [2, L, J] eviction key = predicted time of next use in layer steps, up to a shift common to all
         # candidates; [0] for a layer still to run this iteration, [1] for one that ran. Kept up to date row by
         # row as p, freq and the chain change: an eviction reads it instead of recomputing hundreds of candidates.
@@ -125,9 +124,11 @@ class FMoEPolicy:
         self.store.reconfigure(capacity=store_capacity, prefetch_distance=prefetch_distance)
         if prefetch_distance is not None:
             self.prefetch_distance = prefetch_distance
-        if self._next_of.size != self.store.capacity:  # a resized store may renumber its slots: links are void
+        # A resize (here, or by the engine before this call) may renumber slots: the ones held here are void (the
+        # store renumbers its links itself).
+        if self._store_capacity != self.store.capacity:
+            self._store_capacity = self.store.capacity
             with self._lock:
-                self._next_of = np.full(self.store.capacity, -1, np.int64)
                 self._prev_slot, self._final = -1, (-1, 0.0)
                 self._reset_chain()
 
@@ -199,14 +200,13 @@ class FMoEPolicy:
         with self._lock:
             complete = bool(self._observed.all())
             expert_map = ExpertMap(self._live.copy(), self._semantic, self._request_id) if complete else None
+            prev = self._prev_slot
         if expert_map is None:  # a stopped iteration has no full map: nothing to learn from, no link to make
             with self._lock:
                 self._prev_slot, self._final = -1, (-1, 0.0)
             return
-        slot = self.store.add(expert_map)
+        slot = self.store.add(expert_map, after=prev)
         with self._lock:
-            if 0 <= self._prev_slot < self._next_of.size and slot < self._next_of.size:
-                self._next_of[self._prev_slot] = slot
             self._prev_slot = slot
 
     def end_request(self) -> None:
@@ -237,22 +237,18 @@ class FMoEPolicy:
     # --- prediction ------------------------------------------------------------------------------------------
     def _successor(self, slot: int) -> np.ndarray | None:
         """[L, J] the map stored after `slot` in its request, if a link is known (a prediction of what follows)."""
-        if not 0 <= slot < self._next_of.size:
-            return None
-        nxt = int(self._next_of[slot])
-        if not 0 <= nxt < len(self.store):  # no link, or the store was cleared since
-            return None
-        return self.store.probs(nxt)
+        nxt = self.store.successor(slot)
+        return self.store.probs(nxt) if nxt >= 0 else None
 
     def _follow(self, slot: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The match's map and its successor; also makes the chain from `slot` the one eviction looks ahead with."""
         if self._chain_head is not None and self._chain_head[0] == slot:  # unchanged since the last layer
             return self._chain_head[1], self._chain_head[2]
         maps: list[np.ndarray] = []  # [L, J] each: the match, its successor, the successor's successor, ...
-        s, n = slot, len(self.store)
-        while len(maps) <= HORIZON and 0 <= s < n:
+        s = slot
+        while len(maps) <= HORIZON and s >= 0:
             maps.append(self.store.probs(s))
-            s = int(self._next_of[s]) if s < self._next_of.size else -1
+            s = self.store.successor(s)
         successor = maps[1] if len(maps) > 1 else None
         with self._lock:
             self._set_chain(predicted_use(np.stack(maps), self.shape.top_k))
