@@ -1,10 +1,10 @@
 """Expert maps and the map store the fMoE matcher searches.
 
-Scope: `ExpertMap` (one iteration's gate distributions + semantic embedding), the `MapPersistence` protocol that
-`store/` implements over SQLite, and `MapStore`: the in-memory arrays, capacity with redundancy-based replacement
-(RDY), dedup, the two cosine searches (semantic, trajectory) and successor links (rules: map_links.py). The
-semantic side (embeddings and their sketch) lives in semantic_index.py. It does NOT decide what to prefetch (that
-is policies/fmoe.py), does not touch SQLite, and does not run a thread of its own: it is safe to call from several.
+Scope: `MapStore`: the in-memory arrays, capacity with redundancy-based replacement (RDY), dedup, the two cosine
+searches (semantic, trajectory) and successor links (rules: map_links.py). `ExpertMap` and the `MapPersistence`
+protocol that store/ implements live in expert_map.py, the semantic side (embeddings and their sketch) in
+semantic_index.py. It does NOT decide what to prefetch (that is policies/fmoe.py), does not touch SQLite, and does
+not run a thread of its own: it is safe to call from several.
 
 Array legend: C capacity, n maps stored (slots 0..n-1, always contiguous), L MoE layers, J experts, h embed dim.
 
@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fmoe_local.config import RuntimeConfig
+from fmoe_local.expert_map import ExpertMap, MapPersistence
 from fmoe_local.map_links import SuccessorLinks
 from fmoe_local.semantic_index import SemanticIndex
 
 if TYPE_CHECKING:  # policies/ imports this module (fmoe); a runtime import back would be circular
     from fmoe_local.policies.base import ModelShape
+
+__all__ = ["ExpertMap", "MapPersistence", "MapStore"]  # the records are imported from here too
 
 log = logging.getLogger(__name__)
 
@@ -42,29 +44,6 @@ _EPS = 1e-12
 # Elements per BLAS call. A small gemv stays on one thread: on a busy 2-core machine one [64, 32768] gemv measured
 # 7 ms with 2 BLAS threads against 0.5 ms cut in 2048-column blocks (and a [1300, 1664] one 9.4 ms against 1.6 ms).
 _BLOCK_ELEMS = 131072
-
-
-@dataclass(frozen=True)
-class ExpertMap:
-    probs: np.ndarray  # [L, J] float32: gate probabilities of every MoE layer
-    semantic: np.ndarray | None  # [h] float32: semantic embedding of the iteration, None when unavailable
-    request_id: int
-
-
-@runtime_checkable
-class MapPersistence(Protocol):
-    """Where maps survive restarts. Slot numbers are the identity on disk: `put` on a used slot replaces it.
-
-    Optional `put_link(slot, next_slot)` keeps successor links (`put` leaves a slot's link); `load()` then gives
-    (slot, map, next_slot), −1 for none. Without it, entries are (slot, map) and links last only in memory."""
-
-    def load(self) -> list[tuple[int, ExpertMap]] | list[tuple[int, ExpertMap, int]]: ...
-
-    def put(self, slot: int, expert_map: ExpertMap) -> None:
-        """Must not block the caller (queue the write). Writes, links and `clear` must apply in call order."""
-        ...
-
-    def clear(self) -> None: ...
 
 
 class MapStore:
