@@ -185,16 +185,16 @@ class FMoEPolicy:
             trajectory = self._live[: layer + 1].copy()  # [l+1, J]
         L, target = self.shape.num_layers, layer + self.prefetch_distance
         slot, score = self.store.match_trajectory(trajectory)  # also past the last target: eviction uses it
-        if slot >= 0:
-            self._estimate_next_use(layer, *self._follow(slot))
-            if layer == L - 1:
-                with self._lock:
-                    self._final = (slot, score)
+        if slot < 0:
+            return self._fallback(target, l_now=layer) if target < L else []
+        matched, successor = self._follow(slot)
+        self._estimate_next_use(layer, matched, successor)
+        if layer == L - 1:
+            with self._lock:
+                self._final = (slot, score)
         if target >= L:
             return []
-        if slot < 0:
-            return self._fallback(target, l_now=layer)
-        return self._plan(target, self.store.layer_probs(slot, target), _delta(score), l_now=layer)
+        return self._plan(target, matched[target], _delta(score), l_now=layer)
 
     def end_iteration(self) -> None:
         with self._lock:
