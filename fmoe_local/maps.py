@@ -1,10 +1,8 @@
 """Expert maps and the map store the fMoE matcher searches.
 
-Scope: `MapStore`: the in-memory arrays, capacity with redundancy-based replacement (RDY), dedup, the two cosine
-searches (semantic, trajectory) and successor links (rules: map_links.py). `ExpertMap` and the `MapPersistence`
-protocol that store/ implements live in expert_map.py, the semantic side (embeddings and their sketch) in
-semantic_index.py. It does NOT decide what to prefetch (that is policies/fmoe.py), does not touch SQLite, and does
-not run a thread of its own: it is safe to call from several.
+Scope: `MapStore`: arrays in memory, capacity with redundancy-based replacement (RDY), dedup, the two cosine searches
+and successor links (map_links.py); records in expert_map.py, embeddings and their sketch in semantic_index.py. It
+does NOT decide what to prefetch (policies/fmoe.py), touch SQLite, or run a thread: it is safe to call from several.
 
 Array legend: C capacity, n maps stored (slots 0..n-1, always contiguous), L MoE layers, J experts, h embed dim.
 
