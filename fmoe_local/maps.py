@@ -118,12 +118,6 @@ class MapStore:
             self._check_slot(slot)
             return np.ascontiguousarray(self._traj[:, :, slot])
 
-    def layer_probs(self, slot: int, layer: int) -> np.ndarray:
-        """A copy of one layer's [J] probabilities of a stored map (what a trajectory match predicts from)."""
-        with self._lock:
-            self._check_slot(slot)
-            return self._traj[layer, :, slot].copy()
-
     def get(self, slot: int) -> ExpertMap:
         with self._lock:
             self._check_slot(slot)

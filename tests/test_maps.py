@@ -222,14 +222,17 @@ def test_concurrent_adds_and_searches():
     assert store.match_trajectory(last.probs)[1] == pytest.approx(1.0)
 
 
-def test_layer_probs_is_one_row_of_the_stored_map() -> None:
+def test_probs_is_a_copy_of_the_stored_map() -> None:
     shape = ModelShape(num_layers=3, num_experts=4, top_k=1)
     store = MapStore(shape, capacity=4, prefetch_distance=1)
     probs = np.arange(12, dtype=np.float32).reshape(3, 4) / 12
     slot = store.add(ExpertMap(probs, None, 0))
-    np.testing.assert_array_equal(store.layer_probs(slot, 2), probs[2])
+    got = store.probs(slot)
+    np.testing.assert_array_equal(got, probs)
+    got[:] = 0  # the caller's copy, not the store's arrays
+    np.testing.assert_array_equal(store.probs(slot), probs)
     with pytest.raises(IndexError):
-        store.layer_probs(slot + 1, 0)
+        store.probs(slot + 1)
 
 
 def test_redundancy_reuses_the_iterations_own_searches_only_when_they_fit() -> None:
