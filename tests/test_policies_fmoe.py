@@ -308,3 +308,19 @@ def test_successor_link_predicts_the_next_iteration():
     policy.end_iteration()
     out = policy.begin_iteration(sem)
     assert {(p.layer, p.expert) for p in out} == {(0, 0), (0, 1), (1, 2), (1, 3)}
+
+
+def test_layer_runs_are_counted_on_the_forward_thread_whatever_the_prefetcher_lag():
+    # The forward thread reports layers in order; the prefetcher thread starts each iteration late by a varying
+    # number of layers. Every pass must count one run of every layer (the use rate's denominator), and a layer
+    # reported in consecutive prefill chunks only one.
+    policy = make(d=1)
+    lags = [0, 3, 1, 4, 2, 0, 4]
+    for i, lag in enumerate(lags):
+        for layer in range(SHAPE.num_layers):
+            if layer == min(lag, SHAPE.num_layers - 1):
+                policy.begin_iteration(None)  # arrives after `lag` layers of this pass were already reported
+            chunks = 2 if i == 0 else 1  # the first pass is a chunked prefill
+            for _ in range(chunks):
+                policy.record_access(layer, [layer], [False])
+    np.testing.assert_array_equal(policy._runs, np.full(SHAPE.num_layers, len(lags)))

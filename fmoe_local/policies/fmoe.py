@@ -101,6 +101,7 @@ class FMoEPolicy:
         self._has_seen = np.zeros(L, bool)
         self._freq = np.zeros((L, J), np.float32)  # [L, J] accesses since the policy was built
         self._runs = np.zeros(L, np.float32)  # [L] forward passes that ran each layer (freq / runs = use rate)
+        self._last_access = -1  # the layer of the latest record_access (forward thread only)
         # [2, L, J] eviction key = predicted time of next use in layer steps, up to a shift common to all
         # candidates; [0] for a layer still to run this iteration, [1] for one that ran. Kept up to date row by
         # row as p, freq and the chain change: an eviction reads it instead of recomputing hundreds of candidates.
@@ -145,7 +146,6 @@ class FMoEPolicy:
         self._live = np.zeros((L, J), np.float32)  # [L, J] this iteration's observed trajectory
         self._observed = np.zeros(L, bool)
         self._semantic = semantic
-        self._ran = np.zeros(L, bool)  # [L] layer accessed this iteration
 
     def begin_iteration(self, semantic: np.ndarray | None) -> Sequence[Prefetch]:
         sem = None if semantic is None else np.asarray(semantic, np.float32).reshape(-1).copy()
@@ -358,9 +358,13 @@ class FMoEPolicy:
         idx = np.asarray(experts, np.int64)
         with self._lock:
             self._freq[layer, idx] += 1.0
-            if not self._ran[layer]:  # a long prefill reports a layer in chunks: one run
+            # A new run of this layer: the forward thread has moved on from another layer since (a long prefill
+            # reports one layer in consecutive chunks). Decided here, on the forward thread: a flag reset by
+            # begin_iteration would race with it, since the prefetcher thread runs a varying number of layers
+            # behind. With a single MoE layer every report counts.
+            if layer != self._last_access or self.shape.num_layers == 1:
                 self._runs[layer] += 1.0
-            self._ran[layer] = True
+            self._last_access = layer
             self._refresh_evict(layer, p_changed=False)
 
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
