@@ -195,9 +195,9 @@ class Runtime:
         return result
 
     def clear_maps(self) -> None:
-        """Forget every expert map of this model (in memory and, through its persistence, on disk)."""
-        self._engine.prefetcher.wait_idle()
-        self._engine.map_store.clear()
+        """Forget every expert map of this model (in memory and, through its persistence, on disk). Waits for the
+        current request: the matcher must not lose the store under a search it is running."""
+        self._between_requests(self._engine.map_store.clear)
 
     def close(self) -> None:
         if self._closed:

@@ -147,6 +147,26 @@ def test_reset_cache_makes_the_next_request_start_cold(tiny_model_dir):
     assert cold.misses == first.misses and cold.layer_misses == first.layer_misses
 
 
+def test_clear_maps_waits_for_the_running_request_then_forgets_every_map(tiny_model_dir):
+    # Clearing under a running request would pull the store from under the matcher's searches; it waits instead,
+    # so the maps the request stored are forgotten too, and the next request learns afresh.
+    import threading
+
+    config = RuntimeConfig(device="cpu", cache_experts=4, sampling=Sampling(greedy=True, max_new_tokens=12))
+    with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
+        store = runtime.engine.map_store
+        stream = runtime.stream([{"role": "user", "content": "Tell me about the ocean and the waves."}])
+        next(stream)  # the request is running
+        clearing = threading.Thread(target=runtime.clear_maps)
+        clearing.start()
+        final = list(stream)[-1]
+        clearing.join(timeout=30)
+        assert not clearing.is_alive() and final.reason in ("length", "stop")
+        assert len(store) == 0
+        runtime.generate([{"role": "user", "content": "Something new."}])
+        assert len(store) > 0
+
+
 def test_invalid_reconfigure_is_explained(tiny_model_dir):
     with Runtime.load(tiny_model_dir("mixtral"), RuntimeConfig(device="cpu", cache_experts=2)) as runtime:
         with pytest.raises(ValueError, match="Prefetch distance"):
