@@ -71,7 +71,7 @@ import numpy as np
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.maps import ExpertMap, MapStore
-from fmoe_local.policies._common import lowest, normalised, prefetch_set, split_keys
+from fmoe_local.policies._common import flat_codes, lowest, normalised, prefetch_set, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
 
 HORIZON = 16  # runs of a layer, the next one included, whose use the successor chain predicts (module docstring)
@@ -371,7 +371,7 @@ class FMoEPolicy:
         layers, experts = split_keys(candidates)
         L, J = self.shape.num_layers, self.shape.num_experts
         # Key [0] for layers still to run this iteration, [1] for the layers that ran (current_layer included).
-        flat = np.where(layers > current_layer, 0, L * J) + layers * J + experts
+        flat = np.where(layers > current_layer, 0, L * J) + flat_codes(candidates, layers, experts, J)
         with self._lock:
             when = self._fresh_keys().reshape(-1)[flat]
         return lowest(candidates, layers, experts, -when, count=count)  # the latest predicted next use first
