@@ -223,15 +223,11 @@ class FMoEPolicy:
             self._reset_iteration(sem)
             self._live[:] = p
             self._observed[:] = True
-            for layer in range(self.shape.num_layers):
-                observed = normalised(p[layer])
-                if observed is not None:
-                    self._p_est[layer] = observed
+            self._set_estimates(0, p)
             self._last_seen[:] = p
             self._has_seen[:] = True
             self._final = (-1, 0.0)
             self._reset_chain()
-            self._refresh_evict(slice(None))  # p changed too
         self.end_iteration()
 
     # --- prediction ------------------------------------------------------------------------------------------
@@ -288,17 +284,22 @@ class FMoEPolicy:
         rows = matched[first:].copy()  # [L − first, J]
         if successor is not None:
             rows[: layer + 1] = successor[: layer + 1]
+        with self._lock:
+            self._set_estimates(first, rows)
+
+    def _set_estimates(self, first: int, rows: np.ndarray) -> None:  # under self._lock
+        """p_est of layers first.. = these rows normalised to sum 1; a row with no mass (a layer the map never
+        reached) keeps the previous estimate."""
         sums = rows.sum(1)
-        known = sums > 0  # a layer the map never reached keeps the previous estimate
+        known = sums > 0
         layers = first + np.flatnonzero(known)
         rows = rows[known] / sums[known, None]
-        with self._lock:
-            # Within an iteration the match is mostly the same map as one layer earlier: only the rows that moved
-            # need their keys recomputed at the next eviction.
-            moved = (self._p_est[layers] != rows).any(1)
-            if moved.any():
-                self._p_est[layers[moved]] = rows[moved]
-                self._refresh_evict(layers[moved])
+        # Within an iteration the match is mostly the same map as one layer earlier: only the rows that moved need
+        # their keys recomputed at the next eviction.
+        moved = (self._p_est[layers] != rows).any(1)
+        if moved.any():
+            self._p_est[layers[moved]] = rows[moved]
+            self._refresh_evict(layers[moved])
 
     def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
         p = normalised(predicted)
