@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.moe import ExpertsInterface
 
+from fmoe_local import hf_internals
 from fmoe_local.cache import ExpertCache
 
 _names = itertools.count()
@@ -28,24 +28,24 @@ _SMALL = 256
 
 def expert_forward(module: torch.nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor], s: int) -> torch.Tensor:
     """One expert on its tokens, written exactly as the eager loop of the module's class writes it."""
-    if module.is_transposed:
+    if hf_internals.is_transposed(module):
         # GPT-OSS layout: [H, 2I] and [I, H], interleaved gate/up, with biases.
         gate_up = x @ w["gate_up_proj"][s]
-        if module.has_bias:
+        if hf_internals.has_bias(module):
             gate_up = gate_up + w["gate_up_proj_bias"][s]
-        h = module._apply_gate(gate_up)
+        h = hf_internals.apply_gate(module, gate_up)
         out = h @ w["down_proj"][s]
-        if module.has_bias:
+        if hf_internals.has_bias(module):
             out = out + w["down_proj_bias"][s]
         return out
 
     def bias(name: str) -> torch.Tensor | None:
         return w[name][s] if name in w else None
 
-    if module.has_gate:
-        h = module._apply_gate(F.linear(x, w["gate_up_proj"][s], bias("gate_up_proj_bias")))
+    if hf_internals.has_gate(module):
+        h = hf_internals.apply_gate(module, F.linear(x, w["gate_up_proj"][s], bias("gate_up_proj_bias")))
     else:
-        h = module.act_fn(F.linear(x, w["up_proj"][s], bias("up_proj_bias")))
+        h = hf_internals.activation(module)(F.linear(x, w["up_proj"][s], bias("up_proj_bias")))
     return F.linear(h, w["down_proj"][s], bias("down_proj_bias"))
 
 
@@ -66,7 +66,7 @@ class OffloadedExperts:
                 raise RuntimeError("This model's fmoe-local runtime was closed; load the model again.")
             return this(module, hidden_states, top_k_index, top_k_weights)
 
-        ExpertsInterface.register(self.name, forward)
+        hf_internals.register_experts_implementation(self.name, forward)
         return self.name
 
     def __call__(

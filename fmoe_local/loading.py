@@ -25,9 +25,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming, build_glob_alternation, rename_source_key
 
+from fmoe_local import hf_internals
 from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.host import CheckpointFiles, CheckpointHostStore
@@ -63,6 +62,7 @@ def load_model(
     device = torch.device(device)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"No config.json in {model_dir}. Choose the folder of a downloaded model.")
+    hf_internals.check_installed()
     hf_config = AutoConfig.from_pretrained(model_dir)
     arch = architecture_for(hf_config)
     _drop_supported_quantization(hf_config, arch)
@@ -97,6 +97,12 @@ def _build(
         # Extra stop tokens (e.g. chat end-of-turn ids) often live only here; from_pretrained reads it too.
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     moe_layers = arch.moe_layers(model)
+    lacking = hf_internals.missing_experts_attributes(moe_layers[0].experts)
+    if lacking:
+        raise RuntimeError(
+            f"This transformers version's {type(moe_layers[0].experts).__name__} lacks {', '.join(lacking)}, which "
+            "fmoe-local computes experts with. Reinstall with the launcher's --repair (the tested version)."
+        )
     module_names = {id(m): n for n, m in model.named_modules()}
     expert_prefixes = tuple(module_names[id(ref.experts)] + "." for ref in moe_layers)
     expert_params = {p + name for p in expert_prefixes for name in arch.expert_param_names}
@@ -149,18 +155,14 @@ def _load_resident(
     dtype: torch.dtype,
 ) -> list[str]:
     """Every non-expert tensor of the checkpoint onto `device`, key by key; returns the keys with no target."""
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    rename = hf_internals.key_renamer(model)
     targets = model.state_dict()  # meta tensors: names, shapes and dtypes, no memory
-    fp32_plan = model._get_dtype_plan(dtype)  # transformers' keep-in-fp32 rules for this dtype
-    fp32_re = build_glob_alternation(list(fp32_plan))[0] if fp32_plan else None
-    prefix = model.base_model_prefix
+    fp32 = hf_internals.keep_in_fp32(model, dtype)
     loaded: dict[str, torch.Tensor] = {}
     unexpected = []
     for file_keys in files.files_keys().values():
         for key in file_keys:
-            name, _ = rename_source_key(key, renamings, converters, prefix, targets)
+            name = rename(key, targets)
             if name not in targets and key in targets:
                 name = key
             if name.startswith(expert_prefixes):
@@ -169,7 +171,7 @@ def _load_resident(
             if target is None:
                 unexpected.append(key)
                 continue
-            want = torch.float32 if fp32_re is not None and fp32_re.search(name) else target.dtype
+            want = torch.float32 if fp32(name) else target.dtype
             tensor = files.get(key)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
@@ -182,14 +184,14 @@ def _load_resident(
     for p in model.parameters():
         p.requires_grad_(False)
     missing = {n for n, t in model.state_dict().items() if t.device.type == "meta"}
-    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+    hf_internals.tie_weights(model, missing)
     return unexpected
 
 
 def _restore_computed_buffers(model: PreTrainedModel, device: torch.device) -> None:
     """Non-persistent buffers (rotary inv_freq) are computed in __init__, so on meta they hold nothing: recompute.
 
-    transformers' own `_init_weights` knows how (it is what from_pretrained runs for them); NaN-filling first
+    transformers' own weight initialisation knows how (it is what from_pretrained runs for them); NaN-filling first
     lets us tell when it did not.
     """
     owners: dict[int, tuple[nn.Module, list[str]]] = {}
@@ -201,7 +203,7 @@ def _restore_computed_buffers(model: PreTrainedModel, device: torch.device) -> N
         for name in names:
             meta = getattr(module, name)
             module.register_buffer(name, torch.full_like(meta, math.nan, device=device), persistent=False)
-        model._init_weights(module)
+        hf_internals.init_computed_buffers(model, module)
         for name in names:
             value = getattr(module, name)
             if value.is_floating_point() and torch.isnan(value).any():

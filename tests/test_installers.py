@@ -94,6 +94,7 @@ def smoke_env(home: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two full installs into a fresh environment
 @pytest.mark.installer
 def test_linux_launcher_smoke_installs_once_then_starts_fast(tmp_path: Path):
     home = tmp_path / "home"

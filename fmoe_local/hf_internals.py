@@ -1,0 +1,146 @@
+"""The one place fmoe-local touches transformers' internals (anything not in its documented public API).
+
+Scope: loading a checkpoint key by key the way `from_pretrained` does (key renaming, keep-in-fp32 rules, weight
+tying, computed buffers), the experts hook (`ExpertsInterface`), and the attributes of the fused experts modules
+our experts implementation reads (layout flags, the gate). Everything else in fmoe_local uses public API only.
+It does NOT decide anything: each function is a thin, named door to one internal.
+
+Why: these internals change between transformers releases without notice. pyproject pins the range the tests ran
+on; `missing_internals()` says by name which one moved when another version is installed, and the loader calls
+it first so a user on a broken combination gets a sentence instead of an AttributeError deep inside loading.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+# (module, attribute) pairs this file relies on; the experts modules' attributes are checked on a live module.
+_REQUIRED = (
+    ("transformers.conversion_mapping", "get_model_conversion_mapping"),
+    ("transformers.core_model_loading", "WeightConverter"),
+    ("transformers.core_model_loading", "WeightRenaming"),
+    ("transformers.core_model_loading", "build_glob_alternation"),
+    ("transformers.core_model_loading", "rename_source_key"),
+    ("transformers.integrations.moe", "ExpertsInterface"),
+    ("transformers", "PreTrainedModel._get_dtype_plan"),
+    ("transformers", "PreTrainedModel._init_weights"),
+    ("transformers", "PreTrainedModel.tie_weights"),
+    ("transformers", "PreTrainedModel.set_experts_implementation"),
+)
+_EXPERTS_FLAGS = ("is_transposed", "has_bias", "has_gate", "num_experts")
+
+
+def _lookup(module: str, dotted: str) -> object:
+    obj: object = importlib.import_module(module)
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing_internals() -> list[str]:
+    """The internals this module needs that the installed transformers lacks, as `module.name` strings."""
+    missing = []
+    for module, dotted in _REQUIRED:
+        try:
+            _lookup(module, dotted)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{dotted}")
+    return missing
+
+
+def check_installed() -> None:
+    """Raise a sentence naming what moved when the installed transformers lacks an internal we use."""
+    missing = missing_internals()
+    if missing:
+        import transformers
+
+        raise RuntimeError(
+            f"transformers {transformers.__version__} lacks {', '.join(missing)}, which fmoe-local needs to load "
+            "models. Reinstall with the launcher's --repair (it installs the tested transformers version)."
+        )
+
+
+def missing_experts_attributes(experts: nn.Module) -> list[str]:
+    """The attributes our experts implementation reads that this fused experts module lacks (the gate for gated
+    and GPT-OSS layouts, the activation for the ungated one)."""
+    missing = [a for a in _EXPERTS_FLAGS if not hasattr(experts, a)]
+    if missing:
+        return missing
+    gated = experts.has_gate or experts.is_transposed
+    return [a for a in (("_apply_gate",) if gated else ("act_fn",)) if not hasattr(experts, a)]
+
+
+# ---- loading: key renaming and dtype rules as from_pretrained applies them ----------------------------------------
+
+
+def key_renamer(model: nn.Module) -> Callable[[str, dict], str]:
+    """A function checkpoint key → model parameter name, with this model type's conversion mapping."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    prefix = model.base_model_prefix
+
+    def rename(key: str, targets: dict) -> str:
+        name, _ = rename_source_key(key, renamings, converters, prefix, targets)
+        return name
+
+    return rename
+
+
+def keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool]:
+    """Whether a parameter name stays float32 under transformers' keep-in-fp32 rules for `dtype`."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = model._get_dtype_plan(dtype)
+    if not plan:
+        return lambda name: False
+    pattern = build_glob_alternation(list(plan))[0]
+    return lambda name: pattern.search(name) is not None
+
+
+def tie_weights(model: nn.Module, missing: set[str]) -> None:
+    """Tie word embeddings where the config says so, for parameters still on meta."""
+    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+
+
+def init_computed_buffers(model: nn.Module, module: nn.Module) -> None:
+    """Let transformers compute `module`'s non-persistent buffers (rotary inv_freq), as from_pretrained does."""
+    model._init_weights(module)
+
+
+# ---- the experts hook and the fused experts modules ----------------------------------------------------------------
+
+
+def register_experts_implementation(name: str, forward: Callable) -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, forward)
+
+
+def is_transposed(experts: nn.Module) -> bool:
+    """GPT-OSS layout: rows [H, 2I] and [I, H], gate/up interleaved."""
+    return bool(experts.is_transposed)
+
+
+def has_bias(experts: nn.Module) -> bool:
+    return bool(experts.has_bias)
+
+
+def has_gate(experts: nn.Module) -> bool:
+    return bool(experts.has_gate)
+
+
+def apply_gate(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The module's own gated activation of a fused gate/up projection."""
+    return experts._apply_gate(gate_up)
+
+
+def activation(experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    return experts.act_fn
