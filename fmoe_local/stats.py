@@ -16,8 +16,9 @@ class RequestStats:
     tpot_s: float = 0.0  # mean time per output token after the first
     tokens: int = 0  # generated tokens
     prompt_tokens: int = 0
-    hits: int = 0
-    misses: int = 0
+    hits: int = 0  # resident and copied when needed
+    late: int = 0  # being prefetched when needed: the forward pass waited for the rest of the copy
+    misses: int = 0  # not in the cache when needed: loaded on demand
     prefetched: int = 0  # experts copied by the prefetcher
     prefetch_wasted: int = 0  # prefetched experts evicted (or still unused at the end) without being used
     bytes_moved: int = 0  # host → device expert bytes
@@ -27,11 +28,13 @@ class RequestStats:
     # [L][J] counts for the heatmap; lists so that the object is JSON-ready.
     layer_hits: list[list[int]] = field(default_factory=list)
     layer_misses: list[list[int]] = field(default_factory=list)
+    layer_late: list[list[int]] = field(default_factory=list)
     layer_prefetched: list[list[int]] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        """Hits over all accesses; a late prefetch is not a hit (DESIGN.md, "Hits, late and misses")."""
+        total = self.hits + self.late + self.misses
         return self.hits / total if total else 0.0
 
     @property
@@ -41,8 +44,9 @@ class RequestStats:
     @property
     def per_layer_hit_rate(self) -> list[float]:
         out = []
-        for h, m in zip(self.layer_hits, self.layer_misses, strict=True):
-            total = sum(h) + sum(m)
+        late = self.layer_late or [[] for _ in self.layer_hits]
+        for h, m, x in zip(self.layer_hits, self.layer_misses, late, strict=True):
+            total = sum(h) + sum(m) + sum(x)
             out.append(sum(h) / total if total else 0.0)
         return out
 
@@ -55,10 +59,11 @@ class RequestStats:
 
 
 class LayerCounters:
-    """Hit/miss/prefetch counts per (layer, expert), shared by the cache and the replay benchmark."""
+    """Hit/late/miss/prefetch counts per (layer, expert), shared by the cache and the replay benchmark."""
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
         self.hits = np.zeros((num_layers, num_experts), np.int64)
+        self.late = np.zeros((num_layers, num_experts), np.int64)
         self.misses = np.zeros((num_layers, num_experts), np.int64)
         self.prefetched = np.zeros((num_layers, num_experts), np.int64)
         self.prefetch_used = 0
@@ -69,6 +74,7 @@ class LayerCounters:
     def snapshot(self) -> LayerCounters:
         c = LayerCounters(*self.hits.shape)
         c.hits, c.misses, c.prefetched = self.hits.copy(), self.misses.copy(), self.prefetched.copy()
+        c.late = self.late.copy()
         c.prefetch_used, c.prefetch_wasted = self.prefetch_used, self.prefetch_wasted
         c.bytes_moved, c.stall_s = self.bytes_moved, self.stall_s
         return c
@@ -76,6 +82,7 @@ class LayerCounters:
     def since(self, before: LayerCounters) -> LayerCounters:
         c = LayerCounters(*self.hits.shape)
         c.hits, c.misses = self.hits - before.hits, self.misses - before.misses
+        c.late = self.late - before.late
         c.prefetched = self.prefetched - before.prefetched
         c.prefetch_used = self.prefetch_used - before.prefetch_used
         c.prefetch_wasted = self.prefetch_wasted - before.prefetch_wasted
@@ -85,6 +92,7 @@ class LayerCounters:
 
     def fill(self, stats: RequestStats) -> None:
         stats.hits, stats.misses = int(self.hits.sum()), int(self.misses.sum())
+        stats.late, stats.layer_late = int(self.late.sum()), self.late.tolist()
         stats.prefetched, stats.prefetch_wasted = int(self.prefetched.sum()), int(self.prefetch_wasted)
         stats.bytes_moved, stats.stall_s = int(self.bytes_moved), float(self.stall_s)
         stats.layer_hits, stats.layer_misses = self.hits.tolist(), self.misses.tolist()

@@ -99,7 +99,7 @@ def test_prefetch_lands_within_bandwidth() -> None:
     assert r.stall_s == pytest.approx(0.1)
 
 
-def test_half_arrived_prefetch_is_a_late_miss_that_stalls_less() -> None:
+def test_half_arrived_prefetch_is_late_neither_hit_nor_miss_and_stalls_less() -> None:
     trace = make_trace([[[0], [2]]], [0])
     half = CostModel(100, 1000.0, 0.05, 0.0)  # 50 B per window: the prefetch is half done at layer 1
     seen = []
@@ -109,7 +109,8 @@ def test_half_arrived_prefetch_is_a_late_miss_that_stalls_less() -> None:
             seen.append(list(hits))
 
     r = replay(build_schedule(trace), Spy({(0, 0): [(1, 2)]}), capacity=4, cost=half, mode="online")
-    assert (r.hits, r.misses, r.late) == (0, 2, 1) and r.prefetch_used == 1
+    assert (r.hits, r.misses, r.late) == (0, 1, 1) and r.prefetch_used == 1
+    assert r.hit_rate == 0.0 and r.stalls == 2
     assert r.stall_s == pytest.approx(0.1 + 0.05)
     assert seen == [[False], [True]]  # the policy hears what the runtime's cache would say: it was there
 

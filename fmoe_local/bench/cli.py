@@ -240,7 +240,7 @@ def _print_pooled(rows: list[dict], names: list[str]) -> None:
     print("\nall traces pooled (hits / accesses):")
     for name in names:
         mine = [r for r in rows if r["policy"] == name and not r["note"]]
-        hits, total = sum(r["hits"] for r in mine), sum(r["hits"] + r["misses"] for r in mine)
+        hits, total = sum(r["hits"] for r in mine), sum(r["hits"] + r["late"] + r["misses"] for r in mine)
         if total:
             print(f"{name:<13}{hits / total:>9.3f}")
 
@@ -280,7 +280,7 @@ def _curve(args: argparse.Namespace, schedules: dict, names: list[str], cost: Co
 
 def _brief(r: ReplayResult) -> dict:
     d = asdict(r)
-    return {k: d[k] for k in ("hits", "misses", "stall_s")} | {"hit_rate": r.hit_rate, "tpot_s": r.tpot_s}
+    return {k: d[k] for k in ("hits", "late", "misses", "stall_s")} | {"hit_rate": r.hit_rate, "tpot_s": r.tpot_s}
 
 
 def _plot(rows: list[dict], names: list[str], path: Path, args: argparse.Namespace) -> None:

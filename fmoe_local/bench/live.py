@@ -49,6 +49,7 @@ class PolicyRow:
     tpot_s: float = 0.0  # mean over requests that generated more than one token
     tokens_per_s: float = 0.0  # decode tokens after the first, over the time they took
     hits: int = 0
+    late: int = 0  # prefetch still copying when needed: neither a hit nor a miss
     misses: int = 0
     stall_s: float = 0.0
     bytes_moved: int = 0
@@ -60,11 +61,11 @@ class PolicyRow:
     request_tpot_s: list[float] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
-    expert_accesses: list[list[int]] = field(default_factory=list)  # [L][J] hits + misses
+    expert_accesses: list[list[int]] = field(default_factory=list)  # [L][J] hits + late + misses
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        total = self.hits + self.late + self.misses
         return self.hits / total if total else 0.0
 
     def to_dict(self) -> dict:
@@ -84,12 +85,17 @@ def summarise(policy: str, cache_experts: int, finals: Sequence, wall_s: float) 
     row.tokens_per_s = sum(s.tokens - 1 for s in decoded) / decode_time if decode_time > 0 else 0.0
     for s in stats:
         row.hits, row.misses, row.stall_s = row.hits + s.hits, row.misses + s.misses, row.stall_s + s.stall_s
+        row.late += s.late
         row.bytes_moved += s.bytes_moved
         row.prefetched, row.prefetch_wasted = row.prefetched + s.prefetched, row.prefetch_wasted + s.prefetch_wasted
     row.request_ttft_s, row.request_tpot_s = [s.ttft_s for s in stats], [s.tpot_s for s in stats]
     row.prompt_tokens = [s.prompt_tokens for s in stats]
     row.token_ids = [list(f.token_ids) for f in finals]
-    accesses = [np.asarray(s.layer_hits) + np.asarray(s.layer_misses) for s in stats if s.layer_hits]
+    accesses = [
+        np.asarray(s.layer_hits) + np.asarray(s.layer_misses) + np.asarray(s.layer_late or 0)
+        for s in stats
+        if s.layer_hits
+    ]
     row.expert_accesses = np.sum(accesses, axis=0).tolist() if accesses else []
     return row
 
@@ -235,14 +241,15 @@ def lossless_check(rows: Sequence[PolicyRow]) -> tuple[bool, str]:
 
 def print_table(result: dict) -> None:
     print(
-        f"\n{'policy':<14}{'cache':>7}{'TTFT ms':>10}{'TPOT ms':>10}{'tok/s':>9}{'hit rate':>10}{'stall s':>9}"
+        f"\n{'policy':<14}{'cache':>7}{'TTFT ms':>10}{'TPOT ms':>10}{'tok/s':>9}{'hit rate':>10}{'late':>6}{'stall s':>9}"
         f"{'MB moved':>11}{'vs resident':>13}{'wall s':>8}"
     )
     for r in result["rows"]:
         vs = f"{r['tpot_vs_resident']:.2f}x" if r["tpot_vs_resident"] is not None else "-"
         print(
             f"{r['policy']:<14}{r['cache_experts']:>7}{r['ttft_s'] * 1e3:>10.1f}{r['tpot_s'] * 1e3:>10.2f}"
-            f"{r['tokens_per_s']:>9.1f}{r['hit_rate']:>10.3f}{r['stall_s']:>9.2f}{r['bytes_moved'] / 1e6:>11.1f}"
+            f"{r['tokens_per_s']:>9.1f}{r['hit_rate']:>10.3f}{r['late']:>6}{r['stall_s']:>9.2f}"
+            f"{r['bytes_moved'] / 1e6:>11.1f}"
             f"{vs:>13}{r['wall_s']:>8.1f}"
         )
     print(result["lossless_line"])

@@ -10,7 +10,7 @@ Timeline of one iteration (the runtime's order, prefetcher.py + cache.py):
      first (the previous layer's compute, or the iteration's head for l = 0); one copy at a time, a copy may span
      windows; a prefetch claims its slot (evicting through `choose_victims`) when its copy starts.
   2. access: the needed experts are the recorded top-K of the iteration's rows (union over a prefill's tokens).
-     Resident and copied → hit. A prefetch still copying is a "late" miss: it stalls only for its remaining bytes
+     Resident and copied → hit. A prefetch still copying is "late" (neither): it stalls only for its remaining bytes
      (the policy is told hit=True, as cache.acquire would). Else an on-demand load that stalls
      expert_bytes / bandwidth, prefetching paused meanwhile.
      record_access (by the simulated cache, per chunk as cache.acquire does), then observe_layer(l, mean probs of
@@ -169,7 +169,7 @@ class ReplayResult:
     compute_s: float = 0.0  # simulated layer compute of the measured iterations
     decode_s: float = 0.0  # compute + stalls of measured decode iterations
     decode_tokens: int = 0
-    late: int = 0  # misses whose prefetch was under way: they stall only for the bytes still to copy
+    late: int = 0  # accesses whose prefetch was under way: they stall only for the bytes still to copy
     prefetched: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
@@ -182,14 +182,15 @@ class ReplayResult:
     note: str = ""  # set when the policy could not be replayed
     layer_hits: list[int] = field(default_factory=list)
     layer_misses: list[int] = field(default_factory=list)
+    layer_late: list[int] = field(default_factory=list)
 
     @property
     def stalls(self) -> int:
-        return self.misses
+        return self.misses + self.late
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        total = self.hits + self.late + self.misses
         return self.hits / total if total else 0.0
 
     @property
@@ -238,7 +239,6 @@ def replay(
     queue = PrefetchQueue(shape.num_layers, shape.num_experts)
     before: LayerCounters | None = None
     transfer, access, push, observe_layer = sim.transfer, sim.access, queue.push, policy.observe_layer
-    late_before = 0
     request = -1
     for i in range(schedule.num_iterations):
         r = int(schedule.request_of[i])
@@ -249,7 +249,7 @@ def replay(
                 queue.clear()
             request = r
             if r == warm:
-                before, late_before = sim.counters.snapshot(), sim.late
+                before = sim.counters.snapshot()
             policy.begin_request(schedule.requests[r])
         measuring = r >= warm
         if r < warm - 1:  # the last warm-up request is served, so the measured part starts with a warm cache
@@ -278,9 +278,10 @@ def replay(
         sim.end_request()
     measured = sim.counters.since(before) if before is not None else LayerCounters(shape.num_layers, shape.num_experts)
     result.hits, result.misses = int(measured.hits.sum()), int(measured.misses.sum())
-    result.late = sim.late - late_before if before is not None else 0
+    result.late = int(measured.late.sum())
     result.layer_hits = measured.hits.sum(1).tolist()
     result.layer_misses = measured.misses.sum(1).tolist()
+    result.layer_late = measured.late.sum(1).tolist()
     result.stall_s = float(measured.stall_s)
     result.prefetched = int(measured.prefetched.sum())
     result.prefetch_used, result.prefetch_wasted = int(measured.prefetch_used), int(measured.prefetch_wasted)

@@ -33,7 +33,6 @@ class SimCache:
         self.inflight_left = 0.0  # bytes
         self.pinned: tuple[ExpertKey, ...] = ()
         self.current_layer = -1
-        self.late = 0  # accesses that found their prefetch still copying (counted as misses)
         self._victims: list[ExpertKey] = []  # chosen in one call for a layer's misses, used first to last
 
     def candidates(self) -> CandidateKeys:
@@ -134,8 +133,7 @@ class SimCache:
                     if key == self.inflight:  # a late prefetch: wait for its copy, as cache.acquire does
                         stall += self.inflight_left / self.cost.bandwidth
                         self._finish_copy()
-                        c.misses[key] += 1
-                        self.late += 1
+                        c.late[key] += 1  # neither a hit nor a miss (DESIGN.md, "Hits, late and misses")
                     else:
                         c.hits[key] += 1
                     continue
