@@ -47,7 +47,7 @@ class RuntimeConfig:
     # to the sketch scan; on mean token embeddings fewer candidates measurably miss the exact best (docs/bench.md,
     # "Matcher").
     sketch_candidates: int = 128
-    # Host RAM for expert weights; None = all of them. What does not fit stays memory-mapped from the checkpoint.
+    # Host RAM for expert weights; None = all of them. What does not fit is read from the checkpoint per use.
     host_ram_gb: float | None = None
     # Semantic embedding of an iteration: running mean over the request's tokens, or the iteration's tokens only.
     semantic_mode: str = "running_mean"
@@ -55,6 +55,10 @@ class RuntimeConfig:
     # Run the matcher and the copies inline on the forward thread: deterministic hit counts for tests and for
     # comparing the runtime with the replay benchmark. Off for real use (the paper keeps them off the critical path).
     synchronous_prefetch: bool = False
+    # The longest the forward pass waits for one expert to load, or a request's end for the prefetcher to finish,
+    # before it gives up with a sentence: a consumer disk reads a 350 MB Mixtral expert in well under 10 s, so this
+    # only ends waits on a failing disk or a stuck read. Stop and close end every wait sooner.
+    load_timeout_s: float = 60.0
     # Record what the runtime saw to this .npz (trace format, DESIGN.md). None = no recording.
     record_trace: str | None = None
 
@@ -81,5 +85,7 @@ class RuntimeConfig:
             raise ValueError("Set the semantic sketch size to 0 (exact search) or a positive number of dimensions.")
         if self.sketch_candidates < 1:
             raise ValueError("Set the semantic sketch candidates to at least 1: that many maps are re-ranked exactly.")
+        if self.load_timeout_s <= 0:
+            raise ValueError("Set the load timeout to a positive number of seconds.")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"Unknown device '{self.device}'. Use auto, cpu or cuda.")

@@ -3,7 +3,7 @@
 Scope: reading a safetensors checkpoint (single file or sharded with an index) tensor by tensor or row by row, and
 serving `read(layer, expert)` in the layout of one row of the model's fused experts parameters, in the compute
 dtype. Experts that fit in `host_ram_gb` are held in RAM (plain tensors: pinning everything OOMs consumer
-machines; the cache stages copies itself); the rest are read from the memory-mapped checkpoint on each `read`.
+machines; the cache stages copies itself); the rest are read from the checkpoint files on each `read` (positioned reads, never a memory map).
 It does NOT touch the device, the cache or the model.
 
 Shapes per expert, e.g. Mixtral: gate_up_proj [2I, H] (= cat([w1, w3])), down_proj [H, I]; GPT-OSS: gate_up_proj
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
-from safetensors import safe_open
 
 from fmoe_local.architectures import ConcatRows, ExpertSource, FusedRow, Mxfp4Row
+from fmoe_local.safetensors_file import SafetensorsFile
 
 GIB = 1024**3
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,7 +43,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 class CheckpointFiles:
-    """The safetensors files of a checkpoint: key → file, lazily opened (memory-mapped) handles, thread-safe reads."""
+    """The safetensors files of a checkpoint: key → file, lazily opened handles, thread-safe reads into memory we own
+    (safetensors_file.py says why nothing is memory-mapped)."""
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = Path(model_dir)
@@ -52,8 +53,8 @@ class CheckpointFiles:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             self.key_file: dict[str, str] = dict(weight_map)
         elif (self.model_dir / SINGLE_FILE).exists():
-            with safe_open(self.model_dir / SINGLE_FILE, framework="pt") as f:
-                self.key_file = dict.fromkeys(f.keys(), SINGLE_FILE)
+            single = SafetensorsFile(self.model_dir / SINGLE_FILE)
+            self.key_file = dict.fromkeys(single.keys(), SINGLE_FILE)
         else:
             raise FileNotFoundError(
                 f"No safetensors weights in {self.model_dir} (expected {SINGLE_FILE} or {INDEX_FILE}). "
@@ -65,8 +66,10 @@ class CheckpointFiles:
                 f"The checkpoint in {self.model_dir} is incomplete: {', '.join(sorted(missing))} missing. "
                 "Download the model again."
             )
-        self._handles: dict[str, object] = {}
-        self._lock = threading.Lock()
+        self._handles: dict[str, SafetensorsFile] = {}
+        if (self.model_dir / SINGLE_FILE).exists() and not index.exists():
+            self._handles[SINGLE_FILE] = single
+        self._lock = threading.Lock()  # guards the handle table; reads themselves run in parallel
 
     def keys(self) -> Iterable[str]:
         return self.key_file.keys()
@@ -74,31 +77,28 @@ class CheckpointFiles:
     def __contains__(self, key: str) -> bool:
         return key in self.key_file
 
-    def _handle(self, key: str):  # caller holds the lock
+    def _handle(self, key: str) -> SafetensorsFile:
         name = self.key_file[key]
-        handle = self._handles.get(name)
-        if handle is None:
-            handle = safe_open(self.model_dir / name, framework="pt", device="cpu")
-            self._handles[name] = handle
-        return handle
+        with self._lock:
+            handle = self._handles.get(name)
+            if handle is None:
+                handle = SafetensorsFile(self.model_dir / name)
+                self._handles[name] = handle
+            return handle
 
     def get(self, key: str) -> torch.Tensor:
         """The whole tensor `key` (CPU)."""
-        with self._lock:
-            return self._handle(key).get_tensor(key)
+        return self._handle(key).get(key)
 
     def get_row(self, key: str, index: int) -> torch.Tensor:
         """Row `index` of tensor `key` along dim 0, without reading the other rows."""
-        with self._lock:
-            return self._handle(key).get_slice(key)[index : index + 1][0]
+        return self._handle(key).get_row(key, index)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        with self._lock:
-            return tuple(self._handle(key).get_slice(key).get_shape())
+        return self._handle(key).shape(key)
 
     def dtype_name(self, key: str) -> str:
-        with self._lock:
-            return self._handle(key).get_slice(key).get_dtype()
+        return self._handle(key).dtype_name(key)
 
     def files_keys(self) -> dict[str, list[str]]:
         """Keys grouped by file, in file order: reading file by file keeps page-cache use sequential."""
@@ -110,9 +110,7 @@ class CheckpointFiles:
     def close(self) -> None:
         with self._lock:
             for handle in self._handles.values():
-                exit_ = getattr(handle, "__exit__", None)
-                if exit_ is not None:
-                    exit_(None, None, None)
+                handle.close()
             self._handles.clear()
 
 
