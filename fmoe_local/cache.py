@@ -10,12 +10,22 @@ hard ceiling, in prefill too (experts.py computes a layer in chunks of at most `
 Complete: once every expert of the model is resident (possible only with L·J slots) nothing can miss or be evicted
 again, and acquire takes a short path (no loads, waits or stall clock).
 
-Threads: the forward thread calls acquire/release; the prefetcher thread calls try_prefetch. One lock guards the
-residency tables; copies run outside it. Host copies are permanent, so eviction only frees a slot.
+Threads: the forward thread calls acquire/release; the prefetcher thread calls try_prefetch and copies its own
+prefetches; the forward pass's on-demand loads run on the loader thread (copier.py) while the forward thread waits
+for them. One lock guards the residency tables; copies run outside it. Host copies are permanent, so eviction only
+frees a slot.
+
+Failures and waits: a load that fails releases its slot and raises (to the forward pass, or to the prefetcher,
+which reports it to the request); every wait has a deadline (`load_timeout_s`) and gives up at once when
+`interrupt` is set (Stop, close), so no wait here is unbounded.
+
+Counting (the one definition, DESIGN.md "Hits, late and misses"): an access is a hit when its expert is resident
+and copied, late when a prefetch of it is still copying, a miss when it is not in the cache at all.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -24,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fmoe_local.copier import Copier, Interrupted, Landing, Loader, LoadTimeout
 from fmoe_local.host import HostStore
 from fmoe_local.policies.base import ExpertKey, Policy
 from fmoe_local.stats import LayerCounters
@@ -35,49 +46,26 @@ def slots_for_budget(cache_gb: float, expert_bytes: int) -> int:
     return int(cache_gb * GIB // expert_bytes)
 
 
+def check_capacity(capacity: int, expert_bytes: int) -> None:
+    """Refuse a cache with no slot, in a sentence that gives the size of one expert."""
+    if capacity < 1:
+        one = expert_bytes / GIB
+        size = f"{one:.3f} GB" if one >= 0.01 else f"{expert_bytes / 1024**2:.1f} MB"
+        raise ValueError(f"The expert cache must hold at least one expert ({size} for this model). Give it more room.")
+
+
 @dataclass
 class _Slot:
     key: ExpertKey | None = None
     pins: int = 0
-    ready: threading.Event = field(default_factory=threading.Event)
+    ready: Landing = field(default_factory=Landing)  # this claim's load; a new one per claim
     by_prefetch: bool = False  # loaded by the prefetcher and not used yet
     copy_event: object | None = None  # CUDA: the copy's completion on the copy stream
     last_use: object | None = None  # CUDA: compute stream event after the last kernel reading this slot
 
 
-class _Copier:
-    """Moves one expert from the host store into a slot: a plain copy on CPU, a copy stream + events on CUDA."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        # One pinned staging set per thread (forward thread, prefetcher thread), reused: pinning is expensive, and
-        # only staging is pinned because pinning every expert exhausts consumer machines' RAM.
-        self._staging = threading.local()
-
-    def copy(self, slot: _Slot, dst: dict[str, torch.Tensor], index: int, src: dict[str, torch.Tensor]) -> None:
-        if not self.cuda:
-            for name, t in src.items():
-                dst[name][index].copy_(t)
-            return
-        # Pinned staging so the DMA is truly asynchronous; the copy stream first waits for the last kernels that
-        # read this slot's previous occupant.
-        staged = getattr(self._staging, "buffers", None)
-        if staged is None:
-            staged = {name: torch.empty_like(t, device="cpu").pin_memory() for name, t in src.items()}
-            self._staging.buffers = staged
-        for name, t in src.items():
-            staged[name].copy_(t)
-        with torch.cuda.stream(self.stream):
-            if slot.last_use is not None:
-                self.stream.wait_event(slot.last_use)
-            for name, t in staged.items():
-                dst[name][index].copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        slot.copy_event = event
-        # The staging buffers are reused by this thread's next copy: wait for this DMA to finish first.
-        event.synchronize()
+class ExpertLoadError(RuntimeError):
+    """An expert could not be read from the host store or copied into its slot; the slot was released."""
 
 
 class ExpertCache:
@@ -88,12 +76,10 @@ class ExpertCache:
         device: torch.device,
         policy: Policy,
         counters: LayerCounters,
+        interrupt: threading.Event | None = None,
+        load_timeout_s: float = 60.0,
     ) -> None:
-        if capacity < 1:
-            raise ValueError(
-                f"The expert cache is smaller than one expert ({host.expert_bytes / GIB:.3f} GB). "
-                "Give it more GB in the settings."
-            )
+        check_capacity(capacity, host.expert_bytes)
         self.host = host
         self.device = device
         self.capacity = min(capacity, host.num_layers * host.num_experts)
@@ -110,7 +96,10 @@ class ExpertCache:
         self._lock = threading.Condition()
         self._demand = 0  # on-demand loads in progress: the prefetcher yields to them
         self._held: list[int] = []  # slots of the last acquire, pinned until the next one
-        self._copier = _Copier(device)
+        self._copier = Copier(device)
+        self._loader = Loader()
+        self.interrupt = interrupt or threading.Event()
+        self.load_timeout_s = load_timeout_s
         self.current_layer = -1
         self._total = host.num_layers * host.num_experts
         self._complete = False  # every expert resident and loaded: see `complete`
@@ -164,37 +153,21 @@ class ExpertCache:
                 self.policy.record_access(layer, list(experts), [True] * len(experts))
                 self._wait_copies(slots)
                 return slots
-            loads: list[tuple[int, ExpertKey]] = []
-            waits: list[int] = []
-            hits: list[bool] = []
-            slots = []
             self._demand += 1
-            # Pin every resident expert of this access first, so that loading a missing one can never evict
-            # another expert the same layer is about to use.
-            for e in experts:
-                s = self._slot_of.get((layer, e))
-                hits.append(s is not None)
-                slots.append(-1 if s is None else s)
-                if s is None:
-                    continue
-                self._pin_hit_locked(layer, e, s)
-                if not self._slots[s].ready.is_set():
-                    waits.append(s)
-            for i, e in enumerate(experts):
-                if hits[i]:
-                    continue
-                s = self._claim_locked((layer, e), current_layer=layer)
-                self._slots[s].pins += 1
-                loads.append((s, (layer, e)))
-                slots[i] = s
-                self.counters.misses[layer, e] += 1
-            self.policy.record_access(layer, list(experts), hits)
         t0 = time.perf_counter()
+        deadline = t0 + self.load_timeout_s
+        pinned: list[tuple[int, Landing]] = []  # what this access pinned, to undo if it fails
         try:
-            for s, key in loads:
-                self._load(s, key)
-            for s in waits:
-                self._slots[s].ready.wait()
+            with self._lock:
+                slots, waits = self._pin_and_claim_locked(layer, experts, pinned, deadline)
+            for landing, key in waits:
+                landing.wait_until(deadline, self.interrupt, f"expert {key[1]} of MoE layer {key[0]}")
+        except BaseException:
+            with self._lock:
+                for s, landing in pinned:
+                    if self._slots[s].ready is landing:  # a failed load already released its slot
+                        self._slots[s].pins -= 1
+            raise
         finally:
             with self._lock:
                 self._demand -= 1
@@ -202,6 +175,49 @@ class ExpertCache:
                 self._lock.notify_all()
         self._wait_copies(slots)
         return slots
+
+    def _pin_and_claim_locked(
+        self, layer: int, experts: Sequence[int], pinned: list[tuple[int, Landing]], deadline: float
+    ) -> tuple[list[int], list[tuple[Landing, ExpertKey]]]:
+        """Pin the resident experts of this access, then claim slots for the missing ones and start their loads.
+        Returns the slots and the landings to wait for (late prefetches and the new loads)."""
+        waits: list[tuple[Landing, ExpertKey]] = []
+        hits: list[bool] = []
+        slots = []
+        # Pin every resident expert of this access first, so that loading a missing one can never evict
+        # another expert the same layer is about to use.
+        for e in experts:
+            s = self._slot_of.get((layer, e))
+            hits.append(s is not None)  # what the policy is told, late or not (the replay tells it the same)
+            slots.append(-1 if s is None else s)
+            if s is None:
+                continue
+            slot = self._slots[s]
+            if slot.ready.is_set():
+                self._pin_hit_locked(layer, e, s)
+            else:  # late: its prefetch is still copying
+                slot.pins += 1
+                if slot.by_prefetch:
+                    slot.by_prefetch = False
+                    self.counters.prefetch_used += 1
+                self.counters.late[layer, e] += 1
+                waits.append((slot.ready, (layer, e)))
+            pinned.append((s, slot.ready))
+        for i, e in enumerate(experts):
+            if hits[i]:
+                continue
+            key = (layer, e)
+            s = self._claim_locked(key, current_layer=layer, deadline=deadline)
+            slot = self._slots[s]
+            slot.pins += 1
+            pinned.append((s, slot.ready))
+            slots[i] = s
+            self.counters.misses[layer, e] += 1
+            waits.append((slot.ready, key))
+            landing = slot.ready
+            self._loader.submit(lambda s=s, key=key, landing=landing: self._load(s, key, landing))
+        self.policy.record_access(layer, list(experts), hits)
+        return slots, waits
 
     def _pin_hit_locked(self, layer: int, expert: int, s: int) -> int:
         slot = self._slots[s]
@@ -261,21 +277,31 @@ class ExpertCache:
             s = self._claim_locked(key, current_layer=self.current_layer)
             self._slots[s].by_prefetch = True
             self.counters.prefetched[layer, expert] += 1
-        self._load(s, key)
+            landing = self._slots[s].ready
+        error = self._load(s, key, landing)
+        if error is not None:
+            raise error
         return True
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _evictable_locked(self) -> list[ExpertKey]:
         return [s.key for s in self._slots if s.key is not None and s.pins == 0 and s.ready.is_set()]
 
-    def _claim_locked(self, key: ExpertKey, current_layer: int) -> int:
+    def _claim_locked(self, key: ExpertKey, current_layer: int, deadline: float = math.inf) -> int:
         if self._free:
             s = self._free.pop()
         else:
             candidates = self._evictable_locked()
             while not candidates:
                 # Every slot is pinned or still loading: wait for an in-flight copy or a release.
-                self._lock.wait(timeout=1.0)
+                if self.interrupt.is_set():
+                    raise Interrupted("Stopped while waiting for a free slot in the expert cache.")
+                if time.perf_counter() > deadline:
+                    raise LoadTimeout(
+                        "Every slot of the expert cache stayed busy loading for too long. The disk or the model "
+                        "files may be failing; check the disk, or download the model again."
+                    )
+                self._lock.wait(timeout=0.05)
                 candidates = self._evictable_locked()
             victim = self.policy.choose_victims(candidates, current_layer, 1)[0]
             s = self._slot_of.pop(victim)
@@ -283,19 +309,42 @@ class ExpertCache:
                 self.counters.prefetch_wasted += 1
         slot = self._slots[s]
         slot.key, slot.pins, slot.by_prefetch = key, 0, False
-        slot.ready = threading.Event()
+        slot.ready = Landing()
         self._slot_of[key] = s
         return s
 
-    def _load(self, s: int, key: ExpertKey) -> None:
+    def _load(self, s: int, key: ExpertKey, landing: Landing) -> ExpertLoadError | None:
+        """Copy `key` into slot `s` and settle `landing`. Never raises: a failure releases the slot and is
+        returned (and handed to every waiter through the landing)."""
         slot = self._slots[s]
-        self._copier.copy(slot, self.tensors, s, self.host.read(*key))
+        try:
+            self._copier.copy(slot, self.tensors, s, self.host.read(*key))
+        except Exception as exc:  # noqa: BLE001 - any read/copy failure becomes the waiters' error
+            error = ExpertLoadError(
+                f"Could not load expert {key[1]} of MoE layer {key[0]}: {exc} If this repeats, the model files "
+                "may be damaged: download the model again."
+            )
+            error.__cause__ = exc
+            with self._lock:
+                if slot.ready is landing:  # release the claim: the expert is simply not resident
+                    del self._slot_of[key]
+                    slot.key, slot.pins, slot.by_prefetch = None, 0, False
+                    slot.ready = Landing()
+                    self._free.append(s)
+                landing.set(error)
+                self._lock.notify_all()
+            return error
         with self._lock:
             self.counters.bytes_moved += self.expert_bytes
-            slot.ready.set()
+            landing.set()
             if len(self._slot_of) == self._total and all(x.ready.is_set() for x in self._slots):
                 self._complete = True
             self._lock.notify_all()
+        return None
+
+    def close(self) -> None:
+        """Ends the loader thread (a load stuck in a read ends with its daemon thread)."""
+        self._loader.close()
 
     def drop_unused_prefetches(self) -> int:
         """Count prefetched experts still unused at the end of a request as wasted (they stay resident)."""

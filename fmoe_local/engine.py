@@ -2,10 +2,14 @@
 
 Scope: construction, per-request bracketing (policy events, statistics), reconfiguration and shutdown. It does NOT
 own a thread for requests (runtime.py does) or run the token loop (generate.py).
+
+Threads: everything here runs on the runtime's worker thread, except `interrupt.set()` (any thread: Stop, close),
+which ends every wait of the cache within a fraction of a second.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fmoe_local.bench.traces import DECODE, PREFILL, TraceRecorder
-from fmoe_local.cache import ExpertCache, slots_for_budget
+from fmoe_local.cache import ExpertCache, check_capacity, slots_for_budget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.experts import OffloadedExperts
 from fmoe_local.loading import load_model
@@ -21,7 +25,7 @@ from fmoe_local.maps import MapStore
 from fmoe_local.observe import RoutingObserver
 from fmoe_local.policies import make_policy
 from fmoe_local.policies.base import ModelShape
-from fmoe_local.prefetcher import Prefetcher
+from fmoe_local.prefetcher import Prefetcher, PrefetcherFailed
 from fmoe_local.stats import LayerCounters, RequestStats
 
 
@@ -69,7 +73,8 @@ class Engine:
         if map_persistence is not None:
             self.map_store.load_from()  # the user's earlier maps: why prediction improves over time
         self.policy = make_policy(config.policy, self.shape, config, self.map_store)
-        self.cache = ExpertCache(self.host, self._capacity(config), self.device, self.policy, self.counters)
+        self.interrupt = threading.Event()
+        self.cache = self._new_cache(self._capacity(config))
         self.prefetcher = Prefetcher(self.cache, self.policy, synchronous=config.synchronous_prefetch)
         self.observer = RoutingObserver(
             self.model.get_input_embeddings(),
@@ -95,6 +100,11 @@ class Engine:
 
     def _cache(self) -> ExpertCache:
         return self.cache
+
+    def _new_cache(self, capacity: int) -> ExpertCache:
+        return ExpertCache(
+            self.host, capacity, self.device, self.policy, self.counters, self.interrupt, self.config.load_timeout_s
+        )
 
     def _capacity(self, config: RuntimeConfig) -> int:
         if config.cache_experts is not None:
@@ -127,23 +137,42 @@ class Engine:
 
     @contextmanager
     def request(self, request_id: int, stats: RequestStats, text: str = "") -> Iterator[None]:
+        """Bracket one request. A background failure during it raises PrefetcherFailed here (unless the request
+        already failed), so it reaches the request that was running."""
         self._request_id, self._iteration_in_request = request_id, 0
         before = self.counters.snapshot()
         self.observer.begin_request()
         self.prefetcher.publish("begin_request", value=request_id)
+        failed = False
         try:
             yield
+        except BaseException:
+            failed = True
+            raise
         finally:
-            self.prefetcher.publish("end_request")
-            self.prefetcher.wait_idle()
+            late_error: PrefetcherFailed | None = None
+            try:
+                self.prefetcher.publish("end_request")
+            except PrefetcherFailed as exc:
+                late_error = exc
+            if not self.prefetcher.wait_idle(self.config.load_timeout_s) and late_error is None:
+                late_error = PrefetcherFailed(
+                    f"Expert prediction did not finish within {self.config.load_timeout_s:.0f} s: a read from the "
+                    "model files may be stuck. Check the disk, or load the model again."
+                )
             self.cache.drop_unused_prefetches()
             self.counters.since(before).fill(stats)
             stats.cache_gb_used = self.cache.resident_bytes() / 1024**3
             if self.recorder is not None and len(self.recorder):
                 self.recorder.label(request_id, text=text)
                 self.recorder.save(self.config.record_trace)
+            if not failed:
+                if late_error is not None:
+                    raise late_error
+                self.prefetcher.raise_if_failed()
 
     def end_iteration(self) -> None:
+        self.prefetcher.raise_if_failed()
         self.prefetcher.publish("end_iteration")
         if self.recorder is not None:
             obs = self.observer
@@ -153,10 +182,31 @@ class Engine:
         self._iteration_in_request += 1
 
     # ---- settings ------------------------------------------------------------------------------------------------
+    def recover_policy(self) -> None:
+        """After a background failure: a fresh policy on the same map store (what the store holds survives)."""
+        self.policy = make_policy(self.config.policy, self.shape, self.config, self.map_store)
+        self.prefetcher.set_policy(self.policy)
+        self.cache.policy = self.policy
+        self.observer.want_lookahead = self.policy.needs_lookahead
+
     def reconfigure(self, new: RuntimeConfig) -> None:
-        """Between requests only (the runtime's worker calls it). The model is not reloaded."""
+        """Between requests only (the runtime's worker calls it); the model is not reloaded. Everything is checked
+        before anything changes, so a refused value changes nothing; the one step that can fail while applying
+        (allocating the new cache) goes first and, if it fails, the previous size is restored before raising."""
         old = self.config
-        self.prefetcher.wait_idle()
+        new.validate()
+        capacity = self._capacity(new)
+        check_capacity(capacity, self.host.expert_bytes)
+        self.prefetcher.wait_idle(old.load_timeout_s)
+        if capacity != self._capacity(old):
+            try:
+                self._replace_cache(capacity)
+            except Exception as exc:
+                self._replace_cache(self._capacity(old))  # cold, at the size that worked
+                raise ValueError(
+                    f"Could not set up a {capacity}-expert cache ({type(exc).__name__}: {exc}). The previous "
+                    f"{self.cache.capacity}-expert cache is back; choose a smaller cache."
+                ) from exc
         if (new.store_capacity, new.prefetch_distance) != (old.store_capacity, old.prefetch_distance):
             self.map_store.reconfigure(capacity=new.store_capacity, prefetch_distance=new.prefetch_distance)
         retune = getattr(self.policy, "reconfigure", None)  # optional: keeps what the policy learned so far
@@ -167,22 +217,27 @@ class Engine:
             self.prefetcher.set_policy(self.policy)
             self.observer.want_lookahead = self.policy.needs_lookahead
         self.cache.policy = self.policy
+        self.cache.load_timeout_s = new.load_timeout_s
         self.config = new
-        if self._capacity(new) != self._capacity(old):
-            self.reset_cache()
 
     def reset_cache(self) -> None:
         """A new, cold cache of the configured size (between requests only): every expert back to RAM only."""
-        self.prefetcher.wait_idle()
+        self.prefetcher.wait_idle(self.config.load_timeout_s)
+        self._replace_cache(self._capacity(self.config))
+
+    def _replace_cache(self, capacity: int) -> None:
         # The old slots are freed first so both caches never coexist on the device.
+        self.cache.close()
         self.cache.tensors.clear()
-        self.cache = ExpertCache(self.host, self._capacity(self.config), self.device, self.policy, self.counters)
-        self.prefetcher.cache = self.cache
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        self.cache = self._new_cache(capacity)
+        self.prefetcher.cache = self.cache
 
     def close(self) -> None:
+        self.interrupt.set()
         self.prefetcher.close()
         self.observer.detach()
+        self.cache.close()
         self.cache.tensors.clear()
         self.host.close()

@@ -10,10 +10,19 @@ queued prefetch completes before the forward pass goes on, which makes hit count
 
 Once the cache is complete (every expert resident) nothing is left to predict: a forward pass's events are gathered
 on the forward thread and reach the policy as one event at the pass's end (`_learn`), so that it keeps learning.
+
+Failures: an exception in the policy, the map store or a prefetch copy does not end the worker. It is kept, the
+pending events and prefetches are dropped, and the forward thread's next `raise_if_failed` (after every forward
+pass) turns it into a `PrefetcherFailed` sentence for the running request; the engine then gives the worker a
+fresh policy. Prefetching only ever speeds things up, so nothing computed before the failure is wrong.
+
+Threads: `publish`, `per_layer`, `raise_if_failed` and `wait_idle` belong to the forward thread; `set_policy` and
+`close` are called between requests; everything else runs on the worker.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -26,6 +35,12 @@ from fmoe_local.cache import ExpertCache
 from fmoe_local.policies._common import learn_pass
 from fmoe_local.policies.base import Policy, Prefetch
 from fmoe_local.prefetch_queue import PrefetchQueue
+
+log = logging.getLogger(__name__)
+
+
+class PrefetcherFailed(RuntimeError):
+    """Prediction or a prefetch copy failed in the background; the sentence says what and what to do."""
 
 
 def _to_numpy(t: torch.Tensor | np.ndarray | None) -> np.ndarray | None:
@@ -66,6 +81,7 @@ class Prefetcher:
         self._idle.set()
         self._pending: _Event | None = None  # synchronous mode: the last router event, not handled yet
         self._pass: _Pass | None = None  # the forward pass now running, when the cache is complete
+        self._failure: BaseException | None = None  # the worker's first failure not yet reported
         self._thread: threading.Thread | None = None
         if not synchronous:
             self._thread = threading.Thread(target=self._run, name="fmoe-prefetcher", daemon=True)
@@ -96,14 +112,18 @@ class Prefetcher:
             # A router's event is handled when the next event arrives, i.e. after its layer's experts ran: the
             # replay benchmark's order (access, record, observe, copies), so the two give the same hit counts.
             pending, self._pending = self._pending, None
-            if pending is not None:
-                self._handle(pending)
+            try:
+                if pending is not None:
+                    self._handle(pending)
+                    self._drain_queue()
+                if kind == "layer":
+                    self._pending = event
+                    return
+                self._handle(event)
                 self._drain_queue()
-            if kind == "layer":
-                self._pending = event
-                return
-            self._handle(event)
-            self._drain_queue()
+            except Exception as exc:  # noqa: BLE001 - the same sentence as from the worker
+                self._fail(exc)
+                self.raise_if_failed()
             return
         with self._cond:
             self._events.append(event)
@@ -121,9 +141,23 @@ class Prefetcher:
             self.policy = policy
             self._queue.clear()
 
-    def wait_idle(self, timeout: float | None = 10.0) -> bool:
-        """Block until every published event was handled (between requests; never on the token path)."""
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until every published event was handled (between requests; never on the token path). False when
+        the worker is still busy after `timeout` seconds (a copy stuck in a read)."""
         return self._idle.wait(timeout)
+
+    def raise_if_failed(self) -> None:
+        """Forward thread: raise PrefetcherFailed for a worker failure not reported yet (and forget it)."""
+        with self._cond:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            error = PrefetcherFailed(
+                f"Expert prediction failed in the background ({type(failure).__name__}: {failure}), so this reply "
+                "was stopped. Prediction has restarted: send the message again."
+            )
+            raise error from failure
+        if self._thread is not None and not self._closed and not self._thread.is_alive():
+            raise PrefetcherFailed("Expert prediction stopped working. Load the model again (Models tab).")
 
     def close(self) -> None:
         with self._cond:
@@ -135,20 +169,38 @@ class Prefetcher:
     # ---- worker --------------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not self._closed and not self._events and (not self._queue or self.cache.on_demand_active):
-                    if not self._queue:  # no event either: the loop condition says so
-                        self._idle.set()
-                    self._cond.wait(timeout=0.05)
-                if self._closed:
-                    self._idle.set()
+            try:
+                if not self._step():
                     return
-                events = list(self._events)
-                self._events.clear()
-            for event in events:
-                self._handle(event)
-            # One copy at a time, so that new router outputs are matched promptly between copies.
-            self._pop_and_copy()
+            except Exception as exc:  # noqa: BLE001 - kept for the request; the worker goes on
+                self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        log.error("expert prefetcher failed", exc_info=exc)
+        with self._cond:
+            if self._failure is None:
+                self._failure = exc
+            self._events.clear()
+            self._queue.clear()
+            self._cond.notify_all()
+
+    def _step(self) -> bool:
+        """Handle what was published and copy one prefetch; False once closed."""
+        with self._cond:
+            while not self._closed and not self._events and (not self._queue or self.cache.on_demand_active):
+                if not self._queue:  # no event either: the loop condition says so
+                    self._idle.set()
+                self._cond.wait(timeout=0.05)
+            if self._closed:
+                self._idle.set()
+                return False
+            events = list(self._events)
+            self._events.clear()
+        for event in events:
+            self._handle(event)
+        # One copy at a time, so that new router outputs are matched promptly between copies.
+        self._pop_and_copy()
+        return True
 
     def _handle(self, event: _Event) -> None:
         policy = self.policy

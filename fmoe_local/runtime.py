@@ -13,6 +13,7 @@ It does NOT persist anything (the app passes a MapPersistence from store/), nor 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -21,12 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from fmoe_local.cache import ExpertLoadError
 from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.copier import Interrupted, LoadTimeout
 from fmoe_local.engine import Engine
 from fmoe_local.generate import Detokenizer, generate_ids
+from fmoe_local.prefetcher import PrefetcherFailed
 from fmoe_local.stats import RequestStats
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+# Failures whose message is already a sentence for the user.
+_SENTENCES = (ExpertLoadError, LoadTimeout, PrefetcherFailed)
 
 
 @dataclass(frozen=True)
@@ -146,9 +153,11 @@ class Runtime:
         return events[-1]
 
     def stop(self) -> None:
+        """End the running request within a token, or at once if it is waiting for an expert to load."""
         current = self._current
         if current is not None:
             current.stop.set()
+            self._engine.interrupt.set()
 
     def reconfigure(
         self,
@@ -204,6 +213,7 @@ class Runtime:
             return
         self._closed = True
         self.stop()
+        self._engine.interrupt.set()
         self._jobs.put(_SENTINEL)
         self._worker.join(timeout=30)
         self._engine.close()
@@ -237,29 +247,47 @@ class Runtime:
 
     def _run(self, request: _Request) -> None:
         e = self._engine
+        e.interrupt.clear()
         prompt_ids = e.encode_chat(request.messages)
         stats = RequestStats(prompt_tokens=int(prompt_ids.shape[1]))
         detok = Detokenizer(e.tokenizer)
-        reason = "length"
+        reason, error = "length", ""
         times: list[float] = []
         request_id = next(self._request_ids)
         t0 = time.perf_counter()
-        with e.request(request_id, stats, text=request.messages[-1].get("content", "") if request.messages else ""):
-            for token in generate_ids(
-                e.model, prompt_ids, request.sampling, e.eos_ids, request.stop, after_forward=e.end_iteration
-            ):
-                times.append(time.perf_counter())
-                if token in e.eos_ids:
-                    detok.ids.append(token)
-                    reason = "stop"
-                    break
-                delta = detok.add(token)
-                request.out.put(TextDelta(delta, token))
-            if request.stop.is_set() and reason == "length" and len(times) < request.sampling.max_new_tokens:
-                reason = "cancelled"
+        try:
+            with e.request(request_id, stats, text=request.messages[-1].get("content", "") if request.messages else ""):
+                for token in generate_ids(
+                    e.model, prompt_ids, request.sampling, e.eos_ids, request.stop, after_forward=e.end_iteration
+                ):
+                    times.append(time.perf_counter())
+                    if token in e.eos_ids:
+                        detok.ids.append(token)
+                        reason = "stop"
+                        break
+                    delta = detok.add(token)
+                    request.out.put(TextDelta(delta, token))
+                if request.stop.is_set() and reason == "length" and len(times) < request.sampling.max_new_tokens:
+                    reason = "cancelled"
+        except Interrupted:
+            reason = "cancelled"
+        except Exception as exc:  # noqa: BLE001 - the request ends with a sentence; the runtime goes on
+            reason, error = "error", self._sentence(exc)
+            if isinstance(exc, PrefetcherFailed):
+                e.recover_policy()
         stats.tokens = len(times)
         if times:
             stats.ttft_s = times[0] - t0
             stats.tpot_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else stats.ttft_s
         stats.finish_reason = reason
-        request.out.put(Finished(detok.text, list(detok.ids), stats, reason))
+        request.out.put(Finished(detok.text, list(detok.ids), stats, reason, error=error))
+
+    @staticmethod
+    def _sentence(exc: Exception) -> str:
+        if isinstance(exc, _SENTENCES):
+            return str(exc)
+        log.error("generation failed", exc_info=exc)
+        return (
+            f"Generation failed ({type(exc).__name__}: {exc}). Send the message again; if it happens again, "
+            "load the model again from the Models tab."
+        )

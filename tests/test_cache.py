@@ -6,11 +6,14 @@ so a slot's content says which expert it holds.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
+import pytest
 import torch
 
-from fmoe_local.cache import ExpertCache
+from fmoe_local.cache import ExpertCache, ExpertLoadError
+from fmoe_local.copier import Interrupted, LoadTimeout
 from fmoe_local.policies.base import ModelShape
 from fmoe_local.policies.lru import LRUPolicy
 from fmoe_local.stats import LayerCounters
@@ -105,3 +108,80 @@ def test_prefetched_expert_counts_as_used_on_its_first_hit_in_the_complete_state
     cache.release(cache.acquire(2, [3]))
     assert cache.counters.prefetch_used == 1
     assert cache.drop_unused_prefetches() == 0
+
+
+class GatedHost(ValueHost):
+    """Reads of the experts in `gated` wait for `gate`; reads of those in `broken` raise."""
+
+    def __init__(self, gated=(), broken=()) -> None:
+        super().__init__()
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gated, self.broken = set(gated), set(broken)
+
+    def read(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        if (layer, expert) in self.broken:
+            raise OSError(5, "Input/output error")
+        if (layer, expert) in self.gated:
+            self.entered.set()
+            self.gate.wait(10)
+        return super().read(layer, expert)
+
+
+def _cache_over(host: ValueHost, capacity: int = 4) -> ExpertCache:
+    return ExpertCache(host, capacity, torch.device("cpu"), RecordingPolicy(), LayerCounters(L, J))
+
+
+def test_a_prefetch_still_copying_is_late_neither_hit_nor_miss():
+    host = GatedHost(gated={(1, 2)})
+    cache = _cache_over(host)
+    prefetch = threading.Thread(target=cache.try_prefetch, args=(1, 2))
+    prefetch.start()
+    assert host.entered.wait(5)
+    threading.Timer(0.1, host.gate.set).start()
+    slots = cache.acquire(1, [2])  # waits for the copy in flight
+    prefetch.join(5)
+    assert holds(cache, slots[0], 1, 2)
+    c = cache.counters
+    assert (int(c.hits.sum()), int(c.late.sum()), int(c.misses.sum())) == (0, 1, 0)
+    assert c.prefetch_used == 1
+    assert cache.policy.accesses[-1] == (1, [2], [True])  # the policy hears "there", as the replay tells it
+
+
+def test_a_failed_load_releases_its_slot_and_raises_a_sentence():
+    cache = _cache_over(GatedHost(broken={(0, 1)}))
+    with pytest.raises(ExpertLoadError, match="Could not load expert 1 of MoE layer 0.*download the model again"):
+        cache.acquire(0, [0, 1])
+    assert not cache.claimed_mask()[0, 1]
+    assert all(s.pins == 0 for s in cache._slots)  # the access's pins were undone, the hit's too
+    cache.host.broken.clear()
+    slots = cache.acquire(0, [0, 1])
+    assert holds(cache, slots[1], 0, 1)
+
+
+def test_a_failed_prefetch_raises_on_the_prefetcher_and_releases_its_slot():
+    cache = _cache_over(GatedHost(broken={(2, 3)}))
+    with pytest.raises(ExpertLoadError):
+        cache.try_prefetch(2, 3)
+    assert not cache.claimed_mask().any()
+
+
+def test_interrupt_ends_a_wait_for_a_stuck_read_and_the_read_settles_later():
+    host = GatedHost(gated={(0, 0)})
+    cache = _cache_over(host)
+    threading.Timer(0.2, cache.interrupt.set).start()
+    with pytest.raises(Interrupted):
+        cache.acquire(0, [0])
+    assert all(s.pins == 0 for s in cache._slots)
+    cache.interrupt.clear()
+    host.gate.set()  # the read finishes in the background and its slot becomes an ordinary resident expert
+    slots = cache.acquire(0, [0])
+    assert holds(cache, slots[0], 0, 0)
+    assert len(host.reads) == 1
+
+
+def test_a_wait_past_the_deadline_says_what_to_check():
+    host = GatedHost(gated={(0, 0)})
+    cache = ExpertCache(host, 4, torch.device("cpu"), RecordingPolicy(), LayerCounters(L, J), load_timeout_s=0.2)
+    with pytest.raises(LoadTimeout, match="expert 0 of MoE layer 0 took too long.*check the disk"):
+        cache.acquire(0, [0])
+    host.gate.set()
