@@ -49,8 +49,10 @@ def slots_for_budget(cache_gb: float, expert_bytes: int) -> int:
 def check_capacity(capacity: int, expert_bytes: int) -> None:
     """Refuse a cache with no slot, in a sentence that gives the size of one expert."""
     if capacity < 1:
-        one = expert_bytes / GIB
-        size = f"{one:.3f} GB" if one >= 0.01 else f"{expert_bytes / 1024**2:.1f} MB"
+        unit, scale = next(
+            (u, f) for u, f in (("GB", GIB), ("MB", 1024**2), ("KB", 1024), ("bytes", 1)) if expert_bytes >= f
+        )
+        size = f"{expert_bytes / scale:.3g} {unit}"
         raise ValueError(f"The expert cache must hold at least one expert ({size} for this model). Give it more room.")
 
 

@@ -156,3 +156,13 @@ def test_a_cache_allocation_that_fails_rolls_back_to_the_previous_size(tiny_mode
         assert runtime.config.cache_experts == 3 and runtime.config.prefetch_distance == 3
         assert runtime.engine.cache.capacity == 3
         assert _works(runtime).token_ids == expected
+
+
+def test_ram_tier_experts_survive_their_file_being_truncated(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen2_moe"), model_dir)
+    with Runtime.load(model_dir, _config(policy="lru")) as runtime:  # every expert in RAM
+        expected = _works(runtime).token_ids
+        (model_dir / "model.safetensors").write_bytes(b"")  # a re-download starting over, say
+        runtime.reset_cache()  # every expert must come from the host store again
+        assert _works(runtime).token_ids == expected  # today: SIGBUS, the app is gone

@@ -80,3 +80,43 @@ def test_apply_to_builds_the_runtime_config(tmp_path):
     config.validate()
     assert (config.device, config.cache_gb, config.store_capacity) == ("cpu", 1.5, 64)
     assert (config.sampling.temperature, config.sampling.max_new_tokens, config.sampling.seed) == (0.2, 32, 7)
+
+
+CHILD = """
+import sys
+from store import open_store
+store = open_store(sys.argv[1])
+i = 0
+while True:
+    i += 1
+    store.settings.set(store_capacity=i, max_new_tokens=i)  # one Apply: both keys or neither
+    print(i, flush=True)
+"""
+
+
+def test_kill_9_during_settings_saves_keeps_every_committed_apply_whole(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=repo, stdout=subprocess.PIPE, text=True)
+    try:
+        committed = 0
+        while committed < 200:
+            line = child.stdout.readline()
+            assert line, "the writer died before it was killed"
+            committed = int(line)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(10)
+    store = open_store(tmp_path)
+    try:
+        s = store.settings.load()
+        assert s.store_capacity == s.max_new_tokens  # never half an Apply
+        assert s.store_capacity >= committed  # nothing reported saved was lost
+        assert store.recovered_from is None
+    finally:
+        store.close()

@@ -146,7 +146,12 @@ def _generate(session: Session, conv_id: int, system: str, sampling: Sampling):
             yield shown + [{"role": "assistant", "content": text}], False
         elif isinstance(event, Finished):
             if event.reason == "error":
-                raise gr.Error(f"Generation failed: {event.error}. Try again, or reload the model.")
+                # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
+                if event.text.strip():
+                    session.store.chats.append(conv_id, "assistant", event.text, event.stats)
+                notice = {"role": "assistant", "content": f"⚠️ {event.error}"}
+                yield display(session.store.chats.messages(conv_id)) + [notice], True
+                return
             session.record(event.stats)
             session.store.chats.append(conv_id, "assistant", event.text, event.stats)
             yield display(session.store.chats.messages(conv_id)), True

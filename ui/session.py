@@ -106,12 +106,20 @@ class Session:
             )
         with self._lock:
             self.unload()
-            settings = self.store.settings.load()
-            config = settings.apply_to(self.config)
+            notice = ""
             try:
                 shape = shape_of(model_dir)
                 self._persistence = self.store.map_persistence(model_dir, shape)
-                self.runtime = Runtime.load(model_dir, config, map_persistence=self._persistence)
+                try:
+                    self.runtime = Runtime.load(model_dir, self._saved_config(), map_persistence=self._persistence)
+                except ValueError as exc:
+                    # A saved value this model cannot use (e.g. a cache smaller than one of its experts) must not
+                    # keep the model from loading: back to the defaults, said plainly.
+                    reset = self._reset_runtime_settings()
+                    if not reset:
+                        raise
+                    notice = f" Your saved settings could not be used ({exc}); {', '.join(reset)} reset to defaults."
+                    self.runtime = Runtime.load(model_dir, self._saved_config(), map_persistence=self._persistence)
             except Exception as exc:  # noqa: BLE001 - any load failure is reported, the app keeps running
                 self._close_persistence()
                 self.load_error = f"Could not load {model_dir.name}: {exc}"
@@ -123,8 +131,33 @@ class Session:
             info = self.runtime.info
             return (
                 f"Loaded {info.name} on {info.device}: {info.num_layers} MoE layers × {info.num_experts} experts, "
-                f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts)."
+                f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{notice}"
             )
+
+    def _saved_config(self) -> RuntimeConfig:
+        return self.store.settings.load().apply_to(self.config)
+
+    def _reset_runtime_settings(self) -> list[str]:
+        """Reset the saved settings that shape the runtime and differ from the defaults; returns their names."""
+        from store.settings import AppSettings
+
+        saved, defaults = self.store.settings.load(), AppSettings()
+        names = [
+            n
+            for n in (
+                "cache_gb",
+                "prefetch_distance",
+                "policy",
+                "store_capacity",
+                "temperature",
+                "top_p",
+                "max_new_tokens",
+            )
+            if getattr(saved, n) != getattr(defaults, n)
+        ]
+        if names:
+            self.store.settings.reset_fields(names)
+        return names
 
     def unload(self) -> None:
         if self.runtime is not None:

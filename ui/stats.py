@@ -61,7 +61,11 @@ def heatmap_figure(stats: RequestStats | None):
     ax.set_ylabel("expert")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(f"Last reply: {stats.tokens} tokens, expert hit rate {stats.hit_rate:.0%}", fontsize=11)
+    ax.set_title(
+        f"Last reply: {stats.tokens} tokens, expert hit rate {stats.hit_rate:.0%}"
+        f" ({stats.hits} hits, {stats.late} late, {stats.misses} misses)",
+        fontsize=11,
+    )
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in CELL_COLOURS[1:]]
     ax.legend(handles, CELL_LABELS[1:], loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=9)
     fig.tight_layout()

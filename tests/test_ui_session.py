@@ -1,0 +1,57 @@
+"""Session.load: a saved setting this model cannot use is reset to its default with a sentence, and the model loads
+(the built-in one always does)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.demo import demo_model_dir
+from store import open_store
+from store.settings import AppSettings
+from ui.session import Session
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path)
+    yield s
+    s.close()
+
+
+def test_a_saved_cache_smaller_than_one_expert_is_reset_and_the_demo_model_loads(store):
+    store.settings.set(cache_gb=1e-6, prefetch_distance=2)  # valid for the form, too small for any expert
+    session = Session(store=store, config=RuntimeConfig(device="cpu"))
+    try:
+        said = session.load(demo_model_dir())
+        assert session.runtime is not None and session.load_error == ""
+        assert "saved settings could not be used" in said and "must hold at least one expert" in said
+        assert "cache_gb, prefetch_distance reset to defaults" in said
+        saved = store.settings.load()
+        assert saved.cache_gb == AppSettings().cache_gb and saved.prefetch_distance == AppSettings().prefetch_distance
+        assert session.runtime.generate([{"role": "user", "content": "Hi"}]).reason in ("stop", "length")
+    finally:
+        session.close()
+
+
+def test_an_unknown_saved_policy_is_reset(store):
+    store.settings.set(policy="fmoe")
+    with store.settings._s.lock:  # written by another version: a policy this one does not have
+        store.settings._s.db.execute("UPDATE settings SET value_json = '\"belady2\"' WHERE key = 'policy'")
+    session = Session(store=store, config=RuntimeConfig(device="cpu"))
+    try:
+        said = session.load(demo_model_dir())
+        assert "Unknown policy 'belady2'" in said and "policy reset to defaults" in said
+        assert store.settings.load().policy == AppSettings().policy
+    finally:
+        session.close()
+
+
+def test_settings_that_work_are_kept(store):
+    store.settings.set(prefetch_distance=2)
+    session = Session(store=store, config=RuntimeConfig(device="cpu"))
+    try:
+        said = session.load(demo_model_dir())
+        assert "reset" not in said and session.runtime.info.prefetch_distance == 2
+    finally:
+        session.close()
