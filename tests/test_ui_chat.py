@@ -18,3 +18,33 @@ def test_stats_line_under_replies_only():
     assert [m["role"] for m in shown] == ["user", "assistant"]  # the system prompt is not a bubble
     assert shown[0]["content"] == "hi"
     assert shown[1]["content"].startswith("hello\n\n<span class='reply-stats'>12.3 tok/s")
+
+
+def test_a_failed_reply_shows_its_sentence_inline_and_keeps_the_partial_text(tmp_path):
+    from types import SimpleNamespace
+
+    from fmoe_local.config import Sampling
+    from fmoe_local.runtime import Finished, TextDelta
+    from fmoe_local.stats import RequestStats
+    from store import open_store
+    from ui.chat import _generate
+
+    sentence = "Could not load expert 3 of MoE layer 1: disk error. Download the model again."
+
+    class FailingRuntime:
+        def stream(self, messages, sampling):
+            yield TextDelta("The sea", 5)
+            yield Finished("The sea", [5], RequestStats(finish_reason="error"), "error", error=sentence)
+
+    store = open_store(tmp_path)
+    try:
+        conv = store.chats.create("sea")
+        store.chats.append(conv.id, "user", "Tell me about the sea.")
+        session = SimpleNamespace(store=store, runtime=FailingRuntime(), record=lambda stats: None)
+        *_, (shown, done) = list(_generate(session, conv.id, "", Sampling()))
+        assert done
+        assert shown[-1] == {"role": "assistant", "content": f"⚠️ {sentence}"}  # a bubble, not an exception
+        assert shown[-2]["content"].startswith("The sea")
+        assert [m.content for m in store.chats.messages(conv.id)] == ["Tell me about the sea.", "The sea"]
+    finally:
+        store.close()
