@@ -2,8 +2,8 @@
 
     python app.py [--model DIR|REPO_ID] [--port N] [--no-browser] [--data-dir DIR] [--listen]
 
-Scope: command line → store + Session (+ the model to load) → ui.build() → launch on 127.0.0.1 (the next free
-port when the asked one is taken; `--listen` opts in to the local network). Sub-commands (`run`, `bench`) go to
+Scope: command line → store + Session (+ the model to load) → ui.build() → ui.server (guarded, on 127.0.0.1; the
+next free port when the asked one is taken; `--listen` opts in to the local network). Sub-commands (`run`, `bench`) go to
 fmoe_local.cli with a map-persistence factory, since only this module may import store/. It does NOT hold any
 UI or model logic itself.
 """
@@ -101,7 +101,7 @@ def resolve_model(arg: str | None, models_dir: Path, last_model: str) -> tuple[P
 
 
 def serve(args: argparse.Namespace):
-    """Open the store, load the model, build and launch the UI. Returns (demo, session, url); does not block."""
+    """Open the store, load the model, build and serve the UI. Returns (server, session, url); does not block."""
     from store import StoreError, open_store
 
     data_dir = None
@@ -137,20 +137,16 @@ def serve(args: argparse.Namespace):
     port = free_port(host, args.port)
     demo = build(session)
     demo.queue(default_concurrency_limit=1)
-    _, url, _ = demo.launch(
-        server_name=host,
-        server_port=port,
-        inbrowser=not args.no_browser,
-        prevent_thread_lock=True,
-        show_error=True,
-        quiet=True,
-        theme=theme(),
-        css=CSS,
-        ssr_mode=False,
-        footer_links=[],
-    )
+    from ui.server import Server
+
+    server = Server(demo, host, port, listen=args.listen, theme=theme(), css=CSS, ssr_mode=False, footer_links=[])
+    url = server.start()
     print(f"fmoe-local: serving on {url}", flush=True)
-    return demo, session, url
+    if not args.no_browser:
+        import webbrowser
+
+        webbrowser.open(url)
+    return server, session, url
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,13 +156,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli.main(argv, persistence_factory=persistence_factory)
     args = build_parser().parse_args(argv)
-    demo, session, _ = serve(args)
+    server, session, _ = serve(args)
     try:
-        demo.block_thread()
+        server.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        demo.close()
+        server.close()
         session.close()
         session.store.close()
     return 0

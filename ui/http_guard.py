@@ -1,0 +1,102 @@
+"""Who may talk to the app: requests addressed to this machine by a name we serve, from our own pages or from
+programs that are not browsers.
+
+Scope: one ASGI middleware, outermost around the whole server (the chat UI, its internal API, the /v1 API), and
+the rule it applies. It does NOT authenticate users (a local app has one) or serve anything itself.
+
+Why: a server on 127.0.0.1 is reachable by every web page the user opens.
+- DNS rebinding: a page on evil.example whose name later resolves to 127.0.0.1 talks to us as its own origin;
+  its requests carry `Host: evil.example`. Only loopback names and addresses (and, with --listen, IP literals and
+  this machine's own name) are served; a name can rebind, an address typed by the user cannot.
+- Cross-site requests (a form post, a `no-cors` upload) carry an `Origin` naming the other site: refused. Only
+  our own origin (the same host and port the request was sent to) is accepted, so no CORS grant is ever needed
+  and none is given. Programs that are not browsers (curl, the openai client, editors) send no Origin.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain"})
+REFUSED = (
+    "This request was refused: fmoe-local only answers its own pages and programs on this computer. "
+    "Open the address the app printed (http://127.0.0.1:PORT) in your browser."
+)
+
+
+def machine_names() -> frozenset[str]:
+    """This machine's own names, which LAN users may type when the app serves with --listen."""
+    name = socket.gethostname().lower()
+    return frozenset({name, f"{name}.local", name.split(".")[0]})
+
+
+def _split(authority: str) -> tuple[str, int | None]:
+    """'Host' header or URL authority → (lower-case host without brackets, port or None)."""
+    parts = urlsplit(f"//{authority}")
+    try:
+        port = parts.port
+    except ValueError:
+        return "", None
+    return (parts.hostname or "").rstrip("."), port
+
+
+def host_allowed(host: str, listen: bool, names: Iterable[str] = ()) -> bool:
+    if host in LOCAL_NAMES:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return listen and host in names
+    return address.is_loopback or listen
+
+
+def allowed(host_header: str | None, origin: str | None, listen: bool, names: Iterable[str] = ()) -> bool:
+    """The whole rule: a Host we serve, and no Origin or exactly our own."""
+    if not host_header:
+        return False
+    host, port = _split(host_header)
+    if not host_allowed(host, listen, names):
+        return False
+    if origin is None:
+        return True
+    parts = urlsplit(origin)
+    if parts.scheme not in ("http", "https"):
+        return False  # "null" (sandboxed frames, file:// pages) and anything stranger
+    o_host, o_port = _split(parts.netloc)
+    return (o_host, o_port) == (host, port)
+
+
+class LocalOnlyGuard:
+    """ASGI middleware: answers 403 with a sentence (HTTP) or closes (WebSocket) whatever `allowed` refuses."""
+
+    def __init__(self, app, listen: bool = False, names: Iterable[str] = ()) -> None:  # noqa: ANN001 - ASGI app
+        self.app = app
+        self.listen = listen
+        self.names = frozenset(names)
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - the ASGI signature
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if allowed(headers.get("host"), headers.get("origin"), self.listen, self.names):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        body = REFUSED.encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 403,
+                "headers": [
+                    (b"content-type", b"text/plain; charset=utf-8"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

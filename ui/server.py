@@ -1,0 +1,59 @@
+"""The app's HTTP server: one port, the guard outermost, the Gradio UI mounted at /, served by uvicorn on a thread.
+
+Scope: building the ASGI app around the Blocks (http_guard.LocalOnlyGuard, a CORS policy that grants nothing, the
+upload size limit) and running it until `close()`. It does NOT build the UI (ui.build) or choose the port (app.py).
+
+Why not `Blocks.launch`: launch builds its own app and puts Gradio's CORS middleware outermost, which grants any
+origin whenever the Host is not a localhost name — the DNS-rebinding case. Mounted in our app, our guard sees
+every request first, and Gradio stands its CORS handling down because the parent configures CORS.
+
+Threads: `start`, `wait` and `close` belong to the thread that built the server (app.py's main thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import gradio as gr
+import uvicorn
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+
+from ui.http_guard import LocalOnlyGuard, machine_names
+
+# The UI uploads nothing; Gradio's upload route exists anyway, so keep what it could take small.
+MAX_UPLOAD = "5mb"
+
+
+class Server:
+    def __init__(self, demo: gr.Blocks, host: str, port: int, listen: bool = False, **ui_options: object) -> None:
+        """`ui_options`: what Blocks.launch would take for the page (theme, css, footer_links, ssr_mode…)."""
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(CORSMiddleware, allow_origins=[])  # no origin is ever granted; Gradio's CORS stands down
+        app.add_middleware(LocalOnlyGuard, listen=listen, names=machine_names() if listen else ())  # outermost
+        gr.mount_gradio_app(app, demo, path="/", max_file_size=MAX_UPLOAD, show_error=True, **ui_options)
+        self.app = app
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '127.0.0.1') else host}:{port}/"
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="fmoe-http", daemon=True)
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Serve in the background; returns the URL once the port accepts connections."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"The web server did not start on {self.url}. Start with --port and another number.")
+            time.sleep(0.05)
+        return self.url
+
+    def wait(self) -> None:
+        """Block until the server stops (Ctrl+C raises KeyboardInterrupt here)."""
+        while self._thread.is_alive():
+            self._thread.join(0.5)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
