@@ -15,6 +15,7 @@ from pathlib import Path
 import gradio as gr
 
 from fmoe_local.config import Sampling
+from ui.render import safe_markdown
 from ui.session import Session
 
 NO_MODEL = "No model is loaded yet. Open the Models tab to download one or load a model folder."
@@ -60,7 +61,7 @@ def display(messages) -> list[dict]:
     for m in messages:
         if m.role == "system":
             continue
-        content = m.content
+        content = safe_markdown(m.content)
         line = stats_line(m.stats) if m.role == "assistant" else ""
         if line:
             content = f"{content}\n\n<span class='reply-stats'>{line}</span>"
@@ -143,13 +144,13 @@ def _generate(session: Session, conv_id: int, system: str, sampling: Sampling):
     for event in session.runtime.stream(messages, sampling):
         if isinstance(event, TextDelta):
             text += event.text
-            yield shown + [{"role": "assistant", "content": text}], False
+            yield shown + [{"role": "assistant", "content": safe_markdown(text)}], False
         elif isinstance(event, Finished):
             if event.reason == "error":
                 # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
                 if event.text.strip():
                     session.store.chats.append(conv_id, "assistant", event.text, event.stats)
-                notice = {"role": "assistant", "content": f"⚠️ {event.error}"}
+                notice = {"role": "assistant", "content": f"⚠️ {safe_markdown(event.error)}"}
                 yield display(session.store.chats.messages(conv_id)) + [notice], True
                 return
             session.record(event.stats)
