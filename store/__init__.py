@@ -104,5 +104,8 @@ def open_store(location: str | Path | None = None, check: bool = True) -> Store:
     Raises StoreError — StoreInUseError when another instance holds it, StoreTooNewError for a newer file; the
     message is a sentence for the user. A damaged file is moved aside and `Store.recovered_from` says where.
     """
-    store_db = open_database(resolve_db_path(location), check=check)
+    path = resolve_db_path(location)
+    # A file the user named (not our own file name inside a data folder) must be new or ours.
+    named_by_user = location is not None and Path(str(location)).expanduser() == path
+    store_db = open_database(path, check=check, named_by_user=named_by_user)
     return Store(db=store_db, chats=ChatStore(store_db), settings=SettingsStore(store_db))

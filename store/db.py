@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 5000
 MMAP_BYTES = 1 << 30
+# PRAGMA application_id of our files ("fmoe"): how a file we did not name ourselves is recognised as ours.
+APPLICATION_ID = 0x666D6F65
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_OUR_TABLES = {"models", "maps", "conversations", "messages", "settings"}
+
+
+class _Corrupt(sqlite3.DatabaseError):
+    """The integrity check failed."""
 
 
 def connect(path: Path) -> sqlite_utils.Database:
@@ -66,15 +74,21 @@ class StoreDb:
                 self.instance_lock.release()
 
 
-def open_database(path: str | Path, check: bool = True) -> StoreDb:
+def open_database(path: str | Path, check: bool = True, named_by_user: bool = False) -> StoreDb:
     """Open (or create) the database at `path`, holding the one-instance lock.
 
     Raises StoreInUseError when another app holds it, StoreTooNewError for a newer schema, StoreError when the
-    folder cannot be written. A corrupt or unreadable file is moved to `<name>.corrupt-<timestamp>` and a fresh
-    one is created; `recovered_from` then names the moved file. `check` runs `PRAGMA quick_check` (reads every
-    page: ~0.1 s per 100 MB), which finds damage that a plain open would only hit later, mid-chat.
+    folder cannot be written. Only a corrupt file (the integrity check fails, or it is not a database) is moved to
+    `<name>.corrupt-<timestamp>` and a fresh one created; `recovered_from` then names the moved file. Any other
+    failure — a full disk, a read-only file, an I/O error — leaves the file where it is and says what to do.
+    `named_by_user` (a file path from --store, not our own name in a data folder): the file must not exist yet or
+    be ours (our application id, or our tables); anything else is refused untouched. `check` runs
+    `PRAGMA quick_check` (reads every page: ~0.1 s per 100 MB), which finds damage that a plain open would only
+    hit later, mid-chat.
     """
     path = Path(path).expanduser()
+    if named_by_user:
+        _refuse_if_not_ours(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -95,6 +109,11 @@ def open_database(path: str | Path, check: bool = True) -> StoreDb:
             if _is_contention(exc):
                 raise StoreError(
                     f"The database {path} stayed busy for {BUSY_TIMEOUT_MS // 1000} s. Try again."
+                ) from exc
+            if not _is_corruption(exc):
+                raise StoreError(
+                    f"Could not open the database {path} ({exc}). It was left as it is. If the disk is full, free "
+                    "some space; if the file or its folder is read-only, make it writable; then start again."
                 ) from exc
             log.warning("database %s unusable (%s); moving it aside", path, exc)
             recovered_from = move_aside(path)
@@ -118,14 +137,55 @@ def _open_checked(path: Path, check: bool) -> sqlite_utils.Database:
         if check:
             result = db.execute("PRAGMA quick_check").fetchall()
             if result != [("ok",)]:
-                raise sqlite3.DatabaseError(f"quick_check: {result[:3]}")
+                raise _Corrupt(f"quick_check: {result[:3]}")
         # Persistent in the file, so connections opened later (the map writer) are in WAL mode too.
         db.execute("PRAGMA journal_mode = WAL")
         migrate(db)
+        if db.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+            db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     except BaseException:
         db.conn.close()
         raise
     return db
+
+
+def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
+    """Only these may move a file aside: everything else (full, read-only, I/O) is not the file's fault."""
+    if isinstance(exc, _Corrupt):
+        return True
+    name = getattr(exc, "sqlite_errorname", "")  # Python 3.11+
+    if name:
+        return name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB"))
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text
+
+
+def _refuse_if_not_ours(path: Path) -> None:
+    """A path the user named must be new, or a database of ours; read-only look, nothing is written."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_file():
+        raise StoreError(f"{path} is not a regular file, so fmoe-local will not keep its data there. Name a new file.")
+    refusal = StoreError(
+        f"{path} is not an fmoe-local database, so it was left untouched. Name a new file, or a folder."
+    )
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if not head:
+        return  # an empty file holds nothing to destroy (SQLite itself creates one on a plain connect)
+    if head != _SQLITE_MAGIC:
+        raise refusal
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise refusal from exc
+    if app_id != APPLICATION_ID and not (app_id == 0 and _OUR_TABLES <= tables):
+        raise refusal
 
 
 def _is_contention(exc: sqlite3.DatabaseError) -> bool:

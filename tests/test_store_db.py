@@ -124,3 +124,70 @@ def test_a_folder_that_cannot_be_created_is_told_as_a_sentence(tmp_path):
     blocker.write_text("a file where the data folder should be")
     with pytest.raises(StoreError, match="--data-dir"):
         open_store(blocker / "data" / "fmoe-local.db")
+
+
+@pytest.mark.parametrize(
+    "failure",
+    ["database or disk is full", "attempt to write a readonly database", "disk I/O error"],
+)
+def test_a_healthy_file_that_cannot_be_upgraded_stays_where_it_is(tmp_path, monkeypatch, failure):
+    import sqlite3
+
+    import store.db as db_module
+
+    path = tmp_path / "fmoe-local.db"
+    with open_store(tmp_path) as store:
+        store.chats.append(store.chats.create("keep me").id, "user", "hello")
+    before = path.read_bytes()
+
+    def failing_migrate(db):
+        raise sqlite3.OperationalError(failure)
+
+    monkeypatch.setattr(db_module, "migrate", failing_migrate)
+    with pytest.raises(StoreError, match=r"It was left as it is\. If the disk is full, free some space"):
+        open_store(tmp_path)
+    assert path.read_bytes() == before  # today: renamed to fmoe-local.db.corrupt-… and an empty app
+    assert not list(tmp_path.glob("*.corrupt-*"))
+    monkeypatch.undo()
+    with open_store(tmp_path) as store:
+        assert [c.title for c in store.chats.list()] == ["keep me"]
+
+
+def test_store_refuses_a_file_that_is_not_ours_and_leaves_it_untouched(tmp_path):
+    import os
+    import sqlite3
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    other = tmp_path / "other-app.sqlite"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("INSERT INTO t VALUES (1)")
+    conn.commit()
+    conn.close()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path in (notes, other):
+        before = path.read_bytes()
+        with pytest.raises(StoreError, match="is not an fmoe-local database, so it was left untouched"):
+            open_store(path)
+        assert path.read_bytes() == before and not list(tmp_path.glob(f"{path.name}*corrupt*"))
+        assert not (tmp_path / f"{path.name}-wal").exists()
+    with pytest.raises(StoreError, match="is not a regular file"):
+        open_store(fifo)
+    assert fifo.exists()
+
+
+def test_store_takes_a_new_file_or_one_of_ours(tmp_path):
+    import sqlite3
+
+    new = tmp_path / "maps.db"
+    with open_store(new) as store:
+        store.chats.create("x")
+    conn = sqlite3.connect(new)
+    assert conn.execute("PRAGMA application_id").fetchone()[0] == 0x666D6F65
+    conn.execute("PRAGMA application_id = 0")  # as files written before application ids were set
+    conn.commit()
+    conn.close()
+    with open_store(new) as store:  # recognised by its tables
+        assert [c.title for c in store.chats.list()] == ["x"]

@@ -55,3 +55,16 @@ def test_settings_that_work_are_kept(store):
         assert "reset" not in said and session.runtime.info.prefetch_distance == 2
     finally:
         session.close()
+
+
+def test_the_header_says_where_a_damaged_database_went(tmp_path):
+    from ui import header
+
+    (tmp_path / "fmoe-local.db").write_bytes(b"this is not a database" * 100)
+    s = open_store(tmp_path)
+    try:
+        assert s.recovered_from is not None
+        shown = header(Session(store=s, config=RuntimeConfig(device="cpu")))
+        assert "database was damaged" in shown and str(s.recovered_from) in shown
+    finally:
+        s.close()

@@ -22,6 +22,12 @@ def header(session: Session) -> str:
         model = f"**{i.name}** on {i.device} · expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts)"
     else:
         model = "**No model loaded** — open the Models tab to download one or load a folder."
+    recovered = getattr(session.store, "recovered_from", None)
+    if recovered is not None:
+        model += (
+            f"\n\n⚠️ **Your database was damaged and could not be read.** It was moved to `{recovered}` (your earlier "
+            "chats are in that file) and a new, empty one was started."
+        )
     return f"# {TITLE}\n{model}"
 
 
