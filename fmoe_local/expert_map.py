@@ -25,7 +25,10 @@ class MapPersistence(Protocol):
     """Where maps survive restarts. Slot numbers are the identity on disk: `put` on a used slot replaces it.
 
     Optional `put_link(slot, next_slot)` keeps successor links (`put` leaves a slot's link); `load()` then gives
-    (slot, map, next_slot), −1 for none. Without it, entries are (slot, map) and links last only in memory."""
+    (slot, map, next_slot), −1 for none. Without it, entries are (slot, map) and links last only in memory.
+    Optional `replace_all([(slot, map, next_slot)])`: everything stored replaced at once, as one transaction (a
+    renumbering: a capacity change, a load that had to compact); without it the store clears and puts again, which
+    a kill in the middle leaves half done."""
 
     def load(self) -> list[tuple[int, ExpertMap]] | list[tuple[int, ExpertMap, int]]: ...
 

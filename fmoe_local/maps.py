@@ -389,6 +389,11 @@ class MapStore:
     def _rewrite_persistence(self) -> None:
         if self._persistence is None:
             return
+        replace_all = getattr(self._persistence, "replace_all", None)
+        if replace_all is not None:
+            links = self._links.targets(self._n)
+            replace_all([(s, self.get(s), int(links[s]) if self._put_link is not None else -1) for s in range(self._n)])
+            return
         self._persistence.clear()
         for s in range(self._n):
             self._persistence.put(s, self.get(s))

@@ -88,3 +88,103 @@ def test_kill_9_mid_generation_leaves_a_sound_database(tiny_model_dir, tmp_path)
     stats = run_once(model, db_file)  # the next run works, on top of the surviving maps
     assert stats["tokens"] > 0
     assert stored_slots(db_file) >= after
+
+
+REWRITER = """
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fmoe_local.maps import MapStore
+from store import open_store
+from tests.test_store_maps import SHAPE, fake_model, random_map
+
+store = open_store(Path(sys.argv[1]))
+persistence = store.map_persistence(fake_model(Path(sys.argv[2])), SHAPE)
+maps = MapStore(SHAPE, capacity=700, prefetch_distance=1, persistence=persistence)
+if maps.load_from() == 0:
+    rng, prev = np.random.default_rng(0), -1
+    for i in range(600):  # 150 requests of 4 maps: 450 successor links
+        prev = maps.add(random_map(rng, i // 4), after=prev if i % 4 else -1)
+    persistence.flush()
+rounds = 0
+while True:  # what a capacity change or a compacting load does: rewrite everything (600 > one 512-map batch)
+    maps._rewrite_persistence()
+    persistence.flush()
+    rounds += 1
+    print(rounds, flush=True)
+"""
+
+
+def _stored(db_file: Path) -> tuple[int, int]:
+    conn = sqlite3.connect(db_file, timeout=10)
+    try:
+        maps, links = conn.execute("SELECT count(*), count(next_slot) FROM maps").fetchone()
+        return maps, links
+    finally:
+        conn.close()
+
+
+def test_kill_9_inside_a_map_store_rewrite_keeps_every_map_and_link(tmp_path):
+    data, db_file = tmp_path / "data", tmp_path / "data" / "fmoe-local.db"
+    data.mkdir()
+    for kill_after in (2, 5, 9):  # three kills at different points of the rewrite loop
+        child = subprocess.Popen(
+            [sys.executable, "-c", REWRITER, str(data), str(tmp_path / "model")],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            for _ in range(kill_after):
+                line = child.stdout.readline()
+                assert line, child.stderr.read()[-2000:]
+            time.sleep(0.003 * kill_after)  # somewhere inside the next rewrite
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            child.stdout.close()
+            child.stderr.close()
+        assert _stored(db_file) == (600, 450), f"after a kill in round {kill_after}"
+
+
+WRITER = """
+import sys, time
+from pathlib import Path
+
+import numpy as np
+
+from store import open_store
+from tests.test_store_maps import SHAPE, fake_model, random_map
+
+store = open_store(Path(sys.argv[1]))
+persistence = store.map_persistence(fake_model(Path(sys.argv[2])), SHAPE)
+rng = np.random.default_rng(1)
+for i in range(100_000):  # a fast decode: a map every 10 ms
+    persistence.put(i, random_map(rng, i))
+    print(i, flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_kill_9_loses_at_most_the_maps_of_the_last_moments(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(data), str(tmp_path / "model")], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        last = -1
+        while last < 150:
+            line = child.stdout.readline()
+            assert line, "the writer died before it was killed"
+            last = int(line)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    kept = stored_slots(data / "fmoe-local.db")
+    # Every map put at least 5 puts (~50 ms) before the kill is on disk (with 0.2 s batches up to ~20 were lost).
+    assert set(range(last - 5)) <= kept, sorted(set(range(last - 5)) - kept)[:20]
