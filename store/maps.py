@@ -94,7 +94,7 @@ class SqliteMapPersistence:
 
     Loss on a kill: with `linger_s` 0 (the default) each map is committed as soon as the writer has it, and maps
     arriving during a commit go in the next one, so a kill -9 (or a crash) loses at most the maps not committed yet:
-    the one being written and any that arrived within that commit (~0.3 ms). It costs 0.14 ms of writer CPU per map
+    the one being written and any that arrived within that commit (~0.3 ms). It costs 0.14–0.20 ms of writer CPU per map
     over 0.2 s batches (docs/bench.md, "Map writer"); a power cut can lose more (synchronous=NORMAL, store/db.py).
 
     Call `close()` when the model is unloaded (it drains the queue first); `flush()` waits for what was put.
