@@ -29,6 +29,10 @@ from fmoe_local.prefetcher import Prefetcher, PrefetcherFailed
 from fmoe_local.stats import LayerCounters, RequestStats
 
 
+class ContextTooLong(ValueError):
+    """The prompt does not fit the model's context; the message says by how much and what to do."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,8 +126,16 @@ class Engine:
         return ids
 
     # ---- requests ------------------------------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int | None:
+        """The most tokens (prompt + reply) the model reads, from its config; None when it does not say."""
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
     def encode_chat(self, messages: list[dict]) -> torch.Tensor:
-        """Prompt ids [1, T] from the tokenizer's own chat template (plain concatenation when it has none)."""
+        """Prompt ids [1, T] from the tokenizer's own chat template (plain concatenation when it has none). Raises
+        ContextTooLong (a sentence) when the prompt leaves no room for a reply: refused before any compute, so an
+        over-long paste cannot occupy the model for minutes."""
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -133,6 +145,12 @@ class Engine:
             ids = tok("\n".join(m["content"] for m in messages))["input_ids"]
         if ids and isinstance(ids[0], list):
             ids = ids[0]
+        limit = self.context_length
+        if limit is not None and len(ids) >= limit:
+            raise ContextTooLong(
+                f"This conversation is {len(ids):,} tokens long, but {self.model_dir.name} reads at most {limit:,}. "
+                "Start a new chat, or shorten the message."
+            )
         return torch.tensor([ids], device=self.device)
 
     @contextmanager

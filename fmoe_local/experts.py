@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from fmoe_local import hf_internals
 from fmoe_local.cache import ExpertCache
+from fmoe_local.copier import Interrupted
 
 _names = itertools.count()
 # Up to this many routing entries, a Python set finds the distinct experts faster than torch.unique.
@@ -78,6 +79,9 @@ class OffloadedExperts:
     ) -> torch.Tensor:
         layer = self._layer_of[id(module)]
         cache = self._cache()
+        if cache.interrupt.is_set():
+            # Stop reaches a long prefill at the next MoE layer instead of after the whole forward pass.
+            raise Interrupted("Stopped.")
         out = torch.zeros_like(hidden_states)
         if top_k_index.shape[0] == 1:
             # Decode (one token): its expert list is the routing decision itself; reading it is the layer's one

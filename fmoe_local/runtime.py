@@ -18,14 +18,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
 from fmoe_local.cache import ExpertLoadError
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.copier import Interrupted, LoadTimeout
-from fmoe_local.engine import Engine
+from fmoe_local.engine import ContextTooLong, Engine
 from fmoe_local.generate import Detokenizer, generate_ids
 from fmoe_local.prefetcher import PrefetcherFailed
 from fmoe_local.stats import RequestStats
@@ -33,7 +33,7 @@ from fmoe_local.stats import RequestStats
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 # Failures whose message is already a sentence for the user.
-_SENTENCES = (ExpertLoadError, LoadTimeout, PrefetcherFailed)
+_SENTENCES = (ContextTooLong, ExpertLoadError, LoadTimeout, PrefetcherFailed)
 
 
 @dataclass(frozen=True)
@@ -248,8 +248,16 @@ class Runtime:
     def _run(self, request: _Request) -> None:
         e = self._engine
         e.interrupt.clear()
-        prompt_ids = e.encode_chat(request.messages)
+        try:
+            prompt_ids = e.encode_chat(request.messages)
+        except ContextTooLong as exc:
+            request.out.put(Finished("", [], RequestStats(finish_reason="error"), "error", error=str(exc)))
+            return
         stats = RequestStats(prompt_tokens=int(prompt_ids.shape[1]))
+        sampling = request.sampling
+        if e.context_length is not None and prompt_ids.shape[1] + sampling.max_new_tokens > e.context_length:
+            # The reply ends where the model's context does ("length"), not in positions it was never trained on.
+            sampling = replace(sampling, max_new_tokens=e.context_length - int(prompt_ids.shape[1]))
         detok = Detokenizer(e.tokenizer)
         reason, error = "length", ""
         times: list[float] = []
@@ -258,7 +266,7 @@ class Runtime:
         try:
             with e.request(request_id, stats, text=request.messages[-1].get("content", "") if request.messages else ""):
                 for token in generate_ids(
-                    e.model, prompt_ids, request.sampling, e.eos_ids, request.stop, after_forward=e.end_iteration
+                    e.model, prompt_ids, sampling, e.eos_ids, request.stop, after_forward=e.end_iteration
                 ):
                     times.append(time.perf_counter())
                     if token in e.eos_ids:
@@ -267,7 +275,7 @@ class Runtime:
                         break
                     delta = detok.add(token)
                     request.out.put(TextDelta(delta, token))
-                if request.stop.is_set() and reason == "length" and len(times) < request.sampling.max_new_tokens:
+                if request.stop.is_set() and reason == "length" and len(times) < sampling.max_new_tokens:
                     reason = "cancelled"
         except Interrupted:
             reason = "cancelled"

@@ -166,3 +166,46 @@ def test_ram_tier_experts_survive_their_file_being_truncated(tiny_model_dir, tmp
         (model_dir / "model.safetensors").write_bytes(b"")  # a re-download starting over, say
         runtime.reset_cache()  # every expert must come from the host store again
         assert _works(runtime).token_ids == expected  # today: SIGBUS, the app is gone
+
+
+def test_an_over_long_prompt_is_refused_before_any_compute(tiny_model_dir):
+    with Runtime.load(tiny_model_dir("olmoe"), _config()) as runtime:  # the tiny models read 512 tokens
+        pasted = [{"role": "user", "content": "the sea and the ships " * 20_000}]
+        final = runtime.generate(pasted)
+        assert final.reason == "error" and final.token_ids == []
+        assert "tokens long, but" in final.error and "reads at most 512" in final.error
+        assert "Start a new chat, or shorten the message." in final.error
+        assert runtime.engine.counters.misses.sum() + runtime.engine.counters.hits.sum() == 0  # nothing ran
+        _works(runtime)
+
+
+def test_a_reply_ends_where_the_context_does(tiny_model_dir):
+    with Runtime.load(tiny_model_dir("olmoe"), _config()) as runtime:
+        from fmoe_local.engine import ContextTooLong
+
+        def length(words: list[str]) -> int:
+            try:
+                return runtime.engine.encode_chat([{"role": "user", "content": " ".join(words)}]).shape[1]
+            except ContextTooLong:
+                return 10**6
+
+        words = ["sea"] * 600
+        while length(words) > 512 - 6:  # a prompt a few tokens short of the context
+            words = words[:-1]
+        prompt = [{"role": "user", "content": " ".join(words)}]
+        n = runtime.engine.encode_chat(prompt).shape[1]
+        final = runtime.generate(prompt, Sampling(greedy=True, max_new_tokens=100))
+        assert len(final.token_ids) <= 512 - n and final.reason in ("length", "stop")
+
+
+def test_stop_reaches_a_prefill_at_the_next_moe_layer(tiny_model_dir):
+    with Runtime.load(tiny_model_dir("mixtral"), _config(cache_experts=None, cache_gb=1.0)) as runtime:
+        _works(runtime)  # every expert resident: no load to interrupt, only the forward pass itself
+        first = runtime.engine.moe_layers[0].experts
+        handle = first.register_forward_pre_hook(lambda module, args: runtime.stop())
+        try:
+            final = runtime.generate(PROMPT)
+        finally:
+            handle.remove()
+        assert final.reason == "cancelled" and final.token_ids == []  # not even the prefill's token
+        _works(runtime)
