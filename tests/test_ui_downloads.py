@@ -210,3 +210,64 @@ def test_gated_model_message(tmp_path):
         hub.close()
     assert status.state == "error"
     assert "licence" in status.message and "token" in status.message
+
+
+def test_a_truncated_marker_does_not_break_the_models_list(tmp_path):
+    from ui.downloads import COMPLETE_MARKER, list_downloaded, write_marker
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    write_marker(good, {"repo_id": "org/good", "total_bytes": 1})
+    (bad / COMPLETE_MARKER).write_text('{"repo_id": "org/b')  # what a plain write_text cut by a kill leaves
+    assert [m.repo_id for m in list_downloaded(tmp_path)] == ["org/good"]
+    assert not (good / f"{COMPLETE_MARKER}.tmp").exists()
+
+
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen(
+    [sys.executable, "-c", "import time; from ui.downloads import exit_with_parent; exit_with_parent(); time.sleep(120)"],
+    stdin=subprocess.PIPE,
+)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_download_child_ends_when_the_app_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie has ended; only its exit status waits to be collected
+
+    repo = Path(__file__).resolve().parents[1]
+    app = subprocess.Popen([sys.executable, "-c", PARENT], cwd=repo, stdout=subprocess.PIPE, text=True)
+    child = int(app.stdout.readline())
+    assert alive(child)
+    app.send_signal(signal.SIGKILL)
+    app.wait()
+    app.stdout.close()
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child), "the download child outlived the app"
+
+
+def test_download_keeps_the_child_s_stdin_open_for_the_watch(tmp_path):
+    from ui.downloads import Download
+
+    d = Download("org/none", tmp_path, ["*.json"], [], endpoint="http://127.0.0.1:9")  # refused at once
+    try:
+        assert d._proc.stdin is not None
+        d.wait(60)
+    finally:
+        d.cancel()

@@ -65,7 +65,12 @@ def list_downloaded(models_dir: Path) -> list[LocalModel]:
     for child in models_dir.iterdir():
         marker = child / COMPLETE_MARKER
         if marker.is_file():
-            info = json.loads(marker.read_text())
+            try:
+                info = json.loads(marker.read_text())
+            except (OSError, ValueError):
+                continue  # a damaged marker: treated as an interrupted download (Download again resumes it)
+            if not isinstance(info, dict):
+                continue
             out.append(
                 (marker.stat().st_mtime, LocalModel(child, info.get("repo_id", child.name), folder_bytes(child)))
             )
@@ -128,6 +133,29 @@ def _plan(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> tupl
     return total, remaining
 
 
+def write_marker(dest: Path, info: dict) -> None:
+    """Write-then-rename: a crash leaves the old marker or the new one, never half of one."""
+    tmp = dest / f"{COMPLETE_MARKER}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(info))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, dest / COMPLETE_MARKER)
+
+
+def exit_with_parent() -> None:
+    """Child side: end this process when the app that started it is gone, even after a kill -9. The app holds the
+    write end of our stdin; the OS closes it when the app dies, and the read below returns."""
+
+    def watch() -> None:
+        try:
+            sys.stdin.buffer.read()
+        finally:
+            os._exit(3)
+
+    threading.Thread(target=watch, name="fmoe-parent-watch", daemon=True).start()
+
+
 def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int:
     """Child-process body: plan, check disk, download, mark complete. Reports JSON lines on stdout."""
 
@@ -154,7 +182,7 @@ def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int
         kind, message = explain(error)
         say(event="error", kind=kind, message=message)
         return 1
-    (dest / COMPLETE_MARKER).write_text(json.dumps({"repo_id": repo_id, "total_bytes": total}))
+    write_marker(dest, {"repo_id": repo_id, "total_bytes": total})
     say(event="done", path=str(dest))
     return 0
 
@@ -184,7 +212,10 @@ class Download:
         args += [f"--allow={p}" for p in allow] + [f"--ignore={p}" for p in ignore]
         root = Path(__file__).resolve().parent.parent
         env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        # stdin stays open and unused: when this app dies the child sees it close and ends (exit_with_parent).
+        self._proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
+        )
         self._lock = threading.Lock()
         self._total = 0
         self._error = ""
@@ -207,6 +238,9 @@ class Download:
                     self._error = str(event["message"])
                 elif event.get("event") == "done":
                     self._done = True
+        self._proc.wait()
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()  # the child is gone: nothing left to watch it
 
     def status(self) -> DownloadStatus:
         running = self._proc.poll() is None
@@ -248,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow", action="append", default=[])
     parser.add_argument("--ignore", action="append", default=[])
     args = parser.parse_args(argv)
+    exit_with_parent()
     return worker(args.repo_id, args.dest, args.allow or None, args.ignore or None)
 
 
