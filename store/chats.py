@@ -136,15 +136,21 @@ class ChatStore:
             ).fetchall()
         return [_message(r) for r in rows]
 
-    def append(self, conversation_id: int, role: str, content: str, stats: Any = None) -> Message:
-        """Add a message at the end; `stats` is a RequestStats, a dict, or None."""
+    def append(
+        self, conversation_id: int, role: str, content: str, stats: Any = None, after: int | None = None
+    ) -> Message | None:
+        """Add a message at the end; `stats` is a RequestStats, a dict, or None. With `after` (the position the
+        last message had when a reply started; −1 for none), only if the conversation still ends there — else
+        nothing is stored and None is returned: a reply whose question was edited away is not kept alone."""
         _check_role(role)
         now = time.time()
         with self._s.lock, self._s.db.atomic():
-            self._touch(conversation_id, now)
             position = self._s.db.execute(
                 "SELECT coalesce(max(position) + 1, 0) FROM messages WHERE conversation_id = ?", [conversation_id]
             ).fetchone()[0]
+            if after is not None and position != after + 1:
+                return None
+            self._touch(conversation_id, now)
             row = {"conversation_id": conversation_id, "position": position, "role": role, "content": content}
             row.update(stats_json=_stats_json(stats), created=now)
             mid = self._s.db["messages"].insert(row).last_pk

@@ -141,3 +141,17 @@ def test_export_markdown_and_json(store):
     assert [m["content"] for m in doc["messages"]] == ["Hello *there*", "Hi! ünïcode ✓"]
     assert doc["messages"][1]["stats"]["tokens"] == 12
     assert doc["conversation"]["created_iso"].endswith("Z")
+
+
+def test_a_reply_whose_question_was_edited_away_is_not_stored_alone(tmp_path):
+    from store import open_store
+
+    with open_store(tmp_path) as store:
+        conv = store.chats.create("q")
+        asked = store.chats.append(conv.id, "user", "first question")
+        store.chats.truncate(conv.id, keep=asked.position)  # Edit last, while the reply was generating
+        assert store.chats.append(conv.id, "assistant", "the reply", after=asked.position) is None
+        assert store.chats.messages(conv.id) == []
+        again = store.chats.append(conv.id, "user", "edited question")
+        assert store.chats.append(conv.id, "assistant", "its reply", after=again.position) is not None
+        assert [m.content for m in store.chats.messages(conv.id)] == ["edited question", "its reply"]

@@ -136,6 +136,7 @@ def _generate(session: Session, conv_id: int, system: str, sampling: Sampling):
     from fmoe_local.runtime import Finished, TextDelta
 
     stored = session.store.chats.messages(conv_id)
+    after = stored[-1].position if stored else -1  # the reply belongs after this message, or nowhere
     messages = ([{"role": "system", "content": system}] if system.strip() else []) + [
         {"role": m.role, "content": m.content} for m in stored
     ]
@@ -149,12 +150,12 @@ def _generate(session: Session, conv_id: int, system: str, sampling: Sampling):
             if event.reason == "error":
                 # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
                 if event.text.strip():
-                    session.store.chats.append(conv_id, "assistant", event.text, event.stats)
+                    session.store.chats.append(conv_id, "assistant", event.text, event.stats, after=after)
                 notice = {"role": "assistant", "content": f"⚠️ {safe_markdown(event.error)}"}
                 yield display(session.store.chats.messages(conv_id)) + [notice], True
                 return
             session.record(event.stats)
-            session.store.chats.append(conv_id, "assistant", event.text, event.stats)
+            session.store.chats.append(conv_id, "assistant", event.text, event.stats, after=after)
             yield display(session.store.chats.messages(conv_id)), True
 
 
@@ -202,6 +203,8 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
             session.runtime.stop()
 
     def edit_last(conv_id):
+        if session.runtime is not None:
+            session.runtime.stop()  # editing the question ends its reply (which is then not stored)
         stored = chats.messages(conv_id) if conv_id is not None else []
         users = [m for m in stored if m.role == "user"]
         if not users:
