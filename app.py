@@ -137,10 +137,13 @@ def serve(args: argparse.Namespace):
     port = free_port(host, args.port)
     demo = build(session)
     demo.queue(default_concurrency_limit=1)
+    from ui.openai_api import build_router
     from ui.server import Server
 
-    server = Server(demo, host, port, listen=args.listen, theme=theme(), css=CSS, ssr_mode=False, footer_links=[])
+    api = build_router(session)
+    server = Server(demo, host, port, args.listen, api, theme=theme(), css=CSS, ssr_mode=False, footer_links=[])
     url = server.start()
+    session.api_base = f"{url}v1"
     print(f"fmoe-local: serving on {url}", flush=True)
     if not args.no_browser:
         import webbrowser

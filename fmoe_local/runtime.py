@@ -133,10 +133,15 @@ class Runtime:
         """The offloading machinery, for tests and benchmarks that inspect the cache or the policy."""
         return self._engine
 
-    def stream(self, messages: list[dict], sampling: Sampling | None = None) -> Iterator[TextDelta | Finished]:
+    def stream(
+        self, messages: list[dict], sampling: Sampling | None = None, stop: threading.Event | None = None
+    ) -> Iterator[TextDelta | Finished]:
+        """Queue a request; yields its TextDelta events, then one Finished. `stop`: the request's own stop flag, for
+        a caller that must end this request from another thread (a server whose client went away) — setting it
+        ends the request within a token, or at once if it is still waiting for its turn."""
         if self._closed:
             raise RuntimeError("This model was closed. Load it again to chat.")
-        request = _Request(list(messages), sampling or self.config.sampling, queue.Queue(), threading.Event())
+        request = _Request(list(messages), sampling or self.config.sampling, queue.Queue(), stop or threading.Event())
         self._jobs.put(request)
         try:
             while True:

@@ -17,7 +17,7 @@ import time
 
 import gradio as gr
 import uvicorn
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from ui.http_guard import LocalOnlyGuard, machine_names
@@ -27,9 +27,21 @@ MAX_UPLOAD = "5mb"
 
 
 class Server:
-    def __init__(self, demo: gr.Blocks, host: str, port: int, listen: bool = False, **ui_options: object) -> None:
-        """`ui_options`: what Blocks.launch would take for the page (theme, css, footer_links, ssr_mode…)."""
+    def __init__(
+        self,
+        demo: gr.Blocks,
+        host: str,
+        port: int,
+        listen: bool = False,
+        api: APIRouter | None = None,
+        **ui_options: object,
+    ) -> None:
+        """`api`: routes served beside the UI (the /v1 API); `ui_options`: what Blocks.launch would take for the page
+        (theme, css, footer_links, ssr_mode…)."""
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        self.api = api
+        if api is not None:
+            app.include_router(api)  # before the mount at /, which would otherwise take every path
         app.add_middleware(CORSMiddleware, allow_origins=[])  # no origin is ever granted; Gradio's CORS stands down
         app.add_middleware(LocalOnlyGuard, listen=listen, names=machine_names() if listen else ())  # outermost
         gr.mount_gradio_app(app, demo, path="/", max_file_size=MAX_UPLOAD, show_error=True, **ui_options)

@@ -69,6 +69,7 @@ class Session:
     runtime: object | None = None  # fmoe_local.runtime.Runtime once a model is loaded
     model_dir: Path | None = None
     load_error: str = ""
+    api_base: str = ""  # the OpenAI-compatible API's base URL once the server runs (ui/openai_api.py)
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # RequestStats of recent replies
     download: object | None = None  # ui.downloads.Download in progress
     _machine: Machine | None = None

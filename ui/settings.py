@@ -50,13 +50,18 @@ def cache_bounds(session: Session) -> tuple[float, float]:
 
 
 def describe(session: Session) -> str:
+    api = (
+        f"\n\n**Use it from other apps** (OpenAI-compatible API): base URL `{session.api_base}`, any API key."
+        if session.api_base
+        else ""
+    )
     if session.runtime is None:
-        return f"**No model loaded.** {session.load_error or 'Load one in the Models tab.'}"
+        return f"**No model loaded.** {session.load_error or 'Load one in the Models tab.'}{api}"
     i = session.runtime.info
     return (
         f"**{i.name}** · {i.family} · {i.device} ({i.dtype}) · {i.num_layers} MoE layers × {i.num_experts} experts, "
         f"top-{i.top_k} · resident {fmt_bytes(i.resident_bytes)} · one expert {fmt_bytes(i.expert_bytes)} · "
-        f"cache {fmt_gb(i.cache_gb)} = **{i.cache_experts} experts**"
+        f"cache {fmt_gb(i.cache_gb)} = **{i.cache_experts} experts**{api}"
     )
 
 

@@ -1,0 +1,125 @@
+"""The /v1 API through the official openai client against the real app (`app.serve` on a tiny model): plain and
+streamed replies agree, usage is counted, stop sequences cut, concurrent requests queue, errors have OpenAI's
+shape, a disconnected client stops its generation, and nothing lands in the user's chat list."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+import app
+
+openai = pytest.importorskip("openai")
+
+PROMPT = [{"role": "user", "content": "Tell me about the sea and the ships."}]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    data = tmp_path_factory.mktemp("api-data")
+    args = ["--no-browser", "--data-dir", str(data), "--port", "7931", "--model", str(tiny_model_dir("mixtral"))]
+    server, session, url = app.serve(app.build_parser().parse_args(args))
+    client = openai.OpenAI(base_url=f"{url}v1", api_key="anything", max_retries=0, timeout=120)
+    yield server, session, client
+    server.close()
+    session.close()
+    session.store.close()
+
+
+def test_models_lists_the_loaded_model(served):
+    _, session, client = served
+    assert [m.id for m in client.models.list().data] == [session.runtime.info.name]
+
+
+def test_plain_and_streamed_replies_agree_and_count_usage(served):
+    _, session, client = served
+    plain = client.chat.completions.create(model="x", messages=PROMPT, max_tokens=8, temperature=0)
+    text = plain.choices[0].message.content
+    assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
+    assert plain.usage.completion_tokens <= 8 and plain.usage.prompt_tokens > 0
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    assert plain.choices[0].finish_reason == ("length" if plain.usage.completion_tokens == 8 else "stop")
+    chunks = list(
+        client.chat.completions.create(
+            model="x", messages=PROMPT, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text  # greedy: the same reply either way
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert session.store.chats.list() == []  # API chats are not the user's chats
+
+
+def test_a_stop_sequence_cuts_the_reply(served):
+    _, _, client = served
+    full = client.chat.completions.create(model="x", messages=PROMPT, max_tokens=24, temperature=0)
+    text = full.choices[0].message.content
+    cut_at = text[len(text) // 2 :][:3]
+    assert cut_at.strip(), text
+    for stream in (False, True):
+        kw = dict(model="x", messages=PROMPT, max_tokens=24, temperature=0, stop=[cut_at])
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            r = client.chat.completions.create(**kw)
+            got, reason = r.choices[0].message.content, r.choices[0].finish_reason
+        assert got == text[: text.index(cut_at)] and reason == "stop"
+
+
+def test_concurrent_requests_queue_behind_the_one_model(served):
+    _, _, client = served
+    results, errors = [], []
+
+    def ask() -> None:
+        try:
+            results.append(client.chat.completions.create(model="x", messages=PROMPT, max_tokens=6, temperature=0))
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and len(results) == 4
+    assert len({r.choices[0].message.content for r in results}) == 1  # one model, one at a time, greedy
+
+
+def test_bad_requests_get_openai_shaped_errors(served):
+    _, _, client = served
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="x", messages=PROMPT, n=2)
+    assert "Only n=1" in caught.value.body["message"] and caught.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="x", messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="x", messages=PROMPT, temperature=7)
+
+
+def test_a_client_that_disconnects_stops_its_generation(served):
+    server, _, _ = served
+    port = int(server.url.rstrip("/").rsplit(":", 1)[1])
+    recent = server.api.finished  # (finish reason, tokens) of recent API requests
+    before = len(recent)
+    body = json.dumps({"model": "x", "messages": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    response.fp.readline()  # the first event: generation has started
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-reply (close() alone waits for the reader)
+    response.close()
+    conn.close()
+    deadline = time.monotonic() + 60
+    while len(recent) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reason, tokens = recent[-1]
+    assert reason == "cancelled" and tokens < 400

@@ -1,0 +1,268 @@
+"""The OpenAI-compatible API under /v1: how editors, Open WebUI and scripts use the model this app has loaded.
+
+Scope: `GET /v1/models` and `POST /v1/chat/completions` (plain, and `stream: true` as server-sent events ending
+with `data: [DONE]`, with `stream_options.include_usage`), translating to `Runtime.stream` and back: max_tokens,
+temperature (0 = greedy), top_p, seed, stop, finish_reason, usage, errors in OpenAI's shape. Any bearer token is
+accepted (a local app has one user; the HTTP guard decides who may call at all). It does NOT hold model logic,
+queue requests itself (the runtime's worker runs one request at a time; others wait in its queue) or store API
+chats in the user's chat list.
+
+Threads: each request's runtime stream is consumed on a worker thread (the runtime blocks); a client that goes
+away sets that request's own stop flag, which ends it within a token or at once if it is still queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fmoe_local.config import Sampling
+from ui.session import Session
+
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def _sampling(body: dict, default_max: int) -> Sampling:
+    def number(name: str, default: float, low: float, high: float) -> float:
+        value = body.get(name, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ApiError(400, f"'{name}' must be a number from {low} to {high}.", name)
+        return float(value)
+
+    if body.get("n", 1) not in (1, None):
+        raise ApiError(400, "Only n=1 is supported: this app generates one reply at a time.", "n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = default_max
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ApiError(400, "'max_tokens' must be a whole number of at least 1.", "max_tokens")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, "'seed' must be a whole number.", "seed")
+    temperature = number("temperature", 1.0, 0.0, 2.0)
+    return Sampling(
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        top_p=number("top_p", 1.0, 1e-9, 1.0),
+        greedy=temperature == 0.0,
+        seed=seed,
+    )
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content}.", "messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise ApiError(400, "Each message needs a role: system, user or assistant.", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: the text ones are what a text model reads
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(content, str):
+            raise ApiError(400, "Each message's content must be text.", "messages")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return out
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings.", "stop")
+    return stops
+
+
+class _Generation:
+    """One request's text as it streams, cut at the first stop sequence (text that may still become one is held
+    back until it cannot)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.text, self.sent, self.stopped = stops, "", 0, False
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def add(self, delta: str) -> str:
+        """New text that may be sent now."""
+        self.text += delta
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+            return self.flush()
+        safe = len(self.text) - self.hold
+        out, self.sent = self.text[self.sent : max(safe, self.sent)], max(safe, self.sent)
+        return out
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+def build_router(session: Session) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    router.finished = deque(maxlen=32)  # (finish reason, tokens) of recent API requests: for tests and debugging
+
+    def runtime_or_error():
+        if session.runtime is None:
+            raise ApiError(503, session.load_error or "No model is loaded. Load one in the app's Models tab.")
+        return session.runtime
+
+    def model_id() -> str:
+        return session.runtime.info.name if session.runtime is not None else ""
+
+    @router.get("/models")
+    def models() -> dict:
+        data = []
+        if session.runtime is not None:
+            data.append({"id": model_id(), "object": "model", "created": 0, "owned_by": "fmoe-local"})
+        return {"object": "list", "data": data}
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            try:
+                body = await request.json()
+            except ValueError as exc:
+                raise ApiError(400, "The request body must be JSON.") from exc
+            if not isinstance(body, dict):
+                raise ApiError(400, "The request body must be a JSON object.")
+            runtime = runtime_or_error()
+            sampling = _sampling(body, session.store.settings.load().max_new_tokens)
+            messages, stops = _messages(body), _stops(body)
+        except ApiError as exc:
+            return exc.response()
+        stop = threading.Event()
+        ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        events = _events(runtime, messages, sampling, stop, router.finished)
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            chunks = _sse(events, _Generation(stops), ident, created, model_id(), usage, stop)
+            return StreamingResponse(_watch(chunks, request, stop), media_type="text/event-stream")
+        return await _complete(events, _Generation(stops), ident, created, model_id(), request, stop)
+
+    return router
+
+
+def _events(runtime, messages: list[dict], sampling: Sampling, stop: threading.Event, finished: deque) -> queue.Queue:  # noqa: ANN001
+    """Run the request on a pump thread that always reads the runtime's stream to its end (so its finish is
+    recorded even after the client left); the async side reads the queue. None marks the end."""
+    out: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        final = None
+        try:
+            for event in runtime.stream(messages, sampling, stop=stop):
+                final = event
+                out.put(event)
+        finally:
+            if final is not None and hasattr(final, "reason"):
+                finished.append((final.reason, len(final.token_ids)))
+            out.put(None)
+
+    threading.Thread(target=pump, name="fmoe-api-request", daemon=True).start()
+    return out
+
+
+def _usage(final) -> dict:  # noqa: ANN001 - a Finished
+    prompt, completion = final.stats.prompt_tokens, len(final.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _next(events: queue.Queue):
+    return await asyncio.to_thread(events.get)
+
+
+async def _complete(events, gen, ident, created, model, request, stop) -> JSONResponse:  # noqa: ANN001
+    async def watch() -> None:
+        while not stop.is_set():
+            if await request.is_disconnected():
+                stop.set()
+                return
+            await asyncio.sleep(_POLL_S)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        final = None
+        while (event := await _next(events)) is not None:
+            if hasattr(event, "reason"):
+                final = event
+            elif not gen.stopped:
+                gen.add(event.text)
+                if gen.stopped:
+                    stop.set()  # the rest would be thrown away: stop generating it
+    finally:
+        watcher.cancel()
+    if final.reason == "error":
+        return ApiError(500, final.error).response()
+    reason = "stop" if gen.stopped else _FINISH.get(final.reason, "stop")
+    message = {"role": "assistant", "content": gen.text}
+    choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+    body = {"id": ident, "object": "chat.completion", "created": created, "model": model, "choices": [choice]}
+    return JSONResponse(body | {"usage": _usage(final)})
+
+
+async def _sse(events, gen, ident, created, model, usage, stop) -> AsyncIterator[str]:  # noqa: ANN001
+    def chunk(delta: dict, reason: str | None = None, **extra: object) -> str:
+        choices = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]
+        body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+        return f"data: {json.dumps(body | extra)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    final = None
+    while (event := await _next(events)) is not None:
+        if hasattr(event, "reason"):
+            final = event
+            continue
+        if gen.stopped:
+            continue
+        text = gen.add(event.text)
+        if gen.stopped:
+            stop.set()
+        if text:
+            yield chunk({"content": text})
+    if final.reason == "error":
+        yield f"data: {json.dumps({'error': {'message': final.error, 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    rest = gen.flush()
+    if rest:
+        yield chunk({"content": rest})
+    yield chunk({}, "stop" if gen.stopped else _FINISH.get(final.reason, "stop"))
+    if usage:
+        body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model, "choices": []}
+        yield f"data: {json.dumps(body | {'usage': _usage(final)})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _watch(chunks: AsyncIterator[str], request: Request, stop: threading.Event) -> AsyncIterator[str]:
+    """Pass the chunks on; a client gone away (a cancelled send, or a disconnect noticed) stops its generation."""
+    try:
+        async for c in chunks:
+            if await request.is_disconnected():
+                return
+            yield c
+    finally:
+        stop.set()  # no-op after a normal end; otherwise the runtime stops this request within a token
