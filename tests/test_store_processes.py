@@ -18,7 +18,7 @@ import pytest
 
 from store import open_store
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Tell me a story about the sea and the ships that sail on it"

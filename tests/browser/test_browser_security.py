@@ -9,7 +9,8 @@ import pytest
 
 from tests.browser.test_browser_app import CHROMIUM, CHROMIUM_ARGS, SHOTS, STREAM_TIMEOUT_MS, App, open_page, send
 
-pytestmark = pytest.mark.slow
+# A real browser against a real app started twice: minutes on a busy 2-core machine, not the default 120 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 sync_api = pytest.importorskip("playwright.sync_api")
 
 ATTACK = (

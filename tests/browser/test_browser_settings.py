@@ -7,7 +7,8 @@ import pytest
 
 from tests.browser.test_browser_app import CHROMIUM, CHROMIUM_ARGS, SHOTS, STREAM_TIMEOUT_MS, App, open_page, send
 
-pytestmark = pytest.mark.slow
+# A real browser against a real app started twice: minutes on a busy 2-core machine, not the default 120 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 sync_api = pytest.importorskip("playwright.sync_api")
 
 ONE_EXPERT_GB = 24576 / 1024**3  # tiny Mixtral: 3 × 64 × 32 fp32 weights
