@@ -64,9 +64,23 @@ def display(messages) -> list[dict]:
         content = safe_markdown(m.content)
         line = stats_line(m.stats) if m.role == "assistant" else ""
         if line:
-            content = f"{content}\n\n<span class='reply-stats'>{line}</span>"
+            # A reply cut inside a code block would swallow the stats line as code: close the block first.
+            content = f"{content}{close_fences(content)}\n\n<span class='reply-stats'>{line}</span>"
         out.append({"role": m.role, "content": content})
     return out
+
+
+def close_fences(markdown: str) -> str:
+    """The fence that closes a code block left open at the end of `markdown` ("" when none is open)."""
+    open_fence = ""
+    for line in markdown.splitlines():
+        stripped = line.strip()
+        fence = stripped[:3] if stripped[:3] in ("```", "~~~") else ""
+        if fence and not open_fence:
+            open_fence = stripped[: len(stripped) - len(stripped.lstrip(fence[0]))]
+        elif fence and stripped.startswith(open_fence) and set(stripped) == {open_fence[0]}:
+            open_fence = ""
+    return f"\n{open_fence}" if open_fence else ""
 
 
 def conversation_choices(session: Session, query: str = "") -> list[tuple[str, int]]:
@@ -250,21 +264,40 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         return gr.File(value=str(path), visible=True)
 
     def on_load():
+        # The saved generation settings, read per page: a reload shows what the last Send saved, not the values
+        # the app started with (which the next Send would have written back).
+        s = session.store.settings.load()
+        saved = (s.system_prompt, s.temperature, s.top_p, s.max_new_tokens)
         choices = conversation_choices(session)
         if not choices:
-            return None, [], gr.Radio(choices=[], value=None)
+            return None, [], gr.Radio(choices=[], value=None), *saved
         latest = choices[0][1]
-        return latest, display(chats.messages(latest)), gr.Radio(choices=choices, value=latest)
+        return latest, display(chats.messages(latest)), gr.Radio(choices=choices, value=latest), *saved
 
     t = tab
     gen_inputs = [t.system, t.temperature, t.top_p, t.max_tokens]
     send_outputs = [t.chatbot, t.conv_id, t.textbox, t.conv_list]
     slot = dict(concurrency_limit=1, concurrency_id="runtime")
-    sent = t.send.click(send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_name="send", **slot)
-    submitted = t.textbox.submit(
+
+    # While a reply streams, Send says so and cannot be pressed; `.then` re-enables it however the reply ended.
+    def busy():
+        return gr.Button(value="Generating…", interactive=False)
+
+    def idle():
+        return gr.Button(value="Send", interactive=True)
+
+    quick = dict(queue=False, api_visibility="private")
+    sent = t.send.click(busy, None, [t.send], **quick).then(
+        send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_name="send", **slot
+    )
+    submitted = t.textbox.submit(busy, None, [t.send], **quick).then(
         send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_visibility="private", **slot
     )
-    regen = t.regenerate.click(regenerate, [t.conv_id, *gen_inputs], [t.chatbot], api_name="regenerate", **slot)
+    regen = t.regenerate.click(busy, None, [t.send], **quick).then(
+        regenerate, [t.conv_id, *gen_inputs], [t.chatbot], api_name="regenerate", **slot
+    )
+    for event in (sent, submitted, regen):
+        event.then(idle, None, [t.send], **quick)
     t.stop.click(stop, None, None, api_name="stop", concurrency_limit=None)
     t.edit_last.click(edit_last, [t.conv_id], [t.chatbot, t.textbox], api_name="edit_last")
     t.new_chat.click(new_chat, None, [t.conv_id, t.chatbot, t.conv_list, t.rename_box], api_name="new_chat")
@@ -275,5 +308,5 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     t.rename.click(rename, [t.conv_id, t.rename_box], [t.conv_list], api_name="rename_chat")
     t.delete.click(delete, [t.conv_id], [t.conv_id, t.chatbot, t.conv_list, t.rename_box], api_name="delete_chat")
     t.export.click(export, [t.conv_id], [t.export_file], api_name="export_chat")
-    demo.load(on_load, None, [t.conv_id, t.chatbot, t.conv_list], api_visibility="private")
+    demo.load(on_load, None, [t.conv_id, t.chatbot, t.conv_list, *gen_inputs], api_visibility="private")
     return [sent, submitted, regen]

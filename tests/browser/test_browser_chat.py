@@ -1,0 +1,60 @@
+"""Real browser, the chat as LM Studio / Open WebUI users expect it: the stats line of a reply cut inside a code
+block still renders as a stats line (not raw HTML inside the code), generation settings survive a page reload,
+and Send shows that a reply is streaming."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.browser.test_browser_app import CHROMIUM, CHROMIUM_ARGS, SHOTS, STREAM_TIMEOUT_MS, App, open_page, send
+
+# A real browser against a real app: minutes on a busy 2-core machine, not the default 120 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
+    from store import open_store
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "data"
+    data.mkdir()
+    with open_store(data) as store:  # a reply that ended inside a code block (the token limit cut it)
+        conv = store.chats.create("code")
+        store.chats.append(conv.id, "user", "Write some Python.")
+        stats = {"tokens_per_s": 12.0, "ttft_s": 0.1, "hit_rate": 0.5, "finish_reason": "length"}
+        store.chats.append(conv.id, "assistant", "Here:\n```python\nprint('unfinished", stats)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", port=7905)
+        try:
+            page = open_page(browser, app.url, [])
+            chat = page.locator("#chatbot")
+            chat.locator(".reply-stats").first.wait_for(timeout=30_000)  # an element, not text in a code block
+            assert "reply-stats" not in chat.inner_text()
+            page.screenshot(path=SHOTS / "chat-stats-after-code.png", full_page=True)
+
+            page.get_by_text("Generation").click()
+            page.locator("#max-tokens input[type=number]").fill("300")
+            page.locator("#max-tokens input[type=number]").press("Enter")
+            page.locator("#new-chat").click()
+            send(page, "Tell me a very long story.")
+            button = page.locator("#send")
+            page.wait_for_function("() => document.querySelector('#send').disabled === true", timeout=30_000)
+            assert "Generating" in button.inner_text()
+            page.locator("#stop").click()
+            page.wait_for_function(
+                "() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS
+            )
+            assert button.inner_text().strip() == "Send"
+
+            page.reload()  # the saved generation settings come back, not the start-up ones
+            page.get_by_role("tab", name="Chat").wait_for()
+            page.get_by_text("Generation").click()
+            page.wait_for_function(
+                "() => document.querySelector('#max-tokens input[type=number]').value === '300'", timeout=30_000
+            )
+            page.close()
+        finally:
+            app.stop()
+        browser.close()
