@@ -269,10 +269,12 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         s = session.store.settings.load()
         saved = (s.system_prompt, s.temperature, s.top_p, s.max_new_tokens)
         choices = conversation_choices(session)
+        # "loaded" marks the end of this page's load event (browser tests wait for it before typing).
         if not choices:
-            return None, [], gr.Radio(choices=[], value=None), *saved
+            return None, [], gr.Radio(choices=[], value=None, elem_classes=["loaded"]), *saved
         latest = choices[0][1]
-        return latest, display(chats.messages(latest)), gr.Radio(choices=choices, value=latest), *saved
+        listed = gr.Radio(choices=choices, value=latest, elem_classes=["loaded"])
+        return latest, display(chats.messages(latest)), listed, *saved
 
     t = tab
     gen_inputs = [t.system, t.temperature, t.top_p, t.max_tokens]

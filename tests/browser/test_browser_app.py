@@ -98,6 +98,9 @@ def open_page(browser, url: str, seen: list[str]):
     page.on("request", lambda request: seen.append(request.url))
     page.goto(url)
     page.get_by_role("tab", name="Chat").wait_for()
+    # The page's load events (the newest chat, the saved generation settings) must land before the test types,
+    # or they overwrite what it typed.
+    page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
     return page
 
 
