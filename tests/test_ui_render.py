@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ui.render import safe_markdown
 
 
@@ -22,15 +24,47 @@ def test_raw_html_is_text():
     assert safe_markdown("AT&T &lt;b&gt;") == "AT&amp;T &amp;lt;b&amp;gt;"  # shown exactly as typed
 
 
-def test_code_is_left_as_written():
+def test_code_keeps_its_text():
     fenced = "Here:\n```html\n<div style='x'>![a](http://e/x.png)</div>\n```\nand `a < b` inline, <b>not this</b>"
     out = safe_markdown(fenced)
-    assert "```html\n<div style='x'>![a](http://e/x.png)</div>\n```" in out
-    assert "`a < b`" in out and out.endswith("&lt;b>not this&lt;/b>")
+    assert "\n\n```html\n<div style='x'>![a](http://e/x.png)</div>\n```\n\n" in out  # a fenced block: as written
+    assert "<code>a &lt; b</code>" in out and out.endswith("&lt;b>not this&lt;/b>")  # a span: escaped, shows a < b
+    assert safe_markdown("`*a* [b](c) | d`") == r"<code>\*a\* \[b\]\(c\) \| d</code>"  # no Markdown inside
 
 
 def test_an_unclosed_fence_keeps_the_rest_as_code():
-    assert safe_markdown("```\n<b>still code") == "```\n<b>still code"
+    assert safe_markdown("```\n<b>still code") == "\n```\n<b>still code\n```\n"
+
+
+def _live_tags(markdown: str) -> list[str]:
+    """Every tag a CommonMark parser would pass to the page as HTML (its raw-HTML tokens)."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark").enable("table")
+    tags = []
+    for token in md.parse(markdown):
+        for t in [token, *(token.children or [])]:
+            if t.type in ("html_block", "html_inline"):
+                tags.append(t.content.strip())
+    return tags
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "\\`<img src=http://e/x>\\`",  # escaped backticks open no code span
+        "`\n\n<img src=http://e/x>\n\n`",  # a code span cannot cross a paragraph break
+        "    ```\n<img src=http://e/x>\n    ```",  # four spaces: an indented line, not a fence
+        "```\nx\n````\n<img src=http://e/x>\n```",  # a longer fence closes the block
+        "| `x | <img src=http://e/x> | ` |\n|---|---|---|\n| 1 | 2 | 3 |",  # table cells split before code spans
+        "> ```\n<img src=http://e/x>\n```",  # a fence inside a quote ends with the quote
+        "- a\n\n\t```\n<img src=http://e/x>\n```",  # a tab is four spaces
+        "```js <img src=http://e/x>\ncode\n```",  # the info string
+    ],
+)
+def test_a_message_that_hides_html_in_code_gets_no_live_tag(attack):
+    """Before: the renderer left "code" untouched by its own reckoning, and each of these made a live <img>."""
+    assert [t for t in _live_tags(safe_markdown(attack)) if t not in ("<code>", "</code>")] == []
 
 
 def test_plain_markdown_is_unchanged():
