@@ -9,7 +9,7 @@ import json
 import pytest
 
 import app
-from ui.http_guard import allowed
+from ui.http_guard import allowed, fetch_allowed
 
 PORT = 7861
 
@@ -30,6 +30,10 @@ PORT = 7861
         ("192.168.1.20:7861", None, False, False),  # a LAN address without --listen
         ("192.168.1.20:7861", "http://192.168.1.20:7861", True, True),  # with --listen: the address typed
         ("evil.example:7861", "http://evil.example:7861", True, False),  # names still cannot rebind
+        ("localhost.evil.example:7861", None, False, False),  # look-alikes of our names
+        ("127.0.0.1.evil.example:7861", None, False, False),
+        ("127.0.0.1:7861@evil.example", None, False, False),
+        ("127.1:7861", None, False, False),  # shorthand an address parser may read as loopback: not ours to guess
     ],
 )
 def test_rule(host, origin, listen, ok):
@@ -114,3 +118,63 @@ def test_the_page_itself_is_served_to_our_own_origin(served):
         served, "GET", "/", {"Host": f"localhost:{served}", "Origin": f"http://localhost:{served}"}
     )
     assert status == 200 and not any(k.lower() == "access-control-allow-origin" for k in headers)
+
+
+@pytest.mark.parametrize(
+    "site, mode, dest, ok",
+    [
+        (None, None, None, True),  # programs, older browsers
+        ("same-origin", "cors", "empty", True),  # our own page's calls
+        ("none", "navigate", "document", True),  # the user typed the address
+        ("cross-site", "navigate", "document", True),  # a link the user followed
+        ("cross-site", "no-cors", "image", False),  # <img src=http://127.0.0.1:PORT/…> on another site
+        ("cross-site", "no-cors", "script", False),
+        ("cross-site", "navigate", "iframe", False),  # framing the app to trick clicks
+        ("same-site", "no-cors", "image", False),  # another port on this machine is another site's page
+    ],
+)
+def test_fetch_metadata_rule(site, mode, dest, ok):
+    assert fetch_allowed(site, mode, dest) is ok
+
+
+def test_a_cross_site_page_cannot_include_or_frame_the_app(served):
+    """Before: 200 — another site's <script>/<img>/<iframe> reached every URL (no Origin is sent with them)."""
+    port = served
+    for dest, mode in (("script", "no-cors"), ("image", "no-cors"), ("iframe", "navigate")):
+        headers = {"Host": f"127.0.0.1:{port}", "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": mode}
+        status, _, text = _request(port, "GET", "/config", headers | {"Sec-Fetch-Dest": dest})
+        assert status == 403 and b"refused" in text, dest
+    link = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    status, _, _ = _request(port, "GET", "/", {"Host": f"127.0.0.1:{port}"} | link)
+    assert status == 200  # following a link to the app still opens it
+
+
+def test_every_answer_tells_the_browser_to_load_nothing_from_elsewhere(served):
+    """Before: no policy, so whatever a message slipped past the renderer could fetch any URL, and any site could
+    frame the app."""
+    port = served
+    for path in ("/", "/config", "/gradio_api/info"):
+        status, headers, _ = _request(port, "GET", path, {"Host": f"127.0.0.1:{port}"})
+        headers = {k.lower(): v for k, v in headers.items()}
+        policy = dict(p.strip().split(" ", 1) for p in headers["content-security-policy"].split(";"))
+        assert policy["img-src"] == "'self' data: blob:" and policy["connect-src"] == "'self'", path
+        assert policy["frame-ancestors"] == "'none'" and policy["form-action"] == "'self'"
+        assert headers["x-frame-options"] == "DENY"
+    _, headers, _ = _request(port, "GET", "/", {"Host": f"evil.example:{port}"})
+    assert "content-security-policy" in {k.lower() for k in headers}  # the refusal carries it too
+
+
+def test_the_v1_api_is_behind_the_same_guard(served):
+    """A page's `fetch(…/v1/chat/completions, {mode: 'no-cors', body})` is a simple request (no preflight): it would
+    run the model for the page and, by rebinding, read the answer."""
+    port = served
+    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    plain = {"Content-Type": "text/plain"}
+    for headers in (
+        {"Host": f"127.0.0.1:{port}", "Origin": "https://evil.example"},
+        {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"},
+    ):
+        status, _, text = _request(port, "POST", "/v1/chat/completions", headers | plain, body)
+        assert status == 403 and b"refused" in text
+    status, _, _ = _request(port, "GET", "/v1/models", {"Host": f"127.0.0.1:{port}"})
+    assert status == 200  # a program on this machine still reaches it

