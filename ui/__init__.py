@@ -11,7 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from ui import chat, models, settings, stats
-from ui.session import Session, fmt_gb
+from ui.session import Session, fmt_gb, model_label
 
 TITLE = "fmoe-local"
 
@@ -19,7 +19,7 @@ TITLE = "fmoe-local"
 def header(session: Session) -> str:
     if session.runtime is not None:
         i = session.runtime.info
-        model = f"**{i.name}** on {i.device} · expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts)"
+        model = f"**{model_label(session.model_dir, i.name)}** on {i.device} · expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts)"
     else:
         model = "**No model loaded** — open the Models tab to download one or load a folder."
     recovered = getattr(session.store, "recovered_from", None)

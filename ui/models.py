@@ -17,7 +17,7 @@ import gradio as gr
 from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find, local_name
 from fmoe_local.hardware import fit
 from ui.downloads import Download, delete_downloaded, list_downloaded
-from ui.session import ModelLoadError, Session
+from ui.session import DEMO_LABEL, ModelLoadError, Session, demo_dir
 
 POLL_S = 0.5
 HEADERS = ["Model", "Repo id", "Params (total / active)", "Experts × layers", "Download", "Expert (bf16)", "Fit here"]
@@ -71,7 +71,11 @@ def progress_html(fraction: float, text: str) -> str:
 
 
 def downloaded_choices(session: Session) -> list[tuple[str, str]]:
-    return [(f"{m.repo_id} ({m.size_bytes / GB:.1f} GB)", str(m.path)) for m in list_downloaded(session.models_dir)]
+    """Downloaded models, then the built-in demo, so it can be chosen again after another model was loaded."""
+    demo = demo_dir()
+    return [(f"{m.repo_id} ({m.size_bytes / GB:.1f} GB)", str(m.path)) for m in list_downloaded(session.models_dir)] + (
+        [(DEMO_LABEL, str(demo))] if demo is not None else []
+    )
 
 
 def build(session: Session) -> ModelsTab:
@@ -188,6 +192,8 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
     def delete(path):
         if not path:
             raise gr.Error("Pick a downloaded model to delete.")
+        if demo_dir() is not None and Path(path).resolve() == demo_dir():
+            raise gr.Error("The demo model is part of the app and cannot be deleted.")
         if session.model_dir is not None and Path(path).resolve() == session.model_dir.resolve():
             session.unload()
         delete_downloaded(session.models_dir, Path(path))

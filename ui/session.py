@@ -31,6 +31,26 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+DEMO_LABEL = "Demo model (built in, 9M parameters — shows the machinery, not a useful assistant)"
+
+
+def demo_dir() -> Path | None:
+    """The shipped demo checkpoint's folder, or None when this install lacks it."""
+    from fmoe_local.demo import demo_model_dir
+
+    try:
+        return demo_model_dir().resolve()
+    except FileNotFoundError:
+        return None
+
+
+def model_label(model_dir: Path | None, fallback: str = "") -> str:
+    """The name people see for a model folder: the demo's folder is called "weights", which says nothing."""
+    if model_dir is not None and demo_dir() is not None and Path(model_dir).resolve() == demo_dir():
+        return DEMO_LABEL
+    return fallback or (Path(model_dir).name if model_dir is not None else "")
+
+
 class ModelLoadError(ValueError):
     """A model could not be loaded; the message is a sentence for the user."""
 
@@ -131,7 +151,7 @@ class Session:
             self.store.settings.set(last_model=str(model_dir))
             info = self.runtime.info
             return (
-                f"Loaded {info.name} on {info.device}: {info.num_layers} MoE layers × {info.num_experts} experts, "
+                f"Loaded {model_label(model_dir, info.name)} on {info.device}: {info.num_layers} MoE layers × {info.num_experts} experts, "
                 f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{notice}"
             )
 

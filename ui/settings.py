@@ -14,7 +14,7 @@ import gradio as gr
 
 from fmoe_local.config import POLICIES
 from fmoe_local.hardware import GIB, cache_gb_limit
-from ui.session import Session, fmt_bytes, fmt_gb
+from ui.session import Session, fmt_bytes, fmt_gb, model_label
 
 POLICY_HELP = {
     "fmoe": "fMoE (expert maps)",
@@ -59,7 +59,7 @@ def describe(session: Session) -> str:
         return f"**No model loaded.** {session.load_error or 'Load one in the Models tab.'}{api}"
     i = session.runtime.info
     return (
-        f"**{i.name}** · {i.family} · {i.device} ({i.dtype}) · {i.num_layers} MoE layers × {i.num_experts} experts, "
+        f"**{model_label(session.model_dir, i.name)}** · {i.family} · {i.device} ({i.dtype}) · {i.num_layers} MoE layers × {i.num_experts} experts, "
         f"top-{i.top_k} · resident {fmt_bytes(i.resident_bytes)} · one expert {fmt_bytes(i.expert_bytes)} · "
         f"cache {fmt_gb(i.cache_gb)} = **{i.cache_experts} experts**{api}"
     )
