@@ -71,24 +71,54 @@ def build(session: Session) -> SettingsTab:
     with gr.Row():
         # Wide constructor bounds: the machine's real limit is checked in apply() with a sentence; refresh()
         # narrows what the browser shows once the model and the machine are known.
-        cache_gb = gr.Slider(0, 4096, value=s.cache_gb, step=0.05, label="Expert cache (GB)", elem_id="cache-gb")
+        cache_gb = gr.Slider(
+            0,
+            4096,
+            value=s.cache_gb,
+            step=0.05,
+            label="Expert cache (GB)",
+            info=CACHE_HELP,
+            elem_id="cache-gb",
+        )
         prefetch = gr.Slider(
-            1, 8, value=s.prefetch_distance, step=1, label="Prefetch distance (layers ahead)", elem_id="prefetch"
+            1,
+            8,
+            value=s.prefetch_distance,
+            step=1,
+            label="Prefetch distance (layers ahead)",
+            info="How many layers ahead experts are fetched; further hides more copy time but guesses worse.",
+            elem_id="prefetch",
         )
     with gr.Row():
         policy = gr.Dropdown(
             [(POLICY_HELP.get(p, p), p) for p in POLICIES],
             value=s.policy,
             label="Policy",
-            info="Which experts to prefetch and which to evict",
+            info="How experts are guessed before they are needed and which leave the cache when it is full.",
             elem_id="policy",
         )
-        capacity = gr.Number(s.store_capacity, label="Expert maps kept (store capacity)", precision=0, minimum=1)
+        capacity = gr.Number(
+            s.store_capacity,
+            label="Expert maps kept (store capacity)",
+            precision=0,
+            info="Past replies' routing remembered to guess the next one; more helps fMoE, costs disk and a little time.",
+        )
     with gr.Row():
         apply = gr.Button("Apply", variant="primary", elem_id="apply-settings")
         clear_maps = gr.Button("Clear learned expert maps", variant="secondary", elem_id="clear-maps")
     status = gr.Markdown("", elem_id="settings-status")
     return SettingsTab(model_info, cache_gb, prefetch, policy, capacity, apply, clear_maps, status)
+
+
+CACHE_HELP = "Memory kept for experts ready to run; more means fewer waits for copies, less memory for anything else."
+
+
+def cache_help(session: Session) -> str:
+    """The field's help, with the loaded model's sizes in the unit that fits (tiny models are MB, not 0.0098 GB)."""
+    if session.runtime is None:
+        return CACHE_HELP
+    i = session.runtime.info
+    return f"{CACHE_HELP} Now {fmt_gb(i.cache_gb)} = {i.cache_experts} experts of {fmt_bytes(i.expert_bytes)} each."
 
 
 def refresh_outputs(tab: SettingsTab) -> list:
@@ -111,7 +141,9 @@ def refresh(session: Session) -> tuple:
     top = round(math.floor(top / step) * step, digits)
     return (
         describe(session),
-        gr.Slider(minimum=step, maximum=top, step=step, value=min(current, top)),
+        gr.Slider(
+            minimum=step, maximum=top, step=step, value=round(min(current, top), digits), info=cache_help(session)
+        ),
         gr.Slider(maximum=distance_max, value=min(s.prefetch_distance, distance_max)),
         s.policy,
         s.store_capacity,
