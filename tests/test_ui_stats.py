@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fmoe_local.stats import RequestStats
-from ui.stats import cell_states, heatmap_figure, timeline_figure
+from ui.stats import cell_rates, heatmap_figure, timeline_figure
 
 
 def _stats() -> RequestStats:
@@ -16,11 +16,17 @@ def _stats() -> RequestStats:
     return s
 
 
-def test_cell_codes_rank_miss_over_prefetch_over_hit():
-    codes = cell_states(_stats())
-    # [L, J]: (0,0) hit after a prefetch, (0,1) prefetched but unused stays blank, (0,2) hit and miss → miss.
-    assert codes.tolist() == [[2, 0, 3], [3, 0, 0]]
-    assert cell_states(RequestStats()).shape == (0, 0)
+def test_cells_are_coloured_by_their_hit_rate_not_by_any_miss():
+    rates = cell_rates(_stats())
+    # [L, J]: (0,0) 2 hits → 100 %, (0,1) prefetched but unused → blank, (0,2) one hit one miss → 50 %.
+    assert np.allclose(rates, [[1.0, np.nan, 0.5], [0.0, np.nan, np.nan]], equal_nan=True)
+    assert cell_rates(RequestStats()).shape == (0, 0)
+
+
+def test_a_late_prefetch_is_not_a_hit_in_its_cell():
+    s = _stats()
+    s.layer_late = [[2, 0, 0], [0, 0, 0]]
+    assert cell_rates(s)[0, 0] == 0.5
 
 
 def test_heatmap_draws_layers_by_experts():
@@ -28,6 +34,7 @@ def test_heatmap_draws_layers_by_experts():
     image = fig.axes[0].images[0].get_array()
     assert image.shape == (3, 2)  # experts on y, layers on x
     assert "hit rate 60%" in fig.axes[0].get_title()
+    assert "hit rate" in fig.axes[1].get_ylabel()  # the colour bar says what a colour means
     empty = heatmap_figure(None)
     assert not empty.axes[0].images
 

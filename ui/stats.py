@@ -16,15 +16,14 @@ matplotlib.use("Agg")  # no display on a server thread; must precede pyplot
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.ticker import MaxNLocator, PercentFormatter  # noqa: E402
 
 from fmoe_local.stats import RequestStats  # noqa: E402
 from ui.session import Session, fmt_gb  # noqa: E402
 
-# Cell colours of the heatmap: unused, hit (resident already), prefetched then hit, miss (loaded on demand).
-CELL_COLOURS = ["#f1f5f9", "#16a34a", "#6366f1", "#dc2626"]
-CELL_LABELS = ["not used", "hit", "prefetched", "miss"]
+# A red-to-green scale: a cell's colour is its hit rate, so a rare miss does not paint a mostly-hit expert red.
+RATE_CMAP = "RdYlGn"
+UNUSED = "#f1f5f9"
 
 
 @dataclass
@@ -35,18 +34,19 @@ class StatsTab:
     refresh: gr.Button
 
 
-def cell_states(stats: RequestStats) -> np.ndarray:
-    """[L, J] codes for the heatmap: 3 where any miss happened, else 2 if prefetched, else 1 if hit, else 0."""
-    hits = np.asarray(stats.layer_hits, dtype=np.int64)
-    misses = np.asarray(stats.layer_misses, dtype=np.int64)
-    prefetched = np.asarray(stats.layer_prefetched, dtype=np.int64)
+def cell_rates(stats: RequestStats) -> np.ndarray:
+    """[L, J] hit rate of each (layer, expert) over this reply's uses of it; NaN where the expert was not used.
+
+    A late prefetch counts as a use that was not a hit, as in RequestStats.hit_rate.
+    """
+    hits = np.asarray(stats.layer_hits, dtype=np.float64)
     if hits.size == 0:
-        return np.zeros((0, 0), np.int8)
-    codes = np.zeros(hits.shape, np.int8)
-    codes[hits > 0] = 1
-    codes[(prefetched > 0) & (hits > 0)] = 2
-    codes[misses > 0] = 3
-    return codes
+        return np.zeros((0, 0))
+    misses = np.asarray(stats.layer_misses, dtype=np.float64)
+    late = np.asarray(stats.layer_late, dtype=np.float64) if stats.layer_late else np.zeros_like(hits)
+    uses = hits + misses + late
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(uses > 0, hits / uses, np.nan)
 
 
 def heatmap_figure(stats: RequestStats | None):
@@ -55,8 +55,9 @@ def heatmap_figure(stats: RequestStats | None):
         ax.text(0.5, 0.5, "Send a message to see which experts it used.", ha="center", va="center", fontsize=12)
         ax.axis("off")
         return fig
-    codes = cell_states(stats)
-    ax.imshow(codes.T, aspect="auto", cmap=ListedColormap(CELL_COLOURS), vmin=0, vmax=3, interpolation="nearest")
+    cmap = matplotlib.colormaps[RATE_CMAP].with_extremes(bad=UNUSED)
+    rates = np.ma.masked_invalid(cell_rates(stats).T)
+    image = ax.imshow(rates, aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("expert")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -66,8 +67,8 @@ def heatmap_figure(stats: RequestStats | None):
         f" ({stats.hits} hits, {stats.late} late, {stats.misses} misses)",
         fontsize=11,
     )
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in CELL_COLOURS[1:]]
-    ax.legend(handles, CELL_LABELS[1:], loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=9)
+    bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02, format=PercentFormatter(1.0))
+    bar.set_label("hit rate of the expert's uses (pale: not used)", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -122,7 +123,10 @@ def summary(session: Session) -> str:
 
 def build(session: Session) -> StatsTab:
     text = gr.Markdown(summary(session), elem_id="stats-summary")
-    heatmap = gr.Plot(label="Experts of the last reply (layers × experts)", elem_id="heatmap")
+    heatmap = gr.Plot(
+        label="Experts of the last reply: one cell per expert and layer, coloured by how often it was already in the cache",
+        elem_id="heatmap",
+    )
     timeline = gr.Plot(label="Over time", elem_id="timeline")
     refresh = gr.Button("Refresh", size="sm")
     return StatsTab(text, heatmap, timeline, refresh)
