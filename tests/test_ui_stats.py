@@ -47,3 +47,6 @@ def test_timeline_plots_one_point_per_reply():
     assert np.allclose(fig.axes[1].lines[0].get_ydata(), [200.0, 200.0])  # TTFT in ms
     assert np.allclose(fig.axes[3].lines[0].get_ydata(), [512.0, 512.0])  # cache in use, MB
     assert not timeline_figure([]).axes[0].lines
+    one = timeline_figure([_stats()])
+    one.canvas.draw()
+    assert [t for t in one.axes[0].get_xticks() if 0.5 <= t <= 1.5] == [1.0]  # replies, not 0.5, 0.6 … 1.5

@@ -125,7 +125,11 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
         return f"**This computer:** {session.machine(refresh).summary()}"
 
     def on_load():
-        return machine_md(), catalog_rows(session), gr.Dropdown(choices=downloaded_choices(session))
+        # The loaded model is preselected, so "Your models" shows what is running.
+        loaded = session.model_dir.resolve() if session.model_dir is not None else None
+        choices = downloaded_choices(session)
+        value = next((path for _, path in choices if Path(path).resolve() == loaded), None)
+        return machine_md(), catalog_rows(session), gr.Dropdown(choices=choices, value=value)
 
     def recheck():
         return machine_md(refresh=True), catalog_rows(session)

@@ -64,8 +64,9 @@ def heatmap_figure(stats: RequestStats | None):
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(
         f"Last reply: {stats.tokens} tokens, expert hit rate {stats.hit_rate:.0%}"
-        f" ({stats.hits} hits, {stats.late} late, {stats.misses} misses)",
-        fontsize=11,
+        f" ({stats.hits} hits, {stats.late} late, {stats.misses} misses)\n"
+        "one cell per expert and layer, coloured by how often it was already in the cache when the reply needed it",
+        fontsize=10,
     )
     bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02, format=PercentFormatter(1.0))
     bar.set_label("hit rate of the expert's uses (pale: not used)", fontsize=9)
@@ -91,9 +92,10 @@ def timeline_figure(history: list[RequestStats]):
     ]
     for ax, (title, ys, unit, colour) in zip(axes, series, strict=True):
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("reply")
+        ax.set_xlabel("reply (oldest kept first)")
         ax.set_ylabel(unit)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # min_n_ticks=1: with one or two replies the default falls back to 0.5, 0.6 … ticks, which are no replies.
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         if history:
             ax.plot(x, ys, marker="o", color=colour, linewidth=1.5, markersize=3)
             ax.set_xlim(0.5, len(history) + 0.5)
@@ -123,10 +125,7 @@ def summary(session: Session) -> str:
 
 def build(session: Session) -> StatsTab:
     text = gr.Markdown(summary(session), elem_id="stats-summary")
-    heatmap = gr.Plot(
-        label="Experts of the last reply: one cell per expert and layer, coloured by how often it was already in the cache",
-        elem_id="heatmap",
-    )
+    heatmap = gr.Plot(label="Experts of the last reply", elem_id="heatmap")
     timeline = gr.Plot(label="Over time", elem_id="timeline")
     refresh = gr.Button("Refresh", size="sm")
     return StatsTab(text, heatmap, timeline, refresh)
