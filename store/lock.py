@@ -4,6 +4,10 @@ Scope: acquiring, describing and releasing that lock. It does NOT open the datab
 
 An OS lock (flock on POSIX, msvcrt on Windows) is released by the kernel when its process dies, kill -9
 included, so a crashed app never leaves a stale lock behind; the PID inside only makes the message precise.
+
+The lock file is written only when it is ours: new, empty, or holding nothing but a PID. `--store yarn` names a
+lock file `yarn.lock`, and `--store Cargo` `Cargo.lock`: the user's files, which truncating would destroy. A
+symlink or anything but a regular file is refused the same way.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
+import stat
 import sys
 from pathlib import Path
 
-from store.errors import StoreInUseError
+from store.errors import StoreError, StoreInUseError
 
 if sys.platform == "win32":
     import msvcrt
@@ -42,8 +48,13 @@ class InstanceLock:
         """Take the lock or raise StoreInUseError naming the holder's PID."""
         if self._fd is not None:
             return self
+        if self.path.is_symlink():
+            raise self._not_ours()
         # O_RDWR without O_TRUNC: the current holder's PID must stay readable until we own the lock.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._not_ours()
         try:
             _lock(fd)
         except OSError as exc:
@@ -55,6 +66,10 @@ class InstanceLock:
             pid = _read_pid(fd)
             os.close(fd)
             raise StoreInUseError(self.db_path, pid) from None
+        if not _holds_only_a_pid(fd):
+            _unlock(fd)
+            os.close(fd)
+            raise self._not_ours()
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         # Windows locks byte 0, so the PID goes after a newline to stay readable by a second instance.
@@ -62,6 +77,12 @@ class InstanceLock:
         os.fsync(fd)
         self._fd = fd
         return self
+
+    def _not_ours(self) -> StoreError:
+        return StoreError(
+            f"{self.path} exists and is not fmoe-local's lock file, so it was left untouched. "
+            "Name the store differently (--store), or choose another folder with --data-dir."
+        )
 
     def release(self) -> None:
         if self._fd is None:
@@ -77,6 +98,14 @@ class InstanceLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _holds_only_a_pid(fd: int) -> bool:
+    """What we write (a PID between newlines), or nothing: read under our own lock, so from byte 0."""
+    if os.fstat(fd).st_size > 64:
+        return False
+    os.lseek(fd, 0, os.SEEK_SET)
+    return re.fullmatch(rb"\s*\d*\s*", os.read(fd, 64)) is not None
 
 
 def _read_pid(fd: int) -> int | None:
