@@ -178,3 +178,13 @@ def test_the_v1_api_is_behind_the_same_guard(served):
         assert status == 403 and b"refused" in text
     status, _, _ = _request(port, "GET", "/v1/models", {"Host": f"127.0.0.1:{port}"})
     assert status == 200  # a program on this machine still reaches it
+
+
+def test_the_file_route_serves_neither_the_chats_nor_any_other_file(served, tmp_path_factory):
+    """With --listen the LAN reaches the app: Gradio's file route must not hand out the database or the disk."""
+    port = served
+    local = {"Host": f"127.0.0.1:{port}"}
+    database = next(tmp_path_factory.getbasetemp().glob("guard-data*/**/*.db"))
+    for path in (database, "/etc/passwd", "app.py"):
+        status, _, text = _request(port, "GET", f"/gradio_api/file={path}", local)
+        assert status == 403 and b"not allowed" in text, path
