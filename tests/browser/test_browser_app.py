@@ -108,6 +108,15 @@ def bot_messages(page):
     return page.locator("#chatbot .message.bot, #chatbot [data-testid='bot']")
 
 
+def set_max_tokens(page, n: int, open_panel: bool = True) -> None:
+    """Keep replies short (or long) through the chat's Generation panel."""
+    if open_panel:
+        page.get_by_text("Generation").click()
+    box = page.locator("#max-tokens input[type=number]")
+    box.fill(str(n))
+    box.press("Enter")
+
+
 def send(page, text: str) -> None:
     page.locator("#chat-input textarea").fill(text)
     page.locator("#send").click()
@@ -120,10 +129,7 @@ def test_chat_stop_switch_restart_and_settings(env):
         assert_loopback_only(app)
         page = open_page(browser, app.url, seen)
         page.get_by_role("tab", name="Chat").click()
-        # Keep replies short except where a long one is wanted.
-        page.get_by_text("Generation").click()
-        page.locator("#max-tokens input[type=number]").fill("8")
-        page.locator("#max-tokens input[type=number]").press("Enter")
+        set_max_tokens(page, 8)  # short replies, except where a long one is wanted
 
         send(page, "Write a short poem about the sea.")
         page.locator("#chatbot").get_by_text("tok/s").first.wait_for(timeout=STREAM_TIMEOUT_MS)
@@ -131,8 +137,7 @@ def test_chat_stop_switch_restart_and_settings(env):
         page.screenshot(path=SHOTS / "chat-reply.png", full_page=True)
 
         # Stop during a long reply: the reply ends early and says so.
-        page.locator("#max-tokens input[type=number]").fill("400")
-        page.locator("#max-tokens input[type=number]").press("Enter")
+        set_max_tokens(page, 400, open_panel=False)
         send(page, "Tell me a very long story.")
         page.wait_for_function(
             "() => document.querySelector('#chatbot').innerText.split('Tell me a very long story.')[1]?.trim().length > 6",
@@ -143,8 +148,7 @@ def test_chat_stop_switch_restart_and_settings(env):
         page.screenshot(path=SHOTS / "chat-stopped.png", full_page=True)
 
         # A second conversation, then back to the first: its history is there.
-        page.locator("#max-tokens input[type=number]").fill("4")
-        page.locator("#max-tokens input[type=number]").press("Enter")
+        set_max_tokens(page, 4, open_panel=False)
         page.locator("#new-chat").click()
         page.wait_for_function("() => !document.querySelector('#chatbot').innerText.includes('poem')")
         # Enter sends (as the input's placeholder says).

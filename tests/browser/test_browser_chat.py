@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser.test_browser_app import CHROMIUM, CHROMIUM_ARGS, SHOTS, STREAM_TIMEOUT_MS, App, open_page, send
+from tests.browser.test_browser_app import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    SHOTS,
+    STREAM_TIMEOUT_MS,
+    App,
+    open_page,
+    send,
+    set_max_tokens,
+)
 
 # A real browser against a real app: minutes on a busy 2-core machine, not the default 120 s.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -34,9 +43,7 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
             assert "reply-stats" not in chat.inner_text()
             page.screenshot(path=SHOTS / "chat-stats-after-code.png", full_page=True)
 
-            page.get_by_text("Generation").click()
-            page.locator("#max-tokens input[type=number]").fill("300")
-            page.locator("#max-tokens input[type=number]").press("Enter")
+            set_max_tokens(page, 300)
             page.locator("#new-chat").click()
             send(page, "Tell me a very long story.")
             button = page.locator("#send")

@@ -8,7 +8,16 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.browser.test_browser_app import CHROMIUM, CHROMIUM_ARGS, SHOTS, STREAM_TIMEOUT_MS, App, open_page, send
+from tests.browser.test_browser_app import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    SHOTS,
+    STREAM_TIMEOUT_MS,
+    App,
+    open_page,
+    send,
+    set_max_tokens,
+)
 
 # A real browser against a real app started twice: minutes on a busy 2-core machine, not the default 120 s.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -32,9 +41,7 @@ def test_a_message_loads_nothing_remote_and_covers_nothing(tiny_model_dir, tmp_p
         app = App(tmp_path / "data", tiny_model_dir("mixtral"), tmp_path / "net.log", port=7895)
         try:
             page = open_page(browser, app.url, seen)
-            page.get_by_text("Generation").click()
-            page.locator("#max-tokens input[type=number]").fill("3")
-            page.locator("#max-tokens input[type=number]").press("Enter")
+            set_max_tokens(page, 3)
             send(page, ATTACK)
             page.locator("#chatbot").get_by_text("tok/s").first.wait_for(timeout=STREAM_TIMEOUT_MS)
             page.reload()  # the newest chat opens on load: what is stored must be as harmless as what streamed

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser.test_browser_app import CHROMIUM, CHROMIUM_ARGS, SHOTS, STREAM_TIMEOUT_MS, App, open_page, send
+from tests.browser.test_browser_app import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    SHOTS,
+    STREAM_TIMEOUT_MS,
+    App,
+    open_page,
+    send,
+    set_max_tokens,
+)
 
 # A real browser against a real app started twice: minutes on a busy 2-core machine, not the default 120 s.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -37,9 +46,7 @@ def test_impossible_cache_size_is_refused_and_the_chat_and_a_restart_still_work(
                 page.get_by_text("must hold at least one expert").first.wait_for(timeout=30_000)
             page.screenshot(path=SHOTS / "settings-refused.png", full_page=True)
             page.get_by_role("tab", name="Chat").click()
-            page.get_by_text("Generation").click()
-            page.locator("#max-tokens input[type=number]").fill("4")
-            page.locator("#max-tokens input[type=number]").press("Enter")
+            set_max_tokens(page, 4)
             send(page, "Say something about the sea.")
             page.locator("#chatbot").get_by_text("tok/s").first.wait_for(timeout=STREAM_TIMEOUT_MS)
             assert "Generation failed" not in page.locator("#chatbot").inner_text()
