@@ -14,6 +14,9 @@ def test_stats_line_under_replies_only():
     stats = {"tokens_per_s": 12.34, "ttft_s": 0.25, "hit_rate": 0.875, "finish_reason": "cancelled"}
     assert stats_line(stats) == "12.3 tok/s · TTFT 250 ms · expert hit rate 88% · stopped"
     assert stats_line(None) == ""
+    assert stats_line(stats | {"finish_reason": "length"}).endswith(
+        "length limit reached (raise Max new tokens under Generation for longer replies)"
+    )
     shown = display([_msg("system", "be brief"), _msg("user", "hi", stats), _msg("assistant", "hello", stats)])
     assert [m["role"] for m in shown] == ["user", "assistant"]  # the system prompt is not a bubble
     assert shown[0]["content"] == "hi"

@@ -52,6 +52,8 @@ def stats_line(stats: dict | None) -> str:
     parts.append(f"expert hit rate {100 * stats.get('hit_rate', 0):.0f}%")
     if stats.get("finish_reason") == "cancelled":
         parts.append("stopped")
+    elif stats.get("finish_reason") == "length":
+        parts.append("length limit reached (raise Max new tokens under Generation for longer replies)")
     return " · ".join(parts)
 
 

@@ -111,7 +111,7 @@ def bot_messages(page):
 def set_max_tokens(page, n: int, open_panel: bool = True) -> None:
     """Keep replies short (or long) through the chat's Generation panel."""
     if open_panel:
-        page.get_by_text("Generation").click()
+        page.get_by_text("Generation", exact=True).click()
     box = page.locator("#max-tokens input[type=number]")
     box.fill(str(n))
     box.press("Enter")
