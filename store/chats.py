@@ -122,7 +122,7 @@ class ChatStore:
         return self.get(conversation_id)
 
     def delete(self, conversation_id: int) -> None:
-        with self._s.lock, self._s.db.atomic():
+        with self._s.writing():
             self._s.db.execute("DELETE FROM messages WHERE conversation_id = ?", [conversation_id])
             if not self._s.db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id]).rowcount:
                 raise ChatNotFoundError(conversation_id)
@@ -144,7 +144,7 @@ class ChatStore:
         nothing is stored and None is returned: a reply whose question was edited away is not kept alone."""
         _check_role(role)
         now = time.time()
-        with self._s.lock, self._s.db.atomic():
+        with self._s.writing():
             position = self._s.db.execute(
                 "SELECT coalesce(max(position) + 1, 0) FROM messages WHERE conversation_id = ?", [conversation_id]
             ).fetchone()[0]
@@ -159,7 +159,7 @@ class ChatStore:
     def update_last(self, conversation_id: int, content: str, stats: Any = None) -> Message:
         """Replace the last message's content and stats (a regenerated or edited reply)."""
         now = time.time()
-        with self._s.lock, self._s.db.atomic():
+        with self._s.writing():
             self._touch(conversation_id, now)
             row = self._s.db.execute(
                 "SELECT id FROM messages WHERE conversation_id = ? ORDER BY position DESC LIMIT 1", [conversation_id]
@@ -171,7 +171,7 @@ class ChatStore:
 
     def truncate(self, conversation_id: int, keep: int) -> None:
         """Keep only the first `keep` messages (editing an earlier message drops the replies after it)."""
-        with self._s.lock, self._s.db.atomic():
+        with self._s.writing():
             self._touch(conversation_id, time.time())
             self._s.db.execute(
                 "DELETE FROM messages WHERE conversation_id = ? AND position >= ?", [conversation_id, keep]
@@ -250,7 +250,7 @@ class ChatStore:
             raise ChatNotFoundError(conversation_id)
 
     def _update(self, conversation_id: int, changes: dict) -> None:
-        with self._s.lock, self._s.db.atomic():
+        with self._s.writing():
             sets = ", ".join(f"{k} = ?" for k in changes)
             if not self._s.db.execute(
                 f"UPDATE conversations SET {sets} WHERE id = ?", [*changes.values(), conversation_id]

@@ -15,6 +15,8 @@ import logging
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +67,23 @@ class StoreDb:
 
     def connect(self) -> sqlite_utils.Database:
         return connect(self.path)
+
+    @contextmanager
+    def writing(self) -> Iterator[sqlite_utils.Database]:
+        """One write transaction on the shared connection, begun IMMEDIATE: it takes the write lock first (waiting
+        up to the busy timeout for the map writer's commit), so what it reads cannot be made stale by another
+        connection's commit — a deferred BEGIN that reads, then writes, fails at once with "database is locked"
+        (SQLITE_BUSY_SNAPSHOT, no waiting) when the map writer committed in between."""
+        with self.lock:
+            conn = self.db.conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
 
     def close(self) -> None:
         with self.lock:

@@ -362,5 +362,5 @@ def list_models(store_db: StoreDb) -> list[dict]:
 
 def clear_model(store_db: StoreDb, fingerprint: str) -> int:
     """Delete the maps of a model that is not loaded; returns how many were deleted."""
-    with store_db.lock, store_db.db.atomic():
+    with store_db.writing():
         return store_db.db.execute("DELETE FROM maps WHERE fingerprint = ?", [fingerprint]).rowcount

@@ -105,7 +105,7 @@ class SettingsStore:
         updated = replace(self.load(), **coerced)
         updated.validate()
         # One transaction for all the keys of one Apply: a kill in the middle keeps all of them or none.
-        with self._s.lock, self._s.db.atomic():
+        with self._s.writing():
             self._s.db["settings"].upsert_all(
                 [{"key": k, "value_json": json.dumps(v)} for k, v in coerced.items()], pk="key"
             )
@@ -115,12 +115,12 @@ class SettingsStore:
         """Put `names` back to their defaults (one transaction); returns the settings now in effect."""
         for key in names:
             _check_key(key)
-        with self._s.lock, self._s.db.atomic():
+        with self._s.writing():
             self._s.db.execute(f"DELETE FROM settings WHERE key IN ({', '.join('?' * len(names))})", list(names))
         return self.load()
 
     def reset(self) -> AppSettings:
-        with self._s.lock, self._s.db.atomic():
+        with self._s.writing():
             self._s.db.execute("DELETE FROM settings")
         return AppSettings()
 

@@ -210,3 +210,45 @@ def test_a_lock_file_that_is_not_ours_is_left_untouched(tmp_path):
     stale.write_text("\n12345\n")  # ours, left by a killed app: taken over as before
     with open_store(tmp_path / "maps.db") as store:
         store.chats.create("x")
+
+
+def test_a_commit_by_another_connection_between_a_read_and_a_write_does_not_fail_the_write(tmp_path):
+    """The map writer commits a map right while a reply is appended (which reads the next position, then writes):
+    a deferred transaction failed at once with "database is locked"; an immediate one waits its turn."""
+    import threading
+
+    store = open_store(tmp_path)
+    try:
+        conv = store.chats.create("x")
+        other = store.db.connect()  # a second connection, as the map writer has
+        shared = store.db.db
+        real_execute = shared.execute
+        writes: list[BaseException | None] = []
+
+        def execute(sql, *args, **kwargs):
+            result = real_execute(sql, *args, **kwargs)
+            if sql.startswith("SELECT coalesce(max(position)"):
+
+                def commit_elsewhere() -> None:
+                    try:
+                        other.conn.execute("INSERT INTO settings (key, value_json) VALUES ('probe', '1')")
+                        other.conn.commit()
+                        writes.append(None)
+                    except BaseException as exc:  # noqa: BLE001 - asserted below
+                        writes.append(exc)
+
+                t = threading.Thread(target=commit_elsewhere)
+                t.start()
+                t.join(0.5)  # with the write lock held it waits for our commit; without, it commits now
+                execute.thread = t
+            return result
+
+        shared.execute = execute
+        store.chats.append(conv.id, "user", "hello")  # raised sqlite3.OperationalError before
+        shared.execute = real_execute
+        execute.thread.join(10)
+        assert writes == [None]  # the other connection's write went in right after ours
+        assert [m.content for m in store.chats.messages(conv.id)] == ["hello"]
+        other.conn.close()
+    finally:
+        store.close()
