@@ -115,6 +115,8 @@ def set_max_tokens(page, n: int, open_panel: bool = True) -> None:
     box = page.locator("#max-tokens input[type=number]")
     box.fill(str(n))
     box.press("Enter")
+    # The slider takes the typed value on Enter; a Send before that would still read the old one.
+    page.wait_for_function("n => document.querySelector('#max-tokens input[type=range]').value === String(n)", arg=n)
 
 
 def send(page, text: str) -> None:

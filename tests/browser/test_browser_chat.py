@@ -57,6 +57,7 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
 
             page.reload()  # the saved generation settings come back, not the start-up ones
             page.get_by_role("tab", name="Chat").wait_for()
+            page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
             page.get_by_text("Generation", exact=True).click()
             page.wait_for_function(
                 "() => document.querySelector('#max-tokens input[type=number]').value === '300'", timeout=30_000
