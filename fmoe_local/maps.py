@@ -389,14 +389,13 @@ class MapStore:
     def _rewrite_persistence(self) -> None:
         if self._persistence is None:
             return
+        links = self._links.targets(self._n) if self._put_link is not None else np.full(self._n, -1)
         replace_all = getattr(self._persistence, "replace_all", None)
-        if replace_all is not None:
-            links = self._links.targets(self._n)
-            replace_all([(s, self.get(s), int(links[s]) if self._put_link is not None else -1) for s in range(self._n)])
+        if replace_all is not None:  # one transaction: a kill leaves the old set or the new one
+            replace_all([(s, self.get(s), int(links[s])) for s in range(self._n)])
             return
         self._persistence.clear()
         for s in range(self._n):
             self._persistence.put(s, self.get(s))
-        for s, nxt in enumerate(self._links.targets(self._n)):
-            if nxt >= 0 and self._put_link is not None:
-                self._put_link(s, int(nxt))
+        for s in np.flatnonzero(links >= 0):
+            self._put_link(int(s), int(links[s]))
