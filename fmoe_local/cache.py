@@ -20,7 +20,8 @@ which reports it to the request); every wait has a deadline (`load_timeout_s`) a
 `interrupt` is set (Stop, close), so no wait here is unbounded.
 
 Counting (the one definition, DESIGN.md "Hits, late and misses"): an access is a hit when its expert is resident
-and copied, late when a prefetch of it is still copying, a miss when it is not in the cache at all.
+and copied, late when a prefetch of it is still copying, a miss when it is not in the cache at all — loaded on
+demand, or computed from the host copy when the caller's `on_host` says so (miss handling, miss_cost.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,8 +143,10 @@ class ExpertCache:
         return self._complete
 
     # ---- forward thread ------------------------------------------------------------------------------------------
-    def acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
-        """Make `experts` of `layer` resident and pinned; returns their slots. Misses load now (on demand)."""
+    def acquire(self, layer: int, experts: Sequence[int], on_host: Callable[[int], bool] | None = None) -> list[int]:
+        """Make `experts` of `layer` resident and pinned; returns their slots. Misses load now (on demand), except
+        those `on_host(expert)` claims: they are counted as misses (and as computed on the host), get slot −1 and
+        load nothing — the caller computes them from the host copy. The policy sees every access either way."""
         if len(experts) > self.capacity:
             raise ValueError("acquire() got more experts than the cache has slots; compute in chunks.")
         with self._lock:
@@ -161,7 +164,7 @@ class ExpertCache:
         pinned: list[tuple[int, Landing]] = []  # what this access pinned, to undo if it fails
         try:
             with self._lock:
-                slots, waits = self._pin_and_claim_locked(layer, experts, pinned, deadline)
+                slots, waits = self._pin_and_claim_locked(layer, experts, pinned, deadline, on_host)
             for landing, key in waits:
                 landing.wait_until(deadline, self.interrupt, f"expert {key[1]} of MoE layer {key[0]}")
         except BaseException:
@@ -175,11 +178,16 @@ class ExpertCache:
                 self._demand -= 1
                 self.counters.stall_s += time.perf_counter() - t0
                 self._lock.notify_all()
-        self._wait_copies(slots)
+        self._wait_copies([s for s in slots if s >= 0])
         return slots
 
     def _pin_and_claim_locked(
-        self, layer: int, experts: Sequence[int], pinned: list[tuple[int, Landing]], deadline: float
+        self,
+        layer: int,
+        experts: Sequence[int],
+        pinned: list[tuple[int, Landing]],
+        deadline: float,
+        on_host: Callable[[int], bool] | None = None,
     ) -> tuple[list[int], list[tuple[Landing, ExpertKey]]]:
         """Pin the resident experts of this access, then claim slots for the missing ones and start their loads.
         Returns the slots and the landings to wait for (late prefetches and the new loads)."""
@@ -208,6 +216,10 @@ class ExpertCache:
         for i, e in enumerate(experts):
             if hits[i]:
                 continue
+            if on_host is not None and on_host(e):
+                self.counters.misses[layer, e] += 1
+                self.counters.on_host[layer, e] += 1
+                continue  # slot −1: computed from the host copy, nothing loaded
             key = (layer, e)
             s = self._claim_locked(key, current_layer=layer, deadline=deadline)
             slot = self._slots[s]

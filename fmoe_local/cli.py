@@ -38,6 +38,12 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     size.add_argument("--cache-experts", type=int, help="expert cache size as a number of experts")
     p.add_argument("--prefetch-distance", type=int, default=RuntimeConfig.prefetch_distance)
     p.add_argument("--policy", choices=POLICIES, default=RuntimeConfig.policy)
+    p.add_argument(
+        "--miss-handling",
+        default=RuntimeConfig.miss_handling,
+        help="a missing expert: auto (decide per miss from measured costs), copy (into the cache) or cpu (computed "
+        "on the processor)",
+    )
     p.add_argument("--store", type=Path, help="SQLite file that keeps expert maps between runs")
     p.add_argument("--store-capacity", type=int, default=RuntimeConfig.store_capacity)
     p.add_argument("--device", default=RuntimeConfig.device, help="auto, cpu or cuda")
@@ -56,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         cache_experts=args.cache_experts,
         prefetch_distance=args.prefetch_distance,
         policy=args.policy,
+        miss_handling=args.miss_handling,
         store_capacity=args.store_capacity,
         synchronous_prefetch=args.synchronous,
         record_trace=str(args.record_trace) if args.record_trace else None,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-POLICIES = ("fmoe", "moe_infinity", "lru", "lfu", "speculative", "on_demand")
+POLICIES = ("fmoe", "moe_infinity", "lru", "lfu", "speculative", "on_demand", "cpu_moe")
+MISS_HANDLING = ("auto", "copy", "cpu")
 SEMANTIC_MODES = ("running_mean", "token")
 
 
@@ -35,6 +36,11 @@ class RuntimeConfig:
     # d: how many layers ahead the matcher predicts.
     prefetch_distance: int = 3
     policy: str = "fmoe"
+    # What happens to an expert the cache lacks: "copy" loads it into a slot, "cpu" computes it on the host from its
+    # host copy (hidden states go down, [T, H] comes back), "auto" decides per miss from the measured costs
+    # (miss_cost.py: a decode token's expert is usually cheaper on the CPU, a prefill's copied). Without a GPU,
+    # auto computes every miss on the CPU: a copy would only duplicate it in RAM.
+    miss_handling: str = "auto"
     # C: expert maps kept by the map store. More history finds closer matches and longer successor chains: on the
     # shared traces 1000/2000/4000/8000 maps gave pooled hit rates 0.605/0.616/0.628/0.638 (docs/bench.md, session
     # 3). 4000 is a cost choice, not a peak: ~16 KB per map for a 26×64-expert, 2048-wide model (64 MB of RAM),
@@ -69,6 +75,11 @@ class RuntimeConfig:
         """Raise ValueError with a sentence a user can act on."""
         if self.policy not in POLICIES:
             raise ValueError(f"Unknown policy '{self.policy}'. Choose one of: {', '.join(POLICIES)}.")
+        if self.miss_handling not in MISS_HANDLING:
+            raise ValueError(
+                f"Unknown miss handling '{self.miss_handling}'. Choose auto (decide per miss), copy (load it into the "
+                "cache) or cpu (compute it on the processor)."
+            )
         if self.semantic_mode not in SEMANTIC_MODES:
             raise ValueError(
                 f"Unknown semantic mode '{self.semantic_mode}'. Choose one of: {', '.join(SEMANTIC_MODES)}."

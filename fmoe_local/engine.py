@@ -16,12 +16,15 @@ from pathlib import Path
 
 import torch
 
+from fmoe_local import cpu_experts, miss_cost
 from fmoe_local.bench.traces import DECODE, PREFILL, TraceRecorder
 from fmoe_local.cache import ExpertCache, check_capacity, slots_for_budget
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.experts import OffloadedExperts
+from fmoe_local.cpu_experts import HostExperts, Kernel
+from fmoe_local.experts import HostMisses, OffloadedExperts
 from fmoe_local.loading import load_model
 from fmoe_local.maps import MapStore
+from fmoe_local.miss_cost import MissCosts, MissPlanner
 from fmoe_local.observe import RoutingObserver
 from fmoe_local.policies import make_policy
 from fmoe_local.policies.base import ModelShape
@@ -53,7 +56,15 @@ class Engine:
         raise TypeError("use Engine.build(model_dir, config)")
 
     @classmethod
-    def build(cls, model_dir: Path, config: RuntimeConfig, map_persistence: object | None = None) -> Engine:
+    def build(
+        cls,
+        model_dir: Path,
+        config: RuntimeConfig,
+        map_persistence: object | None = None,
+        saved_costs: MissCosts | None = None,
+    ) -> Engine:
+        """`saved_costs`: figures an earlier load measured on this machine for this model (`miss_costs`); used
+        instead of a new probe when they match the model's stored format and size and the device."""
         self = object.__new__(cls)
         self.model_dir = model_dir
         self.config = config
@@ -90,7 +101,13 @@ class Engine:
         )
         self.observer.want_lookahead = self.policy.needs_lookahead
         self.observer.attach()
-        self.offloaded = OffloadedExperts({id(ref.experts): ref.moe_index for ref in self.moe_layers}, self._cache)
+        self._tell_capacity()
+        self.miss_costs, kernel = self._measure_misses(saved_costs)
+        self.host_experts = HostExperts(self.host, kernel)
+        self.host_misses = self._host_misses(config)
+        self.offloaded = OffloadedExperts(
+            {id(ref.experts): ref.moe_index for ref in self.moe_layers}, self._cache, lambda: self.host_misses
+        )
         self.model.set_experts_implementation(self.offloaded.register())
         self.eos_ids = self._eos_ids()
         self.recorder = None
@@ -104,6 +121,27 @@ class Engine:
 
     def _cache(self) -> ExpertCache:
         return self.cache
+
+    def _tell_capacity(self) -> None:
+        """Policies that place experts by the cache's size (cpu_moe) learn it whenever a cache or policy is made."""
+        set_capacity = getattr(self.policy, "set_capacity", None)
+        if set_capacity is not None:
+            set_capacity(self.cache.capacity)
+
+    def _measure_misses(self, saved: MissCosts | None) -> tuple[MissCosts, Kernel]:
+        """The miss figures for this model here: the saved ones when they fit, else a short probe (miss_cost.py)."""
+        fits = saved is not None and (saved.device, saved.expert_bytes) == (self.device.type, self.host.expert_bytes)
+        if fits and saved.fmt == cpu_experts.FORMAT_OF_DTYPE.get(self.host.param_dtype):
+            try:
+                return saved, miss_cost.kernel_named(saved, self.device)
+            except ValueError:
+                pass  # measured with a kernel this install lacks: measure again
+        return miss_cost.probe(self.host, self.moe_layers[0].experts, self.device)
+
+    def _host_misses(self, config: RuntimeConfig) -> HostMisses:
+        # A policy may force its own miss handling (cpu_moe computes every miss on the CPU).
+        forced = getattr(self.policy, "miss_handling", None)
+        return HostMisses(MissPlanner(config.miss_handling, self.miss_costs, forced), self.host_experts)
 
     def _new_cache(self, capacity: int) -> ExpertCache:
         return ExpertCache(
@@ -206,6 +244,8 @@ class Engine:
         self.prefetcher.set_policy(self.policy)
         self.cache.policy = self.policy
         self.observer.want_lookahead = self.policy.needs_lookahead
+        self.host_misses = self._host_misses(self.config)
+        self._tell_capacity()
 
     def reconfigure(self, new: RuntimeConfig) -> None:
         """Between requests only (the runtime's worker calls it); the model is not reloaded. Everything is checked
@@ -237,6 +277,8 @@ class Engine:
         self.cache.policy = self.policy
         self.cache.load_timeout_s = new.load_timeout_s
         self.config = new
+        self.host_misses = self._host_misses(new)
+        self._tell_capacity()
 
     def reset_cache(self) -> None:
         """A new, cold cache of the configured size (between requests only): every expert back to RAM only."""
@@ -251,6 +293,7 @@ class Engine:
             torch.cuda.empty_cache()
         self.cache = self._new_cache(capacity)
         self.prefetcher.cache = self.cache
+        self._tell_capacity()
 
     def close(self) -> None:
         self.interrupt.set()
@@ -258,4 +301,5 @@ class Engine:
         self.observer.detach()
         self.cache.close()
         self.cache.tensors.clear()
+        self.host_experts.close()
         self.host.close()

@@ -2,12 +2,12 @@
 
 `Runtime.load(model_dir, config)` builds the offloaded model; `stream(messages)` yields `TextDelta` events and one
 final `Finished` with the request's statistics; `stop()` ends the generation within one token; `reconfigure()`
-changes cache size, prefetch distance, policy or store capacity without reloading the model; `reset_cache()` empties
-the expert cache so the next request starts cold (benchmarks); `close()` stops every
+changes cache size, prefetch distance, policy, store capacity or miss handling without reloading the model;
+`reset_cache()` empties the expert cache so the next request starts cold (benchmarks); `close()` stops every
 thread. One worker thread owns the model; each request has its own response queue and its own stop flag.
 
-It does NOT persist anything (the app passes a MapPersistence from store/), nor probe hardware beyond resolving
-"auto" device/dtype once at load.
+It does NOT persist anything (the app passes a MapPersistence from store/, and may save `miss_costs`), nor probe
+hardware beyond resolving "auto" device/dtype and measuring the miss costs once at load (miss_cost.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.copier import Interrupted, LoadTimeout
 from fmoe_local.engine import ContextTooLong, Engine
 from fmoe_local.generate import Detokenizer, generate_ids
+from fmoe_local.miss_cost import MissCosts
 from fmoe_local.prefetcher import PrefetcherFailed
 from fmoe_local.stats import RequestStats
 
@@ -68,6 +69,7 @@ class ModelInfo:
     policy: str
     prefetch_distance: int
     store_capacity: int
+    miss_handling: str = "copy"  # in force: the setting, or the one the policy forces (cpu_moe: cpu)
 
 
 @dataclass
@@ -97,10 +99,13 @@ class Runtime:
         model_dir: str | Path,
         config: RuntimeConfig | None = None,
         map_persistence: object | None = None,
+        miss_costs: MissCosts | None = None,
     ) -> Runtime:
+        """`miss_costs`: the figures an earlier load measured here for this model (`Runtime.miss_costs`, saved by
+        the app); without them (or when they no longer fit the model) a short probe measures them again."""
         config = config or RuntimeConfig()
         config.validate()
-        return cls(Engine.build(Path(model_dir), config, map_persistence))
+        return cls(Engine.build(Path(model_dir), config, map_persistence, miss_costs))
 
     # ---- public API ----------------------------------------------------------------------------------------------
     @property
@@ -124,9 +129,20 @@ class Runtime:
             cache_experts=e.cache.capacity,
             cache_gb=e.cache.budget_bytes / 1024**3,
             policy=e.config.policy,
+            miss_handling=e.host_misses.planner.mode,
             prefetch_distance=e.config.prefetch_distance,
             store_capacity=e.config.store_capacity,
         )
+
+    @property
+    def miss_costs(self) -> MissCosts:
+        """What a miss costs here, copied and computed on the CPU (measured at load; save them with `to_dict`)."""
+        return self._engine.miss_costs
+
+    @property
+    def miss_explanation(self) -> str:
+        """One sentence: what the current miss handling does with those figures, and why (the Stats tab shows it)."""
+        return self._engine.host_misses.planner.explain()
 
     @property
     def engine(self) -> Engine:
@@ -171,6 +187,7 @@ class Runtime:
         prefetch_distance: int | None = None,
         policy: str | None = None,
         store_capacity: int | None = None,
+        miss_handling: str | None = None,
     ) -> RuntimeConfig:
         """Apply new settings between requests (waits for the current one); returns the config in force."""
         changes = {
@@ -180,6 +197,7 @@ class Runtime:
                 prefetch_distance=prefetch_distance,
                 policy=policy,
                 store_capacity=store_capacity,
+                miss_handling=miss_handling,
             ).items()
             if v is not None
         }

@@ -18,11 +18,13 @@ class RequestStats:
     prompt_tokens: int = 0
     hits: int = 0  # resident and copied when needed
     late: int = 0  # being prefetched when needed: the forward pass waited for the rest of the copy
-    misses: int = 0  # not in the cache when needed: loaded on demand
+    misses: int = 0  # not in the cache when needed: loaded on demand, or computed on the host (on_host)
+    on_host: int = 0  # of the misses, those the CPU computed from the host copy instead of loading them
     prefetched: int = 0  # experts copied by the prefetcher
     prefetch_wasted: int = 0  # prefetched experts evicted (or still unused at the end) without being used
     bytes_moved: int = 0  # host → device expert bytes
     stall_s: float = 0.0  # forward-pass time spent waiting for on-demand loads
+    host_s: float = 0.0  # forward-pass time spent computing misses on the host (on_host)
     cache_gb_used: float = 0.0
     finish_reason: str = ""
     # [L][J] counts for the heatmap; lists so that the object is JSON-ready.
@@ -65,34 +67,39 @@ class LayerCounters:
         self.hits = np.zeros((num_layers, num_experts), np.int64)
         self.late = np.zeros((num_layers, num_experts), np.int64)
         self.misses = np.zeros((num_layers, num_experts), np.int64)
+        self.on_host = np.zeros((num_layers, num_experts), np.int64)  # the misses computed from the host copy
         self.prefetched = np.zeros((num_layers, num_experts), np.int64)
         self.prefetch_used = 0
         self.prefetch_wasted = 0
         self.bytes_moved = 0
         self.stall_s = 0.0
+        self.host_s = 0.0  # written by the forward thread only (experts.py)
 
     def snapshot(self) -> LayerCounters:
         c = LayerCounters(*self.hits.shape)
         c.hits, c.misses, c.prefetched = self.hits.copy(), self.misses.copy(), self.prefetched.copy()
-        c.late = self.late.copy()
+        c.late, c.on_host = self.late.copy(), self.on_host.copy()
         c.prefetch_used, c.prefetch_wasted = self.prefetch_used, self.prefetch_wasted
-        c.bytes_moved, c.stall_s = self.bytes_moved, self.stall_s
+        c.bytes_moved, c.stall_s, c.host_s = self.bytes_moved, self.stall_s, self.host_s
         return c
 
     def since(self, before: LayerCounters) -> LayerCounters:
         c = LayerCounters(*self.hits.shape)
         c.hits, c.misses = self.hits - before.hits, self.misses - before.misses
         c.late = self.late - before.late
+        c.on_host = self.on_host - before.on_host
         c.prefetched = self.prefetched - before.prefetched
         c.prefetch_used = self.prefetch_used - before.prefetch_used
         c.prefetch_wasted = self.prefetch_wasted - before.prefetch_wasted
         c.bytes_moved = self.bytes_moved - before.bytes_moved
         c.stall_s = self.stall_s - before.stall_s
+        c.host_s = self.host_s - before.host_s
         return c
 
     def fill(self, stats: RequestStats) -> None:
         stats.hits, stats.misses = int(self.hits.sum()), int(self.misses.sum())
         stats.late, stats.layer_late = int(self.late.sum()), self.late.tolist()
+        stats.on_host, stats.host_s = int(self.on_host.sum()), float(self.host_s)
         stats.prefetched, stats.prefetch_wasted = int(self.prefetched.sum()), int(self.prefetch_wasted)
         stats.bytes_moved, stats.stall_s = int(self.bytes_moved), float(self.stall_s)
         stats.layer_hits, stats.layer_misses = self.hits.tolist(), self.misses.tolist()

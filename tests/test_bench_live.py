@@ -24,20 +24,24 @@ def test_live_cli_runs_every_policy_and_the_baseline_on_the_same_tokens(tiny_mod
     out = tmp_path / "live.json"
     args = ["bench", "live", "--model", str(tiny_model_dir("mixtral")), "--policies", "fmoe,lru", "--prompts"]
     args += [str(prompts), "--requests", "2", "--max-new-tokens", "4", "--device", "cpu", "--cache-experts", "6"]
+    args += ["--miss-handling", "copy,cpu"]
     assert main([*args, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    rows = {r["policy"]: r for r in result["rows"]}
-    assert list(rows) == ["fmoe", "lru", live.RESIDENT]
+    rows = {r["label"]: r for r in result["rows"]}
+    assert list(rows) == ["fmoe+copy", "fmoe+cpu", "lru+copy", "lru+cpu", live.RESIDENT]
     assert result["config"]["cache_experts"] == 6 and result["config"]["device_name"].startswith("CPU")
-    for name in ("fmoe", "lru"):
+    for name in ("fmoe+copy", "lru+copy", "fmoe+cpu", "lru+cpu"):
         r = rows[name]
         assert r["cache_experts"] == 6 and r["requests"] == 2
         assert r["hits"] + r["misses"] > 0 and r["misses"] > 0
-        assert r["ttft_s"] > 0 and r["tpot_s"] > 0 and r["bytes_moved"] > 0
+        assert r["ttft_s"] > 0 and r["tpot_s"] > 0
         assert r["tpot_vs_resident"] == pytest.approx(r["tpot_s"] / rows[live.RESIDENT]["tpot_s"])
+        # copy loads every miss; cpu computes every miss on the host and loads nothing for it
+        assert r["on_host"] == (r["misses"] if name.endswith("cpu") else 0)
+    assert rows["lru+copy"]["bytes_moved"] > 0 and rows["lru+cpu"]["bytes_moved"] == 0  # lru never prefetches
     # lru never prefetches: on a cold cache every expert it touches must have been loaded by a miss at least once.
     # (fmoe ran first, so a cache left warm by it would fail this.)
-    assert rows["lru"]["misses"] >= np.count_nonzero(rows["lru"]["expert_accesses"])
+    assert rows["lru+copy"]["misses"] >= np.count_nonzero(rows["lru+copy"]["expert_accesses"])
     resident = rows[live.RESIDENT]
     assert resident["cache_experts"] == 4 * 8 and resident["hit_rate"] == 1.0 and resident["bytes_moved"] == 0
     tokens = [r["token_ids"] for r in rows.values()]
@@ -49,7 +53,7 @@ def test_lossless_check_names_the_policy_and_request_that_differ():
     a = live.PolicyRow("lru", 4, requests=2, token_ids=[[1, 2], [3, 4]])
     b = live.PolicyRow("fmoe", 4, requests=2, token_ids=[[1, 2], [3, 5]])
     ok, line = live.lossless_check([a, b])
-    assert not ok and "NOT LOSSLESS" in line and "fmoe (requests 1)" in line
+    assert not ok and "NOT LOSSLESS" in line and "fmoe+copy (requests 1)" in line
     assert live.lossless_check([a, live.PolicyRow("lfu", 4, token_ids=[[1, 2], [3, 4]])])[0]
 
 

@@ -185,3 +185,21 @@ def test_a_wait_past_the_deadline_says_what_to_check():
     with pytest.raises(LoadTimeout, match="expert 0 of MoE layer 0 took too long.*check the disk"):
         cache.acquire(0, [0])
     host.gate.set()
+
+
+def test_a_miss_claimed_by_on_host_is_counted_and_reported_but_never_loaded():
+    cache, host, policy = make_cache(capacity=3)
+    cache.release(cache.acquire(0, [1]))  # (0, 1) resident
+    host.reads.clear()
+    slots = cache.acquire(0, [1, 2, 3], on_host=lambda e: e == 3)
+    # 1 hits, 2 is loaded into a slot, 3 is left to the caller (slot −1): nothing read or claimed for it.
+    assert slots[0] >= 0 and slots[1] >= 0 and slots[2] == -1
+    assert host.reads == [(0, 2)] and holds(cache, slots[1], 0, 2)
+    assert not cache.claimed_mask()[0, 3]
+    c = cache.counters
+    assert (int(c.hits[0, 1]), int(c.misses[0, 2]), int(c.misses[0, 3])) == (1, 1, 1)
+    assert int(c.on_host.sum()) == 1 and int(c.on_host[0, 3]) == 1
+    assert policy.accesses[-1] == (0, [1, 2, 3], [True, False, False])  # the policy sees the access once
+    cache.release([s for s in slots if s >= 0])
+    # A resident expert is a hit whatever on_host says: it is only asked about misses.
+    assert cache.acquire(0, [1], on_host=lambda e: True) != [-1] and int(c.on_host.sum()) == 1

@@ -1,7 +1,7 @@
 """experts.py computes every MoE layer bit for bit as transformers' `eager` experts loop does.
 
 Both paths are exercised: the single-token (decode) path and the general one (several tokens, or more experts than
-the cache has slots, which computes in chunks). Inputs are random routings, so the check does not depend on what a
+the cache has slots, which computes in chunks), with misses copied into slots or computed from the host copy. Inputs are random routings, so the check does not depend on what a
 tiny model happens to route to.
 """
 
@@ -25,10 +25,13 @@ def random_routing(tokens: int, experts: int, k: int, seed: int) -> tuple[torch.
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("slots", [1, None])  # one slot: more experts than slots; None: every expert fits
-def test_offloaded_experts_equal_eager_bitwise(family, slots, tiny_model_dir):
+@pytest.mark.parametrize("misses", ["copy", "cpu"])
+def test_offloaded_experts_equal_eager_bitwise(family, slots, misses, tiny_model_dir):
     model_dir = tiny_model_dir(family)
     plain = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
-    config = RuntimeConfig(device="cpu", cache_experts=slots or 10**6, policy="lru", synchronous_prefetch=True)
+    config = RuntimeConfig(
+        device="cpu", cache_experts=slots or 10**6, policy="lru", synchronous_prefetch=True, miss_handling=misses
+    )
     engine = Engine.build(model_dir, config)
     try:
         shape = engine.shape
@@ -45,5 +48,7 @@ def test_offloaded_experts_equal_eager_bitwise(family, slots, tiny_model_dir):
                     assert torch.equal(got, expected), f"{family} layer {ref.moe_index} T={tokens}"
         counters = engine.counters
         assert int(counters.hits.sum() + counters.misses.sum()) == accesses  # every expert use is accounted
+        on_host = int(counters.on_host.sum())
+        assert on_host == (int(counters.misses.sum()) if misses == "cpu" else 0) and counters.misses.sum() > 0
     finally:
         engine.close()

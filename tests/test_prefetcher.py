@@ -73,6 +73,7 @@ def test_fmoe_learns_every_pass_of_a_complete_cache(synchronous, tiny_model_dir,
     config = RuntimeConfig(
         device="cpu",
         cache_experts=10**6,
+        miss_handling="copy",  # misses fill the cache until it is complete
         policy="fmoe",
         synchronous_prefetch=synchronous,
         record_trace=str(trace_path),
@@ -98,6 +99,7 @@ def test_a_policy_with_observe_iteration_gets_one_event_per_complete_pass(synchr
     config = RuntimeConfig(
         device="cpu",
         cache_experts=10**6,
+        miss_handling="copy",
         policy="lru",
         synchronous_prefetch=synchronous,
         record_trace=str(trace_path),
@@ -120,7 +122,11 @@ def test_a_policy_with_observe_iteration_gets_one_event_per_complete_pass(synchr
 
 def test_no_lookahead_router_runs_during_a_complete_pass(tiny_model_dir):
     config = RuntimeConfig(
-        device="cpu", cache_experts=10**6, policy="speculative", sampling=Sampling(greedy=True, max_new_tokens=4)
+        device="cpu",
+        cache_experts=10**6,
+        miss_handling="copy",
+        policy="speculative",
+        sampling=Sampling(greedy=True, max_new_tokens=4),
     )
     with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
         engine = runtime.engine

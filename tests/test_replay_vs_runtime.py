@@ -27,6 +27,7 @@ def test_replay_gives_the_runtime_hit_counts(policy, slots, tiny_model_dir, tmp_
     config = RuntimeConfig(
         device="cpu",
         cache_experts=slots,
+        miss_handling="copy",
         policy=policy,
         prefetch_distance=1,
         synchronous_prefetch=True,

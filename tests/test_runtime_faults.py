@@ -21,7 +21,8 @@ GREEDY = Sampling(greedy=True, max_new_tokens=6)
 
 
 def _config(**changes) -> RuntimeConfig:
-    return RuntimeConfig(device="cpu", cache_experts=3, sampling=GREEDY).with_changes(**changes)
+    # The copy path's failures (the CPU path's are in test_cpu_experts.py).
+    return RuntimeConfig(device="cpu", cache_experts=3, miss_handling="copy", sampling=GREEDY).with_changes(**changes)
 
 
 def _works(runtime: Runtime) -> Finished:

@@ -1,7 +1,9 @@
 """Lossless: the offloaded model generates exactly the greedy tokens of plain transformers (`eager` experts).
 
-For every architecture, every policy and cache sizes {K, 3K, all}, switching policy and size with reconfigure()
-(so reconfiguration is exercised too), with the real background prefetcher.
+For every architecture, every policy and cache sizes {K, 3K, all}, switching policy, size and miss handling with
+reconfigure() (so reconfiguration is exercised too), with the real background prefetcher: every policy copying its
+misses, and fmoe and on_demand computing them on the CPU (`cpu`, and `auto`, which is `cpu` without a GPU);
+cpu_moe always computes them on the CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ PROMPTS = [
     [{"role": "user", "content": "def add(a, b): return a + b"}],
 ]
 NEW_TOKENS = 10
+# (policy, miss handling): every policy copying, the CPU path under the default policy and the no-prediction one.
+RUNS = (
+    [(p, "copy") for p in POLICIES if p != "cpu_moe"]
+    + [(p, m) for p in ("fmoe", "on_demand") for m in ("cpu", "auto")]
+    + [("cpu_moe", "auto")]
+)
 
 
 def reference_tokens(model_dir, prompt_ids: torch.Tensor, n: int) -> list[int]:
@@ -41,12 +49,16 @@ def test_greedy_tokens_equal_eager_for_every_policy_and_cache_size(family, tiny_
         for prompt in PROMPTS:
             ids = engine.encode_chat(prompt)
             expected = reference_tokens(model_dir, ids, NEW_TOKENS)
-            for policy in POLICIES:
+            for policy, misses in RUNS:
                 for slots in (k, 3 * k, total):
-                    runtime.reconfigure(cache_experts=slots, policy=policy)
-                    got = runtime.generate(prompt).token_ids
-                    assert got == expected[: len(got)], f"{family} {policy} cache={slots}"
+                    runtime.reconfigure(cache_experts=slots, policy=policy, miss_handling=misses)
+                    final = runtime.generate(prompt)
+                    got = final.token_ids
+                    assert got == expected[: len(got)], f"{family} {policy} {misses} cache={slots}"
                     assert len(got) == NEW_TOKENS or got[-1] in engine.eos_ids
+                    on_host = runtime.info.miss_handling == "cpu" or misses != "copy"
+                    if slots == k:  # the CPU path really ran (or really did not)
+                        assert (final.stats.on_host > 0) == on_host, f"{family} {policy} {misses}"
 
 
 def test_cache_never_exceeds_budget_after_any_layer(tiny_model_dir):
@@ -133,7 +145,9 @@ def test_reset_cache_makes_the_next_request_start_cold(tiny_model_dir):
     # A cache with room for every expert and no prefetching: a repeated prompt hits everything it loaded the first
     # time, until reset_cache() empties the cache and the same loads happen again.
     model_dir = tiny_model_dir("mixtral")
-    config = RuntimeConfig(device="cpu", policy="on_demand", sampling=Sampling(greedy=True, max_new_tokens=4))
+    config = RuntimeConfig(
+        device="cpu", policy="on_demand", miss_handling="copy", sampling=Sampling(greedy=True, max_new_tokens=4)
+    )
     prompt = [{"role": "user", "content": "Warm the cache up with something."}]
     with Runtime.load(model_dir, config) as runtime:
         shape = runtime.engine.shape
@@ -194,6 +208,6 @@ def test_stats_are_consistent(tiny_model_dir):
         s = final.stats
         assert s.tokens == len(final.token_ids) - (1 if final.reason == "stop" else 0)
         assert s.hits + s.misses == sum(map(sum, s.layer_hits)) + sum(map(sum, s.layer_misses))
-        assert s.misses > 0 and s.bytes_moved >= s.misses * runtime.engine.host.expert_bytes
+        assert s.misses > 0 and s.bytes_moved >= (s.misses - s.on_host) * runtime.engine.host.expert_bytes
         assert 0.0 <= s.hit_rate <= 1.0 and s.ttft_s > 0
         assert len(s.per_layer_hit_rate) == runtime.engine.shape.num_layers

@@ -1,8 +1,9 @@
 """`fmoe-local bench live`: real TTFT, TPOT and hit rate of every policy on a real model, against all-resident.
 
-Scope: prompts (a seeded sample of ../shared/data/prompts or a file), one model load, then per policy a fresh cold
-cache and an empty map store through `Runtime.reconfigure`, the same prompts greedily, and last the all-resident
-baseline (every expert in the cache, warmed by one untimed pass). Prints a table with the device's name, checks
+Scope: prompts (a seeded sample of ../shared/data/prompts or a file), one model load, then per policy and miss
+handling (`--miss-handling copy,cpu,auto`) a fresh cold cache and an empty map store through `Runtime.reconfigure`,
+the same prompts greedily, and last the all-resident baseline (every expert in the cache, warmed by one untimed
+pass, its misses copied). Prints a table with the device's name, checks
 that the greedy tokens are identical across runs (loudly, without stopping), writes --json. `--synthetic` runs the
 same on a random model with real shapes whose routing is forced from a trace (bench/synthetic.py). It does NOT
 simulate anything (replay.py does) and uses the runtime only through its public API.
@@ -30,6 +31,7 @@ DEFAULT_TRACE = "deepseek-v2-lite-intent.npz"
 @dataclass(frozen=True)
 class LiveSettings:
     policies: tuple[str, ...] = tuple(DEFAULT_POLICIES.split(","))
+    miss_handling: tuple[str, ...] = ("auto",)  # each policy runs under each (cpu_moe once: it forces cpu)
     cache_fraction: float | None = None  # of all experts; the default when none of the three is given is 0.25
     cache_gb: float | None = None
     cache_experts: int | None = None
@@ -44,6 +46,7 @@ class LiveSettings:
 class PolicyRow:
     policy: str
     cache_experts: int
+    miss_handling: str = "copy"
     requests: int = 0
     ttft_s: float = 0.0  # mean over requests
     tpot_s: float = 0.0  # mean over requests that generated more than one token
@@ -51,7 +54,9 @@ class PolicyRow:
     hits: int = 0
     late: int = 0  # prefetch still copying when needed: neither a hit nor a miss
     misses: int = 0
+    on_host: int = 0  # misses the CPU computed
     stall_s: float = 0.0
+    host_s: float = 0.0  # time computing misses on the CPU
     bytes_moved: int = 0
     prefetched: int = 0
     prefetch_wasted: int = 0
@@ -68,16 +73,22 @@ class PolicyRow:
         total = self.hits + self.late + self.misses
         return self.hits / total if total else 0.0
 
+    @property
+    def label(self) -> str:
+        return self.policy if self.policy == RESIDENT else f"{self.policy}+{self.miss_handling}"
+
     def to_dict(self) -> dict:
-        return asdict(self) | {"hit_rate": self.hit_rate}
+        return asdict(self) | {"hit_rate": self.hit_rate, "label": self.label}
 
 
-def summarise(policy: str, cache_experts: int, finals: Sequence, wall_s: float) -> PolicyRow:
+def summarise(
+    policy: str, cache_experts: int, finals: Sequence, wall_s: float, miss_handling: str = "copy"
+) -> PolicyRow:
     """One row from the `Finished` events of a policy's requests."""
     import numpy as np
 
     stats = [f.stats for f in finals]
-    row = PolicyRow(policy, cache_experts, requests=len(stats), wall_s=wall_s)
+    row = PolicyRow(policy, cache_experts, miss_handling, requests=len(stats), wall_s=wall_s)
     row.ttft_s = sum(s.ttft_s for s in stats) / max(len(stats), 1)
     decoded = [s for s in stats if s.tokens > 1]
     row.tpot_s = sum(s.tpot_s for s in decoded) / len(decoded) if decoded else 0.0
@@ -86,6 +97,7 @@ def summarise(policy: str, cache_experts: int, finals: Sequence, wall_s: float) 
     for s in stats:
         row.hits, row.misses, row.stall_s = row.hits + s.hits, row.misses + s.misses, row.stall_s + s.stall_s
         row.late += s.late
+        row.on_host, row.host_s = row.on_host + s.on_host, row.host_s + s.host_s
         row.bytes_moved += s.bytes_moved
         row.prefetched, row.prefetch_wasted = row.prefetched + s.prefetched, row.prefetch_wasted + s.prefetch_wasted
     row.request_ttft_s, row.request_tpot_s = [s.ttft_s for s in stats], [s.tpot_s for s in stats]
@@ -100,9 +112,9 @@ def summarise(policy: str, cache_experts: int, finals: Sequence, wall_s: float) 
     return row
 
 
-def _fresh_cache(runtime: object, policy: str, capacity: int) -> None:
+def _fresh_cache(runtime: object, policy: str, capacity: int, miss_handling: str = "copy") -> None:
     # A cold cache of `capacity` slots, and an empty map store so that no policy learns from another's run.
-    runtime.reconfigure(policy=policy, cache_experts=capacity)
+    runtime.reconfigure(policy=policy, cache_experts=capacity, miss_handling=miss_handling)
     runtime.reset_cache()
     runtime.clear_maps()
 
@@ -175,7 +187,7 @@ def benchmark(
                 if final.reason == "error":
                     raise RuntimeError(f"Generation failed with policy {policy}: {final.error}")
                 finals.append(final)
-            return summarise(policy, slots, finals, time.perf_counter() - t0)
+            return summarise(policy, slots, finals, time.perf_counter() - t0, runtime.info.miss_handling)
 
         name = device_name(info.device)
         log(f"device: {name}")
@@ -190,13 +202,14 @@ def benchmark(
             forced.begin_request(0)
         # One untimed request takes one-time costs (allocator, kernels, staging buffers) out of the first policy.
         runtime.generate([{"role": "user", "content": prompts[0]}], Sampling(greedy=True, max_new_tokens=2))
-        for policy in settings.policies:
-            _fresh_cache(runtime, policy, capacity)
+        for policy, misses in runs(settings):
+            _fresh_cache(runtime, policy, capacity, misses)
             rows.append(run_all(policy, capacity))
-            log(f"  {policy}: done in {rows[-1].wall_s:.1f} s")
+            log(f"  {policy}+{rows[-1].miss_handling}: done in {rows[-1].wall_s:.1f} s")
         if settings.baseline:
             try:
-                _fresh_cache(runtime, "on_demand", total)
+                # Every expert resident: the misses of the filling pass are copied, whatever the setting.
+                _fresh_cache(runtime, "on_demand", total, "copy")
                 run_all(RESIDENT, total)  # fills the cache with every expert these prompts use
                 rows.append(run_all(RESIDENT, total))
                 log(f"  {RESIDENT}: done in {rows[-1].wall_s:.1f} s")
@@ -223,13 +236,22 @@ def benchmark(
     return {"config": out_config, "rows": [r.to_dict() for r in rows], "lossless": lossless, "lossless_line": line}
 
 
+def runs(settings: LiveSettings) -> list[tuple[str, str]]:
+    """(policy, miss handling) pairs in order; cpu_moe runs once, since it computes every miss on the CPU anyway."""
+    out = []
+    for policy in settings.policies:
+        for misses in settings.miss_handling if policy != "cpu_moe" else ("cpu",):
+            out.append((policy, misses))
+    return out
+
+
 def lossless_check(rows: Sequence[PolicyRow]) -> tuple[bool, str]:
     """Whether every run produced the same greedy tokens as the reference (all-resident, else the first policy)."""
     if not rows:
         return True, "lossless: nothing was run"
     ref = next((r for r in rows if r.policy == RESIDENT), rows[0])
     bad = {
-        r.policy: [i for i, (a, b) in enumerate(zip(r.token_ids, ref.token_ids, strict=True)) if a != b]
+        r.label: [i for i, (a, b) in enumerate(zip(r.token_ids, ref.token_ids, strict=True)) if a != b]
         for r in rows
         if r.token_ids != ref.token_ids
     }
@@ -241,14 +263,15 @@ def lossless_check(rows: Sequence[PolicyRow]) -> tuple[bool, str]:
 
 def print_table(result: dict) -> None:
     print(
-        f"\n{'policy':<14}{'cache':>7}{'TTFT ms':>10}{'TPOT ms':>10}{'tok/s':>9}{'hit rate':>10}{'late':>6}{'stall s':>9}"
-        f"{'MB moved':>11}{'vs resident':>13}{'wall s':>8}"
+        f"\n{'policy+misses':<20}{'cache':>7}{'TTFT ms':>10}{'TPOT ms':>10}{'tok/s':>9}{'hit rate':>10}{'late':>6}"
+        f"{'on CPU':>8}{'stall s':>9}{'CPU s':>8}{'MB moved':>11}{'vs resident':>13}{'wall s':>8}"
     )
     for r in result["rows"]:
         vs = f"{r['tpot_vs_resident']:.2f}x" if r["tpot_vs_resident"] is not None else "-"
         print(
-            f"{r['policy']:<14}{r['cache_experts']:>7}{r['ttft_s'] * 1e3:>10.1f}{r['tpot_s'] * 1e3:>10.2f}"
-            f"{r['tokens_per_s']:>9.1f}{r['hit_rate']:>10.3f}{r['late']:>6}{r['stall_s']:>9.2f}"
+            f"{r['label']:<20}{r['cache_experts']:>7}{r['ttft_s'] * 1e3:>10.1f}{r['tpot_s'] * 1e3:>10.2f}"
+            f"{r['tokens_per_s']:>9.1f}{r['hit_rate']:>10.3f}{r['late']:>6}{r['on_host']:>8}{r['stall_s']:>9.2f}"
+            f"{r['host_s']:>8.2f}"
             f"{r['bytes_moved'] / 1e6:>11.1f}"
             f"{vs:>13}{r['wall_s']:>8.1f}"
         )
@@ -265,6 +288,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=4, help="--synthetic: number of layers (default 4)")
     p.add_argument("--trace", type=Path, help=f"--synthetic: routing trace (default shared {DEFAULT_TRACE})")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    p.add_argument(
+        "--miss-handling",
+        default="auto",
+        help="comma-separated auto, copy, cpu: each policy runs under each (cpu_moe once, it always uses the CPU)",
+    )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--cache-fraction", type=float, help="cache slots as a fraction of all experts (default 0.25)")
     size.add_argument("--cache-gb", type=float, help="cache budget in GB")
@@ -281,6 +309,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, metavar="OUT", help="write config and rows as JSON")
 
 
+def parse_miss_handling(text: str) -> tuple[str, ...]:
+    """A comma list of miss handlings, each checked (a sentence for an unknown one)."""
+    from fmoe_local.config import MISS_HANDLING
+
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in MISS_HANDLING]
+    if unknown or not names:
+        raise ValueError(
+            f"Unknown miss handling {', '.join(unknown) or repr(text)}. Choose from: {', '.join(MISS_HANDLING)} "
+            "(comma-separated to run several)."
+        )
+    return names
+
+
 def settings_from_args(args: argparse.Namespace) -> LiveSettings:
     from fmoe_local.config import POLICIES
 
@@ -290,6 +332,7 @@ def settings_from_args(args: argparse.Namespace) -> LiveSettings:
         raise ValueError(f"Unknown policy {', '.join(unknown)}. Choose from: {', '.join(POLICIES)}.")
     return LiveSettings(
         policies=policies,
+        miss_handling=parse_miss_handling(args.miss_handling),
         cache_fraction=args.cache_fraction,
         cache_gb=args.cache_gb,
         cache_experts=args.cache_experts,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.maps import MapStore
 from fmoe_local.policies.base import ModelShape, Policy
+from fmoe_local.policies.cpu_moe import CpuMoEPolicy
 from fmoe_local.policies.fmoe import FMoEPolicy
 from fmoe_local.policies.lfu import LFUPolicy
 from fmoe_local.policies.lru import LRUPolicy
@@ -24,6 +25,7 @@ REGISTRY: dict[str, type] = {
     "lfu": LFUPolicy,
     "speculative": SpeculativePolicy,
     "on_demand": OnDemandPolicy,
+    "cpu_moe": CpuMoEPolicy,
 }
 
 

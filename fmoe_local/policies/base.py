@@ -10,7 +10,9 @@ over all J experts of a layer; a prefill iteration passes the mean over its toke
 Optional extras a policy may offer (callers look them up with getattr): `reconfigure(prefetch_distance=,
 store_capacity=)` to retune in place, and `observe_iteration(probs[L, J], semantic)` to learn from a whole forward
 pass without predicting (a complete cache, a replay's warm-up) — it stands for begin_iteration + observe_layer per
-layer + end_iteration.
+layer + end_iteration; `set_capacity(slots)`, called with the cache's slot count whenever a cache is made (runtime
+and replay alike); and a `miss_handling` attribute ("cpu"), which overrides the configured miss handling
+(cpu_moe: every miss is computed on the CPU).
 
 Prefetches come back as any Sequence[Prefetch]: a list, or a PrefetchBatch when a policy predicts many at once.
 

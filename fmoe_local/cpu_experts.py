@@ -1,0 +1,348 @@
+"""Computing a routed expert on the host, from its host copy: the kernels, and the choice among them by measurement.
+
+Scope: a `Kernel` is the pair of products an expert needs (`linear`: x·Wᵀ for [out, in] rows, `matmul`: x·W for
+GPT-OSS's [in, out] rows) for one stored weight format; `KERNELS` lists the candidates per format (fp32, bf16, fp16
+here; int8 and int4 over torch's packed CPU layouts); `measure`/`choose` time them on real expert rows and keep the
+fastest; `HostExperts` runs one expert of one layer on the host with the chosen kernel. It does NOT decide which
+misses go to the CPU (miss_cost.py does), read the routing, or touch the device.
+
+Why a choice at all: on a CPU without bf16 units a plain bf16 GEMV crawls while fp32 runs near memory speed (an
+upcast pays), and on one with them (AVX512-BF16, AMX) the native bf16 product wins; only a measurement on the
+machine tells (docs/bench.md, "CPU experts"). Quantized formats plug in by adding their kernels to `KERNELS` under
+their format name, each with a `pack` that turns dense [out, in] weights into what its `linear` reads.
+
+Exactness: a kernel that is not `native` computes in another precision than the checkpoint's (an upcast computes
+in fp32, the packed formats dequantize). `HostExperts` therefore uses `NATIVE` — the very ops experts.py runs on
+the device — whenever the device is the CPU, so the CPU path there is bit-identical to the device path (and to
+transformers eager); the choice among kernels happens only where the device is a GPU.
+
+Threads: `HostExperts.forward` runs on the forward thread; a read of a disk-tier expert runs on its own reader
+thread with the cache's deadline and interrupt, so a stuck read cannot hold the forward thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from fmoe_local.cache import ExpertLoadError
+from fmoe_local.copier import Interrupted, Landing, Loader, LoadTimeout
+
+Tensor = torch.Tensor
+# Rows upcast per block: a few MB of fp32 stays in the core's L2 while the product reads it.
+UPCAST_BLOCK_BYTES = 1 << 20
+FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+INT4_GROUP = 32  # weights per int4 scale/zero pair (the smallest group torch's CPU int4 product accepts)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One way to compute an expert's products on the CPU for weights stored in `fmt`.
+
+    `linear(x [T, in], w, bias | None) -> [T, out]` for [out, in] rows; `matmul(x [T, in], w) -> [T, out]` for
+    [in, out] rows (GPT-OSS). `pack(dense [out, in] float) -> w` makes the stored form from dense weights (the
+    benchmark and tests; a host store of that format holds it already). `precision` says what it computes in.
+    """
+
+    name: str
+    fmt: str
+    precision: str
+    linear: Callable[[Tensor, object, Tensor | None], Tensor]
+    matmul: Callable[[Tensor, object], Tensor] | None = None
+    pack: Callable[[Tensor], object] = field(default=lambda w: w)
+
+    def stored_bytes(self, w: object) -> int:
+        if isinstance(w, Tensor):
+            return w.numel() * w.element_size()
+        return sum(t.numel() * t.element_size() for t in vars(w).values() if isinstance(t, Tensor))
+
+
+# ---- float formats ---------------------------------------------------------------------------------------------------
+def _native_linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x.to(w.dtype), w, bias)
+
+
+def _native_matmul(x: Tensor, w: Tensor) -> Tensor:
+    return x.to(w.dtype) @ w
+
+
+def _upcast_linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float())
+
+
+def _upcast_matmul(x: Tensor, w: Tensor) -> Tensor:
+    return x.float() @ w.float()
+
+
+def _blocked_linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """x·Wᵀ with W upcast to fp32 a block of rows at a time: the fp32 copy never leaves the cache."""
+    rows = max(16, UPCAST_BLOCK_BYTES // (4 * w.shape[1]))
+    xf = x.float()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    for start in range(0, w.shape[0], rows):
+        torch.mm(xf, w[start : start + rows].float().t(), out=out[:, start : start + rows])
+    return out if bias is None else out + bias.float()
+
+
+def _blocked_matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x·W for W [in, out]: blocks of input rows, accumulated in fp32."""
+    rows = max(16, UPCAST_BLOCK_BYTES // (4 * w.shape[1]))
+    xf = x.float()
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32)
+    for start in range(0, w.shape[0], rows):
+        out.addmm_(xf[:, start : start + rows], w[start : start + rows].float())
+    return out
+
+
+NATIVE = Kernel("native", "any", "the stored dtype", _native_linear, _native_matmul)
+
+
+def _float_kernels(fmt: str, dtype: torch.dtype) -> list[Kernel]:
+    def pack(w: Tensor) -> Tensor:
+        return w.to(dtype).contiguous()
+
+    native = Kernel(f"{fmt} native", fmt, fmt, _native_linear, _native_matmul, pack)
+    if dtype == torch.float32:
+        return [native]
+    return [
+        native,
+        Kernel(f"{fmt}→fp32 whole", fmt, "fp32", _upcast_linear, _upcast_matmul, pack),
+        Kernel(f"{fmt}→fp32 blocks", fmt, "fp32", _blocked_linear, _blocked_matmul, pack),
+    ]
+
+
+# ---- packed integer formats (torch's CPU layouts) ----------------------------------------------------------------------
+@dataclass
+class Int8Weight:
+    """Symmetric per-output-row int8: w ≈ q · scale. q [out, in] int8, scale [out] float32."""
+
+    q: Tensor
+    scale: Tensor
+
+
+def pack_int8(w: Tensor) -> Int8Weight:
+    w = w.float()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scale.contiguous())
+
+
+def _int8_linear(x: Tensor, w: Int8Weight, bias: Tensor | None) -> Tensor:
+    out = torch._weight_int8pack_mm(x.float().contiguous(), w.q, w.scale)
+    return out if bias is None else out + bias.float()
+
+
+def _int8_upcast_linear(x: Tensor, w: Int8Weight, bias: Tensor | None) -> Tensor:
+    rows = max(16, UPCAST_BLOCK_BYTES // (4 * w.q.shape[1]))
+    xf = x.float()
+    out = torch.empty(x.shape[0], w.q.shape[0], dtype=torch.float32)
+    for start in range(0, w.q.shape[0], rows):
+        block = w.q[start : start + rows].float() * w.scale[start : start + rows, None]
+        torch.mm(xf, block.t(), out=out[:, start : start + rows])
+    return out if bias is None else out + bias.float()
+
+
+@dataclass
+class Int4Weight:
+    """Asymmetric int4 in groups of INT4_GROUP along `in`, packed by torch for its CPU product.
+
+    packed [out, in/2] uint8; scales_zeros [in/group, out, 2] float32 with w = (q − 8) · scale + zero."""
+
+    packed: Tensor
+    scales_zeros: Tensor
+
+
+def pack_int4(w: Tensor) -> Int4Weight:
+    w = w.float()
+    out_f, in_f = w.shape
+    g = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
+    low, high = g.amin(-1), g.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    zeros = low + 8 * scale  # torch's form: (q - 8) · scale + zero
+    return Int4Weight(packed, torch.stack([scale.t(), zeros.t()], dim=-1).contiguous())
+
+
+def _int4_linear(x: Tensor, w: Int4Weight, bias: Tensor | None) -> Tensor:
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.float().contiguous(), w.packed, INT4_GROUP, w.scales_zeros)
+    return out if bias is None else out + bias.float()
+
+
+def _int4_bf16_linear(x: Tensor, w: Int4Weight, bias: Tensor | None) -> Tensor:
+    sz = w.scales_zeros.to(torch.bfloat16)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w.packed, INT4_GROUP, sz)
+    return out.float() if bias is None else out.float() + bias.float()
+
+
+KERNELS: dict[str, list[Kernel]] = {
+    "fp32": _float_kernels("fp32", torch.float32),
+    "bf16": _float_kernels("bf16", torch.bfloat16),
+    "fp16": _float_kernels("fp16", torch.float16),
+    "int8": [
+        Kernel("int8 _weight_int8pack_mm", "int8", "fp32 activations", _int8_linear, pack=pack_int8),
+        Kernel("int8→fp32 blocks", "int8", "fp32", _int8_upcast_linear, pack=pack_int8),
+    ],
+    "int4": [
+        Kernel("int4 _weight_int4pack_mm_for_cpu", "int4", "fp32 activations", _int4_linear, pack=pack_int4),
+        Kernel("int4 _weight_int4pack_mm_for_cpu bf16", "int4", "bf16 activations", _int4_bf16_linear, pack=pack_int4),
+    ],
+}
+
+
+def kernels_for(fmt: str, transposed: bool = False) -> list[Kernel]:
+    """The candidates for weights stored in `fmt` (GPT-OSS's [in, out] rows need a `matmul`)."""
+    if fmt not in KERNELS:
+        raise ValueError(f"No CPU expert kernel for weights stored as '{fmt}'. Known formats: {', '.join(KERNELS)}.")
+    found = [k for k in KERNELS[fmt] if k.matmul is not None or not transposed]
+    if not found:
+        raise ValueError(f"No CPU expert kernel reads '{fmt}' weights in the [in, out] layout; use miss handling copy.")
+    return found
+
+
+# ---- one expert ------------------------------------------------------------------------------------------------------
+def expert_forward(module: torch.nn.Module, x: Tensor, rows: Mapping[str, object], kernel: Kernel = NATIVE) -> Tensor:
+    """One expert on its tokens x [T, H], written exactly as the eager loop of the module's class writes it, with the
+    products done by `kernel` (NATIVE: eager's own ops). `rows`: the expert's weights by parameter name."""
+    from fmoe_local import hf_internals
+
+    if hf_internals.is_transposed(module):
+        # GPT-OSS layout: [H, 2I] and [I, H], interleaved gate/up, with biases.
+        gate_up = kernel.matmul(x, rows["gate_up_proj"])
+        if hf_internals.has_bias(module):
+            gate_up = gate_up + rows["gate_up_proj_bias"]
+        h = hf_internals.apply_gate(module, gate_up)
+        out = kernel.matmul(h, rows["down_proj"])
+        if hf_internals.has_bias(module):
+            out = out + rows["down_proj_bias"]
+        return out
+
+    def bias(name: str) -> Tensor | None:
+        return rows[name] if name in rows else None
+
+    if hf_internals.has_gate(module):
+        h = hf_internals.apply_gate(module, kernel.linear(x, rows["gate_up_proj"], bias("gate_up_proj_bias")))
+    else:
+        h = hf_internals.activation(module)(kernel.linear(x, rows["up_proj"], bias("up_proj_bias")))
+    return kernel.linear(h, rows["down_proj"], bias("down_proj_bias"))
+
+
+# ---- measuring -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelTiming:
+    kernel: str
+    tokens: int
+    seconds: float  # per expert, best pass
+    bytes_per_expert: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_per_expert / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def time_kernel(
+    kernel: Kernel,
+    module: torch.nn.Module,
+    experts: Sequence[Mapping[str, object]],
+    hidden: int,
+    tokens: int = 1,
+    passes: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> KernelTiming:
+    """Seconds per expert of `kernel` over `experts` (cycled: with more bytes than the last-level cache holds, every
+    expert comes from DRAM as a real miss does), the best of `passes` passes after one warm-up call."""
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expert_forward(module, x, experts[0], kernel)
+        best = float("inf")
+        for _ in range(passes):
+            t0 = clock()
+            for rows in experts:
+                expert_forward(module, x, rows, kernel)
+            best = min(best, (clock() - t0) / len(experts))
+    size = sum(kernel.stored_bytes(w) for w in experts[0].values())
+    return KernelTiming(kernel.name, tokens, best, size)
+
+
+def choose(timings: Sequence[KernelTiming], kernels: Sequence[Kernel]) -> Kernel:
+    """The fastest kernel at one token (decode: where the CPU path matters); ties keep the listed order."""
+    by_name = {k.name: k for k in kernels}
+    best = min(timings, key=lambda t: t.seconds)
+    return by_name[best.kernel]
+
+
+# ---- the runtime's host experts --------------------------------------------------------------------------------------
+class HostExperts:
+    """Runs one expert of one MoE layer on the host from the host store's copy, with one kernel.
+
+    The kernel is NATIVE on a CPU device (bit-identical to the device path); on a GPU it is the measured fastest for
+    the stored format (`choose`). Rows held in RAM are read in place; a read from the disk tier runs on this
+    object's reader thread and is waited for with a deadline and the interrupt, like the cache's on-demand loads.
+    A failed read raises ExpertLoadError (a sentence).
+    """
+
+    def __init__(self, host: object, kernel: Kernel = NATIVE) -> None:
+        self.host = host
+        self.kernel = kernel
+        self._in_ram = getattr(host, "in_ram", None)
+        self._loader: Loader | None = None  # started on the first disk-tier read
+
+    def rows(self, layer: int, expert: int, interrupt: threading.Event, timeout_s: float) -> Mapping[str, Tensor]:
+        try:
+            if self._in_ram is not None and self._in_ram(layer, expert):
+                return self.host.read(layer, expert)
+            return self._bounded_read(layer, expert, interrupt, timeout_s)
+        except (Interrupted, LoadTimeout, ExpertLoadError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any read failure becomes the request's sentence
+            raise _load_error(layer, expert, exc) from exc
+
+    def _bounded_read(
+        self, layer: int, expert: int, interrupt: threading.Event, timeout_s: float
+    ) -> Mapping[str, Tensor]:
+        if self._loader is None:
+            self._loader = Loader("fmoe-host-reader")
+        landing, box = Landing(), {}
+
+        def job() -> None:
+            try:
+                box["rows"] = self.host.read(layer, expert)
+            except Exception as exc:  # noqa: BLE001 - handed to the waiter through the landing
+                landing.set(_load_error(layer, expert, exc))
+                return
+            landing.set()
+
+        self._loader.submit(job)
+        landing.wait_until(time.perf_counter() + timeout_s, interrupt, f"expert {expert} of MoE layer {layer}")
+        return box["rows"]
+
+    def forward(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        expert: int,
+        x: Tensor,  # [T, H] on the host
+        interrupt: threading.Event,
+        timeout_s: float,
+    ) -> Tensor:
+        """[T, H] host tensor out, in the kernel's precision (the caller casts it)."""
+        return expert_forward(module, x, self.rows(layer, expert, interrupt, timeout_s), self.kernel)
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
+
+
+def _load_error(layer: int, expert: int, exc: BaseException) -> ExpertLoadError:
+    error = ExpertLoadError(
+        f"Could not read expert {expert} of MoE layer {layer}: {exc} If this repeats, the model files may be "
+        "damaged: download the model again."
+    )
+    error.__cause__ = exc
+    return error

@@ -1,0 +1,117 @@
+"""miss_cost.py: the cost model's arithmetic, the per-miss decision of each mode, the sentences the Stats tab shows,
+and the probe on a real (tiny) model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.engine import Engine
+from fmoe_local.miss_cost import MissCosts, MissPlanner, probe
+from fmoe_local.runtime import Runtime
+
+
+def costs(**changes) -> MissCosts:
+    base = dict(
+        device="cuda", fmt="bf16", expert_bytes=25_000_000, h2d_gbps=25.0, cpu_kernel="bf16 native",
+        cpu_s_1=0.5e-3, cpu_s_n=2.05e-3, probe_tokens=16,
+    )  # fmt: skip
+    return MissCosts(**(base | changes))
+
+
+def test_copy_time_is_bytes_over_bandwidth_and_cpu_time_is_the_line_through_the_probe():
+    c = costs()
+    assert c.copy_s == pytest.approx(1e-3)  # 25 MB at 25 GB/s
+    assert c.cpu_s(1) == c.cpu_s(0) == pytest.approx(0.5e-3)
+    assert c.cpu_s(16) == pytest.approx(2.05e-3)
+    assert c.cpu_s(6) == pytest.approx(0.5e-3 + 5 * 1.55e-3 / 15)
+    # The CPU wins up to where its line crosses the copy time: 1 + floor((1.0 − 0.5) / 0.1033) = 5 tokens.
+    assert c.cpu_token_limit() == 5
+    assert c.prefer_cpu(1) and c.prefer_cpu(5) and not c.prefer_cpu(6)
+
+
+def test_each_mode_decides_every_miss_its_way():
+    c = costs()
+    assert [MissPlanner("copy", c).on_host(t) for t in (1, 100)] == [False, False]
+    assert [MissPlanner("cpu", c).on_host(t) for t in (1, 100)] == [True, True]
+    assert [MissPlanner("auto", c).on_host(t) for t in (1, 5, 6, 100)] == [True, True, False, False]
+    assert MissPlanner("copy", c, forced="cpu").on_host(100)  # cpu_moe overrides the setting
+    # Without a GPU a copy only duplicates the expert in RAM: auto always computes on the CPU.
+    no_gpu = costs(device="cpu", h2d_gbps=0.0)
+    assert math.isinf(no_gpu.copy_s) and MissPlanner("auto", no_gpu).on_host(10_000)
+
+
+def test_the_stats_sentence_says_what_auto_does_and_why():
+    assert "up to 5 tokens" in costs().explain("auto") and "1.00 ms" in costs().explain("auto")
+    slow = costs(cpu_s_1=3e-3, cpu_s_n=9e-3)
+    assert slow.cpu_token_limit() == 0 and not MissPlanner("auto", slow).on_host(1)
+    assert "auto never chooses the CPU" in slow.explain("auto") and "3.00 ms" in slow.explain("auto")
+    no_gpu = costs(device="cpu", h2d_gbps=0.0)
+    assert "No GPU" in no_gpu.explain("auto") and "only meaningful choice" in no_gpu.explain("auto")
+    assert "copy" in no_gpu.explain("copy")
+
+
+def test_costs_round_trip_through_a_dict_and_ignore_unknown_keys():
+    c = costs(kernels={"bf16 native": 0.5e-3})
+    assert MissCosts.from_dict(c.to_dict() | {"from_a_newer_version": 1}) == c
+
+
+def test_probe_on_a_cpu_device_measures_only_the_native_kernel(tiny_model_dir):
+    engine = Engine.build(tiny_model_dir("mixtral"), RuntimeConfig(device="cpu", cache_experts=2))
+    try:
+        c = engine.miss_costs
+        assert c.device == "cpu" and c.fmt == "fp32" and c.cpu_kernel == "fp32 native" and c.h2d_gbps == 0.0
+        assert list(c.kernels) == ["fp32 native"] and c.cpu_s_1 > 0 and c.cpu_s_n >= c.cpu_s_1
+        assert c.probe_experts == engine.shape.num_layers * engine.shape.num_experts  # a tiny model: all of them
+        assert c.expert_bytes == engine.host.expert_bytes
+    finally:
+        engine.close()
+
+
+def test_probe_for_a_gpu_times_every_candidate_and_keeps_the_fastest(tiny_model_dir):
+    engine = Engine.build(
+        tiny_model_dir("mixtral", dtype=torch.bfloat16), RuntimeConfig(device="cpu", dtype="bfloat16")
+    )
+    try:
+        module = engine.moe_layers[0].experts
+        c, kernel = probe(engine.host, module, torch.device("cuda"), h2d_gbps=25.0)
+        assert c.fmt == "bf16" and set(c.kernels) == {"bf16 native", "bf16→fp32 whole", "bf16→fp32 blocks"}
+        assert c.cpu_kernel == kernel.name == min(c.kernels, key=c.kernels.get)
+        assert c.h2d_gbps == 25.0 and c.has_gpu
+    finally:
+        engine.close()
+
+
+def test_saved_costs_are_reused_and_stale_ones_measured_again(tiny_model_dir):
+    model = tiny_model_dir("olmoe")
+    config = RuntimeConfig(device="cpu", cache_experts=2, sampling=Sampling(greedy=True, max_new_tokens=2))
+    with Runtime.load(model, config) as runtime:
+        measured = runtime.miss_costs
+    saved = MissCosts.from_dict(measured.to_dict() | {"cpu_s_1": 123.0})
+    with Runtime.load(model, config, miss_costs=saved) as runtime:
+        assert runtime.miss_costs == saved  # no new probe
+        assert "123000.00 ms" in runtime.miss_explanation
+    stale = MissCosts.from_dict(saved.to_dict() | {"expert_bytes": 1})  # another model's figures
+    with Runtime.load(model, config, miss_costs=stale) as runtime:
+        assert runtime.miss_costs.expert_bytes == measured.expert_bytes and runtime.miss_costs.cpu_s_1 < 123.0
+
+
+def test_unknown_miss_handling_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="Unknown miss handling 'gpu'.*auto.*copy.*cpu"):
+        RuntimeConfig(miss_handling="gpu").validate()
+
+
+def test_reconfigure_switches_miss_handling_without_a_reload(tiny_model_dir):
+    config = RuntimeConfig(device="cpu", cache_experts=2, sampling=Sampling(greedy=True, max_new_tokens=3))
+    with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
+        assert runtime.info.miss_handling == "auto"
+        assert runtime.generate([{"role": "user", "content": "Hi"}]).stats.on_host > 0
+        runtime.reconfigure(miss_handling="copy")
+        assert runtime.info.miss_handling == "copy"
+        assert runtime.generate([{"role": "user", "content": "Hi"}]).stats.on_host == 0
+        with pytest.raises(ValueError, match="Unknown miss handling"):
+            runtime.reconfigure(miss_handling="later")
+        assert runtime.info.miss_handling == "copy"
