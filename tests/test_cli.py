@@ -71,3 +71,9 @@ def test_run_dense_model_names_the_supported_families(tmp_path):
     proc = run_cli("--model", str(tmp_path), "--prompt", "hi")
     assert proc.returncode == 2
     assert "mixtral" in proc.stderr.lower() and "Traceback" not in proc.stderr
+
+
+def test_run_with_an_unknown_miss_handling_names_the_choices(tiny_model_dir):
+    proc = run_cli("--model", str(tiny_model_dir("mixtral")), "--prompt", "hi", "--miss-handling", "gpu")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "Unknown miss handling 'gpu'" in proc.stderr and "auto" in proc.stderr and "cpu" in proc.stderr
