@@ -47,6 +47,10 @@ def slots_for_budget(cache_gb: float, expert_bytes: int) -> int:
     return int(cache_gb * GIB // expert_bytes)
 
 
+def _dtypes(host: HostStore) -> dict[str, torch.dtype]:
+    return getattr(host, "param_dtypes", None) or {}
+
+
 def check_capacity(capacity: int, expert_bytes: int) -> None:
     """Refuse a cache with no slot, in a sentence that gives the size of one expert."""
     if capacity < 1:
@@ -90,7 +94,8 @@ class ExpertCache:
         self.counters = counters
         self.expert_bytes = host.expert_bytes
         self.tensors = {
-            name: torch.empty((self.capacity, *shape), dtype=host.param_dtype, device=device)
+            # Packed formats store some parts in other dtypes than the compute dtype (expert_formats.py).
+            name: torch.empty((self.capacity, *shape), dtype=_dtypes(host).get(name, host.param_dtype), device=device)
             for name, shape in host.param_shapes.items()
         }
         self._slots = [_Slot() for _ in range(self.capacity)]

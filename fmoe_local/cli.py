@@ -17,7 +17,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from fmoe_local.config import POLICIES, RuntimeConfig, Sampling  # noqa: E402
+from fmoe_local.config import EXPERT_FORMATS, POLICIES, RuntimeConfig, Sampling  # noqa: E402
 
 # (store path, model dir) → (MapPersistence, close callable); provided by app.py, which may import store/.
 PersistenceFactory = Callable[[Path, Path], tuple[object, Callable[[], None]]]
@@ -44,6 +44,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         help="a missing expert: auto (decide per miss from measured costs), copy (into the cache) or cpu (computed "
         "on the processor)",
     )
+    add_expert_format_argument(p)
     p.add_argument("--store", type=Path, help="SQLite file that keeps expert maps between runs")
     p.add_argument("--store-capacity", type=int, default=RuntimeConfig.store_capacity)
     p.add_argument("--device", default=RuntimeConfig.device, help="auto, cpu or cuda")
@@ -51,6 +52,17 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--record-trace", type=Path, help="write what the runtime saw to this .npz (trace format)")
     p.add_argument("--synchronous", action="store_true", help="match and copy inline (deterministic hit counts)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def add_expert_format_argument(p: argparse.ArgumentParser) -> None:
+    """`--expert-format` (run, bench live): validated by RuntimeConfig, so a wrong value is one sentence."""
+    from fmoe_local.expert_formats import LABELS
+
+    p.add_argument(
+        "--expert-format",
+        default=RuntimeConfig.expert_format,
+        help="how experts are stored: " + "; ".join(LABELS[f] for f in EXPERT_FORMATS),
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
@@ -63,6 +75,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         prefetch_distance=args.prefetch_distance,
         policy=args.policy,
         miss_handling=args.miss_handling,
+        expert_format=args.expert_format,
         store_capacity=args.store_capacity,
         synchronous_prefetch=args.synchronous,
         record_trace=str(args.record_trace) if args.record_trace else None,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 POLICIES = ("fmoe", "moe_infinity", "lru", "lfu", "speculative", "on_demand", "cpu_moe")
 MISS_HANDLING = ("auto", "copy", "cpu")
 SEMANTIC_MODES = ("running_mean", "token")
+EXPERT_FORMATS = ("auto", "bf16", "int8", "nf4")  # expert_formats.py describes each
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,13 @@ class RuntimeConfig:
     # to the sketch scan; on mean token embeddings fewer candidates measurably miss the exact best (docs/bench.md,
     # "Matcher").
     sketch_candidates: int = 128
+    # How routed experts are stored in RAM and in the cache slots: "bf16" unquantised (the checkpoint's dtype),
+    # "int8" (~2× smaller), "nf4" (4-bit, ~4× smaller, slightly different answers), "auto" the checkpoint's own form
+    # (a bf16 checkpoint stays bf16, GPT-OSS's MXFP4 stays packed, a bitsandbytes 4-bit checkpoint stays nf4).
+    # Non-expert weights are never quantised. A quantised copy made from a bf16 checkpoint is kept in
+    # `quant_cache_dir` (None = the user data folder's quantized/), so only the first load quantises.
+    expert_format: str = "auto"
+    quant_cache_dir: str | None = None
     # Host RAM for expert weights; None = all of them. What does not fit is read from the checkpoint per use.
     host_ram_gb: float | None = None
     # Semantic embedding of an iteration: running mean over the request's tokens, or the iteration's tokens only.
@@ -79,6 +87,11 @@ class RuntimeConfig:
             raise ValueError(
                 f"Unknown miss handling '{self.miss_handling}'. Choose auto (decide per miss), copy (load it into the "
                 "cache) or cpu (compute it on the processor)."
+            )
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(
+                f"Unknown expert format '{self.expert_format}'. Choose auto (the checkpoint's own), bf16 (full size), "
+                "int8 (8-bit) or nf4 (4-bit)."
             )
         if self.semantic_mode not in SEMANTIC_MODES:
             raise ValueError(

@@ -290,13 +290,14 @@ class HostExperts:
         self.host = host
         self.kernel = kernel
         self._in_ram = getattr(host, "in_ram", None)
+        self._view = getattr(host, "view", lambda rows: rows)  # packed formats: dequantised per expert computed
         self._loader: Loader | None = None  # started on the first disk-tier read
 
     def rows(self, layer: int, expert: int, interrupt: threading.Event, timeout_s: float) -> Mapping[str, Tensor]:
         try:
             if self._in_ram is not None and self._in_ram(layer, expert):
-                return self.host.read(layer, expert)
-            return self._bounded_read(layer, expert, interrupt, timeout_s)
+                return self._view(self.host.read(layer, expert))
+            return self._view(self._bounded_read(layer, expert, interrupt, timeout_s))
         except (Interrupted, LoadTimeout, ExpertLoadError):
             raise
         except Exception as exc:  # noqa: BLE001 - any read failure becomes the request's sentence

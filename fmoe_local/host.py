@@ -150,29 +150,36 @@ class HostStore(Protocol):
     def close(self) -> None: ...
 
 
-class CheckpointHostStore:
-    """HostStore over a safetensors checkpoint: a RAM tier for what fits in `host_ram_gb`, a disk tier for the rest.
+class TieredHostStore:
+    """The RAM tier and the disk tier of a host store, over `_fetch(layer, expert)` (one expert as stored).
 
-    `sources[l][e]` says how to read expert e of MoE layer l (see architectures.expert_sources). Which experts
-    are RAM-resident is decided once: the first ones in (layer, expert) order until the budget is spent.
+    Which experts are RAM-resident is decided once: the first ones in (layer, expert) order until `host_ram_gb` is
+    spent; the rest are fetched on each read. `param_dtypes` gives a stored tensor's dtype when it is not the compute
+    dtype (packed formats, expert_formats.py); `view(rows)` is what the compute paths read the stored tensors through
+    (dense: the rows themselves).
     """
+
+    expert_format = "bf16"
 
     def __init__(
         self,
-        files: CheckpointFiles,
-        sources: list[list[Mapping[str, ExpertSource]]],
+        num_layers: int,
+        num_experts: int,
         param_shapes: Mapping[str, tuple[int, ...]],
         dtype: torch.dtype,
         host_ram_gb: float | None = None,
+        param_dtypes: Mapping[str, torch.dtype] | None = None,
     ) -> None:
-        self._files = files
-        self._sources = sources
-        self.num_layers = len(sources)
-        self.num_experts = len(sources[0]) if sources else 0
+        self.num_layers = num_layers
+        self.num_experts = num_experts
         self.param_shapes = {k: tuple(v) for k, v in param_shapes.items()}
         self.param_dtype = dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.expert_bytes = sum(int(torch.Size(s).numel()) * itemsize for s in self.param_shapes.values())
+        self.param_dtypes = {k: (param_dtypes or {}).get(k, dtype) for k in self.param_shapes}
+        self.dense_shapes = dict(self.param_shapes)  # one expert's parameters as the model computes with them
+        self.expert_bytes = sum(
+            int(torch.Size(s).numel()) * torch.empty((), dtype=self.param_dtypes[k]).element_size()
+            for k, s in self.param_shapes.items()
+        )
         total = self.num_layers * self.num_experts
         budget = total if host_ram_gb is None else min(total, int(host_ram_gb * GIB // max(self.expert_bytes, 1)))
         self._ram: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -180,16 +187,27 @@ class CheckpointHostStore:
             key = divmod(i, self.num_experts)
             self._ram[key] = self._read_checked(*key)
 
+    def _fetch(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def view(self, rows: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The expert's parameters as the compute paths read them (a dense store: the stored rows)."""
+        return rows
+
     @property
     def ram_experts(self) -> int:
         """How many experts are held in RAM (the rest are read from disk on each read)."""
         return len(self._ram)
 
+    def ram_bytes(self) -> int:
+        """Bytes of expert weights held in RAM."""
+        return sum(t.numel() * t.element_size() for rows in self._ram.values() for t in rows.values())
+
     def in_ram(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._ram
 
     def _read_checked(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        rows = read_expert(self._files, self._sources[layer][expert], self.param_dtype)
+        rows = self._fetch(layer, expert)
         for name, shape in self.param_shapes.items():
             got = tuple(rows[name].shape)
             if got != shape:
@@ -210,4 +228,30 @@ class CheckpointHostStore:
 
     def close(self) -> None:
         self._ram.clear()
+
+
+class CheckpointHostStore(TieredHostStore):
+    """HostStore over a safetensors checkpoint, experts dense in the compute dtype: a RAM tier for what fits in
+    `host_ram_gb`, a disk tier for the rest.
+
+    `sources[l][e]` says how to read expert e of MoE layer l (see architectures.expert_sources).
+    """
+
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        sources: list[list[Mapping[str, ExpertSource]]],
+        param_shapes: Mapping[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        host_ram_gb: float | None = None,
+    ) -> None:
+        self._files = files
+        self._sources = sources
+        super().__init__(len(sources), len(sources[0]) if sources else 0, param_shapes, dtype, host_ram_gb)
+
+    def _fetch(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        return read_expert(self._files, self._sources[layer][expert], self.param_dtype)
+
+    def close(self) -> None:
+        super().close()
         self._files.close()

@@ -29,7 +29,8 @@ from transformers import (
 from fmoe_local import hf_internals
 from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.host import CheckpointFiles, CheckpointHostStore
+from fmoe_local.host import CheckpointFiles, CheckpointHostStore, TieredHostStore
+from fmoe_local.packed_host import build_packed_host, resolve_format
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class LoadedModel:
     model: PreTrainedModel  # non-expert weights on the device; experts' 3-D parameters on meta
     tokenizer: PreTrainedTokenizerBase
     arch: Architecture
-    host: CheckpointHostStore
+    host: TieredHostStore  # dense (CheckpointHostStore) or packed (packed_host.PackedHostStore)
     moe_layers: list[MoELayerRef]
     dtype: torch.dtype  # compute dtype of the resident weights and of the host store's rows
     unexpected_keys: list[str] = field(default_factory=list)  # checkpoint keys the model has no place for
@@ -86,7 +87,7 @@ def _build(
     config: RuntimeConfig,
     device: torch.device,
     dtype: torch.dtype | None,
-) -> tuple[PreTrainedModel, list[MoELayerRef], CheckpointHostStore, list[str], torch.dtype]:
+) -> tuple[PreTrainedModel, list[MoELayerRef], TieredHostStore, list[str], torch.dtype]:
     """The meta skeleton, its resident weights and the host store (see load_model)."""
     dtype = dtype or _checkpoint_dtype(hf_config, files)
 
@@ -114,7 +115,12 @@ def _build(
     param_shapes = {name: tuple(getattr(moe_layers[0].experts, name).shape[1:]) for name in arch.expert_param_names}
     num_experts = arch.num_experts(hf_config)
     sources = [[arch.expert_sources(ref.layer_index, e, files) for e in range(num_experts)] for ref in moe_layers]
-    host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
+    fmt = resolve_format(config.expert_format, sources)
+    if fmt == "bf16":
+        host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
+    else:
+        transposed = hf_internals.is_transposed(moe_layers[0].experts)
+        host = build_packed_host(files, sources, param_shapes, dtype, fmt, transposed, config)
     return model, moe_layers, host, unexpected, dtype
 
 

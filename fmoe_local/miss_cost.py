@@ -146,7 +146,8 @@ def probe_experts(host: object, max_bytes: int = PROBE_MAX_BYTES) -> list[Mappin
     keys = [(layer, (expert + layer) % host.num_experts) for layer, expert in keys]  # every layer, varied ids
     chosen = [k for k in keys if in_ram(*k)] or keys[:4]  # no RAM tier: a few reads from disk
     count = max(1, min(PROBE_MAX_EXPERTS, len(chosen), math.ceil(target / max(host.expert_bytes, 1))))
-    return [host.read(*k) for k in chosen[:count]]
+    view = getattr(host, "view", lambda rows: rows)  # packed formats: timed with their dequantising
+    return [view(host.read(*k)) for k in chosen[:count]]
 
 
 def probe(
@@ -197,5 +198,6 @@ def kernel_named(costs: MissCosts, device: torch.device) -> Kernel:
 
 
 def _hidden_size(host: object, transposed: bool) -> int:
-    shape = host.param_shapes["down_proj"]  # [H, I], or [I, H] in GPT-OSS's layout
+    shapes = getattr(host, "dense_shapes", None) or host.param_shapes  # packed stores: the dense shapes
+    shape = shapes["down_proj"]  # [H, I], or [I, H] in GPT-OSS's layout
     return int(shape[1] if transposed else shape[0])

@@ -70,6 +70,7 @@ class ModelInfo:
     prefetch_distance: int
     store_capacity: int
     miss_handling: str = "copy"  # in force: the setting, or the one the policy forces (cpu_moe: cpu)
+    expert_format: str = "bf16"  # how experts are stored in RAM and the cache (auto resolved: expert_formats.py)
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Runtime:
             cache_gb=e.cache.budget_bytes / 1024**3,
             policy=e.config.policy,
             miss_handling=e.host_misses.planner.mode,
+            expert_format=e.host.expert_format,
             prefetch_distance=e.config.prefetch_distance,
             store_capacity=e.config.store_capacity,
         )

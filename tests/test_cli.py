@@ -77,3 +77,9 @@ def test_run_with_an_unknown_miss_handling_names_the_choices(tiny_model_dir):
     proc = run_cli("--model", str(tiny_model_dir("mixtral")), "--prompt", "hi", "--miss-handling", "gpu")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "Unknown miss handling 'gpu'" in proc.stderr and "auto" in proc.stderr and "cpu" in proc.stderr
+
+
+def test_run_with_an_unknown_expert_format_names_the_choices(tiny_model_dir):
+    proc = run_cli("--model", str(tiny_model_dir("mixtral")), "--prompt", "hi", "--expert-format", "q3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "Unknown expert format 'q3'" in proc.stderr and "nf4" in proc.stderr and "int8" in proc.stderr

@@ -48,7 +48,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r = sub.add_parser("replay", help="simulate every policy on recorded routing traces (.npz)")
     r.add_argument("traces", nargs="+", type=Path, help="trace files (format: DESIGN.md)")
     r.add_argument("--preset", default="deepseek-v2-lite", choices=list(PRESETS), help="cost model of this model")
-    r.add_argument("--dtype", default="bf16", choices=list(BITS), help="expert weights on the wire")
+    wire = r.add_mutually_exclusive_group()
+    wire.add_argument("--dtype", default="bf16", choices=list(BITS), help="expert weights on the wire")
+    wire.add_argument(
+        "--expert-format", dest="dtype", choices=list(BITS), help="the same: bytes per expert follow the format"
+    )
     size = r.add_mutually_exclusive_group()
     size.add_argument("--cache-fraction", type=float, help="cache slots as a fraction of all experts (default 0.25)")
     size.add_argument("--cache-experts", type=int, help="cache slots as a number of experts")

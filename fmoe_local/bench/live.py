@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fmoe_local.bench.prompts import sample_prompts, shared_data_dir
@@ -40,6 +40,8 @@ class LiveSettings:
     device: str = "auto"
     dtype: str = "auto"
     baseline: bool = True
+    expert_format: str = "auto"  # RuntimeConfig.expert_format; the all-resident baseline uses the same
+    quant_cache_dir: str | None = None  # synthetic runs keep their quantised copy beside their temporary model
 
 
 @dataclass
@@ -166,6 +168,8 @@ def benchmark(
     config = RuntimeConfig(
         device=settings.device,
         dtype=settings.dtype,
+        expert_format=settings.expert_format,
+        quant_cache_dir=settings.quant_cache_dir,
         cache_experts=1,  # resized below, once the model's shape is known
         prefetch_distance=settings.prefetch_distance,
         policy="on_demand",  # every measured policy is then built fresh by reconfigure
@@ -192,7 +196,7 @@ def benchmark(
         name = device_name(info.device)
         log(f"device: {name}")
         log(
-            f"model {info.name} ({info.family}, {info.dtype}): {info.num_layers} MoE layers x {info.num_experts} "
+            f"model {info.name} ({info.family}, {info.dtype}, experts {info.expert_format}): {info.num_layers} MoE layers x {info.num_experts} "
             f"experts, top-{info.top_k}, expert {info.expert_bytes / 1e6:.1f} MB; cache {capacity}/{total} experts "
             f"({capacity / total:.0%}); d={settings.prefetch_distance}; {len(prompts)} requests x "
             f"{settings.max_new_tokens} tokens, greedy"
@@ -224,6 +228,7 @@ def benchmark(
         "device_name": name,
         "device": info.device,
         "dtype": info.dtype,
+        "expert_format": info.expert_format,
         "num_layers": info.num_layers,
         "num_experts": info.num_experts,
         "top_k": info.top_k,
@@ -281,6 +286,7 @@ def print_table(result: dict) -> None:
 # ---- command line --------------------------------------------------------------------------------------------------
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from fmoe_local.bench.synthetic import SYNTHETIC
+    from fmoe_local.cli import add_expert_format_argument
 
     p = sub.add_parser("live", help="real TTFT/TPOT/hit rate of every policy on a model, vs all experts resident")
     p.add_argument("--model", type=Path, help="model folder (a Hugging Face MoE checkpoint)")
@@ -306,6 +312,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (--model only)")
     p.add_argument("--no-baseline", action="store_true", help="skip the all-resident run")
+    add_expert_format_argument(p)
     p.add_argument("--json", type=Path, metavar="OUT", help="write config and rows as JSON")
 
 
@@ -341,6 +348,7 @@ def settings_from_args(args: argparse.Namespace) -> LiveSettings:
         device=args.device,
         dtype=args.dtype,
         baseline=not args.no_baseline,
+        expert_format=args.expert_format,
     )
 
 
@@ -406,7 +414,7 @@ def run_synthetic(
         dtype = "bfloat16" if cuda else "float32"
         build_synthetic(tmp, shapes, layers, prompts, dtype=dtype, init_device="cuda" if cuda else "cpu")
         log(f"synthetic model ({layers} layers, {dtype}) built in {time.perf_counter() - t0:.1f} s")
-        result = benchmark(Path(tmp), settings, prompts, routing, log)
+        result = benchmark(Path(tmp), replace(settings, quant_cache_dir=tmp), prompts, routing, log)
     label = name_or_shapes if isinstance(name_or_shapes, str) else "custom shapes"
     result["config"] |= {"synthetic": label, "layers": layers, "trace": str(trace_path), "mapping": folded.mapping}
     return result

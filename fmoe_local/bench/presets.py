@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fmoe_local.expert_formats import BITS as EXPERT_BITS
+
 GPU_NAME = "RTX 4090-class"
 GPU_MEM_BW = 1008e9  # B/s, GDDR6X, NVIDIA RTX 4090 spec sheet
 GPU_BF16_FLOPS = 165e12  # dense BF16 tensor with FP32 accumulate, Ada Lovelace whitepaper
@@ -25,7 +27,8 @@ MEM_EFFICIENCY = 0.70
 FLOP_EFFICIENCY = 0.50
 LAUNCH_OVERHEAD_S = 50e-6
 PCIE4_X16_BW = 25e9  # B/s host→device, pinned memory, PCIe 4.0 x16 (32 GB/s theoretical)
-BITS = {"bf16": 16.0, "4bit": 4.25}
+# Bits per weight by expert format (expert_formats.BITS); "4bit" is the generic 4.25 (scale per 64, or MXFP4's).
+BITS = EXPERT_BITS | {"4bit": 4.25}
 
 
 def gqa_attention_params(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
@@ -79,7 +82,7 @@ class Preset:
 
 def _bits(dtype: str) -> float:
     if dtype not in BITS:
-        raise ValueError(f"Unknown expert dtype '{dtype}'. Use one of: {', '.join(BITS)}.")
+        raise ValueError(f"Unknown expert format '{dtype}'. Use one of: {', '.join(BITS)}.")
     return BITS[dtype]
 
 

@@ -1,0 +1,117 @@
+"""Host stores of packed experts (expert_formats.py): what RAM and the cache slots hold when the format is int8, nf4
+or mxfp4.
+
+Scope: `PackedHostStore`, a tiered host store whose experts are stored packed and read through `view` (dequantised
+where computed); `CheckpointPackedSource`, which reads one expert from the checkpoint into its packed form —
+MXFP4 rows as the checkpoint holds them (never dense), bf16/fp32 rows quantised as they are read. It does NOT keep
+a quantised copy on disk (quant_cache.py does, for int8 and nf4) or decide the format (loading.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from fmoe_local import expert_formats
+from fmoe_local.architectures import ExpertSource, Mxfp4Row
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.expert_formats import PackedParam, PackedRows
+from fmoe_local.host import CheckpointFiles, TieredHostStore, read_expert
+
+Fetch = Callable[[int, int], dict[str, torch.Tensor]]
+
+
+class PackedHostStore(TieredHostStore):
+    """Experts stored in `fmt` ({stored key: tensor}, expert_formats.stored_shapes); `view(rows)` dequantises."""
+
+    def __init__(
+        self,
+        fetch: Fetch,
+        params: Mapping[str, PackedParam],
+        fmt: str,
+        num_layers: int,
+        num_experts: int,
+        dtype: torch.dtype,
+        host_ram_gb: float | None = None,
+        on_close: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.params = dict(params)
+        self.expert_format = fmt
+        self._fetch_fn = fetch
+        self._on_close = on_close
+        stored = expert_formats.stored_shapes(self.params, dtype)
+        super().__init__(
+            num_layers,
+            num_experts,
+            {k: shape for k, (shape, _) in stored.items()},
+            dtype,
+            host_ram_gb,
+            {k: d for k, (_, d) in stored.items()},
+        )
+        self.dense_shapes = {name: p.shape for name, p in self.params.items()}
+
+    def _fetch(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        return self._fetch_fn(layer, expert)
+
+    def view(self, rows: Mapping[str, torch.Tensor]) -> PackedRows:
+        return PackedRows(rows, self.params, self.param_dtype)
+
+    def close(self) -> None:
+        super().close()
+        self._on_close()
+
+
+class CheckpointPackedSource:
+    """One expert of the checkpoint in its packed form: MXFP4 parameters as their checkpoint rows, every other
+    packed parameter quantised from its dense rows (read as float32), dense ones in the compute dtype."""
+
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        sources: list[list[Mapping[str, ExpertSource]]],
+        params: Mapping[str, PackedParam],
+        dtype: torch.dtype,
+    ) -> None:
+        self.files, self.sources, self.params, self.dtype = files, sources, params, dtype
+
+    def __call__(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.params.items():
+            src = self.sources[layer][expert][name]
+            if param.fmt == "mxfp4":
+                if not isinstance(src, Mxfp4Row):
+                    raise ValueError(f"'{name}' is not MXFP4 in this checkpoint; choose another expert format.")
+                out[f"{name}.blocks"] = self.files.get_row(src.blocks_key, src.expert).contiguous()
+                out[f"{name}.scales"] = self.files.get_row(src.scales_key, src.expert).contiguous()
+                continue
+            wanted = self.dtype if param.fmt == "dense" else torch.float32
+            dense = read_expert(self.files, {name: src}, wanted)[name]
+            for part, t in expert_formats.pack(param, dense, self.dtype).items():
+                out[expert_formats.part_key(name, part)] = t
+        return out
+
+
+def resolve_format(chosen: str, sources: list[list[Mapping[str, ExpertSource]]]) -> str:
+    """The stored format: `auto` is the checkpoint's own (mxfp4 when its experts are MXFP4, else bf16)."""
+    if chosen != "auto":
+        return chosen
+    first = sources[0][0] if sources and sources[0] else {}
+    return "mxfp4" if any(isinstance(src, Mxfp4Row) for src in first.values()) else "bf16"
+
+
+def build_packed_host(
+    files: CheckpointFiles,
+    sources: list[list[Mapping[str, ExpertSource]]],
+    param_shapes: Mapping[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    fmt: str,
+    transposed: bool,
+    config: RuntimeConfig,
+) -> PackedHostStore:
+    """The packed host store of a checkpoint in `fmt` (see the module docstring for where its experts come from)."""
+    params = expert_formats.layout(fmt, param_shapes, transposed)
+    fetch = CheckpointPackedSource(files, sources, params, dtype)
+    return PackedHostStore(
+        fetch, params, fmt, len(sources), len(sources[0]), dtype, config.host_ram_gb, on_close=files.close
+    )

@@ -1,0 +1,112 @@
+"""Expert formats: packing and dequantising, the stored layout, sizes, and the packed host store and cache slots."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from fmoe_local import expert_formats as ef
+from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.runtime import Runtime
+
+
+def _weights(out_f: int = 48, in_f: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("fmt", "tolerance"), [("int8", 0.01), ("nf4", 0.2)])
+def test_dequantised_weights_are_close_to_the_original_and_deterministic(fmt, tolerance):
+    w = _weights()
+    param = ef.layout(fmt, {"w": tuple(w.shape)})["w"]
+    stored = ef.pack(param, w, torch.float32)
+    dense = ef.unpack(param, stored, torch.float32)
+    assert dense.shape == w.shape and dense.dtype == torch.float32
+    # Relative to each row's (int8) or block's (nf4) largest magnitude; 4-bit levels are ~0.17 apart at most.
+    assert (dense - w).abs().max() <= tolerance * w.abs().max()
+    assert not torch.equal(dense, w)
+    again = ef.unpack(param, ef.pack(param, w, torch.float32), torch.float32)
+    assert torch.equal(dense, again)
+
+
+def test_nf4_keeps_block_maxima_exactly_and_handles_a_partial_block():
+    w = _weights(3, 37)  # 111 weights: one full block of 64 and a partial one, an odd count of codes
+    param = ef.layout("nf4", {"w": (3, 37)})["w"]
+    stored = ef.pack(param, w, torch.float32)
+    assert stored["q"].shape == (56,) and stored["absmax"].shape == (2,)
+    dense = ef.unpack(param, stored, torch.float32).reshape(-1)
+    flat = w.reshape(-1)
+    for start in (0, 64):
+        block = flat[start : start + 64]
+        i = block.abs().argmax()
+        assert dense[start + i] == block[i]  # ±1.0 is an NF4 level: the block's largest weight is exact
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_nf4_bytes_are_bitsandbytes_layout():
+    # A bitsandbytes-quantised tensor read through our nf4 dequantising gives bitsandbytes' own dequantisation.
+    import bitsandbytes.functional as bnb
+
+    w = _weights(32, 64)
+    q, state = bnb.quantize_4bit(w, blocksize=ef.NF4_BLOCK, quant_type="nf4")
+    assert torch.allclose(state.code, torch.tensor(ef.NF4_CODE))
+    param = ef.layout("nf4", {"w": (32, 64)})["w"]
+    ours = ef.unpack(param, {"q": q.reshape(-1), "absmax": state.absmax}, torch.float32)
+    assert torch.equal(ours, bnb.dequantize_4bit(q, state))
+    # And our packing chooses the same levels bitsandbytes does.
+    mine = ef.pack(param, w, torch.float32)
+    assert torch.equal(mine["q"], q.reshape(-1)) and torch.equal(mine["absmax"], state.absmax)
+
+
+def test_layout_packs_weights_and_keeps_biases_dense():
+    shapes = {"gate_up_proj": (64, 32), "gate_up_proj_bias": (64,), "down_proj": (32, 64)}
+    stored = ef.stored_shapes(ef.layout("nf4", shapes), torch.bfloat16)
+    assert stored["gate_up_proj.q"] == ((1024,), torch.uint8)
+    assert stored["gate_up_proj.absmax"] == ((32,), torch.float32)
+    assert stored["gate_up_proj_bias"] == ((64,), torch.bfloat16)
+    assert ef.stored_shapes(ef.layout("bf16", shapes), torch.bfloat16)["down_proj"] == ((32, 64), torch.bfloat16)
+
+
+def test_sizes_follow_the_format():
+    bf16 = 3 * 4096 * 14336 * 2  # one Mixtral-8x7B expert
+    assert ef.bytes_per_expert(bf16, "bf16") == bf16 == ef.bytes_per_expert(bf16, "auto")
+    assert ef.bytes_per_expert(bf16, "int8") == bf16 // 2
+    assert ef.bytes_per_expert(bf16, "nf4") == int(bf16 * 4.5 / 16)
+    with pytest.raises(ValueError, match="Known formats"):
+        ef.bytes_per_expert(bf16, "fp3")
+
+
+def test_an_unknown_format_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="Choose auto .* bf16 .* int8 .* nf4"):
+        RuntimeConfig(expert_format="q3").validate()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_host_ram_and_cache_slots_hold_the_packed_form(fmt, tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("qwen3_moe")
+    dense = RuntimeConfig(device="cpu", cache_experts=3, expert_format="bf16")
+    with Runtime.load(model_dir, dense) as runtime:
+        dense_bytes = runtime.info.expert_bytes
+    config = dense.with_changes(expert_format=fmt, quant_cache_dir=str(tmp_path))
+    with Runtime.load(model_dir, config) as runtime:
+        host, cache = runtime.engine.host, runtime.engine.cache
+        ratio = {"int8": 4, "nf4": 8}[fmt]  # the tiny model is float32: 32 bits → 8 or 4.5
+        assert runtime.info.expert_bytes < dense_bytes * 1.2 / ratio
+        assert host.ram_bytes() == host.ram_experts * host.expert_bytes
+        assert host.ram_experts == runtime.info.num_layers * runtime.info.num_experts
+        packed = {"int8": torch.int8, "nf4": torch.uint8}[fmt]
+        assert cache.tensors["down_proj.q"].dtype == packed
+        assert cache.allocated_bytes() == 3 * host.expert_bytes
+        final = runtime.generate([{"role": "user", "content": "Hello"}], Sampling(greedy=True, max_new_tokens=3))
+        assert final.reason in ("length", "stop") and final.stats.misses > 0
+
+
+def test_cache_gb_buys_more_experts_in_a_packed_format(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("olmoe")
+    counts = {}
+    for fmt in ("bf16", "nf4"):
+        config = RuntimeConfig(device="cpu", cache_gb=0.0001, expert_format=fmt, quant_cache_dir=str(tmp_path))
+        with Runtime.load(model_dir, config) as runtime:
+            counts[fmt] = runtime.info.cache_experts
+    assert counts["nf4"] >= 6 * counts["bf16"] > 0
