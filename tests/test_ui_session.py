@@ -71,12 +71,15 @@ def test_the_header_says_where_a_damaged_database_went(tmp_path):
 
 
 def test_the_demo_model_is_named_for_people_and_loads_say_so(store, tmp_path):
-    from ui.session import DEMO_LABEL, model_label
+    from ui.session import DEMO_LABEL, model_id, model_label
 
     assert model_label(demo_model_dir(), "weights") == DEMO_LABEL
     assert model_label(tmp_path / "acme--tiny", "tiny") == "tiny"
+    assert model_id(tmp_path / "acme--tiny", "tiny") == "tiny"
     session = Session(store=store, config=RuntimeConfig(device="cpu"))
+    assert session.model_id == ""  # nothing loaded
     try:
         assert session.load(demo_model_dir()).startswith(f"Loaded {DEMO_LABEL} on cpu")
+        assert session.model_id == "demo"  # what /v1/models lists and new chats record, not "weights"
     finally:
         session.close()

@@ -194,7 +194,7 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
             temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_tokens), system_prompt=system
         )
         if conv_id is None:
-            conv_id = chats.create(title=text[:TITLE_CHARS], model=session.runtime.info.name).id
+            conv_id = chats.create(title=text[:TITLE_CHARS], model=session.model_id).id
         chats.append(conv_id, "user", text)
         choices = gr.Radio(choices=conversation_choices(session), value=conv_id)
         shown = display(chats.messages(conv_id))

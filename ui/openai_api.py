@@ -3,7 +3,8 @@
 Scope: `GET /v1/models` and `POST /v1/chat/completions` (plain, and `stream: true` as server-sent events ending
 with `data: [DONE]`, with `stream_options.include_usage`), translating to `Runtime.stream` and back: max_tokens,
 temperature (0 = greedy), top_p, seed, stop, finish_reason, usage, errors in OpenAI's shape. Any bearer token is
-accepted (a local app has one user; the HTTP guard decides who may call at all). It does NOT hold model logic,
+accepted (a local app has one user; the HTTP guard decides who may call at all), and so is any `model` in a
+request: the loaded model answers, listed under its short id (`Session.model_id`, "demo" for the built-in one). It does NOT hold model logic,
 queue requests itself (the runtime's worker runs one request at a time; others wait in its queue) or store API
 chats in the user's chat list.
 
@@ -131,7 +132,7 @@ def build_router(session: Session) -> APIRouter:
         return session.runtime
 
     def model_id() -> str:
-        return session.runtime.info.name if session.runtime is not None else ""
+        return session.model_id
 
     @router.get("/models")
     def models() -> dict:

@@ -51,6 +51,16 @@ def model_label(model_dir: Path | None, fallback: str = "") -> str:
     return fallback or (Path(model_dir).name if model_dir is not None else "")
 
 
+DEMO_ID = "demo"  # the built-in model's id in the API and the chat store (its folder name, "weights", says nothing)
+
+
+def model_id(model_dir: Path | None, fallback: str = "") -> str:
+    """The short id clients name a model by (/v1/models, a chat's model): "demo" for the built-in one."""
+    if model_dir is not None and demo_dir() is not None and Path(model_dir).resolve() == demo_dir():
+        return DEMO_ID
+    return fallback or (Path(model_dir).name if model_dir is not None else "")
+
+
 class ModelLoadError(ValueError):
     """A model could not be loaded; the message is a sentence for the user."""
 
@@ -104,6 +114,11 @@ class Session:
         if self._machine is None or refresh:
             self._machine = probe(self.models_dir.parent)
         return self._machine
+
+    @property
+    def model_id(self) -> str:
+        """The loaded model's id for clients ("" when none is loaded)."""
+        return model_id(self.model_dir, self.runtime.info.name) if self.runtime is not None else ""
 
     @property
     def last_stats(self) -> RequestStats | None:
