@@ -47,3 +47,22 @@ def test_bench_matcher_prints_every_search_of_a_pass(capsys) -> None:
     out = capsys.readouterr().out
     for line in ("trajectory search", "semantic search", "storing the map", "all of it, per layer"):
         assert line in out
+
+
+def test_replay_folds_traces(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "syn.npz"
+    save_trace(synthetic_trace(0, requests=3, length=6), trace)
+    out = tmp_path / "r.json"
+    argv = ["replay", str(trace), "--cache-experts", "4", "--jobs", "1", "--policies", "fmoe,lru", "--mode", "online"]
+    argv += ["--fold", "4x2", "--json", str(out)]
+    assert cli.main(argv) == 0
+    assert "folded to 4 experts, top-2" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["config"]["fold"] == "4x2" and {r["policy"] for r in data["results"]} == {"fmoe", "lru"}
+
+
+def test_bad_fold_is_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "syn.npz"
+    save_trace(synthetic_trace(0, requests=2, length=2), trace)
+    assert cli.main(["replay", str(trace), "--fold", "eight"]) == 2
+    assert "EXPERTSxTOPK" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fmoe_local.bench import live, matcher, overhead
+from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.oracle import OraclePolicy
 from fmoe_local.bench.presets import BITS, PRESETS, CostModel, cost_model
 from fmoe_local.bench.replay import (
@@ -71,6 +72,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--bandwidth-gbs", type=float, help="host→device GB/s (default 25, PCIe 4.0 x16)")
     r.add_argument("--expert-mb", type=float, help="override the preset's expert size (MB)")
     r.add_argument("--layer-time-ms", type=float, help="override the preset's decode time per MoE layer (ms)")
+    r.add_argument(
+        "--fold",
+        metavar="JxK",
+        help="fold every trace onto J experts and top-K first (e.g. 8x2: a few-expert stand-in, bench/fold.py)",
+    )
     r.add_argument("--json", type=Path, metavar="OUT", help="write config and results as JSON")
     r.add_argument("--plot", type=Path, metavar="OUT.png", help="plot hit rate vs cache fraction 0.1…0.6")
     r.add_argument("--sweep", choices=["prefetch-distance"], help="also vary d over 1…6")
@@ -142,6 +148,7 @@ def run_replay(args: argparse.Namespace) -> int:
     t0, cpu0 = time.perf_counter(), _cpu_s()
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     _check_policies(names)
+    folding = parse_fold(args.fold) if args.fold else None
     cost = cost_model(args.preset, args.dtype, args.bandwidth_gbs, args.expert_mb, args.layer_time_ms)
     config = {
         "preset": args.preset,
@@ -150,6 +157,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "bandwidth_Bps": cost.bandwidth,
         "layer_time_s": cost.layer_time_s,
         "prefetch_distance": args.prefetch_distance,
+        "fold": args.fold,
         "store_capacity": args.store_capacity,
         "mode": args.mode,
         "policies": names,
@@ -159,21 +167,24 @@ def run_replay(args: argparse.Namespace) -> int:
     schedules = {}
     for path in args.traces:
         trace = load_trace(path)
+        if folding is not None:
+            trace = fold(trace, *folding)
         schedule = build_schedule(trace, args.semantic_mode, args.semantic_fallback)
         schedules[path] = schedule
         capacity = _capacity(args, schedule, cost)
         config.setdefault("cache_experts", {})[path.name] = capacity
+        distance = args.prefetch_distance
         results = replay_all(
             schedule,
             names,
-            _policy_factory(args, args.prefetch_distance),
+            _policy_factory(args, distance),
             capacity,
             cost,
             args.mode,
             path.name,
             args.jobs,
         )
-        _print_table(path.name, trace.model, schedule, capacity, cost, results)
+        _print_table(path.name, trace.model, schedule, capacity, cost, results, distance)
         out["results"].extend(_rows(results))
     if len(args.traces) > 1:
         _print_pooled(out["results"], names)
@@ -215,7 +226,7 @@ def _rows(results: list[ReplayResult]) -> list[dict]:
     return rows
 
 
-def _print_table(name: str, model: str, s: Schedule, capacity: int, cost: CostModel, results) -> None:
+def _print_table(name: str, model: str, s: Schedule, capacity: int, cost: CostModel, results, distance: int) -> None:
     total = s.shape.num_layers * s.shape.num_experts
     print(
         f"\n{name} ({model}): {s.num_iterations} iterations, {len(s.requests)} requests; "
@@ -223,7 +234,7 @@ def _print_table(name: str, model: str, s: Schedule, capacity: int, cost: CostMo
     )
     print(
         f"cost: expert {cost.expert_bytes / 1e6:.1f} MB, {cost.bandwidth / 1e9:.1f} GB/s "
-        f"(load {cost.load_s * 1e3:.2f} ms), layer {cost.layer_time_s * 1e3:.3f} ms"
+        f"(load {cost.load_s * 1e3:.2f} ms), layer {cost.layer_time_s * 1e3:.3f} ms; prefetch distance {distance}"
     )
     header = f"{'policy':<13}{'hit rate':>9}{'vs oracle':>10}{'stalls':>9}{'stall s':>9}{'TPOT ms':>9}"
     print(header + f"{'speed-up':>9}{'prefetched':>11}{'late':>7}{'wasted':>8}{'wall s':>8}{'CPU s':>7}")
