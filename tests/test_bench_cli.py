@@ -66,3 +66,18 @@ def test_bad_fold_is_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixture) -
     save_trace(synthetic_trace(0, requests=2, length=2), trace)
     assert cli.main(["replay", str(trace), "--fold", "eight"]) == 2
     assert "EXPERTSxTOPK" in capsys.readouterr().err
+
+
+def test_replay_chooses_the_distance_from_the_costs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "syn.npz"
+    save_trace(synthetic_trace(0, requests=3, length=6), trace)
+    out = tmp_path / "r.json"
+    argv = ["replay", str(trace), "--cache-experts", "4", "--jobs", "1", "--policies", "fmoe", "--mode", "online"]
+    argv += ["--prefetch-distance", "auto", "--expert-mb", "0.5", "--bandwidth-gbs", "1", "--layer-time-ms", "1"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    # A copy of 0.5 MB at 1 GB/s takes half a layer time: one layer, plus one.
+    assert "prefetch distance 2" in capsys.readouterr().out
+    assert json.loads(out.read_text())["config"]["prefetch_distance_used"] == {"syn.npz": 2}
+    with pytest.raises(SystemExit):
+        cli.main(["replay", str(trace), "--prefetch-distance", "far"])
+    assert "'auto'" in capsys.readouterr().err

@@ -34,6 +34,7 @@ from fmoe_local.bench.replay import (
 from fmoe_local.bench.traces import load_trace
 from fmoe_local.config import SEMANTIC_MODES, RuntimeConfig
 from fmoe_local.policies.base import Policy
+from fmoe_local.prefetch_distance import distance_for
 
 DEFAULT_POLICIES = "fmoe,moe_infinity,lru,lfu,on_demand,oracle"
 PLOT_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
@@ -58,7 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     size.add_argument("--cache-fraction", type=float, help="cache slots as a fraction of all experts (default 0.25)")
     size.add_argument("--cache-experts", type=int, help="cache slots as a number of experts")
     size.add_argument("--cache-gb", type=float, help="cache budget in GB (slots = floor(GB / expert size))")
-    r.add_argument("--prefetch-distance", type=int, default=RuntimeConfig.prefetch_distance, help="d")
+    r.add_argument(
+        "--prefetch-distance",
+        type=_distance_arg,
+        default=RuntimeConfig.prefetch_distance,
+        help="d, or 'auto': ⌈expert copy time / layer time⌉ + 1 from the cost model (prefetch_distance.py)",
+    )
     r.add_argument("--store-capacity", type=int, default=RuntimeConfig.store_capacity, help="C: maps kept")
     r.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
     r.add_argument("--mode", default="offline", choices=MODES, help="offline: first 70%% of requests only warm up")
@@ -84,6 +90,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     matcher.add_parser(sub)
     live.add_parser(sub)
     overhead.add_parser(sub)
+
+
+def _distance_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give d as a number of layers or 'auto' (got '{text}')") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,6 +149,13 @@ def _check_policies(names: list[str]) -> None:
         raise ValueError(f"Unknown policy {', '.join(unknown)}. Choose from: {', '.join(dict.fromkeys(known))}.")
 
 
+def _distance(args: argparse.Namespace, schedule: Schedule, cost: CostModel) -> int:
+    """The d given, or with 'auto' the one the cost model's copy and layer times call for (prefetch_distance.py)."""
+    if args.prefetch_distance != "auto":
+        return args.prefetch_distance
+    return distance_for(cost.load_s, cost.layer_time_s, schedule.shape.num_layers)
+
+
 def _capacity(args: argparse.Namespace, schedule: Schedule, cost: CostModel, fraction: float | None = None) -> int:
     if fraction is not None:
         return capacity_for(schedule.shape, cache_fraction=fraction)
@@ -173,7 +195,8 @@ def run_replay(args: argparse.Namespace) -> int:
         schedules[path] = schedule
         capacity = _capacity(args, schedule, cost)
         config.setdefault("cache_experts", {})[path.name] = capacity
-        distance = args.prefetch_distance
+        distance = _distance(args, schedule, cost)
+        config.setdefault("prefetch_distance_used", {})[path.name] = distance
         results = replay_all(
             schedule,
             names,
@@ -286,7 +309,7 @@ def _curve(args: argparse.Namespace, schedules: dict, names: list[str], cost: Co
     for path, schedule in schedules.items():
         for f in PLOT_FRACTIONS:
             capacity = _capacity(args, schedule, cost, fraction=f)
-            factory = _policy_factory(args, args.prefetch_distance)
+            factory = _policy_factory(args, _distance(args, schedule, cost))
             for r in replay_all(schedule, names, factory, capacity, cost, args.mode, path.name, args.jobs):
                 if not r.note:
                     rows.append({"trace": path.name, "policy": r.policy, "cache_fraction": f, **_brief(r)})
