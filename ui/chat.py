@@ -4,10 +4,14 @@ Scope: components and their events. Conversations live in the store; the chatbot
 the model sees is always the stored text (the stats line under a reply is display-only). It does NOT load
 models (Models tab) or change the runtime's settings (Settings tab). One request at a time: the send and
 regenerate events share one concurrency slot, Stop has its own so that it is never queued behind a reply.
+A problem is said in the notice line under the chat (`guarded`); deleting a chat asks first.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +19,14 @@ from pathlib import Path
 import gradio as gr
 
 from fmoe_local.config import Sampling
-from ui.render import safe_markdown
+from store.errors import StoreError
+from ui import chat_flow
+from ui.chat_flow import Problem
+from ui.chat_view import conversation_choices, display, warning
 from ui.session import Session
 
-NO_MODEL = "No model is loaded yet. Open the Models tab to download one or load a model folder."
+log = logging.getLogger(__name__)
+
 TITLE_CHARS = 48
 
 
@@ -31,9 +39,13 @@ class ChatTab:
     rename_box: gr.Textbox
     rename: gr.Button
     delete: gr.Button
+    confirm_delete: gr.Button
+    keep_chat: gr.Button
+    pending_delete: gr.State
     export: gr.Button
     export_file: gr.File
     chatbot: gr.Chatbot
+    notice: gr.Markdown
     textbox: gr.Textbox
     send: gr.Button
     stop: gr.Button
@@ -43,54 +55,6 @@ class ChatTab:
     temperature: gr.Slider
     top_p: gr.Slider
     max_tokens: gr.Slider
-
-
-def stats_line(stats: dict | None) -> str:
-    if not stats:
-        return ""
-    parts = [f"{stats.get('tokens_per_s', 0):.1f} tok/s", f"TTFT {1000 * stats.get('ttft_s', 0):.0f} ms"]
-    parts.append(f"expert hit rate {100 * stats.get('hit_rate', 0):.0f}%")
-    if stats.get("finish_reason") == "cancelled":
-        parts.append("stopped")
-    elif stats.get("finish_reason") == "length":
-        parts.append("length limit reached (raise Max new tokens under Generation for longer replies)")
-    return " · ".join(parts)
-
-
-def display(messages) -> list[dict]:
-    """Stored messages → Chatbot messages, with the stats line under each reply."""
-    out = []
-    for m in messages:
-        if m.role == "system":
-            continue
-        content = safe_markdown(m.content)
-        line = stats_line(m.stats) if m.role == "assistant" else ""
-        if line:
-            # A reply cut inside a code block would swallow the stats line as code: close the block first.
-            content = f"{content}{close_fences(content)}\n\n<span class='reply-stats'>{line}</span>"
-        out.append({"role": m.role, "content": content})
-    return out
-
-
-def close_fences(markdown: str) -> str:
-    """The fence that closes a code block left open at the end of `markdown` ("" when none is open)."""
-    open_fence = ""
-    for line in markdown.splitlines():
-        stripped = line.strip()
-        fence = stripped[:3] if stripped[:3] in ("```", "~~~") else ""
-        if fence and not open_fence:
-            open_fence = stripped[: len(stripped) - len(stripped.lstrip(fence[0]))]
-        elif fence and stripped.startswith(open_fence) and set(stripped) == {open_fence[0]}:
-            open_fence = ""
-    return f"\n{open_fence}" if open_fence else ""
-
-
-def conversation_choices(session: Session, query: str = "") -> list[tuple[str, int]]:
-    if query.strip():
-        convs = [hit.conversation for hit in session.store.chats.search(query)]
-    else:
-        convs = session.store.chats.list()
-    return [(c.title or "Untitled", c.id) for c in convs]
 
 
 def build(session: Session) -> ChatTab:
@@ -106,6 +70,10 @@ def build(session: Session) -> ChatTab:
                 with gr.Row():
                     rename = gr.Button("Rename", size="sm", elem_id="rename")
                     delete = gr.Button("Delete", size="sm", variant="stop", elem_id="delete-chat")
+                # Deleting asks first: the button names the chat, Keep it cancels (nothing is deleted until then).
+                confirm_delete = gr.Button(size="sm", variant="stop", visible=False, elem_id="confirm-delete")
+                keep_chat = gr.Button("Keep it", size="sm", visible=False, elem_id="keep-chat")
+                pending_delete = gr.State(None)
                 export = gr.Button("Export as Markdown", size="sm", elem_id="export-chat")
                 export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file")
         with gr.Column(scale=4):
@@ -117,6 +85,8 @@ def build(session: Session) -> ChatTab:
                 feedback_options=None,
                 placeholder="Ask anything. Replies stream from the model running on this computer.",
             )
+            # Problems are said here, in a sentence; the components keep working (no error pill replaces them).
+            notice = gr.Markdown("", visible=False, elem_id="chat-notice")
             with gr.Row():
                 textbox = gr.Textbox(
                     placeholder="Message (Enter sends, Shift+Enter for a new line)",
@@ -142,37 +112,50 @@ def build(session: Session) -> ChatTab:
                         1, 4096, value=settings.max_new_tokens, step=1, label="Max new tokens", elem_id="max-tokens"
                     )
     return ChatTab(
-        conv_id, search, conv_list, new_chat, rename_box, rename, delete, export, export_file, chatbot, textbox, send, stop,
+        conv_id, search, conv_list, new_chat, rename_box, rename, delete, confirm_delete, keep_chat, pending_delete,
+        export, export_file, chatbot, notice, textbox, send, stop,
         regenerate, edit_last, system, temperature, top_p, max_tokens,
     )  # fmt: skip
 
 
-def _generate(session: Session, conv_id: int, system: str, sampling: Sampling):
-    """Stream a reply to the stored conversation; yields (chatbot, done). Saves the reply (even a stopped one)."""
-    from fmoe_local.runtime import Finished, TextDelta
+def notice(sentence: str = "") -> gr.Markdown:
+    return gr.Markdown(value=warning(sentence) if sentence else "", visible=bool(sentence))
 
-    stored = session.store.chats.messages(conv_id)
-    after = stored[-1].position if stored else -1  # the reply belongs after this message, or nowhere
-    messages = ([{"role": "system", "content": system}] if system.strip() else []) + [
-        {"role": m.role, "content": m.content} for m in stored
-    ]
-    shown = display(stored)
-    text = ""
-    for event in session.runtime.stream(messages, sampling):
-        if isinstance(event, TextDelta):
-            text += event.text
-            yield shown + [{"role": "assistant", "content": safe_markdown(text)}], False
-        elif isinstance(event, Finished):
-            if event.reason == "error":
-                # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
-                if event.text.strip():
-                    session.store.chats.append(conv_id, "assistant", event.text, event.stats, after=after)
-                notice = {"role": "assistant", "content": f"⚠️ {safe_markdown(event.error)}"}
-                yield display(session.store.chats.messages(conv_id)) + [notice], True
-                return
-            session.record(event.stats)
-            session.store.chats.append(conv_id, "assistant", event.text, event.stats, after=after)
-            yield display(session.store.chats.messages(conv_id)), True
+
+def sentence_of(exc: Exception) -> str:
+    """What the user reads for a failed action: our own sentences as they are, anything else named and logged."""
+    if isinstance(exc, Problem | StoreError | LookupError):
+        return str(exc)
+    log.exception("chat action failed")
+    return f"That did not work ({type(exc).__name__}: {exc}). The chat is still usable: try again."
+
+
+def guarded(fn, outputs: int):  # noqa: ANN001, ANN201 - wraps an event handler
+    """The handler with its failures shown in the notice (its last output), the other outputs left as they are.
+    A raised gr.Error would put a red "Error" pill over every output instead: the chat list, the chat, the input."""
+
+    def failed(exc: Exception) -> tuple:
+        return (*[gr.skip()] * (outputs - 1), notice(sentence_of(exc)))
+
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def stream(*args):
+            try:
+                yield from fn(*args)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a sentence in the chat
+                yield failed(exc)
+
+        return stream
+
+    @functools.wraps(fn)
+    def plain(*args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a sentence in the chat
+            return failed(exc)
+
+    return plain
 
 
 def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
@@ -187,32 +170,31 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     def send(text, conv_id, system, temperature, top_p, max_tokens):
         text = (text or "").strip()
         if not text:
-            raise gr.Error("Type a message first.")
-        if session.runtime is None:
-            raise gr.Error(session.load_error or NO_MODEL)
+            raise Problem("Type a message first.")
+        runtime = chat_flow.runtime_of(session)
         session.store.settings.set(
             temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_tokens), system_prompt=system
         )
         if conv_id is None:
-            conv_id = chats.create(title=text[:TITLE_CHARS], model=session.model_id).id
+            conv_id = chats.create(title=text[:TITLE_CHARS], model=session.model_id or runtime.info.name).id
         chats.append(conv_id, "user", text)
         choices = gr.Radio(choices=conversation_choices(session), value=conv_id)
         shown = display(chats.messages(conv_id))
-        yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices
-        for chatbot, _ in _generate(session, conv_id, system, sampling(temperature, top_p, max_tokens)):
-            yield chatbot, conv_id, gr.skip(), gr.skip()
+        yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, notice()
+        for chatbot in chat_flow.reply(session, conv_id, system, sampling(temperature, top_p, max_tokens)):
+            yield chatbot, conv_id, gr.skip(), gr.skip(), gr.skip()
 
     def regenerate(conv_id, system, temperature, top_p, max_tokens):
-        if session.runtime is None:
-            raise gr.Error(session.load_error or NO_MODEL)
+        chat_flow.runtime_of(session)
         stored = chats.messages(conv_id) if conv_id is not None else []
         if not any(m.role == "user" for m in stored):
-            raise gr.Error("Nothing to regenerate yet. Send a message first.")
+            raise Problem("Nothing to regenerate yet. Send a message first.")
         while stored and stored[-1].role == "assistant":
             stored.pop()
         chats.truncate(conv_id, keep=len(stored))
-        for chatbot, _ in _generate(session, conv_id, system, sampling(temperature, top_p, max_tokens)):
-            yield chatbot
+        yield gr.skip(), notice()
+        for chatbot in chat_flow.reply(session, conv_id, system, sampling(temperature, top_p, max_tokens)):
+            yield chatbot, gr.skip()
 
     def stop():
         if session.runtime is not None:
@@ -224,46 +206,61 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         stored = chats.messages(conv_id) if conv_id is not None else []
         users = [m for m in stored if m.role == "user"]
         if not users:
-            raise gr.Error("There is no message of yours to edit yet.")
+            raise Problem("There is no message of yours to edit yet.")
         last = users[-1]
         chats.truncate(conv_id, keep=last.position)
-        return display(chats.messages(conv_id)), last.content
+        return display(chats.messages(conv_id)), last.content, notice()
 
     def new_chat():
-        return None, [], gr.Radio(choices=conversation_choices(session), value=None), ""
+        return None, [], gr.Radio(choices=conversation_choices(session), value=None), "", notice()
 
     def select(conv_id):
         if conv_id is None:
-            return gr.skip(), gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         conv = chats.get(int(conv_id))
-        return int(conv_id), display(chats.messages(conv.id)), conv.title
+        return int(conv_id), display(chats.messages(conv.id)), conv.title, notice()
 
     def search(query, conv_id):
-        return gr.Radio(choices=conversation_choices(session, query), value=conv_id)
+        return gr.Radio(choices=conversation_choices(session, query), value=conv_id), notice()
 
     def rename(conv_id, title):
         if conv_id is None:
-            raise gr.Error("Pick a conversation to rename first.")
+            raise Problem("Pick a conversation to rename first.")
         if not title.strip():
-            raise gr.Error("Type the new title first.")
+            raise Problem("Type the new title first.")
         chats.rename(conv_id, title.strip())
-        return gr.Radio(choices=conversation_choices(session), value=conv_id)
+        return gr.Radio(choices=conversation_choices(session), value=conv_id), notice()
+
+    def asking(visible: bool, label: str = "") -> tuple:
+        """(Delete, the confirming button, Keep it): the question is shown, or the plain Delete again."""
+        confirm = gr.Button(value=label, visible=True) if visible else gr.Button(visible=False)
+        return gr.Button(visible=not visible), confirm, gr.Button(visible=visible)
 
     def delete(conv_id):
         if conv_id is None:
-            raise gr.Error("Pick a conversation to delete first.")
-        chats.delete(conv_id)
-        return None, [], gr.Radio(choices=conversation_choices(session), value=None), ""
+            raise Problem("Pick a conversation to delete first.")
+        conv = chats.get(conv_id)
+        return conv.id, *asking(True, f"Yes, delete “{conv.title or 'Untitled'}”"), notice()
+
+    def confirm_delete(pending):
+        if pending is None:  # a second click on an answered question: nothing is pending any more
+            return (gr.skip(),) * 4 + (None, *asking(False), notice())
+        chats.delete(pending)
+        choices = gr.Radio(choices=conversation_choices(session), value=None)
+        return None, [], choices, "", None, *asking(False), notice()
+
+    def keep_chat():
+        return None, *asking(False)
 
     def export(conv_id):
         if conv_id is None:
-            raise gr.Error("Pick a conversation to export first.")
+            raise Problem("Pick a conversation to export first.")
         title = chats.get(conv_id).title or "chat"
         safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip()[:40] or "chat"
         # Gradio serves files from the system temp folder; a fresh folder per export avoids name clashes.
         path = Path(tempfile.mkdtemp(prefix="fmoe-export-")) / f"{safe}.md"
         path.write_text(chats.export_markdown(conv_id), encoding="utf-8")
-        return gr.File(value=str(path), visible=True)
+        return gr.File(value=str(path), visible=True), notice()
 
     def on_load():
         # The saved generation settings, read per page: a reload shows what the last Send saved, not the values
@@ -280,7 +277,7 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
 
     t = tab
     gen_inputs = [t.system, t.temperature, t.top_p, t.max_tokens]
-    send_outputs = [t.chatbot, t.conv_id, t.textbox, t.conv_list]
+    send_outputs = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.notice]
     slot = dict(concurrency_limit=1, concurrency_id="runtime")
 
     # While a reply streams, Send says so and cannot be pressed; `.then` re-enables it however the reply ended.
@@ -290,27 +287,37 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     def idle():
         return gr.Button(value="Send", interactive=True)
 
+    def on(event, fn, inputs, outputs, **kwargs):  # noqa: ANN001, ANN202
+        return event(guarded(fn, len(outputs)), inputs, outputs, **kwargs)
+
     quick = dict(queue=False, api_visibility="private")
-    sent = t.send.click(busy, None, [t.send], **quick).then(
-        send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_name="send", **slot
+    sent = t.send.click(busy, None, [t.send], **quick)
+    sent = on(sent.then, send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_name="send", **slot)
+    submitted = t.textbox.submit(busy, None, [t.send], **quick)
+    submitted = on(
+        submitted.then, send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_visibility="private", **slot
     )
-    submitted = t.textbox.submit(busy, None, [t.send], **quick).then(
-        send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_visibility="private", **slot
-    )
-    regen = t.regenerate.click(busy, None, [t.send], **quick).then(
-        regenerate, [t.conv_id, *gen_inputs], [t.chatbot], api_name="regenerate", **slot
-    )
+    regen = t.regenerate.click(busy, None, [t.send], **quick)
+    regen = on(regen.then, regenerate, [t.conv_id, *gen_inputs], [t.chatbot, t.notice], api_name="regenerate", **slot)
     for event in (sent, submitted, regen):
         event.then(idle, None, [t.send], **quick)
     t.stop.click(stop, None, None, api_name="stop", concurrency_limit=None)
-    t.edit_last.click(edit_last, [t.conv_id], [t.chatbot, t.textbox], api_name="edit_last")
-    t.new_chat.click(new_chat, None, [t.conv_id, t.chatbot, t.conv_list, t.rename_box], api_name="new_chat")
-    # The chatbot's own trash button would only blank the view; make it mean "new chat" (the old one is kept).
-    t.chatbot.clear(new_chat, None, [t.conv_id, t.chatbot, t.conv_list, t.rename_box], api_visibility="private")
-    t.conv_list.input(select, [t.conv_list], [t.conv_id, t.chatbot, t.rename_box], api_name="open_chat")
-    t.search.input(search, [t.search, t.conv_id], [t.conv_list], api_name="search_chats")
-    t.rename.click(rename, [t.conv_id, t.rename_box], [t.conv_list], api_name="rename_chat")
-    t.delete.click(delete, [t.conv_id], [t.conv_id, t.chatbot, t.conv_list, t.rename_box], api_name="delete_chat")
-    t.export.click(export, [t.conv_id], [t.export_file], api_name="export_chat")
+    on(t.edit_last.click, edit_last, [t.conv_id], [t.chatbot, t.textbox, t.notice], api_name="edit_last")
+    chat_view = [t.conv_id, t.chatbot, t.conv_list, t.rename_box, t.notice]
+    on(t.new_chat.click, new_chat, None, chat_view, api_name="new_chat")
+    on(t.conv_list.input, select, [t.conv_list], [t.conv_id, t.chatbot, t.rename_box, t.notice], api_name="open_chat")
+    on(t.search.input, search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats")
+    on(t.rename.click, rename, [t.conv_id, t.rename_box], [t.conv_list, t.notice], api_name="rename_chat")
+    question = [t.delete, t.confirm_delete, t.keep_chat]
+    on(t.delete.click, delete, [t.conv_id], [t.pending_delete, *question, t.notice], api_name="delete_chat")
+    on(
+        t.confirm_delete.click,
+        confirm_delete,
+        [t.pending_delete],
+        [*chat_view[:4], t.pending_delete, *question, t.notice],
+        api_name="confirm_delete_chat",
+    )
+    t.keep_chat.click(keep_chat, None, [t.pending_delete, *question], api_visibility="private")
+    on(t.export.click, export, [t.conv_id], [t.export_file, t.notice], api_name="export_chat")
     demo.load(on_load, None, [t.conv_id, t.chatbot, t.conv_list, *gen_inputs], api_visibility="private")
     return [sent, submitted, regen]

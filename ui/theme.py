@@ -20,6 +20,9 @@ CSS = """
 .progress-inner { height: 100%; background: var(--color-accent); transition: width 0.4s; }
 .fit-good { color: #15803d; } .fit-slow { color: #b45309; } .fit-no { color: #b91c1c; }
 footer { display: none !important; }
+/* Gradio's trash icon above the chat looks like "delete this chat" but only blanks the view: New chat and the
+   sidebar's Delete (which asks first) are the two clear ways. */
+#chatbot button[aria-label="Clear"] { display: none !important; }
 """
 
 
