@@ -22,29 +22,48 @@ def session(tmp_path):
     store.close()
 
 
-def test_a_tiny_cache_is_shown_in_mb_and_the_slider_value_is_rounded_to_its_step(session):
-    slider = settings.refresh(session)[1]
-    step = slider.step
-    assert abs(slider.value / step - round(slider.value / step)) < 1e-6  # not 0.0098876953125
-    assert "Now 27.00 MB = 48 experts of 589.8 KB each." in slider.info  # the demo model's default cache
+def test_the_demo_cache_is_shown_in_mb_and_in_experts(session):
+    _, size, experts, *_ = settings.refresh(session)
+    assert (size.label, size.value) == ("Expert cache (MB)", 27.0)  # not 0.0263671875 GB
+    assert experts == "27 MB = 48 experts of 0.562 MB each"
+    assert "at least one expert (0.562 MB)" in size.info
 
 
 def test_every_field_has_one_line_of_help(session):
     with gr.Blocks():
         tab = settings.build(session)
-    for field in (tab.cache_gb, tab.prefetch_distance, tab.policy, tab.store_capacity):
+    for field in (tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity):
         assert field.info and "\n" not in field.info
 
 
 @pytest.mark.parametrize(
-    "cache, capacity, sentence",
-    [(-1, 10, "more than 0 GB"), (999_999, 10, "has room for at most"), (None, 0, "at least one expert map")],
+    "cache, capacity, distance, sentence",
+    [
+        (-1, 10, 1, "-1 MB is too small: the expert cache must hold at least one expert (0.562 MB)"),
+        (0.5, 10, 1, "0.5 MB is too small"),  # less than one expert: the old slider's minimum allowed this
+        (999_999, 10, 1, "999999 MB is more than this machine has free"),
+        (999, 10, 1, "999 MB is more than all of this model's experts take (27 MB)"),
+        (float("nan"), 10, 1, "Type the expert cache size as a number of MB."),
+        (None, 0, 1, "at least one expert map"),
+        (None, 10, 99, "the prefetch distance can be 1 to"),
+    ],
 )
-def test_impossible_values_are_refused_with_a_sentence_and_nothing_changes(session, cache, capacity, sentence):
-    cache = session.runtime.info.cache_gb if cache is None else cache
+def test_impossible_values_are_refused_with_a_sentence_and_nothing_changes(
+    session, cache, capacity, distance, sentence
+):
+    cache = 27.0 if cache is None else cache
     before = (session.runtime.info.cache_gb, session.store.settings.load())
     demo = build(session)
     apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
-    with pytest.raises(gr.Error, match=sentence):
-        apply.fn(cache, 1, "fmoe", capacity)
+    info, status = apply.fn(cache, distance, "fmoe", capacity)  # said in the status line, not raised
+    assert sentence in status and status.startswith("⚠️")
+    assert info == gr.skip()
     assert (session.runtime.info.cache_gb, session.store.settings.load()) == before
+
+
+def test_one_expert_is_the_smallest_cache_and_is_applied(session):
+    demo = build(session)
+    apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+    one_mb = session.runtime.info.expert_bytes / 1024**2
+    _, status = apply.fn(one_mb, 1, "fmoe", 10)
+    assert "Applied without reloading" in status and "(1 experts)" in status

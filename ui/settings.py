@@ -1,7 +1,8 @@
 """Settings tab: expert cache size, prefetch distance, policy, map-store capacity, clearing the maps.
 
 Scope: applying these to the loaded model with `runtime.reconfigure` (no reload) and saving them in the store.
-The cache slider is bounded by what this machine has left (fmoe_local.hardware.cache_gb_limit). It does NOT
+The cache size is typed in the unit that fits the model (GB, MB or KB) and shown in experts; it must hold one
+expert and fit what this machine has left (fmoe_local.hardware.cache_gb_limit), else it is refused with a sentence. It does NOT
 load models or choose defaults (RuntimeConfig / AppSettings hold them).
 """
 
@@ -16,6 +17,8 @@ from fmoe_local.config import POLICIES
 from fmoe_local.hardware import GIB, cache_gb_limit
 from ui.session import Session, fmt_bytes, fmt_gb, model_label
 
+UNITS = (("GB", GIB), ("MB", 1024**2), ("KB", 1024))  # binary, as RuntimeConfig.cache_gb
+
 POLICY_HELP = {
     "fmoe": "fMoE (expert maps)",
     "moe_infinity": "MoE-Infinity",
@@ -29,7 +32,8 @@ POLICY_HELP = {
 @dataclass
 class SettingsTab:
     model_info: gr.Markdown
-    cache_gb: gr.Slider
+    cache_size: gr.Number
+    cache_experts: gr.Markdown
     prefetch_distance: gr.Slider
     policy: gr.Dropdown
     store_capacity: gr.Number
@@ -71,15 +75,13 @@ def build(session: Session) -> SettingsTab:
     with gr.Row():
         # Wide constructor bounds: the machine's real limit is checked in apply() with a sentence; refresh()
         # narrows what the browser shows once the model and the machine are known.
-        cache_gb = gr.Slider(
-            0,
-            4096,
-            value=s.cache_gb,
-            step=0.05,
-            label="Expert cache (GB)",
-            info=CACHE_HELP,
-            elem_id="cache-gb",
-        )
+        with gr.Column():
+            # A number, not a slider: a slider's box silently clamps what is typed (999, -1) to its ends, and its
+            # bounds cannot say why. apply() refuses an impossible size with a sentence instead.
+            cache_size = gr.Number(
+                round(s.cache_gb, 2), label="Expert cache (GB)", info=CACHE_HELP, elem_id="cache-size"
+            )
+            cache_experts = gr.Markdown("", elem_id="cache-experts")
         prefetch = gr.Slider(
             1,
             8,
@@ -107,10 +109,20 @@ def build(session: Session) -> SettingsTab:
         apply = gr.Button("Apply", variant="primary", elem_id="apply-settings")
         clear_maps = gr.Button("Clear learned expert maps", variant="secondary", elem_id="clear-maps")
     status = gr.Markdown("", elem_id="settings-status")
-    return SettingsTab(model_info, cache_gb, prefetch, policy, capacity, apply, clear_maps, status)
+    return SettingsTab(model_info, cache_size, cache_experts, prefetch, policy, capacity, apply, clear_maps, status)
 
 
 CACHE_HELP = "Memory kept for experts ready to run; more means fewer waits for copies, less memory for anything else."
+
+
+def cache_unit(session: Session) -> tuple[str, int]:
+    """(name, bytes) of the unit the cache size is typed in: the largest in which all the model's experts are at
+    least 1 (GB for real models, MB for the demo, KB for test models; GB before a model is loaded)."""
+    if session.runtime is None:
+        return UNITS[0]
+    i = session.runtime.info
+    total = i.expert_bytes * i.num_layers * i.num_experts
+    return next(((name, size) for name, size in UNITS if total >= size), UNITS[-1])
 
 
 def cache_help(session: Session) -> str:
@@ -118,64 +130,110 @@ def cache_help(session: Session) -> str:
     if session.runtime is None:
         return CACHE_HELP
     i = session.runtime.info
-    return f"{CACHE_HELP} Now {fmt_gb(i.cache_gb)} = {i.cache_experts} experts of {fmt_bytes(i.expert_bytes)} each."
+    return (
+        f"{CACHE_HELP} Now {fmt_gb(i.cache_gb)} = {i.cache_experts} experts; at least one expert "
+        f"({in_unit(session, i.expert_bytes)}), at most what this machine has free."
+    )
+
+
+def in_unit(session: Session, n_bytes: float) -> str:
+    """A size in the cache field's unit (binary, as the field), e.g. "0.562 MB"."""
+    unit, unit_bytes = cache_unit(session)
+    return f"{n_bytes / unit_bytes:.3g} {unit}"
+
+
+def experts_in(session: Session, size: float | None) -> str:
+    """How many experts a typed size holds, for the line under the field ("" before a model is loaded)."""
+    if session.runtime is None or size is None or not math.isfinite(size):
+        return ""
+    unit, unit_bytes = cache_unit(session)
+    i = session.runtime.info
+    n = math.floor(size * unit_bytes / i.expert_bytes + 1e-9)
+    return f"{size:g} {unit} = {n} experts of {in_unit(session, i.expert_bytes)} each" if size > 0 else ""
 
 
 def refresh_outputs(tab: SettingsTab) -> list:
-    return [tab.model_info, tab.cache_gb, tab.prefetch_distance, tab.policy, tab.store_capacity]
-
-
-def cache_step(expert_bytes: int) -> float:
-    """Slider step: a power of ten just under one expert's size (0.1 GB for Mixtral, 1e-5 GB for test models)."""
-    return 10 ** math.floor(math.log10(max(expert_bytes, 1) / GIB))
+    return [tab.model_info, tab.cache_size, tab.cache_experts, tab.prefetch_distance, tab.policy, tab.store_capacity]
 
 
 def refresh(session: Session) -> tuple:
-    """Values for `refresh_outputs`: re-read after a model loads, since the bounds depend on it."""
-    top, current = cache_bounds(session)
+    """Values for `refresh_outputs`: re-read after a model loads, since the unit and the bounds depend on it."""
+    _, current = cache_bounds(session)
     s = session.store.settings.load()
     layers = session.runtime.info.num_layers if session.runtime is not None else 8
     distance_max = max(1, layers - 1)
-    step = cache_step(session.runtime.info.expert_bytes) if session.runtime is not None else 0.05
-    digits = max(0, -math.floor(math.log10(step)))
-    top = round(math.floor(top / step) * step, digits)
+    unit, unit_bytes = cache_unit(session)
+    size = round(current * GIB / unit_bytes, 2)
     return (
         describe(session),
-        gr.Slider(
-            minimum=step, maximum=top, step=step, value=round(min(current, top), digits), info=cache_help(session)
-        ),
+        gr.Number(value=size, label=f"Expert cache ({unit})", info=cache_help(session)),
+        experts_in(session, size),
         gr.Slider(maximum=distance_max, value=min(s.prefetch_distance, distance_max)),
         s.policy,
         s.store_capacity,
     )
 
 
-def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
-    """Attach the events; returns the events after which the runtime's settings changed."""
-
-    def apply(cache_gb, distance, policy, capacity):
-        top, _ = cache_bounds(session)
-        if cache_gb is None or cache_gb <= 0:
-            raise gr.Error("The expert cache needs more than 0 GB. Move the slider to the right.")
-        if cache_gb > top + 1e-6:
-            raise gr.Error(f"This machine has room for at most {top:.2f} GB of expert cache. Choose less.")
-        if capacity is None or int(capacity) < 1:
-            raise gr.Error("Keep at least one expert map (store capacity ≥ 1).")
-        changes = dict(
-            cache_gb=float(cache_gb), prefetch_distance=int(distance), policy=policy, store_capacity=int(capacity)
+def check_cache_size(session: Session, size: float | None) -> float:
+    """The typed size (in the unit shown) as GiB; ValueError (a sentence) when it is impossible. Never clamped."""
+    unit, unit_bytes = cache_unit(session)
+    if size is None or not math.isfinite(size):
+        raise ValueError(f"Type the expert cache size as a number of {unit}.")
+    gb = size * unit_bytes / GIB
+    if session.runtime is not None:
+        one = session.runtime.info.expert_bytes
+        if size * unit_bytes < one * (1 - 1e-9):
+            raise ValueError(
+                f"{size:g} {unit} is too small: the expert cache must hold at least one expert "
+                f"({in_unit(session, one)}). Type that or more."
+            )
+    elif size <= 0:
+        raise ValueError(f"{size:g} {unit} is not a cache size: type more than 0.")
+    top, _ = cache_bounds(session)
+    if gb > top + 1e-9:
+        raise ValueError(
+            f"{size:g} {unit} is more than this machine has free: it has room for at most "
+            f"{top * GIB / unit_bytes:.3g} {unit} of expert cache. Type less."
         )
+    if session.runtime is not None:
+        i = session.runtime.info
+        everything = i.expert_bytes * i.num_layers * i.num_experts
+        if size * unit_bytes > everything * (1 + 1e-9):
+            # The cache would silently stop at every expert: say so rather than pretend to apply the size.
+            raise ValueError(
+                f"{size:g} {unit} is more than all of this model's experts take ({in_unit(session, everything)}): "
+                "a bigger cache holds nothing more. Type at most that."
+            )
+    return gb
+
+
+def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
+    """Attach the events; returns the events after which the runtime's settings changed. A refused value is said
+    in the status line (a raised gr.Error would cover the fields with red pills) and changes nothing."""
+
+    def refused(sentence: str) -> tuple:
+        return gr.skip(), f"⚠️ {sentence}"
+
+    def apply(size, distance, policy, capacity):
+        try:
+            cache_gb = check_cache_size(session, size)
+        except ValueError as exc:
+            return refused(str(exc))
+        if capacity is None or int(capacity) < 1:
+            return refused("Keep at least one expert map (store capacity ≥ 1).")
+        changes = dict(cache_gb=cache_gb, prefetch_distance=int(distance), policy=policy, store_capacity=int(capacity))
         if session.runtime is not None:
             layers = session.runtime.info.num_layers
             if int(distance) > max(1, layers - 1):
-                raise gr.Error(f"This model has {layers} MoE layers: the prefetch distance can be 1 to {layers - 1}.")
+                return refused(f"This model has {layers} MoE layers: the prefetch distance can be 1 to {layers - 1}.")
             try:
                 session.runtime.reconfigure(**changes)
             except ValueError as exc:
-                raise gr.Error(str(exc)) from exc
+                return refused(str(exc))
         try:
             session.store.settings.set(**changes)
         except ValueError as exc:
-            raise gr.Error(str(exc)) from exc
+            return refused(str(exc))
         if session.runtime is None:
             return describe(session), "Saved. They apply when a model is loaded."
         i = session.runtime.info
@@ -186,14 +244,18 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
 
     def clear_maps():
         if session.runtime is None:
-            raise gr.Error("Load a model first: maps are kept per model.")
+            return "⚠️ Load a model first: maps are kept per model."
         session.runtime.clear_maps()  # also clears the model's maps in SQLite
         return "Cleared the learned expert maps of this model. Prefetching learns again from the next reply."
 
     demo.load(lambda: refresh(session), None, refresh_outputs(tab), api_visibility="private")
+    tab.cache_size.change(
+        lambda size: experts_in(session, size), [tab.cache_size], [tab.cache_experts], queue=False,
+        api_visibility="private",
+    )  # fmt: skip
     applied = tab.apply.click(
         apply,
-        [tab.cache_gb, tab.prefetch_distance, tab.policy, tab.store_capacity],
+        [tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity],
         [tab.model_info, tab.status],
         api_name="apply_settings",
         concurrency_id="runtime",

@@ -20,13 +20,13 @@ from tests.browser.test_browser_app import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 sync_api = pytest.importorskip("playwright.sync_api")
 
-ONE_EXPERT_GB = 24576 / 1024**3  # tiny Mixtral: 3 × 64 × 32 fp32 weights
+ONE_EXPERT_KB = 24  # tiny Mixtral: 3 × 64 × 32 fp32 weights; its cache size is typed in KB
 
 
-def _apply_cache(page, gb: str) -> None:
+def _apply_cache(page, size: str) -> None:
     page.get_by_role("tab", name="Settings").click()
-    box = page.locator("#cache-gb input[type=number]")
-    box.fill(gb)
+    box = page.locator("#cache-size input[type=number]")
+    box.fill(size)
     box.press("Enter")
     page.locator("#apply-settings").click()
 
@@ -40,7 +40,7 @@ def test_impossible_cache_size_is_refused_and_the_chat_and_a_restart_still_work(
         app = App(data, model, net_log, port=7890)
         try:
             page = open_page(browser, app.url, [])
-            too_small = f"{ONE_EXPERT_GB / 2:.7f}"  # the slider allows it: half an expert
+            too_small = str(ONE_EXPERT_KB / 2)  # half an expert
             for _ in range(2):  # the second Apply used to pass and save the bad value
                 _apply_cache(page, too_small)
                 page.get_by_text("must hold at least one expert").first.wait_for(timeout=30_000)
@@ -59,6 +59,29 @@ def test_impossible_cache_size_is_refused_and_the_chat_and_a_restart_still_work(
             page = open_page(browser, app.url, [])
             send(page, "And about the ships?")
             page.locator("#chatbot").get_by_text("tok/s").first.wait_for(timeout=STREAM_TIMEOUT_MS)
+            page.close()
+        finally:
+            app.stop()
+        browser.close()
+
+
+def test_the_cache_size_is_shown_in_kb_and_experts_and_999_or_minus_1_are_refused_not_clamped(tiny_model_dir, tmp_path):
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        app = App(tmp_path / "data", tiny_model_dir("mixtral"), tmp_path / "net.log", port=7891)
+        try:
+            page = open_page(browser, app.url, [])
+            page.get_by_role("tab", name="Settings").click()
+            field = page.locator("#cache-size")
+            field.get_by_text("Expert cache (KB)").wait_for(timeout=30_000)  # not 0.000732421875 GB
+            page.locator("#cache-experts").get_by_text("768 KB = 32 experts of 24 KB each").wait_for(timeout=30_000)
+            for typed, sentence in (("999", "more than all of this model's experts"), ("-1", "at least one expert")):
+                _apply_cache(page, typed)
+                page.locator("#settings-status").get_by_text(sentence).wait_for(timeout=30_000)
+                assert field.locator("input[type=number]").input_value() == typed  # refused, never clamped
+                assert page.locator("#settings-status .error, #model-info .error").count() == 0
+            page.screenshot(path=SHOTS / "settings-cache-refused.png", full_page=True)
+            assert "(32 experts)" in page.locator("#app-title").inner_text()  # nothing changed
             page.close()
         finally:
             app.stop()
