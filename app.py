@@ -120,7 +120,9 @@ def serve(args: argparse.Namespace):
     from ui.session import ModelLoadError, Session
     from ui.theme import CSS, theme
 
-    session = Session(store=store, config=RuntimeConfig())
+    # Quantised copies of experts live beside the models, in the same data folder (also under --data-dir).
+    quantized = Path(store.models_dir).parent / "quantized"
+    session = Session(store=store, config=RuntimeConfig(quant_cache_dir=str(quantized)))
     model_dir, note = resolve_model(args.model, session.models_dir, store.settings.load().last_model)
     if model_dir is not None:
         try:

@@ -115,7 +115,7 @@ def _build(
     param_shapes = {name: tuple(getattr(moe_layers[0].experts, name).shape[1:]) for name in arch.expert_param_names}
     num_experts = arch.num_experts(hf_config)
     sources = [[arch.expert_sources(ref.layer_index, e, files) for e in range(num_experts)] for ref in moe_layers]
-    fmt = resolve_format(config.expert_format, sources)
+    fmt = resolve_format(config.expert_format, sources, files)
     if fmt == "bf16":
         host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
     else:

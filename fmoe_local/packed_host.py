@@ -3,13 +3,16 @@ or mxfp4.
 
 Scope: `PackedHostStore`, a tiered host store whose experts are stored packed and read through `view` (dequantised
 where computed); `CheckpointPackedSource`, which reads one expert from the checkpoint into its packed form —
-MXFP4 rows as the checkpoint holds them (never dense), bf16/fp32 rows quantised as they are read. It does NOT keep
-a quantised copy on disk (quant_cache.py does, for int8 and nf4) or decide the format (loading.py).
+MXFP4 rows as the checkpoint holds them (never dense), bf16/fp32 rows quantised as they are read; and
+`build_packed_host`, which puts int8/nf4 experts through the quantise-on-load cache (quant_cache.py). It does NOT
+decide the format (loading.py).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
+from functools import partial
 
 import torch
 
@@ -18,6 +21,9 @@ from fmoe_local.architectures import ExpertSource, Mxfp4Row
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.expert_formats import PackedParam, PackedRows
 from fmoe_local.host import CheckpointFiles, TieredHostStore, read_expert
+from fmoe_local.quant_cache import Progress, QuantCache
+
+log = logging.getLogger(__name__)
 
 Fetch = Callable[[int, int], dict[str, torch.Tensor]]
 
@@ -40,6 +46,7 @@ class PackedHostStore(TieredHostStore):
         self.expert_format = fmt
         self._fetch_fn = fetch
         self._on_close = on_close
+        self.quant_cache: QuantCache | None = None  # where int8/nf4 experts were read from (None: not cached)
         stored = expert_formats.stored_shapes(self.params, dtype)
         super().__init__(
             num_layers,
@@ -92,7 +99,7 @@ class CheckpointPackedSource:
         return out
 
 
-def resolve_format(chosen: str, sources: list[list[Mapping[str, ExpertSource]]]) -> str:
+def resolve_format(chosen: str, sources: list[list[Mapping[str, ExpertSource]]], files: CheckpointFiles) -> str:
     """The stored format: `auto` is the checkpoint's own (mxfp4 when its experts are MXFP4, else bf16)."""
     if chosen != "auto":
         return chosen
@@ -108,10 +115,35 @@ def build_packed_host(
     fmt: str,
     transposed: bool,
     config: RuntimeConfig,
+    progress: Progress | None = None,
 ) -> PackedHostStore:
-    """The packed host store of a checkpoint in `fmt` (see the module docstring for where its experts come from)."""
+    """The packed host store of a checkpoint in `fmt`. MXFP4 is read packed from the checkpoint; int8 and nf4 come
+    from the quantise-on-load cache (built on the first load, quant_cache.py) or, when it cannot be written,
+    are quantised in memory for this load only."""
     params = expert_formats.layout(fmt, param_shapes, transposed)
-    fetch = CheckpointPackedSource(files, sources, params, dtype)
-    return PackedHostStore(
-        fetch, params, fmt, len(sources), len(sources[0]), dtype, config.host_ram_gb, on_close=files.close
-    )
+    fetch: Fetch = CheckpointPackedSource(files, sources, params, dtype)
+    on_close = files.close
+    cache = None
+    if fmt in ("int8", "nf4"):
+        cache = QuantCache(config.quant_cache_dir, files.model_dir, fmt, dtype, len(sources))
+        try:
+            cache.build(fetch, len(sources[0]), progress)
+        except OSError as exc:
+            log.warning("%s Quantising in memory for this load.", exc)
+            cache = None
+    if cache is not None:
+        keys = list(expert_formats.stored_shapes(params, dtype))
+        fetch = partial(_read_cached, cache, keys)
+        on_close = partial(_close_both, cache, files)
+    host = PackedHostStore(fetch, params, fmt, len(sources), len(sources[0]), dtype, config.host_ram_gb, on_close)
+    host.quant_cache = cache
+    return host
+
+
+def _read_cached(cache: QuantCache, keys: list[str], layer: int, expert: int) -> dict[str, torch.Tensor]:
+    return cache.read(layer, expert, keys)
+
+
+def _close_both(cache: QuantCache, files: CheckpointFiles) -> None:
+    cache.close()
+    files.close()

@@ -1,0 +1,139 @@
+"""The quantise-on-load cache: a model's experts quantised once (int8 or nf4) into the user data folder, and read
+from there on every later load.
+
+Scope: where a copy lives (`<root>/<fingerprint>-<format>-<dtype>/`, the fingerprint covering config.json, the
+weights index and every weight file's name, size and modification time, so a changed checkpoint or another
+format gets a copy of its own), building it layer by layer, and reading one expert back. It does NOT decide the
+format (loading.py) or hold experts in RAM (packed_host.py).
+
+One file per MoE layer (`layer-0003.safetensors`, keys `<expert>.<stored key>`), each written to a temporary name
+and renamed into place only when complete, so a build that is killed or runs out of disk leaves whole layers and no
+half-written one: the next load keeps those layers and quantises the rest (resumes). Leftover temporary files are
+removed then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fmoe_local.safetensors_file import SafetensorsFile
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # of the stored layout: a change makes every earlier copy unused (a new folder name)
+_TMP = ".partial"
+Fetch = Callable[[int, int], dict[str, torch.Tensor]]
+Progress = Callable[[int, int], None]
+
+
+def default_root() -> Path:
+    """`quantized/` in the per-OS user data folder (where the app keeps its database and models)."""
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("fmoe-local", appauthor=False)) / "quantized"
+
+
+def fingerprint(model_dir: Path) -> str:
+    """Identify a checkpoint's exact files: config.json and index contents, weight names, sizes and mtimes."""
+    h = hashlib.sha256(f"v{VERSION}\0".encode())
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.name == "config.json" or path.name.endswith(".index.json"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        elif path.suffix == ".safetensors" and path.is_file():
+            st = path.stat()
+            h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:24]
+
+
+class QuantCache:
+    """The quantised copy of one checkpoint in one format and compute dtype."""
+
+    def __init__(self, root: str | Path | None, model_dir: Path, fmt: str, dtype: torch.dtype, num_layers: int) -> None:
+        name = f"{fingerprint(model_dir)}-{fmt}-{str(dtype).removeprefix('torch.')}"
+        self.dir = Path(root) if root is not None else default_root()
+        self.dir = self.dir / name
+        self.num_layers = num_layers
+        self.quantised_layers = 0  # how many layers this load quantised (0: everything came from the copy)
+        self._handles: dict[int, SafetensorsFile] = {}
+        self._lock = threading.Lock()
+
+    def layer_path(self, layer: int) -> Path:
+        return self.dir / f"layer-{layer:04d}.safetensors"
+
+    def missing_layers(self) -> list[int]:
+        """Layers without a readable file (a damaged one is removed, so it is quantised again)."""
+        missing = []
+        for layer in range(self.num_layers):
+            path = self.layer_path(layer)
+            if not path.exists():
+                missing.append(layer)
+                continue
+            try:
+                SafetensorsFile(path).close()  # the header and the file's length are checked
+            except OSError:
+                path.unlink(missing_ok=True)
+                missing.append(layer)
+        return missing
+
+    def build(self, fetch: Fetch, num_experts: int, progress: Progress | None = None) -> None:
+        """Quantise the layers not in the copy yet (`fetch(layer, expert)` gives one expert's stored tensors).
+        Raises OSError (a sentence) when the copy cannot be written; what was written stays usable."""
+        missing = self.missing_layers()
+        if not missing:
+            return
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._unwritable(exc) from exc
+        for stale in self.dir.glob(f"*{_TMP}"):
+            stale.unlink(missing_ok=True)  # a build that was killed mid-file
+        t0 = time.perf_counter()
+        for done, layer in enumerate(missing):
+            tensors = {f"{e}.{key}": t.contiguous() for e in range(num_experts) for key, t in fetch(layer, e).items()}
+            self._write(layer, tensors)
+            self.quantised_layers += 1
+            if progress is not None:
+                progress(done + 1, len(missing))
+            log.info("quantised MoE layer %d (%d/%d) into %s", layer, done + 1, len(missing), self.dir)
+        log.info("quantised %d layers in %.1f s", len(missing), time.perf_counter() - t0)
+
+    def _write(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        final = self.layer_path(layer)
+        partial = final.with_name(final.name + _TMP)
+        try:
+            save_file(tensors, str(partial), metadata={"format": "pt"})
+            with open(partial, "rb") as f:
+                os.fsync(f.fileno())  # the rename must never publish bytes still in flight
+            os.replace(partial, final)
+        except OSError as exc:
+            partial.unlink(missing_ok=True)
+            raise self._unwritable(exc) from exc
+
+    def _unwritable(self, exc: OSError) -> OSError:
+        return OSError(
+            f"Could not write the quantised copy of the experts to {self.dir} ({exc.strerror or exc}). Free some "
+            "disk space and load the model again (finished layers are kept), or choose expert format bf16."
+        )
+
+    def read(self, layer: int, expert: int, keys: list[str]) -> dict[str, torch.Tensor]:
+        """One expert's stored tensors from the copy (positioned reads, as from the checkpoint)."""
+        with self._lock:
+            handle = self._handles.get(layer)
+            if handle is None:
+                handle = self._handles[layer] = SafetensorsFile(self.layer_path(layer))
+        return {key: handle.get(f"{expert}.{key}") for key in keys}
+
+    def close(self) -> None:
+        with self._lock:
+            for handle in self._handles.values():
+                handle.close()
+            self._handles.clear()

@@ -1,0 +1,119 @@
+"""The quantise-on-load cache: built once, read on the next load, rebuilt for another format or a changed checkpoint,
+resumed after an interrupted build, never read half-written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from fmoe_local import quant_cache
+from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.loading import load_model
+from fmoe_local.quant_cache import QuantCache
+from fmoe_local.runtime import Runtime
+
+
+def _load(model_dir, root, fmt="nf4"):
+    return load_model(model_dir, RuntimeConfig(expert_format=fmt, quant_cache_dir=str(root)), "cpu", None)
+
+
+def _stored(host):
+    return {(layer, e): host.read(layer, e) for layer in range(host.num_layers) for e in range(host.num_experts)}
+
+
+def test_second_load_reads_the_cache_and_gets_the_same_experts(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("olmoe")
+    first = _load(model_dir, tmp_path)
+    cache = first.host.quant_cache
+    assert cache.quantised_layers == first.host.num_layers and cache.missing_layers() == []
+    built = _stored(first.host)
+    first.host.close()
+    second = _load(model_dir, tmp_path)
+    assert second.host.quant_cache.quantised_layers == 0 and second.host.quant_cache.dir == cache.dir
+    again = _stored(second.host)
+    assert built.keys() == again.keys()
+    assert all(torch.equal(built[k][n], again[k][n]) for k in built for n in built[k])
+    second.host.close()
+
+
+def test_another_format_or_a_changed_checkpoint_gets_its_own_copy(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("mixtral"), model_dir)
+    nf4 = _load(model_dir, tmp_path / "q")
+    int8 = _load(model_dir, tmp_path / "q", "int8")
+    assert int8.host.quant_cache.dir != nf4.host.quant_cache.dir and int8.host.quant_cache.quantised_layers > 0
+    weights = model_dir / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # rewritten in place
+    changed = _load(model_dir, tmp_path / "q")
+    assert changed.host.quant_cache.dir != nf4.host.quant_cache.dir
+    assert changed.host.quant_cache.quantised_layers == changed.host.num_layers
+    for loaded in (nf4, int8, changed):
+        loaded.host.close()
+
+
+def test_an_interrupted_build_resumes_and_never_reads_a_partial_file(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir = tiny_model_dir("qwen2_moe")
+    real_write = QuantCache._write
+
+    def dies_on_layer_1(self, layer, tensors):
+        if layer == 1:
+            partial = self.layer_path(layer).with_name(self.layer_path(layer).name + ".partial")
+            partial.write_bytes(b"half a layer")  # what a kill mid-write leaves
+            raise KeyboardInterrupt
+        real_write(self, layer, tensors)
+
+    monkeypatch.setattr(QuantCache, "_write", dies_on_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        _load(model_dir, tmp_path)
+    monkeypatch.setattr(QuantCache, "_write", real_write)
+    (folder,) = tmp_path.iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == ["layer-0000.safetensors", "layer-0001.safetensors.partial"]
+    resumed = _load(model_dir, tmp_path)
+    cache = resumed.host.quant_cache
+    assert cache.quantised_layers == resumed.host.num_layers - 1  # layer 0 was kept
+    assert not list(folder.glob("*.partial"))
+    clean = _load(model_dir, tmp_path / "clean")
+    a, b = _stored(resumed.host), _stored(clean.host)
+    assert all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
+    resumed.host.close()
+    clean.host.close()
+
+
+def test_a_damaged_layer_file_is_quantised_again(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("olmoe")
+    _load(model_dir, tmp_path).host.close()
+    (folder,) = tmp_path.iterdir()
+    layer = folder / "layer-0001.safetensors"
+    layer.write_bytes(layer.read_bytes()[:-100])  # cut short
+    again = _load(model_dir, tmp_path)
+    assert again.host.quant_cache.quantised_layers == 1
+    again.host.close()
+
+
+def test_a_cache_that_cannot_be_written_falls_back_to_quantising_in_memory(tiny_model_dir, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder would go")
+    config = RuntimeConfig(
+        device="cpu",
+        expert_format="nf4",
+        quant_cache_dir=str(blocker),
+        cache_experts=2,
+        sampling=Sampling(greedy=True, max_new_tokens=4),
+    )
+    with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
+        assert runtime.engine.host.quant_cache is None and runtime.info.expert_format == "nf4"
+        cached = RuntimeConfig(device="cpu", expert_format="nf4", quant_cache_dir=str(tmp_path / "q"))
+        with Runtime.load(tiny_model_dir("mixtral"), cached.with_changes(cache_experts=2)) as reference:
+            prompt = [{"role": "user", "content": "Hello there"}]
+            assert runtime.generate(prompt).token_ids == reference.generate(prompt, config.sampling).token_ids
+
+
+def test_default_root_is_in_the_user_data_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    if os.name == "posix" and not str(quant_cache.default_root()).startswith(str(tmp_path)):
+        pytest.skip("this platform's data folder does not follow XDG_DATA_HOME")
+    assert quant_cache.default_root() == tmp_path / "fmoe-local" / "quantized"
