@@ -1,7 +1,7 @@
 """`fmoe-local bench …`: argument parsing and printing for the benchmarks.
 
 Scope: `bench replay` (every policy on recorded traces, a table, --json, --plot, --sweep prefetch-distance),
-`bench matcher` (map-search cost), and the wiring of `bench live` (bench/live.py) and `bench overhead`
+`bench matcher` (map-search cost), `bench cpu-experts` (bench/cpu_experts.py), and the wiring of `bench live` (bench/live.py) and `bench overhead`
 (bench/overhead.py), whose modules own their arguments. The main CLI (fmoe_local/cli.py) calls
 `add_parser(subparsers)` and `run(args)`; `python -m fmoe_local.bench.cli …` works on its own too. It does NOT
 simulate anything itself (replay.py) and builds policies only through `policies.make_policy` (the oracle through
@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_local.bench import live, matcher, overhead
+from fmoe_local.bench import cpu_experts, live, matcher, overhead
 from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.oracle import OraclePolicy
 from fmoe_local.bench.presets import BITS, PRESETS, CostModel, cost_model
@@ -90,6 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     matcher.add_parser(sub)
     live.add_parser(sub)
     overhead.add_parser(sub)
+    cpu_experts.add_parser(sub)
 
 
 def _distance_arg(text: str) -> int | str:
@@ -106,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         return run_replay(args)
     if args.bench_command == "matcher":
         return matcher.run(args)
+    if args.bench_command == "cpu-experts":
+        return cpu_experts.run(args)
     if args.bench_command == "live":
         return live.run(args)
     if args.bench_command == "overhead":
