@@ -93,7 +93,8 @@ def test_oracle_is_never_beaten(seed: int, capacity: int, experts_per_layer: flo
     for name in ["test-lru", "test-greedy", *registry_policies()]:
         other = replay(schedule, make(name, schedule, capacity), capacity, cost, "online")
         assert oracle.hits >= other.hits, name
-        assert oracle.stall_s <= other.stall_s + 1e-9, name
+        # cpu_moe computes its misses on the host instead (host_s; the CPU is infinitely slow in this cost model)
+        assert oracle.stall_s <= other.stall_s + other.host_s + 1e-9, name
 
 
 def test_belady_without_prefetch_by_hand() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from fmoe_local.bench import cpu_experts, live, matcher, overhead
 from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.oracle import OraclePolicy
-from fmoe_local.bench.presets import BITS, PRESETS, CostModel, cost_model
+from fmoe_local.bench.presets import BITS, CPU_EXPERT_GBPS, CPU_SOURCE, PRESETS, CostModel, cost_model
 from fmoe_local.bench.replay import (
     FALLBACKS,
     LIVE_ONLY,
@@ -32,7 +32,7 @@ from fmoe_local.bench.replay import (
     replay_all,
 )
 from fmoe_local.bench.traces import load_trace
-from fmoe_local.config import SEMANTIC_MODES, RuntimeConfig
+from fmoe_local.config import MISS_HANDLING, SEMANTIC_MODES, RuntimeConfig
 from fmoe_local.policies.base import Policy
 from fmoe_local.prefetch_distance import distance_for
 
@@ -74,6 +74,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="request_map_mean",
         choices=FALLBACKS,
         help="semantic input when the trace has no embeddings",
+    )
+    r.add_argument(
+        "--miss-handling",
+        default="copy",
+        help="comma list of copy, cpu, auto: each policy is replayed under each (cpu_moe only under cpu, which it "
+        "forces); default copy",
+    )
+    r.add_argument(
+        "--cpu-gbs",
+        type=float,
+        help=f"GB/s of expert weights the CPU computes through (default {CPU_EXPERT_GBPS}: {CPU_SOURCE})",
     )
     r.add_argument("--bandwidth-gbs", type=float, help="host→device GB/s (default 25, PCIe 4.0 x16)")
     r.add_argument("--expert-mb", type=float, help="override the preset's expert size (MB)")
@@ -143,6 +154,16 @@ def _policy_factory(args: argparse.Namespace, distance: int) -> _Factory:
     return _Factory(args, distance)
 
 
+def _miss_handlings(text: str) -> list[str]:
+    chosen = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in chosen if m not in MISS_HANDLING]
+    if unknown or not chosen:
+        raise ValueError(
+            f"Unknown miss handling '{', '.join(unknown) or text}'. Give a comma list of: {', '.join(MISS_HANDLING)}."
+        )
+    return chosen
+
+
 def _check_policies(names: list[str]) -> None:
     from fmoe_local.policies import REGISTRY
 
@@ -174,13 +195,18 @@ def run_replay(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     _check_policies(names)
     folding = parse_fold(args.fold) if args.fold else None
-    cost = cost_model(args.preset, args.dtype, args.bandwidth_gbs, args.expert_mb, args.layer_time_ms)
+    args.miss_handling = _miss_handlings(args.miss_handling)
+    cost = cost_model(args.preset, args.dtype, args.bandwidth_gbs, args.expert_mb, args.layer_time_ms, args.cpu_gbs)
     config = {
         "preset": args.preset,
         "dtype": args.dtype,
         "expert_bytes": cost.expert_bytes,
         "bandwidth_Bps": cost.bandwidth,
         "layer_time_s": cost.layer_time_s,
+        "miss_handling": args.miss_handling,
+        "cpu_expert_s": cost.cpu_s_1,
+        "cpu_expert_s_per_token": cost.cpu_s_per_token,
+        "cpu_source": f"{args.cpu_gbs} GB/s (--cpu-gbs)" if args.cpu_gbs else CPU_SOURCE,
         "prefetch_distance": args.prefetch_distance,
         "fold": args.fold,
         "store_capacity": args.store_capacity,
@@ -209,6 +235,7 @@ def run_replay(args: argparse.Namespace) -> int:
             args.mode,
             path.name,
             args.jobs,
+            args.miss_handling,
         )
         _print_table(path.name, trace.model, schedule, capacity, cost, results, distance)
         out["results"].extend(_rows(results))
@@ -241,13 +268,17 @@ def _cpu_s() -> float:
 
 
 def _rows(results: list[ReplayResult]) -> list[dict]:
-    base = {r.policy: r.tpot_s for r in results if r.policy == "on_demand"}.get("on_demand")
-    oracle = {r.policy: r.hit_rate for r in results if r.policy == "oracle"}.get("oracle")
+    """Speed-ups are against on_demand with copied misses (the plain offloading baseline) where it ran, hit rates
+    against the oracle under the same miss handling."""
+    by = {(r.policy, r.miss_handling): r for r in results if not r.note}
+    base = next((r.tpot_s for r in results if r.policy == "on_demand" and r.miss_handling == "copy"), None)
+    base = base or next((r.tpot_s for r in results if r.policy == "on_demand"), None)
     rows = []
     for r in results:
         d = r.to_dict()
         d["speedup_vs_on_demand"] = base / r.tpot_s if base and r.tpot_s else None
-        d["hit_rate_vs_oracle"] = r.hit_rate / oracle if oracle and not r.note else None
+        oracle = by.get(("oracle", r.miss_handling))
+        d["hit_rate_vs_oracle"] = r.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate and not r.note else None
         rows.append(d)
     return rows
 
@@ -260,34 +291,37 @@ def _print_table(name: str, model: str, s: Schedule, capacity: int, cost: CostMo
     )
     print(
         f"cost: expert {cost.expert_bytes / 1e6:.1f} MB, {cost.bandwidth / 1e9:.1f} GB/s "
-        f"(load {cost.load_s * 1e3:.2f} ms), layer {cost.layer_time_s * 1e3:.3f} ms; prefetch distance {distance}"
+        f"(load {cost.load_s * 1e3:.2f} ms), layer {cost.layer_time_s * 1e3:.3f} ms, "
+        f"CPU {cost.cpu_s_1 * 1e3:.2f} ms per expert at one token; prefetch distance {distance}"
     )
-    header = f"{'policy':<13}{'hit rate':>9}{'vs oracle':>10}{'stalls':>9}{'stall s':>9}{'TPOT ms':>9}"
-    print(header + f"{'speed-up':>9}{'prefetched':>11}{'late':>7}{'wasted':>8}{'wall s':>8}{'CPU s':>7}")
+    header = f"{'policy+misses':<20}{'hit rate':>9}{'vs oracle':>10}{'stalls':>9}{'stall s':>9}{'on CPU':>8}"
+    print(header + f"{'CPU s':>7}{'TPOT ms':>9}{'speed-up':>9}{'prefetched':>11}{'late':>7}{'wasted':>8}{'wall s':>8}")
     for d in _rows(results):
         if d["note"]:
-            print(f"{d['policy']:<13}  {d['note']}")
+            print(f"{d['policy']:<20}  {d['note']}")
             continue
         vs = f"{d['hit_rate_vs_oracle']:.2f}" if d["hit_rate_vs_oracle"] is not None else "-"
         sp = f"{d['speedup_vs_on_demand']:.2f}x" if d["speedup_vs_on_demand"] is not None else "-"
         print(
-            f"{d['policy']:<13}{d['hit_rate']:>9.3f}{vs:>10}{d['stalls']:>9}{d['stall_s']:>9.2f}"
-            f"{d['tpot_s'] * 1e3:>9.2f}{sp:>9}{d['prefetched']:>11}{d['late']:>7}{d['prefetch_wasted']:>8}{d['wall_s']:>8.1f}"
-            f"{d['cpu_s']:>7.1f}"
+            f"{d['policy'] + '+' + d['miss_handling']:<20}{d['hit_rate']:>9.3f}{vs:>10}{d['stalls']:>9}"
+            f"{d['stall_s']:>9.2f}{d['on_host']:>8}{d['host_s']:>7.2f}{d['tpot_s'] * 1e3:>9.2f}{sp:>9}"
+            f"{d['prefetched']:>11}{d['late']:>7}{d['prefetch_wasted']:>8}{d['wall_s']:>8.1f}"
         )
 
 
 def _print_pooled(rows: list[dict], names: list[str]) -> None:
     print("\nall traces pooled (hits / accesses):")
-    for name in names:
-        mine = [r for r in rows if r["policy"] == name and not r["note"]]
+    labels = dict.fromkeys((r["policy"], r["miss_handling"]) for r in rows if r["policy"] in names and not r["note"])
+    for name, misses in labels:
+        mine = [r for r in rows if (r["policy"], r["miss_handling"]) == (name, misses) and not r["note"]]
         hits, total = sum(r["hits"] for r in mine), sum(r["hits"] + r["late"] + r["misses"] for r in mine)
         if total:
-            print(f"{name:<13}{hits / total:>9.3f}")
+            print(f"{name + '+' + misses:<20}{hits / total:>9.3f}")
 
 
 def _sweep(args: argparse.Namespace, schedules: dict, names: list[str], cost: CostModel) -> list[dict]:
-    print("\nprefetch-distance sweep (hit rate; policies that ignore d are replayed once):")
+    first = args.miss_handling[:1]
+    print(f"\nprefetch-distance sweep (hit rate, misses {first[0]}; policies that ignore d are replayed once):")
     print(f"{'trace':<34}{'policy':<13}" + "".join(f"{'d=' + str(d):>8}" for d in SWEEP_DISTANCES))
     fixed = [n for n in names if n in D_INDEPENDENT]
     varying = [n for n in names if n not in D_INDEPENDENT and n not in LIVE_ONLY]
@@ -298,7 +332,7 @@ def _sweep(args: argparse.Namespace, schedules: dict, names: list[str], cost: Co
         for d in SWEEP_DISTANCES:
             todo = varying + (fixed if d == SWEEP_DISTANCES[0] else [])
             factory = _policy_factory(args, d)
-            for r in replay_all(schedule, todo, factory, capacity, cost, args.mode, path.name, args.jobs):
+            for r in replay_all(schedule, todo, factory, capacity, cost, args.mode, path.name, args.jobs, first):
                 rates.setdefault(r.policy, []).append(r.hit_rate)
                 rows.append({"trace": path.name, "policy": r.policy, "prefetch_distance": d, **_brief(r)})
         for name in varying + fixed:
@@ -308,12 +342,13 @@ def _sweep(args: argparse.Namespace, schedules: dict, names: list[str], cost: Co
 
 
 def _curve(args: argparse.Namespace, schedules: dict, names: list[str], cost: CostModel) -> list[dict]:
+    first = args.miss_handling[:1]  # the curve shows hit rates: one miss handling
     rows = []
     for path, schedule in schedules.items():
         for f in PLOT_FRACTIONS:
             capacity = _capacity(args, schedule, cost, fraction=f)
             factory = _policy_factory(args, _distance(args, schedule, cost))
-            for r in replay_all(schedule, names, factory, capacity, cost, args.mode, path.name, args.jobs):
+            for r in replay_all(schedule, names, factory, capacity, cost, args.mode, path.name, args.jobs, first):
                 if not r.note:
                     rows.append({"trace": path.name, "policy": r.policy, "cache_fraction": f, **_brief(r)})
     return rows

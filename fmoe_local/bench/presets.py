@@ -12,13 +12,20 @@ kernels × 5 µs). A pass over n tokens (prefill) takes at least 2 · active par
 the 4090's 165 TFLOPS dense BF16 tensor rate; the replay takes the larger of the two. KV-cache reads are left
 out (short contexts). 4-bit means 4.25 bits per weight (4-bit values + one 16-bit scale per 64 weights, or
 MXFP4's 8-bit scale per 32); expert biases stay bf16.
+
+CPU time of one expert (miss handling cpu/auto): the weights read once at the rate the chosen CPU kernel reaches
+(`CPU_EXPERT_GBPS`, GB/s of stored bytes) plus 2 · expert params FLOPs per further token at `CPU_FLOPS`. Both are
+measured, not quoted: `fmoe-local bench cpu-experts` on the machine named in `CPU_SOURCE` (docs/bench.md, "CPU
+experts"); `--cpu-gbs` replaces the first with a user's own figure.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from fmoe_local.expert_formats import BITS as EXPERT_BITS
+from fmoe_local.miss_cost import PROBE_TOKENS, MissCosts
 
 GPU_NAME = "RTX 4090-class"
 GPU_MEM_BW = 1008e9  # B/s, GDDR6X, NVIDIA RTX 4090 spec sheet
@@ -29,6 +36,10 @@ LAUNCH_OVERHEAD_S = 50e-6
 PCIE4_X16_BW = 25e9  # B/s host→device, pinned memory, PCIe 4.0 x16 (32 GB/s theoretical)
 # Bits per weight by expert format (expert_formats.BITS); "4bit" is the generic 4.25 (scale per 64, or MXFP4's).
 BITS = EXPERT_BITS | {"4bit": 4.25}
+# Measured with `fmoe-local bench cpu-experts --shapes deepseek-v2-lite` (docs/bench.md, "CPU experts").
+CPU_EXPERT_GBPS = 6.9  # GB/s of stored expert bytes: bf16 native at one token, one thread (DRAM read: 19 GB/s)
+CPU_FLOPS = 89e9  # FLOP/s: the slope from 1 to 16 tokens of the same kernel (2.51 → 5.42 ms per expert)
+CPU_SOURCE = "bench cpu-experts --threads 1 on the project's 2-core AVX2 machine without bf16 units, 2026-11-25"
 
 
 def gqa_attention_params(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
@@ -71,6 +82,10 @@ class Preset:
         resident = (self.attention_params + self.hidden * self.num_experts + self.shared_params) * 2
         read = resident + self.top_k * self.expert_bytes(dtype)
         return read / (GPU_MEM_BW * MEM_EFFICIENCY) + LAUNCH_OVERHEAD_S
+
+    def cpu_expert_s(self, dtype: str = "bf16", cpu_gbps: float = CPU_EXPERT_GBPS) -> tuple[float, float]:
+        """CPU seconds of one expert at one token, and per further token (see the module docstring)."""
+        return self.expert_bytes(dtype) / (cpu_gbps * 1e9), 2 * self.expert_params / CPU_FLOPS
 
     def token_flop_time_s(self) -> float:
         """Compute-bound time of one layer per token (prefill)."""
@@ -177,6 +192,23 @@ class CostModel:
     bandwidth: float  # B/s host→device
     layer_time_s: float  # one MoE layer, one decode token
     token_flop_time_s: float  # one MoE layer, per token when compute-bound (prefill)
+    cpu_s_1: float = math.inf  # the CPU computes one expert for one token (miss handling cpu/auto)
+    cpu_s_per_token: float = 0.0  # and each further token
+
+    def cpu_s(self, tokens: int) -> float:
+        return self.cpu_s_1 + max(0, tokens - 1) * self.cpu_s_per_token
+
+    def miss_costs(self) -> MissCosts:
+        """The runtime's figures for the same costs, so the replay's auto decides exactly as the runtime's does."""
+        return MissCosts(
+            device="cuda",
+            fmt="preset",
+            expert_bytes=self.expert_bytes,
+            h2d_gbps=self.bandwidth / 1e9,
+            cpu_kernel="preset",
+            cpu_s_1=self.cpu_s_1,
+            cpu_s_n=self.cpu_s(PROBE_TOKENS),
+        )
 
     def layer_s(self, tokens: int) -> float:
         return max(self.layer_time_s, tokens * self.token_flop_time_s)
@@ -193,16 +225,21 @@ def cost_model(
     bandwidth_gbs: float | None = None,
     expert_mb: float | None = None,
     layer_time_ms: float | None = None,
+    cpu_gbs: float | None = None,
 ) -> CostModel:
     """The preset's costs with optional overrides (GB/s and MB are 1e9 and 1e6 bytes)."""
     if preset not in PRESETS:
         raise ValueError(f"Unknown preset '{preset}'. Choose one of: {', '.join(PRESETS)}.")
     p = PRESETS[preset]
-    cm = CostModel(p.expert_bytes(dtype), PCIE4_X16_BW, p.layer_time_s(dtype), p.token_flop_time_s())
+    if cpu_gbs is not None and cpu_gbs <= 0:
+        raise ValueError("The CPU's GB/s must be a positive number.")
+    cpu_1, cpu_token = p.cpu_expert_s(dtype, cpu_gbs or CPU_EXPERT_GBPS)
+    cm = CostModel(p.expert_bytes(dtype), PCIE4_X16_BW, p.layer_time_s(dtype), p.token_flop_time_s(), cpu_1, cpu_token)
     if bandwidth_gbs is not None:
         cm = replace(cm, bandwidth=bandwidth_gbs * 1e9)
     if expert_mb is not None:
-        cm = replace(cm, expert_bytes=int(expert_mb * 1e6))
+        cpu_1 = expert_mb * 1e6 / ((cpu_gbs or CPU_EXPERT_GBPS) * 1e9)
+        cm = replace(cm, expert_bytes=int(expert_mb * 1e6), cpu_s_1=cpu_1)
     if layer_time_ms is not None:
         cm = replace(cm, layer_time_s=layer_time_ms / 1e3)
     for name, value in (("bandwidth", cm.bandwidth), ("expert size", cm.expert_bytes), ("layer time", cm.layer_time_s)):
@@ -215,8 +252,8 @@ def preset_table() -> str:
     """Markdown table of every preset (docs/bench.md)."""
     head = (
         "| preset | L (MoE) | J | K | H | I | expert MB bf16 | expert MB 4-bit | all experts GB bf16 "
-        "| layer ms bf16 | layer ms 4-bit | expert load ms @25 GB/s bf16 | source |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| layer ms bf16 | layer ms 4-bit | expert load ms @25 GB/s bf16 | expert CPU ms bf16 (1 token) | source |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for p in PRESETS.values():
@@ -225,6 +262,7 @@ def preset_table() -> str:
             f"| {p.expert_bytes('bf16') / 1e6:.1f} | {p.expert_bytes('4bit') / 1e6:.1f} "
             f"| {p.total_expert_bytes('bf16') / 1e9:.1f} | {p.layer_time_s('bf16') * 1e3:.3f} "
             f"| {p.layer_time_s('4bit') * 1e3:.3f} | {p.expert_bytes('bf16') / PCIE4_X16_BW * 1e3:.2f} "
+            f"| {p.cpu_expert_s('bf16')[0] * 1e3:.2f} "
             f"| [config.json]({p.source}) |"
         )
     return head + "\n".join(rows) + "\n"

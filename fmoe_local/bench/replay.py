@@ -12,7 +12,9 @@ Timeline of one iteration (the runtime's order, prefetcher.py + cache.py):
   2. access: the needed experts are the recorded top-K of the iteration's rows (union over a prefill's tokens).
      Resident and copied → hit. A prefetch still copying is "late" (neither): it stalls only for its remaining bytes
      (the policy is told hit=True, as cache.acquire would). Else an on-demand load that stalls
-     expert_bytes / bandwidth, prefetching paused meanwhile.
+     expert_bytes / bandwidth, prefetching paused meanwhile — or, when the miss handling sends it to the host (the
+     runtime's MissPlanner on the same figures: miss_handling copy | cpu | auto, or the policy's own, cpu_moe: cpu),
+     no load at all and the layer waits the CPU's time for that expert and its tokens (`CostModel.cpu_s`).
      record_access (by the simulated cache, per chunk as cache.acquire does), then observe_layer(l, mean probs of
      the rows) → more prefetches.
   Queued prefetches for layers ≤ l (or an older iteration) are stale and dropped: the same PrefetchQueue
@@ -36,7 +38,7 @@ import itertools
 import math
 import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -45,6 +47,8 @@ import numpy as np
 from fmoe_local.bench.presets import CostModel
 from fmoe_local.bench.simcache import SimCache
 from fmoe_local.bench.traces import DECODE, Trace
+from fmoe_local.config import MISS_HANDLING
+from fmoe_local.miss_cost import MissPlanner
 from fmoe_local.policies._common import learn_pass
 from fmoe_local.policies.base import ModelShape, Policy
 from fmoe_local.prefetch_queue import PrefetchQueue
@@ -68,6 +72,9 @@ class Schedule:
     requests: list[int]  # seq ids, in order
     semantics: list[np.ndarray | None]  # [N] what begin_iteration receives
     semantic_source: str
+    # Multi-row iterations (prefill): per layer, how many rows chose each expert of `needed`, in the same order —
+    # what the miss handling decides with (a decode step's expert serves one token).
+    counts: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def num_iterations(self) -> int:
@@ -92,6 +99,7 @@ def build_schedule(trace: Trace, semantic_mode: str = "running_mean", fallback: 
     n = len(iters)
     probs = np.zeros((n, L, J), np.float32)
     needed: list[list[tuple[int, ...]]] = []
+    counts: dict[int, list[tuple[int, ...]]] = {}
     # Every row at once (decode steps are one row each: most of a trace), then per iteration only what remains.
     rows = trace.num_rows
     dist, sel = trace.distributions(0, rows), trace.selected(0, rows)  # [T, L, J], [T, L, K]
@@ -107,7 +115,14 @@ def build_schedule(trace: Trace, semantic_mode: str = "running_mean", fallback: 
         else:
             probs[i] = dist[it.start : it.stop].mean(0)
             rows_sel = sel[it.start : it.stop]
-            needed.append([tuple(int(e) for e in np.unique(rows_sel[:, layer]) if e >= 0) for layer in range(L)])
+            layers = []
+            counts[i] = []
+            for layer in range(L):
+                ids, n = np.unique(rows_sel[:, layer], return_counts=True)
+                keep = ids >= 0
+                layers.append(tuple(ids[keep].tolist()))
+                counts[i].append(tuple(n[keep].tolist()))
+            needed.append(layers)
     seqs = [it.seq_id for it in iters]
     requests = list(dict.fromkeys(seqs))
     index = {s: r for r, s in enumerate(requests)}
@@ -122,7 +137,7 @@ def build_schedule(trace: Trace, semantic_mode: str = "running_mean", fallback: 
     shape = ModelShape(L, J, trace.top_k, dim)
     tokens = np.array([it.stop - it.start for it in iters], np.int64)
     decode = np.array([it.phase == DECODE for it in iters], bool)
-    return Schedule(shape, needed, probs, tokens, decode, request_of, requests, semantics, source)
+    return Schedule(shape, needed, probs, tokens, decode, request_of, requests, semantics, source, counts)
 
 
 def _embedding_semantics(trace: Trace, iters: list, mode: str) -> list[np.ndarray | None]:
@@ -163,6 +178,7 @@ def _map_semantics(probs: np.ndarray, request_of: np.ndarray, fallback: str) -> 
 class ReplayResult:
     trace: str
     policy: str
+    miss_handling: str = "copy"  # in force: the one asked for, or the one the policy forces (cpu_moe: cpu)
     hits: int = 0
     misses: int = 0
     stall_s: float = 0.0  # time the forward pass waited for copies (on-demand loads and unfinished prefetches)
@@ -170,6 +186,8 @@ class ReplayResult:
     decode_s: float = 0.0  # compute + stalls of measured decode iterations
     decode_tokens: int = 0
     late: int = 0  # accesses whose prefetch was under way: they stall only for the bytes still to copy
+    on_host: int = 0  # misses computed on the host instead of loaded
+    host_s: float = 0.0  # time the forward pass spent computing them
     prefetched: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
@@ -183,6 +201,10 @@ class ReplayResult:
     layer_hits: list[int] = field(default_factory=list)
     layer_misses: list[int] = field(default_factory=list)
     layer_late: list[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}+{self.miss_handling}"
 
     @property
     def stalls(self) -> int:
@@ -226,16 +248,24 @@ def replay(
     warm_fraction: float = 0.7,
     trace_name: str = "",
     policy_name: str | None = None,
+    miss_handling: str = "copy",
 ) -> ReplayResult:
     """Replay `schedule` through `policy`. Offline: the first `warm_fraction` of the requests only warm the policy."""
     if mode not in MODES:
         raise ValueError(f"Unknown replay mode '{mode}'. Choose offline or online.")
+    if miss_handling not in MISS_HANDLING:
+        raise ValueError(f"Unknown miss handling '{miss_handling}'. Choose from: {', '.join(MISS_HANDLING)}.")
     t0 = time.perf_counter()
     name = policy_name or getattr(policy, "name", type(policy).__name__)
     shape = schedule.shape
+    set_capacity = getattr(policy, "set_capacity", None)
+    if set_capacity is not None:  # as the engine does whenever it makes a cache
+        set_capacity(capacity)
+    planner = MissPlanner(miss_handling, cost.miss_costs(), getattr(policy, "miss_handling", None))
+    on_host = None if planner.mode == "copy" else planner.on_host
     sim = SimCache(shape, capacity, policy, cost)
     warm = int(warm_fraction * len(schedule.requests)) if mode == "offline" else 0
-    result = ReplayResult(trace_name, name, semantic_source=schedule.semantic_source)
+    result = ReplayResult(trace_name, name, planner.mode, semantic_source=schedule.semantic_source)
     queue = PrefetchQueue(shape.num_layers, shape.num_experts)
     before: LayerCounters | None = None
     transfer, access, push, observe_layer = sim.transfer, sim.access, queue.push, policy.observe_layer
@@ -262,9 +292,11 @@ def replay(
         budget = cost.bandwidth * layer_s
         stall_total = 0.0
         probs = schedule.probs[i]  # [L, J]
+        counts = schedule.counts.get(i)
         for layer, experts in enumerate(schedule.needed[i]):
             transfer(budget, queue, i)
-            stall_total += access(layer, experts)[1]
+            _, stall, host = access(layer, experts, None if counts is None else counts[layer], on_host)
+            stall_total += stall + host
             push(i, observe_layer(layer, probs[layer]))
         policy.end_iteration()
         if measuring:
@@ -283,6 +315,7 @@ def replay(
     result.layer_misses = measured.misses.sum(1).tolist()
     result.layer_late = measured.late.sum(1).tolist()
     result.stall_s = float(measured.stall_s)
+    result.on_host, result.host_s = int(measured.on_host.sum()), float(measured.host_s)
     result.prefetched = int(measured.prefetched.sum())
     result.prefetch_used, result.prefetch_wasted = int(measured.prefetch_used), int(measured.prefetch_wasted)
     result.bytes_moved = int(measured.bytes_moved)
@@ -320,11 +353,21 @@ def _share(*shared: object) -> None:
     _shared = shared
 
 
-def _replay_one(name: str) -> ReplayResult:
+def forced(name: str) -> str | None:
+    """The miss handling policy `name` forces (its `miss_handling` attribute, policies/base.py), if any."""
+    from fmoe_local.policies import REGISTRY
+
+    return getattr(REGISTRY.get(name), "miss_handling", None)
+
+
+def _replay_one(task: tuple[str, str]) -> ReplayResult:
+    name, miss_handling = task
     schedule, factory, capacity, cost, mode, trace_name = _shared
     t0 = time.process_time()
     policy = factory(name, schedule, capacity)
-    result = replay(schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name)
+    result = replay(
+        schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name, miss_handling=miss_handling
+    )
     result.cpu_s = time.process_time() - t0
     return result
 
@@ -338,14 +381,21 @@ def replay_all(
     mode: str = "offline",
     trace_name: str = "",
     jobs: int = 1,
+    miss_handling: Sequence[str] = ("copy",),
 ) -> list[ReplayResult]:
-    """Every named policy on the same schedule, cache and costs; live-only policies get a note, not numbers.
+    """Every named policy under every miss handling on the same schedule, cache and costs; live-only policies get
+    a note, not numbers. A policy that forces its own miss handling (cpu_moe) is replayed once.
 
-    `jobs` > 1 replays policies in that many processes (the factory must then be picklable where processes are
-    spawned, not forked); results keep the order of `names` either way, and each policy's numbers do not depend on
-    `jobs`.
+    `jobs` > 1 replays in that many processes (the factory must then be picklable where processes are spawned, not
+    forked); results keep the order of `names` (then of `miss_handling`) either way, and each result does not
+    depend on `jobs`.
     """
-    todo = sorted(dict.fromkeys(n for n in names if n not in LIVE_ONLY), key=lambda n: -REPLAY_COST.get(n, 0.0))
+    tasks = [
+        (n, m)
+        for n in dict.fromkeys(n for n in names if n not in LIVE_ONLY)
+        for m in ((forced(n),) if forced(n) else dict.fromkeys(miss_handling))
+    ]
+    todo = sorted(tasks, key=lambda t: -REPLAY_COST.get(t[0], 0.0))
     shared = (schedule, factory, capacity, cost, mode, trace_name)
     if jobs > 1 and len(todo) > 1:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
@@ -358,10 +408,10 @@ def replay_all(
             done = [_replay_one(n) for n in todo]
         finally:
             _share()
-    by_name = {r.policy: r for r in done}
-    return [
-        by_name[n]
-        if n not in LIVE_ONLY
-        else ReplayResult(trace_name, n, semantic_source=schedule.semantic_source, note=LIVE_ONLY[n])
-        for n in names
-    ]
+    by_task = {(r.policy, r.miss_handling): r for r in done}
+    out = []
+    for n in dict.fromkeys(names):
+        if n in LIVE_ONLY:
+            out.append(ReplayResult(trace_name, n, semantic_source=schedule.semantic_source, note=LIVE_ONLY[n]))
+        out += [by_task[t] for t in tasks if t[0] == n]
+    return out

@@ -1,4 +1,5 @@
-"""The replay's simulated expert cache: slots, pins, one copy in flight, on-demand loads, hit/miss accounting.
+"""The replay's simulated expert cache: slots, pins, one copy in flight, on-demand loads, misses computed on the
+host, hit/miss accounting.
 
 Scope: residency and the copy engine's progress in bytes, evicting only through the policy's `choose_victims`
 (the same call the runtime's cache.py makes). It does NOT order events or time iterations (replay.py does) and it
@@ -6,6 +7,8 @@ never decides what to prefetch or evict.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -101,8 +104,18 @@ class SimCache:
             return True
         return False
 
-    def access(self, layer: int, experts: tuple[int, ...]) -> tuple[list[bool], float]:
-        """The forward pass needs `experts` of `layer`: returns hits and the stall in seconds.
+    def access(
+        self,
+        layer: int,
+        experts: tuple[int, ...],
+        counts: tuple[int, ...] | None = None,
+        on_host: Callable[[int], bool] | None = None,
+    ) -> tuple[list[bool], float, float]:
+        """The forward pass needs `experts` of `layer`: returns hits, the stall and the host compute in seconds.
+
+        A miss that `on_host(tokens)` claims (miss handling, the runtime's own MissPlanner) is counted as a miss
+        computed on the host: nothing is loaded and the layer waits `cost.cpu_s(tokens)`, as cache.acquire with
+        `on_host` and experts.py do. `counts[i]` is how many tokens need `experts[i]` (1 when not given: decode).
 
         More experts than slots (a long prefill) are taken in chunks of `capacity`, as experts.py computes them;
         like cache.acquire, each chunk's slots are claimed and then the chunk is reported to the policy
@@ -111,7 +124,7 @@ class SimCache:
         self.current_layer = layer
         resident, c, cap = self.resident, self.counters, self.capacity
         hits: list[bool] = []
-        stall = 0.0
+        stall = host = 0.0
         for start in range(0, len(experts), cap):
             chunk_experts = experts[start : start + cap]
             chunk = tuple([(layer, e) for e in chunk_experts])
@@ -119,11 +132,15 @@ class SimCache:
             self.set_pinned(chunk)
             # Nothing changes the policy's mind between this chunk's loads (record_access comes after them): ask for
             # all the victims its misses need at once — the Policy contract makes that the same choice.
-            missing = [key for key in chunk if key not in resident]
+            tokens = counts[start : start + cap] if counts is not None else (1,) * len(chunk)
+            on_cpu = [
+                on_host is not None and key not in resident and on_host(n) for key, n in zip(chunk, tokens, strict=True)
+            ]
+            missing = [key for key, cpu in zip(chunk, on_cpu, strict=True) if key not in resident and not cpu]
             need = len(missing) - (cap - len(resident))
             if need > 0:
                 self._victims = self._choose(need)[::-1]  # popped from the end: first victim first
-            for key in chunk:
+            for key, n, cpu in zip(chunk, tokens, on_cpu, strict=True):
                 unused = resident.get(key)
                 if unused is not None:
                     hits.append(True)  # what the runtime's cache tells the policy, late or not
@@ -139,6 +156,10 @@ class SimCache:
                     continue
                 hits.append(False)
                 c.misses[key] += 1
+                if cpu:
+                    c.on_host[key] += 1
+                    host += self.cost.cpu_s(n)
+                    continue
                 if not self._insert(key, by_prefetch=False):
                     # Every other slot is pinned: wait for the copy in flight to free one, as cache.acquire does.
                     stall += self.inflight_left / self.cost.bandwidth
@@ -150,7 +171,8 @@ class SimCache:
             self._victims = []
             self.policy.record_access(layer, list(chunk_experts), hits[first:])
         c.stall_s += stall
-        return hits, stall
+        c.host_s += host
+        return hits, stall, host
 
     def end_request(self) -> None:
         for key, unused in self.resident.items():
