@@ -12,8 +12,10 @@ again, and acquire takes a short path (no loads, waits or stall clock).
 
 Threads: the forward thread calls acquire/release; the prefetcher thread calls try_prefetch and copies its own
 prefetches; the forward pass's on-demand loads run on the loader thread (copier.py) while the forward thread waits
-for them. One lock guards the residency tables; copies run outside it. Host copies are permanent, so eviction only
-frees a slot.
+for them. One lock guards the residency tables; copies run outside it, in chunks, and a prefetch gives way to a
+running on-demand load between chunks (`_give_way`). On CUDA a landing means the copy is issued: the forward
+thread never waits for a copy on the host, the compute stream waits for its event (`before_use`). Host copies
+are permanent, so eviction only frees a slot.
 
 Failures and waits: a load that fails releases its slot and raises (to the forward pass, or to the prefetcher,
 which reports it to the request); every wait has a deadline (`load_timeout_s`) and gives up at once when
@@ -85,7 +87,11 @@ class ExpertCache:
         counters: LayerCounters,
         interrupt: threading.Event | None = None,
         load_timeout_s: float = 60.0,
+        copy_chunk_bytes: int = 32 * 1024**2,
+        streams: object | None = None,
     ) -> None:
+        """`streams`: the CUDA operations (copier.CudaStreams on a GPU; tests pass a fake to run the GPU logic on
+        CPU tensors)."""
         check_capacity(capacity, host.expert_bytes)
         self.host = host
         self.device = device
@@ -103,8 +109,9 @@ class ExpertCache:
         self._free = list(range(self.capacity - 1, -1, -1))
         self._lock = threading.Condition()
         self._demand = 0  # on-demand loads in progress: the prefetcher yields to them
+        self._slot_waiters = 0  # claims waiting for a slot to become evictable: prefetches must not pause then
         self._held: list[int] = []  # slots of the last acquire, pinned until the next one
-        self._copier = Copier(device)
+        self._copier = Copier(device, copy_chunk_bytes, streams)
         self._loader = Loader()
         self.interrupt = interrupt or threading.Event()
         self.load_timeout_s = load_timeout_s
@@ -161,7 +168,6 @@ class ExpertCache:
                 # Nothing to load or wait for (every slot is ready): no on-demand bracket, no stall clock.
                 slots = [self._pin_hit_locked(layer, e, self._slot_of[(layer, e)]) for e in experts]
                 self.policy.record_access(layer, list(experts), [True] * len(experts))
-                self._wait_copies(slots)
                 return slots
             self._demand += 1
         t0 = time.perf_counter()
@@ -183,7 +189,6 @@ class ExpertCache:
                 self._demand -= 1
                 self.counters.stall_s += time.perf_counter() - t0
                 self._lock.notify_all()
-        self._wait_copies([s for s in slots if s >= 0])
         return slots
 
     def _pin_and_claim_locked(
@@ -247,23 +252,23 @@ class ExpertCache:
         self.counters.hits[layer, expert] += 1
         return s
 
-    def _wait_copies(self, slots: list[int]) -> None:
-        """CUDA: the compute stream waits for the copies into `slots`. Once it has, later work on that stream is
-        ordered after them anyway, so the event is dropped (the slots are pinned: no copy can replace it)."""
+    def before_use(self, s: int) -> None:
+        """Call right before computing with slot `s` (an acquired slot). CUDA: the compute stream waits for the copy
+        into it — per expert, so the first expert of a layer computes while the copies of the next ones go on. Once
+        it has waited, later work on that stream is ordered after the copy anyway, so the event is dropped (the slot
+        is pinned: no copy can replace it)."""
         if not self._copier.cuda:
             return
-        stream = torch.cuda.current_stream(self.device)
-        for s in slots:
-            slot = self._slots[s]
-            if slot.copy_event is not None:
-                stream.wait_event(slot.copy_event)
-                slot.copy_event = None
+        slot = self._slots[s]
+        if slot.copy_event is not None:
+            self._copier.streams.current().wait_event(slot.copy_event)
+            slot.copy_event = None
 
     def release(self, slots: Sequence[int]) -> None:
         last_use = None
         if self._copier.cuda and not self._complete:  # complete: no copy will ever need to wait for these kernels
-            last_use = torch.cuda.Event()
-            last_use.record(torch.cuda.current_stream(self.device))
+            last_use = self._copier.streams.event()
+            last_use.record(self._copier.streams.current())
         with self._lock:
             for s in slots:
                 if last_use is not None:
@@ -297,10 +302,18 @@ class ExpertCache:
             self._slots[s].by_prefetch = True
             self.counters.prefetched[layer, expert] += 1
             landing = self._slots[s].ready
-        error = self._load(s, key, landing)
+        error = self._load(s, key, landing, pause=lambda: self._give_way(s))
         if error is not None:
             raise error
         return True
+
+    def _give_way(self, s: int) -> None:
+        """Between two chunks of a prefetch: wait while an on-demand load runs, unless the forward pass is itself
+        waiting for this very expert (a late access pinned it) or for a slot to free up (this copy's end may be
+        what frees one). Bounded: every demand load ends (its own deadline, Stop, close)."""
+        with self._lock:
+            while self._demand and not self._slots[s].pins and not self._slot_waiters and not self.interrupt.is_set():
+                self._lock.wait(timeout=0.05)
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _evictable_locked(self) -> list[ExpertKey]:
@@ -311,17 +324,22 @@ class ExpertCache:
             s = self._free.pop()
         else:
             candidates = self._evictable_locked()
-            while not candidates:
-                # Every slot is pinned or still loading: wait for an in-flight copy or a release.
-                if self.interrupt.is_set():
-                    raise Interrupted("Stopped while waiting for a free slot in the expert cache.")
-                if time.perf_counter() > deadline:
-                    raise LoadTimeout(
-                        "Every slot of the expert cache stayed busy loading for too long. The disk or the model "
-                        "files may be failing; check the disk, or download the model again."
-                    )
-                self._lock.wait(timeout=0.05)
-                candidates = self._evictable_locked()
+            self._slot_waiters += 1
+            try:
+                while not candidates:
+                    # Every slot is pinned or still loading: wait for an in-flight copy or a release.
+                    if self.interrupt.is_set():
+                        raise Interrupted("Stopped while waiting for a free slot in the expert cache.")
+                    if time.perf_counter() > deadline:
+                        raise LoadTimeout(
+                            "Every slot of the expert cache stayed busy loading for too long. The disk or the model "
+                            "files may be failing; check the disk, or download the model again."
+                        )
+                    self._lock.notify_all()  # a paused prefetch sees the waiter and goes on
+                    self._lock.wait(timeout=0.05)
+                    candidates = self._evictable_locked()
+            finally:
+                self._slot_waiters -= 1
             victim = self.policy.choose_victims(candidates, current_layer, 1)[0]
             s = self._slot_of.pop(victim)
             if self._slots[s].by_prefetch:
@@ -332,12 +350,14 @@ class ExpertCache:
         self._slot_of[key] = s
         return s
 
-    def _load(self, s: int, key: ExpertKey, landing: Landing) -> ExpertLoadError | None:
+    def _load(
+        self, s: int, key: ExpertKey, landing: Landing, pause: Callable[[], None] | None = None
+    ) -> ExpertLoadError | None:
         """Copy `key` into slot `s` and settle `landing`. Never raises: a failure releases the slot and is
         returned (and handed to every waiter through the landing)."""
         slot = self._slots[s]
         try:
-            self._copier.copy(slot, self.tensors, s, self.host.read(*key))
+            self._copier.copy(slot, self.tensors, s, self.host.read(*key), pause)
         except Exception as exc:  # noqa: BLE001 - any read/copy failure becomes the waiters' error
             error = ExpertLoadError(
                 f"Could not load expert {key[1]} of MoE layer {key[0]}: {exc} If this repeats, the model files "

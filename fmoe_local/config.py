@@ -73,6 +73,10 @@ class RuntimeConfig:
     # before it gives up with a sentence: a consumer disk reads a 350 MB Mixtral expert in well under 10 s, so this
     # only ends waits on a failing disk or a stuck read. Stop and close end every wait sooner.
     load_timeout_s: float = 60.0
+    # Experts are copied to the device in chunks of this many MB: a prefetch gives way to an on-demand load between
+    # chunks, so a demand load waits for at most one chunk of a prefetch instead of a whole (up to 350 MB) expert,
+    # while tens of MB per copy keep PCIe near its full rate. Also the size of each of the two pinned staging buffers.
+    copy_chunk_mb: float = 32.0
     # Record what the runtime saw to this .npz (trace format, DESIGN.md). None = no recording.
     record_trace: str | None = None
 
@@ -111,5 +115,7 @@ class RuntimeConfig:
             raise ValueError("Set the semantic sketch candidates to at least 1: that many maps are re-ranked exactly.")
         if self.load_timeout_s <= 0:
             raise ValueError("Set the load timeout to a positive number of seconds.")
+        if not self.copy_chunk_mb > 0:
+            raise ValueError("Set the copy chunk to a positive number of MB (32 is a good size).")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"Unknown device '{self.device}'. Use auto, cpu or cuda.")

@@ -1,6 +1,7 @@
 """Moving one expert from the host store into a cache slot, and the landing that says when (or whether) it arrived.
 
-Scope: the copy itself (a plain copy on CPU; pinned staging, a copy stream and an event on CUDA), a `Landing` per
+Scope: the copy itself (chunked: a plain copy on CPU; two pinned staging buffers in rotation, a copy stream and
+events on CUDA, behind `CudaStreams` so tests can fake them), a `Landing` per
 load that waiters block on with a deadline and an interrupt, and the loader thread that runs the forward pass's
 on-demand loads. It does NOT choose slots or count hits (cache.py owns residency).
 
@@ -9,7 +10,9 @@ thread must still notice Stop within a fraction of a second and give up, instead
 read goes on in the background and settles its slot when it ends.
 
 Threads: `Loader.submit` is called by the forward thread (cache.acquire); the loader thread runs `job()`; a
-Landing is set once, by whichever thread ran its load, and read by any thread.
+Landing is set once, by whichever thread ran its load, and read by any thread. `Copier.copy` runs on the loader
+and prefetcher threads, each with its own staging buffers; the forward thread never calls it and never waits on
+a copy's event on the host (on CUDA a landing means "issued": the compute stream waits for the event).
 """
 
 from __future__ import annotations
@@ -61,18 +64,68 @@ class Landing:
             raise self.error
 
 
-class Copier:
-    """Moves one expert from the host store into a slot: a plain copy on CPU, a copy stream + events on CUDA."""
+class CudaStreams:
+    """The few CUDA operations the copier and the cache use, behind one object so that tests can run the very same
+    code with a fake (tests/fake_streams.py) on a machine without a GPU."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        # One pinned staging set per thread (loader thread, prefetcher thread), reused: pinning is expensive, and
-        # only staging is pinned because pinning every expert exhausts consumer machines' RAM.
-        self._staging = threading.local()
+        self.device = device
 
-    def copy(self, slot: object, dst: dict[str, torch.Tensor], index: int, src: dict[str, torch.Tensor]) -> None:
-        """`slot` carries `last_use` (CUDA event of the last kernel reading it) and receives `copy_event`."""
+    def stream(self) -> object:
+        return torch.cuda.Stream(device=self.device)
+
+    def current(self) -> object:
+        return torch.cuda.current_stream(self.device)
+
+    def event(self) -> object:
+        return torch.cuda.Event()
+
+    def use(self, stream: object) -> object:
+        return torch.cuda.stream(stream)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+
+
+class _Staging:
+    """One pinned buffer and the event of the last copy out of it (None: free)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.event: object | None = None
+
+
+class Copier:
+    """Moves one expert from the host store into a slot, in chunks of `chunk_bytes`.
+
+    CPU: a plain copy per chunk. CUDA: each chunk is staged into one of two pinned buffers in rotation and copied
+    with `non_blocking` on the copy stream; the host waits only for the event of the buffer it is about to refill
+    (on the copying thread, never the forward thread), and the slot gets the copy's final event, which the
+    compute stream waits on (cache._wait_copies) — no thread waits for the whole copy.
+
+    Chunks are where a prefetch gives way: `copy(..., pause=...)` calls `pause()` before every chunk after the
+    first, and the cache's pause waits while an on-demand load is running, so a demand load overtakes a prefetch
+    within one chunk instead of queueing behind the whole expert.
+    """
+
+    def __init__(self, device: torch.device, chunk_bytes: int = 32 * 1024**2, streams: object | None = None) -> None:
+        if chunk_bytes < 1:
+            raise ValueError("The copy chunk must be at least one byte.")
+        self.chunk_bytes = chunk_bytes
+        self.streams = streams if streams is not None else (CudaStreams(device) if device.type == "cuda" else None)
+        self.cuda = self.streams is not None
+        self.stream = self.streams.stream() if self.cuda else None
+        self._staging = threading.local()  # per copying thread (loader, prefetcher): its own two buffers
+
+    def copy(
+        self,
+        slot: object,
+        dst: dict[str, torch.Tensor],
+        index: int,
+        src: dict[str, torch.Tensor],
+        pause: Callable[[], None] | None = None,
+    ) -> None:
+        """`slot` carries `last_use` (event of the last kernel reading it) and receives `copy_event`."""
         for name, t in src.items():
             want = tuple(dst[name].shape[1:])
             if tuple(t.shape) != want:
@@ -80,28 +133,49 @@ class Copier:
                     f"An expert's {name} has shape {tuple(t.shape)} in the model files, not {want}. "
                     "The files do not match the model's config.json: download the model again."
                 )
-        if not self.cuda:
-            for name, t in src.items():
-                dst[name][index].copy_(t)
-            return
-        # Pinned staging so the DMA is truly asynchronous; the copy stream first waits for the last kernels that
-        # read this slot's previous occupant.
-        staged = getattr(self._staging, "buffers", None)
-        if staged is None:
-            staged = {name: torch.empty_like(t, device="cpu").pin_memory() for name, t in src.items()}
-            self._staging.buffers = staged
-        for name, t in src.items():
-            staged[name].copy_(t)
-        with torch.cuda.stream(self.stream):
-            if slot.last_use is not None:
-                self.stream.wait_event(slot.last_use)
-            for name, t in staged.items():
-                dst[name][index].copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
+        for k, (to, frm) in enumerate(self.chunks(dst, index, src)):
+            if k and pause is not None:
+                pause()
+            if self.cuda:
+                self._copy_staged(slot, k == 0, to, frm)
+            else:
+                to.copy_(frm)
+        if self.cuda:
+            event = self.streams.event()
             event.record(self.stream)
-        slot.copy_event = event
-        # The staging buffers are reused by this thread's next copy: wait for this DMA to finish first.
-        event.synchronize()
+            slot.copy_event = event
+
+    def chunks(
+        self, dst: dict[str, torch.Tensor], index: int, src: dict[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) flat pieces of at most `chunk_bytes` (at least one element), in order."""
+        out = []
+        for name, t in src.items():
+            to = dst[name][index].reshape(-1)  # a slot row is contiguous: a view
+            frm = t.reshape(-1)
+            step = max(1, self.chunk_bytes // max(1, t.element_size()))
+            out += [(to[a : a + step], frm[a : a + step]) for a in range(0, frm.numel(), step)]
+        return out
+
+    def _copy_staged(self, slot: object, first: bool, to: torch.Tensor, frm: torch.Tensor) -> None:
+        buffers = getattr(self._staging, "buffers", None)
+        if buffers is None:
+            size = max(self.chunk_bytes, 16)  # a chunk is at least one element
+            buffers = [_Staging(self.streams.pinned(size)) for _ in range(2)]
+            self._staging.buffers, self._staging.turn = buffers, 0
+        staging = buffers[self._staging.turn]
+        self._staging.turn ^= 1
+        if staging.event is not None:
+            staging.event.synchronize()  # its previous DMA must be done before it is refilled (copying thread)
+        nbytes = frm.numel() * frm.element_size()
+        staged = staging.buffer[:nbytes].view(frm.dtype)
+        staged.copy_(frm)
+        with self.streams.use(self.stream):
+            if first and slot.last_use is not None:
+                self.stream.wait_event(slot.last_use)  # the slot's previous occupant is no longer being read
+            to.copy_(staged, non_blocking=True)
+            staging.event = self.streams.event()
+            staging.event.record(self.stream)
 
 
 class Loader:

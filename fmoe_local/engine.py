@@ -145,7 +145,14 @@ class Engine:
 
     def _new_cache(self, capacity: int) -> ExpertCache:
         return ExpertCache(
-            self.host, capacity, self.device, self.policy, self.counters, self.interrupt, self.config.load_timeout_s
+            self.host,
+            capacity,
+            self.device,
+            self.policy,
+            self.counters,
+            self.interrupt,
+            self.config.load_timeout_s,
+            copy_chunk_bytes=int(self.config.copy_chunk_mb * 1024**2),
         )
 
     def _capacity(self, config: RuntimeConfig) -> int:

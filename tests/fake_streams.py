@@ -1,0 +1,60 @@
+"""A stand-in for copier.CudaStreams: the cache's and the copier's CUDA logic runs on CPU tensors, and every stream
+operation is logged with the thread that made it, so tests can check who waits for what."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+
+class FakeEvent:
+    def __init__(self, log: list, number: int) -> None:
+        self.log, self.number, self.stream = log, number, None
+
+    def record(self, stream: object) -> None:
+        self.stream = stream
+        self.log.append(("record", self.number, stream.name, threading.current_thread().name))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.number, threading.current_thread().name))
+
+    def __repr__(self) -> str:
+        return f"event{self.number}"
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.log.append(("wait_event", self.name, event.number, threading.current_thread().name))
+
+
+class FakeStreams:
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.compute = FakeStream("compute", self.log)
+        self._events = 0
+        self._lock = threading.Lock()
+
+    def stream(self) -> FakeStream:
+        return FakeStream("copy", self.log)
+
+    def current(self) -> FakeStream:
+        return self.compute
+
+    def event(self) -> FakeEvent:
+        with self._lock:
+            self._events += 1
+            return FakeEvent(self.log, self._events)
+
+    def use(self, stream: FakeStream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def by_thread(self, op: str, thread: str) -> list[tuple]:
+        return [e for e in self.log if e[0] == op and e[-1] == thread]

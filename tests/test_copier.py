@@ -1,0 +1,228 @@
+"""Copier: chunked copies, the CUDA path's staging and events (run on CPU tensors through fake streams), and the
+cache's rule that a prefetch gives way to an on-demand load and never delays a hit."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fmoe_local.cache import ExpertCache
+from fmoe_local.copier import Copier
+from fmoe_local.stats import LayerCounters
+from tests.fake_streams import FakeStreams
+from tests.test_cache import RecordingPolicy, ValueHost
+
+FORWARD = "MainThread"
+
+
+def _expert(value: float) -> dict[str, torch.Tensor]:
+    return {"a": torch.full((4, 5), value), "b": torch.full((3,), value)}
+
+
+def _slots() -> dict[str, torch.Tensor]:
+    return {"a": torch.zeros(2, 4, 5), "b": torch.zeros(2, 3)}
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 12, 80, 1 << 20])
+@pytest.mark.parametrize("streams", [None, "fake"])
+def test_a_chunked_copy_lands_every_byte_in_its_slot_only(chunk_bytes, streams):
+    fake = FakeStreams() if streams else None
+    copier = Copier(torch.device("cpu"), chunk_bytes, fake)
+    dst, slot = _slots(), SimpleNamespace(last_use=None, copy_event=None)
+    pauses = []
+    copier.copy(slot, dst, 1, _expert(7.0), pause=lambda: pauses.append(1))
+    assert torch.equal(dst["a"][1], torch.full((4, 5), 7.0)) and torch.equal(dst["b"][1], torch.full((3,), 7.0))
+    assert not dst["a"][0].any() and not dst["b"][0].any()
+    assert len(pauses) == len(copier.chunks(dst, 1, _expert(7.0))) - 1  # between chunks, never before the first
+    assert (slot.copy_event is not None) == bool(streams)
+
+
+def test_the_cuda_path_waits_for_the_slots_last_reader_then_refills_staging_only_after_its_dma():
+    fake = FakeStreams()
+    copier = Copier(torch.device("cpu"), 40, fake)  # "a" is 80 bytes: 2 chunks, "b" 1 chunk → 3 staged copies
+    last_use = fake.event()
+    slot = SimpleNamespace(last_use=last_use, copy_event=None)
+    copier.copy(slot, _slots(), 0, _expert(1.0))
+    waits = [e for e in fake.log if e[0] == "wait_event"]
+    assert waits == [("wait_event", "copy", last_use.number, FORWARD)]  # once, before the first chunk
+    records = [e for e in fake.log if e[0] == "record"]
+    syncs = [e for e in fake.log if e[0] == "synchronize"]
+    # Two buffers in rotation: the third chunk refills the first buffer, after its event (the first chunk's DMA).
+    assert [s[1] for s in syncs] == [records[0][1]]
+    assert slot.copy_event.number == records[-1][1] and records[-1][2] == "copy"
+
+
+def _slow_cache(capacity: int, streams=None, chunk_delay: float = 0.0):
+    """A cache over ValueHost whose experts are 24 bytes copied in 4-byte chunks (6 per expert)."""
+    host = ValueHost()
+    cache = ExpertCache(
+        host, capacity, torch.device("cpu"), RecordingPolicy(), LayerCounters(3, 4), copy_chunk_bytes=4,
+        streams=streams, load_timeout_s=5,
+    )  # fmt: skip
+    order: list[tuple[tuple[int, int], int]] = []
+    real = cache._copier.chunks
+
+    def chunks(dst, index, src):
+        value = int(src["w"].flatten()[0].item())
+        pieces = real(dst, index, src)
+        out = []
+        for k, (to, frm) in enumerate(pieces):
+            out.append((_Logged(to, order, (value // 10, value % 10), k, chunk_delay), frm))
+        return out
+
+    cache._copier.chunks = chunks
+    return cache, order
+
+
+class _Logged:
+    """A destination chunk that logs (expert, chunk index) when written, after an optional delay."""
+
+    def __init__(self, to, order, key, k, delay) -> None:  # noqa: ANN001
+        self.to, self.order, self.key, self.k, self.delay = to, order, key, k, delay
+
+    def copy_(self, frm, non_blocking: bool = False):  # noqa: ANN001, ANN201
+        time.sleep(self.delay)
+        self.order.append((self.key, self.k))
+        return self.to.copy_(frm)
+
+
+def test_a_demand_load_overtakes_a_prefetch_already_copying():
+    cache, order = _slow_cache(4, chunk_delay=0.02)
+    started = threading.Event()
+    real_copy = _Logged.copy_
+
+    def first_chunk_signals(self, frm, non_blocking=False):  # noqa: ANN001, ANN202
+        out = real_copy(self, frm)
+        if self.key == (1, 0) and self.k == 0:
+            started.set()
+            time.sleep(0.1)  # the forward pass asks for another expert while this prefetch is mid-copy
+        return out
+
+    _Logged.copy_ = first_chunk_signals
+    try:
+        prefetch = threading.Thread(target=cache.try_prefetch, args=(1, 0), name="prefetcher")
+        prefetch.start()
+        assert started.wait(5)
+        slots = cache.acquire(0, [2])  # a miss: on demand, on the loader thread
+        prefetch.join(5)
+    finally:
+        _Logged.copy_ = real_copy
+    demand = [i for i, (key, _) in enumerate(order) if key == (0, 2)]
+    prefetched = [i for i, (key, _) in enumerate(order) if key == (1, 0)]
+    assert len(demand) == 6 and len(prefetched) == 6
+    # Every chunk of the demand load was copied before the prefetch's second chunk: the prefetch gave way.
+    assert max(demand) < prefetched[1]
+    assert torch.equal(cache.tensors["w"][slots[0]], torch.full((2, 3), 2.0))
+    cache.close()
+
+
+def test_a_prefetch_the_forward_pass_waits_for_does_not_give_way_to_itself():
+    # The forward pass needs the very expert being prefetched (late) while it also loads another on demand: the
+    # prefetch must go on, or the access would wait for the deadline.
+    cache, order = _slow_cache(4, chunk_delay=0.01)
+    started = threading.Event()
+    real_copy = _Logged.copy_
+
+    def first_chunk_signals(self, frm, non_blocking=False):  # noqa: ANN001, ANN202
+        out = real_copy(self, frm)
+        if self.key == (0, 1) and self.k == 0:
+            started.set()
+            time.sleep(0.05)
+        return out
+
+    _Logged.copy_ = first_chunk_signals
+    try:
+        prefetch = threading.Thread(target=cache.try_prefetch, args=(0, 1), name="prefetcher")
+        prefetch.start()
+        assert started.wait(5)
+        t0 = time.perf_counter()
+        cache.acquire(0, [1, 3])  # 1 is late (being prefetched), 3 a miss
+        waited = time.perf_counter() - t0
+        prefetch.join(5)
+    finally:
+        _Logged.copy_ = real_copy
+    assert waited < 4  # far below the 5 s deadline: no deadlock between the prefetch and the demand
+    assert cache.counters.late[0, 1] == 1 and cache.counters.misses[0, 3] == 1
+    cache.close()
+
+
+def test_a_prefetch_copy_in_progress_never_delays_a_hit():
+    cache, _ = _slow_cache(4)
+    cache.acquire(0, [0])  # resident now
+    gate, started = threading.Event(), threading.Event()
+    real_read = cache.host.read
+
+    def stuck_read(layer, expert):  # noqa: ANN001, ANN202
+        if (layer, expert) == (2, 2):
+            started.set()
+            gate.wait(10)  # a slow disk under the prefetch
+        return real_read(layer, expert)
+
+    cache.host.read = stuck_read
+    prefetch = threading.Thread(target=cache.try_prefetch, args=(2, 2), name="prefetcher")
+    prefetch.start()
+    assert started.wait(5)
+    done = threading.Event()
+    forward = threading.Thread(target=lambda: (cache.acquire(0, [0]), done.set()), name="forward")
+    forward.start()
+    assert done.wait(2), "a hit waited for a prefetch's copy"
+    gate.set()
+    prefetch.join(5)
+    assert cache.counters.hits[0, 0] == 1
+    cache.close()
+
+
+def test_on_the_cuda_path_the_forward_thread_never_waits_for_a_copy_on_the_host():
+    fake = FakeStreams()
+    cache, _ = _slow_cache(6, streams=fake)
+    prefetch = threading.Thread(target=cache.try_prefetch, args=(1, 1), name="prefetcher")
+    prefetch.start()
+    prefetch.join(5)
+    for layer, experts in ((0, [0, 1]), (1, [1, 2]), (2, [3]), (0, [0, 2])):
+        slots = cache.acquire(layer, experts)
+        assert not [e for e in fake.log if e[0] == "wait_event" and e[1] == "compute" and e[2] is None]
+        for s in slots:  # as experts.py does, right before each expert computes
+            cache.before_use(s)
+        cache.release(slots)
+    assert fake.by_thread("synchronize", FORWARD) == []
+    # The compute stream waited for each slot's copy event before the layer used it, once per copy.
+    copies = [e for e in fake.log if e[0] == "record" and e[2] == "copy"]
+    compute_waits = [e for e in fake.log if e[0] == "wait_event" and e[1] == "compute"]
+    assert len(compute_waits) == cache.counters.misses.sum() + cache.counters.prefetch_used == 6
+    assert {w[2] for w in compute_waits} <= {c[1] for c in copies}
+    cache.close()
+
+
+def test_a_prefetch_does_not_pause_for_a_demand_load_that_needs_its_slot():
+    # One slot, held by a prefetch mid-copy; the forward pass misses another expert: it can only take the slot once
+    # the prefetch lands, so the prefetch must not wait for the demand load (before the fix: a 5 s deadline).
+    cache, order = _slow_cache(1, chunk_delay=0.01)
+    started = threading.Event()
+    real_copy = _Logged.copy_
+
+    def first_chunk_signals(self, frm, non_blocking=False):  # noqa: ANN001, ANN202
+        out = real_copy(self, frm)
+        if self.key == (1, 0) and self.k == 0:
+            started.set()
+            time.sleep(0.05)
+        return out
+
+    _Logged.copy_ = first_chunk_signals
+    try:
+        prefetch = threading.Thread(target=cache.try_prefetch, args=(1, 0), name="prefetcher")
+        prefetch.start()
+        assert started.wait(5)
+        t0 = time.perf_counter()
+        slots = cache.acquire(0, [2])
+        waited = time.perf_counter() - t0
+        prefetch.join(5)
+    finally:
+        _Logged.copy_ = real_copy
+    assert waited < 4
+    assert torch.equal(cache.tensors["w"][slots[0]], torch.full((2, 3), 2.0))
+    assert cache.counters.prefetch_wasted == 1  # the prefetched expert was evicted unused
+    cache.close()
