@@ -101,7 +101,7 @@ class Copier:
     CPU: a plain copy per chunk. CUDA: each chunk is staged into one of two pinned buffers in rotation and copied
     with `non_blocking` on the copy stream; the host waits only for the event of the buffer it is about to refill
     (on the copying thread, never the forward thread), and the slot gets the copy's final event, which the
-    compute stream waits on (cache._wait_copies) — no thread waits for the whole copy.
+    compute stream waits on (cache.before_use) — no thread waits for the whole copy.
 
     Chunks are where a prefetch gives way: `copy(..., pause=...)` calls `pause()` before every chunk after the
     first, and the cache's pause waits while an on-demand load is running, so a demand load overtakes a prefetch

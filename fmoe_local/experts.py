@@ -61,6 +61,12 @@ def _slot_rows(cache: ExpertCache, slot: int) -> Mapping[str, torch.Tensor]:
     return rows if view is None else view(rows)
 
 
+def _device_expert(module: torch.nn.Module, x: torch.Tensor, cache: ExpertCache, s: int) -> torch.Tensor:
+    """One expert from its cache slot, once the slot's copy is done (`before_use`: the compute stream waits)."""
+    cache.before_use(s)
+    return expert_forward(module, x, _slot_rows(cache, s))
+
+
 @dataclass(frozen=True)
 class HostMisses:
     """How this runtime handles misses now: the planner decides per miss, `experts` computes the host ones."""
@@ -148,7 +154,7 @@ class OffloadedExperts:
                         continue
                     # Same row order as eager: its mask is [K, T], so rows come ordered by top-k position first.
                     top_k_pos, token_idx = torch.where((top_k_index == e).T)
-                    current = expert_forward(module, hidden_states[token_idx], _slot_rows(cache, s))
+                    current = _device_expert(module, hidden_states[token_idx], cache, s)
                     pending.append((top_k_pos, token_idx, current))
                 t0 = time.perf_counter()
                 for i, (e, s) in enumerate(zip(chunk, slots, strict=True)):
@@ -193,13 +199,13 @@ class OffloadedExperts:
             if min(slots) >= 0:
                 for e, s in zip(needed, slots, strict=True):
                     k = pos[e]
-                    current = expert_forward(module, hidden_states, _slot_rows(cache, s))
+                    current = _device_expert(module, hidden_states, cache, s)
                     current = current * top_k_weights[:, k : k + 1]
                     out.add_(current.to(out.dtype))
                 return out
             host_x = hidden_states.to("cpu")  # [1, H]
             # The device experts first: on a GPU they run while the CPU computes the others.
-            currents = [None if s < 0 else expert_forward(module, hidden_states, _slot_rows(cache, s)) for s in slots]
+            currents = [None if s < 0 else _device_expert(module, hidden_states, cache, s) for s in slots]
             t0 = time.perf_counter()
             for i, (e, s) in enumerate(zip(needed, slots, strict=True)):
                 if s < 0:
