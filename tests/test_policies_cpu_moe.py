@@ -35,6 +35,18 @@ def test_it_asks_for_each_kept_expert_until_it_has_been_a_hit():
     assert len(policy.begin_iteration(None)) == 16
 
 
+def test_a_learning_pass_that_calls_everything_a_hit_does_not_stop_the_next_request_from_asking():
+    # The replay's offline warm-up (and a complete cache's pass) report every access as a hit with nothing copied.
+    policy = make_policy("cpu_moe", SHAPE, RuntimeConfig(policy="cpu_moe"))
+    policy.set_capacity(8)
+    policy.begin_request(1)
+    policy.record_access(3, list(range(8)), [True] * 8)
+    assert len(policy.begin_iteration(None)) == 0
+    policy.end_request()
+    policy.begin_request(2)
+    assert {(p.layer, p.expert) for p in policy.begin_iteration(None)} == {(3, e) for e in range(8)}
+
+
 def test_victims_come_from_layers_it_does_not_keep_first():
     policy = make_policy("cpu_moe", SHAPE, RuntimeConfig(policy="cpu_moe"))
     policy.set_capacity(8)  # keeps layer 3

@@ -44,6 +44,13 @@ class CpuMoEPolicy(RecencyPolicy):
     def resident_layers(self) -> list[int]:
         return [int(x) for x in np.flatnonzero(self._resident.any(1))]
 
+    def begin_request(self, request_id: int) -> None:
+        super().begin_request(request_id)
+        # "Seen as a hit" comes from record_access, which a learning pass (the replay's offline warm-up, a complete
+        # cache's pass) also calls with every access a hit although nothing was copied: each request asks again,
+        # and the queue drops what is already resident.
+        self._seen[:] = False
+
     def begin_iteration(self, semantic: np.ndarray | None) -> Sequence[Prefetch]:
         # Until each kept expert has been seen as a hit, ask for it again: the queue drops what is already claimed,
         # and a pass that ended before its copy started (the queue keeps only the newest pass) does not lose it.
