@@ -1,5 +1,5 @@
-"""The user's settings between sessions: last model, cache size, prefetch distance, policy, store capacity and
-sampling defaults, typed, with defaults taken from fmoe_local.config (never repeated here).
+"""The user's settings between sessions: last model, cache size, prefetch distance, policy, store capacity, miss
+handling (and the measured miss costs per model), and sampling defaults, typed, with defaults taken from fmoe_local.config (never repeated here).
 
 Scope: a key → JSON value table read into an `AppSettings` dataclass and written back one key at a time. It does
 NOT apply settings to a running model (the app calls `Runtime.reconfigure`); `AppSettings.apply_to` only builds
@@ -26,6 +26,10 @@ class AppSettings:
     prefetch_distance: int = RuntimeConfig.prefetch_distance
     policy: str = RuntimeConfig.policy
     store_capacity: int = RuntimeConfig.store_capacity
+    miss_handling: str = RuntimeConfig.miss_handling
+    # What a miss costs on this machine, per model folder: {"/path/to/model": MissCosts.to_dict()} as JSON, measured
+    # at the first load and reused by the next ones (Runtime.load checks they fit the model and the device).
+    miss_costs: str = ""
     temperature: float = Sampling.temperature
     top_p: float = Sampling.top_p
     max_new_tokens: int = Sampling.max_new_tokens
@@ -41,6 +45,7 @@ class AppSettings:
             prefetch_distance=self.prefetch_distance,
             policy=self.policy,
             store_capacity=self.store_capacity,
+            miss_handling=self.miss_handling,
             sampling=sampling,
         )
 

@@ -83,3 +83,36 @@ def test_the_demo_model_is_named_for_people_and_loads_say_so(store, tmp_path):
         assert session.model_id == "demo"  # what /v1/models lists and new chats record, not "weights"
     finally:
         session.close()
+
+
+def test_the_miss_costs_measured_at_the_first_load_are_saved_and_reused(store, monkeypatch):
+    import json
+
+    from fmoe_local import miss_cost
+
+    session = Session(store=store, config=RuntimeConfig(device="cpu"))
+    try:
+        session.load(demo_model_dir())
+        measured = session.runtime.miss_costs
+        saved = json.loads(store.settings.load().miss_costs)
+        assert saved == {str(demo_model_dir()): measured.to_dict()}
+        session.unload()
+
+        def no_probe(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise AssertionError("the saved figures should have been used")
+
+        monkeypatch.setattr(miss_cost, "probe", no_probe)
+        session.load(demo_model_dir())
+        assert session.runtime.miss_costs == measured
+    finally:
+        session.close()
+
+
+def test_unreadable_saved_miss_costs_are_measured_again(store):
+    store.settings.set(miss_costs='{"/x": 1')
+    session = Session(store=store, config=RuntimeConfig(device="cpu"))
+    try:
+        session.load(demo_model_dir())
+        assert str(demo_model_dir()) in store.settings.load().miss_costs
+    finally:
+        session.close()

@@ -32,7 +32,7 @@ def test_the_demo_cache_is_shown_in_mb_and_in_experts(session):
 def test_every_field_has_one_line_of_help(session):
     with gr.Blocks():
         tab = settings.build(session)
-    for field in (tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity):
+    for field in (tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity, tab.miss_handling):
         assert field.info and "\n" not in field.info
 
 
@@ -67,3 +67,14 @@ def test_one_expert_is_the_smallest_cache_and_is_applied(session):
     one_mb = session.runtime.info.expert_bytes / 1024**2
     _, status = apply.fn(one_mb, 1, "fmoe", 10)
     assert "Applied without reloading" in status and "(1 experts)" in status
+
+
+def test_miss_handling_applies_without_reloading_is_saved_and_explained(session):
+    demo = build(session)
+    apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+    info = session.runtime.info
+    size = settings.refresh(session)[1].value  # the cache as shown, in its unit
+    _, said = apply.fn(size, info.prefetch_distance, info.policy, info.store_capacity, "copy")
+    assert session.runtime.info.miss_handling == "copy" and session.store.settings.load().miss_handling == "copy"
+    assert "No GPU: misses are copied within RAM because miss handling is set to copy" in said
+    assert settings.refresh(session)[-1] == "copy"

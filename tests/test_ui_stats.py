@@ -50,3 +50,24 @@ def test_timeline_plots_one_point_per_reply():
     one = timeline_figure([_stats()])
     one.canvas.draw()
     assert [t for t in one.axes[0].get_xticks() if 0.5 <= t <= 1.5] == [1.0]  # replies, not 0.5, 0.6 … 1.5
+
+
+def test_the_summary_says_what_happens_to_a_miss_and_counts_the_ones_the_cpu_computed(tmp_path):
+    from fmoe_local.config import RuntimeConfig
+    from fmoe_local.demo import demo_model_dir
+    from store import open_store
+    from ui.session import Session
+    from ui.stats import summary
+
+    store = open_store(tmp_path)
+    session = Session(store=store, config=RuntimeConfig(device="cpu", cache_experts=6))
+    try:
+        session.load(demo_model_dir())
+        final = session.runtime.generate([{"role": "user", "content": "Tell me about the ocean."}])
+        session.record(final.stats)
+        text = summary(session)
+        assert "**Misses:** No GPU: every miss is computed on the CPU, the only meaningful choice here" in text
+        assert f"{final.stats.on_host} misses computed on the CPU" in text and final.stats.on_host > 0
+    finally:
+        session.close()
+        store.close()

@@ -7,6 +7,7 @@ and probes the machine when asked. It does NOT build components or format anythi
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.hardware import Machine, probe
+from fmoe_local.miss_cost import MissCosts
 from fmoe_local.stats import RequestStats
 
 HISTORY = 200  # replies kept for the Stats tab's time series
@@ -147,7 +149,9 @@ class Session:
                 shape = shape_of(model_dir)
                 self._persistence = self.store.map_persistence(model_dir, shape)
                 try:
-                    self.runtime = Runtime.load(model_dir, self._saved_config(), map_persistence=self._persistence)
+                    self.runtime = Runtime.load(
+                        model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir)
+                    )
                 except ValueError as exc:
                     # A saved value this model cannot use (e.g. a cache smaller than one of its experts) must not
                     # keep the model from loading: back to the defaults, said plainly.
@@ -155,7 +159,9 @@ class Session:
                     if not reset:
                         raise
                     notice = f" Your saved settings could not be used ({exc}); {', '.join(reset)} reset to defaults."
-                    self.runtime = Runtime.load(model_dir, self._saved_config(), map_persistence=self._persistence)
+                    self.runtime = Runtime.load(
+                        model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir)
+                    )
             except Exception as exc:  # noqa: BLE001 - any load failure is reported, the app keeps running
                 self._close_persistence()
                 self.load_error = f"Could not load {model_dir.name}: {exc}"
@@ -164,6 +170,7 @@ class Session:
             self.load_error = ""
             self.history.clear()
             self.store.settings.set(last_model=str(model_dir))
+            self._save_miss_costs(model_dir)
             info = self.runtime.info
             return (
                 f"Loaded {model_label(model_dir, info.name)} on {info.device}: {info.num_layers} MoE layers × {info.num_experts} experts, "
@@ -172,6 +179,23 @@ class Session:
 
     def _saved_config(self) -> RuntimeConfig:
         return self.store.settings.load().apply_to(self.config)
+
+    def _saved_miss_costs(self, model_dir: Path) -> MissCosts | None:
+        """The figures an earlier load measured for this model here (None: measure them now)."""
+        try:
+            saved = json.loads(self.store.settings.load().miss_costs or "{}").get(str(model_dir))
+            return MissCosts.from_dict(saved) if saved else None
+        except (ValueError, TypeError, AttributeError):
+            return None  # unreadable (an older or newer version wrote it): measure again
+
+    def _save_miss_costs(self, model_dir: Path) -> None:
+        try:
+            known = json.loads(self.store.settings.load().miss_costs or "{}")
+        except ValueError:
+            known = {}
+        known = known if isinstance(known, dict) else {}
+        known[str(model_dir)] = self.runtime.miss_costs.to_dict()
+        self.store.settings.set(miss_costs=json.dumps(known))
 
     def _reset_runtime_settings(self) -> list[str]:
         """Reset the saved settings that shape the runtime and differ from the defaults; returns their names."""
@@ -185,6 +209,7 @@ class Session:
                 "prefetch_distance",
                 "policy",
                 "store_capacity",
+                "miss_handling",
                 "temperature",
                 "top_p",
                 "max_new_tokens",

@@ -1,4 +1,4 @@
-"""Settings tab: expert cache size, prefetch distance, policy, map-store capacity, clearing the maps.
+"""Settings tab: expert cache size, prefetch distance, policy, map-store capacity, miss handling, clearing the maps.
 
 Scope: applying these to the loaded model with `runtime.reconfigure` (no reload) and saving them in the store.
 The cache size is typed in the unit that fits the model (GB, MB or KB) and shown in experts; it must hold one
@@ -26,7 +26,17 @@ POLICY_HELP = {
     "lfu": "LFU",
     "speculative": "Speculative (next router)",
     "on_demand": "On demand (no prefetch)",
+    "cpu_moe": "CPU MoE (llama.cpp --n-cpu-moe style)",
 }
+MISS_CHOICES = [
+    ("Decide per expert (auto: the faster of the two, measured here)", "auto"),
+    ("Copy it to the GPU", "copy"),
+    ("Compute it on the CPU", "cpu"),
+]
+MISS_HELP = (
+    "An expert the cache lacks can be copied to the GPU or computed by the CPU from RAM; auto measures both at load "
+    "and takes the faster per expert (the Stats tab says what it chose)."
+)
 
 
 @dataclass
@@ -37,6 +47,7 @@ class SettingsTab:
     prefetch_distance: gr.Slider
     policy: gr.Dropdown
     store_capacity: gr.Number
+    miss_handling: gr.Dropdown
     apply: gr.Button
     clear_maps: gr.Button
     status: gr.Markdown
@@ -106,10 +117,17 @@ def build(session: Session) -> SettingsTab:
             info="Past replies' routing remembered to guess the next one; more helps fMoE, costs disk and a little time.",
         )
     with gr.Row():
+        miss_handling = gr.Dropdown(
+            MISS_CHOICES, value=s.miss_handling, label="When an expert is not in the cache", info=MISS_HELP,
+            elem_id="miss-handling",
+        )  # fmt: skip
+    with gr.Row():
         apply = gr.Button("Apply", variant="primary", elem_id="apply-settings")
         clear_maps = gr.Button("Clear learned expert maps", variant="secondary", elem_id="clear-maps")
     status = gr.Markdown("", elem_id="settings-status")
-    return SettingsTab(model_info, cache_size, cache_experts, prefetch, policy, capacity, apply, clear_maps, status)
+    return SettingsTab(
+        model_info, cache_size, cache_experts, prefetch, policy, capacity, miss_handling, apply, clear_maps, status
+    )
 
 
 CACHE_HELP = "Memory kept for experts ready to run; more means fewer waits for copies, less memory for anything else."
@@ -153,7 +171,15 @@ def experts_in(session: Session, size: float | None) -> str:
 
 
 def refresh_outputs(tab: SettingsTab) -> list:
-    return [tab.model_info, tab.cache_size, tab.cache_experts, tab.prefetch_distance, tab.policy, tab.store_capacity]
+    return [
+        tab.model_info,
+        tab.cache_size,
+        tab.cache_experts,
+        tab.prefetch_distance,
+        tab.policy,
+        tab.store_capacity,
+        tab.miss_handling,
+    ]
 
 
 def refresh(session: Session) -> tuple:
@@ -171,6 +197,7 @@ def refresh(session: Session) -> tuple:
         gr.Slider(maximum=distance_max, value=min(s.prefetch_distance, distance_max)),
         s.policy,
         s.store_capacity,
+        s.miss_handling,
     )
 
 
@@ -214,14 +241,20 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
     def refused(sentence: str) -> tuple:
         return gr.skip(), f"⚠️ {sentence}"
 
-    def apply(size, distance, policy, capacity):
+    def apply(size, distance, policy, capacity, miss_handling="auto"):
         try:
             cache_gb = check_cache_size(session, size)
         except ValueError as exc:
             return refused(str(exc))
         if capacity is None or int(capacity) < 1:
             return refused("Keep at least one expert map (store capacity ≥ 1).")
-        changes = dict(cache_gb=cache_gb, prefetch_distance=int(distance), policy=policy, store_capacity=int(capacity))
+        changes = dict(
+            cache_gb=cache_gb,
+            prefetch_distance=int(distance),
+            policy=policy,
+            store_capacity=int(capacity),
+            miss_handling=miss_handling,
+        )
         if session.runtime is not None:
             layers = session.runtime.info.num_layers
             if int(distance) > max(1, layers - 1):
@@ -239,7 +272,8 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
         i = session.runtime.info
         return describe(session), (
             f"Applied without reloading: cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts), prefetch distance "
-            f"{i.prefetch_distance}, policy {i.policy}, {i.store_capacity} maps kept."
+            f"{i.prefetch_distance}, policy {i.policy}, {i.store_capacity} maps kept. "
+            f"{session.runtime.miss_explanation}"
         )
 
     def clear_maps():
@@ -255,7 +289,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
     )  # fmt: skip
     applied = tab.apply.click(
         apply,
-        [tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity],
+        [tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity, tab.miss_handling],
         [tab.model_info, tab.status],
         api_name="apply_settings",
         concurrency_id="runtime",

@@ -120,7 +120,9 @@ def summary(session: Session) -> str:
             f" {s.bytes_moved / 1e6:.1f} MB copied, {1000 * s.stall_s:.0f} ms waiting for misses,"
             f" {fmt_gb(s.cache_gb_used)} of cache in use"
         )
-    return line
+        if s.on_host:
+            line += f", {s.on_host} misses computed on the CPU ({1000 * s.host_s:.0f} ms)"
+    return f"{line}\n\n**Misses:** {session.runtime.miss_explanation}"
 
 
 def build(session: Session) -> StatsTab:
