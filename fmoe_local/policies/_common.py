@@ -44,8 +44,8 @@ def top_k(probs: np.ndarray, k: int) -> np.ndarray:
 class RecencyPolicy:
     """No prefetching; evicts the least recently used candidate. Never-used candidates go first, in given order.
 
-    Shared by lru, on_demand and speculative (which adds prefetches). All methods run on the forward thread except
-    begin_iteration/observe_layer, which touch nothing record_access/choose_victims read.
+    Shared by lru, on_demand and speculative (which adds prefetches). record_access and choose_victims are
+    serialised by the cache's lock (policies/base.py); begin_iteration/observe_layer touch nothing they read.
     """
 
     name = "lru"

@@ -16,9 +16,12 @@ and replay alike); and a `miss_handling` attribute ("cpu"), which overrides the 
 
 Prefetches come back as any Sequence[Prefetch]: a list, or a PrefetchBatch when a policy predicts many at once.
 
-Threading contract (runtime): `begin_iteration`/`observe_layer` run on the background matcher thread;
-`record_access`/`choose_victims` run on the forward thread and must never wait for the matcher (keep them cheap,
-lock-free or under a lock the matcher holds only briefly).
+Threading contract (runtime): `begin_iteration`/`observe_layer` run on the prefetcher (matcher) thread.
+`record_access` and `choose_victims` are called with the cache's lock held, so never at the same time as each
+other: `record_access` by the forward thread, `choose_victims` by the forward thread (a miss claiming a slot) or
+by the prefetcher thread (a prefetch claiming one). Both may run while the matcher is in `observe_layer`, and must
+never wait for it (keep them cheap, under a lock the matcher holds only briefly, as fmoe does). The replay calls
+everything from one thread.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ class FMoEPolicy:
         self.store = map_store
         self._store_capacity = map_store.capacity  # a resize may renumber slots (reconfigure)
         L, J = shape.num_layers, shape.num_experts
-        # Held only for O(L·J) bookkeeping: the forward thread's record_access/choose_victims never wait on a search.
+        # Held only for O(L·J) bookkeeping: record_access/choose_victims (forward or prefetcher thread, under the cache's
+        # lock) never wait on a search.
         self._lock = threading.Lock()
         self._p_est = np.full((L, J), 1.0 / J, np.float32)  # [L, J] newest p per layer (eviction)
         self._last_seen = np.zeros((L, J), np.float32)  # [L, J] last observed distribution per layer (fallback)
