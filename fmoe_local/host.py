@@ -119,7 +119,7 @@ def read_expert(files: CheckpointFiles, sources: Mapping[str, ExpertSource], dty
     out = {}
     for name, src in sources.items():
         if isinstance(src, ConcatRows):
-            parts = [files.get(k) for k in src.keys]
+            parts = [_dense(files, k, dtype) for k in src.keys]
             row = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         elif isinstance(src, FusedRow):
             row = files.get_row(src.key, src.expert)
@@ -133,6 +133,12 @@ def read_expert(files: CheckpointFiles, sources: Mapping[str, ExpertSource], dty
             raise TypeError(f"unknown expert source {src!r}")
         out[name] = row.to(dtype).contiguous()
     return out
+
+
+def _dense(files: CheckpointFiles, key: str, dtype: torch.dtype) -> torch.Tensor:
+    from fmoe_local import bnb_checkpoint  # a bitsandbytes 4-bit checkpoint read unquantised (format bf16)
+
+    return bnb_checkpoint.dequantize(files, key, dtype) if bnb_checkpoint.is_quantised(files, key) else files.get(key)
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fmoe_local import hf_internals
+from fmoe_local import bnb_checkpoint, hf_internals
 from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.host import CheckpointFiles, CheckpointHostStore, TieredHostStore
@@ -125,7 +125,7 @@ def _build(
 
 
 def _drop_supported_quantization(hf_config: object, arch: Architecture) -> None:
-    """MXFP4 GPT-OSS experts are dequantised by the host store; any other quantized checkpoint is refused."""
+    """MXFP4 GPT-OSS and bitsandbytes nf4 checkpoints are read by the host store; other quantizations are refused."""
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
         return
@@ -134,9 +134,13 @@ def _drop_supported_quantization(hf_config: object, arch: Architecture) -> None:
         # The skeleton must hold plain (dequantised) parameters, not transformers' MXFP4 modules.
         del hf_config.quantization_config
         return
+    if str(method).lower() == "bitsandbytes":
+        bnb_checkpoint.check_config(quant if isinstance(quant, dict) else quant.to_dict())
+        del hf_config.quantization_config  # experts are read packed (packed_host.py), the rest dequantised
+        return
     raise ValueError(
-        f"This checkpoint is quantized ({method}), which fmoe-local cannot load yet. "
-        "Download the bf16 or fp16 release of the model instead."
+        f"This checkpoint is quantized ({method}), which fmoe-local cannot load. We read bf16/fp16/fp32 checkpoints, "
+        f"GPT-OSS's MXFP4 and {bnb_checkpoint.READ}: download one of those releases of the model instead."
     )
 
 
@@ -173,12 +177,15 @@ def _load_resident(
                 name = key
             if name.startswith(expert_prefixes):
                 continue  # routed experts: the host store reads them per expert
+            if bnb_checkpoint.is_auxiliary(key):
+                continue  # a 4-bit weight's quant state: read with its weight
             target = targets.get(name)
             if target is None:
                 unexpected.append(key)
                 continue
             want = torch.float32 if fp32(name) else target.dtype
-            tensor = files.get(key)
+            quantised = bnb_checkpoint.is_quantised(files, key)
+            tensor = bnb_checkpoint.dequantize(files, key, want) if quantised else files.get(key)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"'{key}' has shape {tuple(tensor.shape)} in the checkpoint but the model expects "

@@ -3,7 +3,8 @@ or mxfp4.
 
 Scope: `PackedHostStore`, a tiered host store whose experts are stored packed and read through `view` (dequantised
 where computed); `CheckpointPackedSource`, which reads one expert from the checkpoint into its packed form —
-MXFP4 rows as the checkpoint holds them (never dense), bf16/fp32 rows quantised as they are read; and
+MXFP4 rows as the checkpoint holds them (never dense), a bitsandbytes nf4 checkpoint's code bytes and block scales
+(bnb_checkpoint.py), bf16/fp32 rows quantised as they are read; and
 `build_packed_host`, which puts int8/nf4 experts through the quantise-on-load cache (quant_cache.py). It does NOT
 decide the format (loading.py).
 """
@@ -16,8 +17,8 @@ from functools import partial
 
 import torch
 
-from fmoe_local import expert_formats
-from fmoe_local.architectures import ExpertSource, Mxfp4Row
+from fmoe_local import bnb_checkpoint, expert_formats
+from fmoe_local.architectures import ConcatRows, ExpertSource, Mxfp4Row
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.expert_formats import PackedParam, PackedRows
 from fmoe_local.host import CheckpointFiles, TieredHostStore, read_expert
@@ -92,6 +93,13 @@ class CheckpointPackedSource:
                 out[f"{name}.blocks"] = self.files.get_row(src.blocks_key, src.expert).contiguous()
                 out[f"{name}.scales"] = self.files.get_row(src.scales_key, src.expert).contiguous()
                 continue
+            if param.fmt == "nf4" and _bnb_packed({name: src}, self.files):
+                # bitsandbytes nf4 is our nf4: its code bytes and block scales are used as they are.
+                q, absmax, shape = bnb_checkpoint.read_concat_nf4(self.files, src.keys)
+                if shape != param.shape:
+                    raise ValueError(f"'{src.keys[0]}' is {shape} in the checkpoint; the model expects {param.shape}.")
+                out[f"{name}.q"], out[f"{name}.absmax"] = q, absmax
+                continue
             wanted = self.dtype if param.fmt == "dense" else torch.float32
             dense = read_expert(self.files, {name: src}, wanted)[name]
             for part, t in expert_formats.pack(param, dense, self.dtype).items():
@@ -100,11 +108,21 @@ class CheckpointPackedSource:
 
 
 def resolve_format(chosen: str, sources: list[list[Mapping[str, ExpertSource]]], files: CheckpointFiles) -> str:
-    """The stored format: `auto` is the checkpoint's own (mxfp4 when its experts are MXFP4, else bf16)."""
+    """The stored format: `auto` is the checkpoint's own (mxfp4 for MXFP4 experts, nf4 for a bitsandbytes 4-bit
+    checkpoint, else bf16)."""
     if chosen != "auto":
         return chosen
     first = sources[0][0] if sources and sources[0] else {}
-    return "mxfp4" if any(isinstance(src, Mxfp4Row) for src in first.values()) else "bf16"
+    if any(isinstance(src, Mxfp4Row) for src in first.values()):
+        return "mxfp4"
+    return "nf4" if _bnb_packed(first, files) else "bf16"
+
+
+def _bnb_packed(sources: Mapping[str, ExpertSource], files: CheckpointFiles) -> bool:
+    return any(
+        isinstance(src, ConcatRows) and all(bnb_checkpoint.is_quantised(files, k) for k in src.keys)
+        for src in sources.values()
+    )
 
 
 def build_packed_host(
@@ -124,7 +142,7 @@ def build_packed_host(
     fetch: Fetch = CheckpointPackedSource(files, sources, params, dtype)
     on_close = files.close
     cache = None
-    if fmt in ("int8", "nf4"):
+    if fmt in ("int8", "nf4") and not (fmt == "nf4" and _bnb_packed(sources[0][0], files)):
         cache = QuantCache(config.quant_cache_dir, files.model_dir, fmt, dtype, len(sources))
         try:
             cache.build(fetch, len(sources[0]), progress)
