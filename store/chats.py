@@ -1,5 +1,8 @@
 """Conversations and their messages: create, append, edit the last reply, rename, delete, list, search, export.
 
+Replies keep alternatives: a regenerated reply is added to the message's versions (schema v4) and chosen; the
+chosen version is the message's content, so what the model reads next is the one the user picked.
+
 Scope: chat history in SQLite, returned as frozen dataclasses. It does NOT render anything (the UI does) and does
 not know about models beyond the name and settings a conversation was held with. Per-reply stats are stored as
 the JSON of `RequestStats.to_dict()` (or any dict) and come back as a dict.
@@ -39,6 +42,14 @@ class Conversation:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """One version of a reply."""
+
+    content: str
+    stats: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class Message:
     id: int
     conversation_id: int
@@ -47,6 +58,8 @@ class Message:
     content: str
     stats: dict[str, Any] | None
     created: float
+    alternatives: tuple[Alternative, ...] = ()  # every version of a reply (empty: only this one), in order made
+    chosen: int = 0  # which of them is shown and read by the model (its content and stats are this message's)
 
 
 @dataclass(frozen=True)
@@ -61,8 +74,18 @@ def _conversation(row: tuple) -> Conversation:
 
 
 def _message(row: tuple) -> Message:
-    mid, cid, position, role, content, stats_json, created = row
-    return Message(mid, cid, position, role, content, json.loads(stats_json) if stats_json else None, created)
+    mid, cid, position, role, content, stats_json, created, alternatives_json, chosen = row
+    versions = tuple(Alternative(a["content"], a["stats"]) for a in json.loads(alternatives_json or "[]"))
+    stats = json.loads(stats_json) if stats_json else None
+    return Message(mid, cid, position, role, content, stats, created, versions, chosen)
+
+
+def _alternatives_json(versions: list[Alternative]) -> str:
+    return json.dumps([{"content": a.content, "stats": a.stats} for a in versions])
+
+
+def _stats_dict(stats: Any) -> dict | None:
+    return json.loads(_stats_json(stats)) if stats is not None else None
 
 
 def _stats_json(stats: Any) -> str | None:
@@ -74,7 +97,7 @@ def _stats_json(stats: Any) -> str | None:
 
 
 _CONV_COLS = "id, title, created, updated, model, settings_json"
-_MSG_COLS = "id, conversation_id, position, role, content, stats_json, created"
+_MSG_COLS = "id, conversation_id, position, role, content, stats_json, created, alternatives_json, chosen"
 
 
 class ChatStore:
@@ -169,6 +192,52 @@ class ChatStore:
             self._s.db["messages"].update(row[0], {"content": content, "stats_json": _stats_json(stats)})
         return self._get_message(row[0])
 
+    def add_alternative(self, conversation_id: int, position: int, content: str, stats: Any = None) -> Message | None:
+        """Keep `content` as another version of the reply at `position` and choose it (a regenerated reply); the
+        earlier versions stay. Only while that reply is still the conversation's last message — else nothing is
+        stored and None is returned (the conversation moved on while the reply was generating)."""
+        with self._s.writing():
+            last = self._last(conversation_id)
+            if last is None or last.position != position or last.role != "assistant":
+                return None
+            versions = list(last.alternatives) or [Alternative(last.content, last.stats)]
+            versions.append(Alternative(content, _stats_dict(stats)))
+            self._touch(conversation_id, time.time())
+            self._set_version(last.id, versions, len(versions) - 1)
+        return self._get_message(last.id)
+
+    def choose_alternative(self, conversation_id: int, position: int, index: int) -> Message:
+        """Show version `index` of the reply at `position` (what the model reads from now on)."""
+        with self._s.writing():
+            row = self._s.db.execute(
+                f"SELECT {_MSG_COLS} FROM messages WHERE conversation_id = ? AND position = ?",
+                [conversation_id, position],
+            ).fetchone()
+            if row is None:
+                raise ChatNotFoundError(conversation_id)
+            m = _message(row)
+            if not 0 <= index < len(m.alternatives):
+                raise ValueError(f"This reply has {max(1, len(m.alternatives))} version(s); pick one of those.")
+            self._set_version(m.id, list(m.alternatives), index)
+        return self._get_message(m.id)
+
+    def extend_last(self, conversation_id: int, position: int, more: str, stats: Any = None) -> Message | None:
+        """Append `more` to the reply at `position` (a continued reply) and take `stats` as its stats. Only while
+        it is still the last message (else None, nothing stored), as `append(after=)`."""
+        with self._s.writing():
+            last = self._last(conversation_id)
+            if last is None or last.position != position or last.role != "assistant":
+                return None
+            self._touch(conversation_id, time.time())
+            if last.alternatives:
+                versions = list(last.alternatives)
+                versions[last.chosen] = Alternative(last.content + more, _stats_dict(stats))
+                self._set_version(last.id, versions, last.chosen)
+            else:
+                changes = {"content": last.content + more, "stats_json": _stats_json(stats)}
+                self._s.db["messages"].update(last.id, changes)
+        return self._get_message(last.id)
+
     def truncate(self, conversation_id: int, keep: int) -> None:
         """Keep only the first `keep` messages (editing an earlier message drops the replies after it)."""
         with self._s.writing():
@@ -244,6 +313,18 @@ class ChatStore:
         with self._s.lock:
             row = self._s.db.execute(f"SELECT {_MSG_COLS} FROM messages WHERE id = ?", [message_id]).fetchone()
         return _message(row)
+
+    def _last(self, conversation_id: int) -> Message | None:
+        row = self._s.db.execute(
+            f"SELECT {_MSG_COLS} FROM messages WHERE conversation_id = ? ORDER BY position DESC LIMIT 1",
+            [conversation_id],
+        ).fetchone()
+        return None if row is None else _message(row)
+
+    def _set_version(self, message_id: int, versions: list[Alternative], chosen: int) -> None:
+        shown = versions[chosen]
+        changes = {"content": shown.content, "stats_json": _stats_json(shown.stats), "chosen": chosen}
+        self._s.db["messages"].update(message_id, changes | {"alternatives_json": _alternatives_json(versions)})
 
     def _touch(self, conversation_id: int, now: float) -> None:
         if not self._s.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", [now, conversation_id]).rowcount:

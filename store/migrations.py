@@ -83,7 +83,20 @@ def _v3_map_links(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE maps ADD COLUMN next_slot INTEGER")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1_initial, _v2_message_search, _v3_map_links]
+def _v4_reply_alternatives(db: sqlite_utils.Database) -> None:
+    # Regenerate keeps the earlier replies (store/chats.py): every version of a reply as JSON [{content, stats}],
+    # and which one is chosen. The chosen one is also the row's content and stats_json, so what the model reads,
+    # search and export see only it. NULL: the reply has one version, its content.
+    db.execute("ALTER TABLE messages ADD COLUMN alternatives_json TEXT")
+    db.execute("ALTER TABLE messages ADD COLUMN chosen INTEGER NOT NULL DEFAULT 0")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
+    _v1_initial,
+    _v2_message_search,
+    _v3_map_links,
+    _v4_reply_alternatives,
+]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -155,3 +155,35 @@ def test_a_reply_whose_question_was_edited_away_is_not_stored_alone(tmp_path):
         again = store.chats.append(conv.id, "user", "edited question")
         assert store.chats.append(conv.id, "assistant", "its reply", after=again.position) is not None
         assert [m.content for m in store.chats.messages(conv.id)] == ["edited question", "its reply"]
+
+
+def test_regenerated_replies_are_kept_as_alternatives_and_the_chosen_one_survives_a_reopen(tmp_path):
+    with open_store(tmp_path) as s:
+        c = s.chats.create("sea")
+        s.chats.append(c.id, "user", "Tell me about the sea.")
+        first = s.chats.append(c.id, "assistant", "Waves.", stats={"tokens": 1})
+        second = s.chats.add_alternative(c.id, first.position, "Salt water.", stats=reply_stats())
+        assert [a.content for a in second.alternatives] == ["Waves.", "Salt water."]
+        assert (second.chosen, second.content, second.stats["tokens"]) == (1, "Salt water.", 12)
+        back = s.chats.choose_alternative(c.id, first.position, 0)
+        assert (back.content, back.stats) == ("Waves.", {"tokens": 1})  # what the model reads next
+        with pytest.raises(ValueError, match="pick one of those"):
+            s.chats.choose_alternative(c.id, first.position, 2)
+        more = s.chats.extend_last(c.id, first.position, " Big ones.", stats={"tokens": 2})
+        assert more.content == "Waves. Big ones." and more.alternatives[0].content == "Waves. Big ones."
+        s.chats.append(c.id, "user", "And ships?")  # the conversation moved on: a late regenerate is not kept
+        assert s.chats.add_alternative(c.id, first.position, "late", None) is None
+        assert s.chats.extend_last(c.id, first.position, "late", None) is None
+    with open_store(tmp_path) as s:
+        reply = s.chats.messages(c.id)[1]
+        assert (reply.chosen, [a.content for a in reply.alternatives]) == (0, ["Waves. Big ones.", "Salt water."])
+        assert [h.conversation.id for h in s.chats.search("Big ones")] == [c.id]  # search sees the chosen text
+
+
+def test_continuing_a_reply_appends_to_the_same_message(store):
+    c = store.chats.create("story")
+    store.chats.append(c.id, "user", "Tell me a story.")
+    cut = store.chats.append(c.id, "assistant", "Once upon", stats={"finish_reason": "length"})
+    done = store.chats.extend_last(c.id, cut.position, " a time.", stats={"finish_reason": "stop"})
+    assert (done.id, done.content, done.stats) == (cut.id, "Once upon a time.", {"finish_reason": "stop"})
+    assert len(store.chats.messages(c.id)) == 2

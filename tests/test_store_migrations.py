@@ -52,7 +52,7 @@ def test_v1_file_is_migrated_with_its_data_and_becomes_searchable(tmp_path):
     probs = make_v1(db_file)
     with open_store(tmp_path) as s:
         assert s.recovered_from is None
-        assert schema_version(s.db.db) == SCHEMA_VERSION == 3
+        assert schema_version(s.db.db) == SCHEMA_VERSION == 4
         conv = s.chats.get(1)
         assert (conv.title, conv.model, conv.settings) == ("Old chat", "mixtral", {"cache_gb": 3.0})
         assert [m.content for m in s.chats.messages(1)] == [
@@ -60,6 +60,10 @@ def test_v1_file_is_migrated_with_its_data_and_becomes_searchable(tmp_path):
             "Plants turn light into sugar.",
         ]
         assert s.chats.messages(1)[1].stats == {"tokens": 6}
+        # v4 keeps regenerated replies as alternatives: an old reply has only itself, and takes a second one.
+        assert (s.chats.messages(1)[1].alternatives, s.chats.messages(1)[1].chosen) == ((), 0)
+        again = s.chats.add_alternative(1, 1, "Sugar from light.", None)
+        assert [a.content for a in again.alternatives] == ["Plants turn light into sugar.", "Sugar from light."]
         # v2's full-text index covers rows written before it existed, and rows written after.
         assert [h.conversation.id for h in s.chats.search("synthesis")] == [1]
         s.chats.append(1, "user", "And chlorophyll?")
