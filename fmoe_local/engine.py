@@ -178,12 +178,18 @@ class Engine:
         return int(value) if value else None
 
     def encode_chat(self, messages: list[dict]) -> torch.Tensor:
-        """Prompt ids [1, T] from the tokenizer's own chat template (plain concatenation when it has none). Raises
+        """Prompt ids [1, T] from the tokenizer's own chat template (plain concatenation when it has none); a final
+        assistant message is continued, not answered. Raises
         ContextTooLong (a sentence) when the prompt leaves no room for a reply: refused before any compute, so an
         over-long paste cannot occupy the model for minutes."""
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill): the
+            # prompt ends inside it, where the model left off, instead of opening a new turn after it.
+            cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
+            ids = tok.apply_chat_template(
+                messages, add_generation_prompt=not cont, continue_final_message=cont, tokenize=True, return_dict=False
+            )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
         else:
