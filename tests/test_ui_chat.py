@@ -104,3 +104,88 @@ def test_deleting_a_chat_asks_first_and_keep_it_deletes_nothing(app):
     conv_id, chatbot, _, _, pending, delete, confirm, _, _ = fn("confirm_delete_chat")(conv.id)
     assert (conv_id, chatbot, pending) == (None, [], None) and delete.visible
     assert session.store.chats.list() == []
+
+
+class ScriptedRuntime:
+    """Streams the given replies in turn (each as two deltas) and records what the model was asked to read."""
+
+    def __init__(self, *replies: tuple[str, str]) -> None:
+        self.replies = list(replies)  # (text, finish reason)
+        self.seen: list[list[dict]] = []
+
+    def stream(self, messages, sampling):
+        from fmoe_local.runtime import Finished, TextDelta
+        from fmoe_local.stats import RequestStats
+
+        self.seen.append(messages)
+        text, reason = self.replies.pop(0)
+        half = len(text) // 2
+        yield TextDelta(text[:half], 1)
+        yield TextDelta(text[half:], 2)
+        yield Finished(text, [1, 2], RequestStats(tokens=2, finish_reason=reason), reason)
+
+
+@pytest.fixture
+def chat(tmp_path):
+    """A session on a real store with a scripted runtime; one conversation with a question and a cut reply."""
+    from types import SimpleNamespace
+
+    from store import open_store
+
+    store = open_store(tmp_path)
+    session = SimpleNamespace(store=store, runtime=None, load_error="", record=lambda stats: None)
+    conv = store.chats.create("story")
+    store.chats.append(conv.id, "user", "Tell me a story.")
+    store.chats.append(conv.id, "assistant", "Once upon", {"finish_reason": "length", "tokens": 2})
+    yield session, conv.id
+    store.close()
+
+
+def test_continue_appends_to_the_cut_reply_and_the_model_reads_it_as_unfinished(chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    session.runtime = ScriptedRuntime((" a time.", "stop"))
+    *streamed, shown = list(chat_flow.continue_reply(session, conv_id, "", Sampling()))
+    assert streamed[0][-1]["content"] == "Once upon a t"  # the same bubble grows
+    assert session.runtime.seen[0][-1] == {"role": "assistant", "content": "Once upon"}
+    stored = session.store.chats.messages(conv_id)
+    assert [m.content for m in stored] == ["Tell me a story.", "Once upon a time."]
+    assert len(shown) == 2 and not chat_flow.can_continue(stored[-1])
+    with pytest.raises(chat_flow.Problem, match="cut by the length limit"):
+        next(chat_flow.continue_reply(session, conv_id, "", Sampling()))
+
+
+def test_regenerate_keeps_the_old_reply_and_the_chosen_one_is_what_the_next_turn_reads(chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    session.runtime = ScriptedRuntime(("Long ago.", "stop"), ("The end.", "stop"))
+    list(chat_flow.regenerate(session, conv_id, "", Sampling()))
+    assert session.runtime.seen[0] == [{"role": "user", "content": "Tell me a story."}]  # not the old reply
+    stored = session.store.chats.messages(conv_id)
+    assert chat_flow.versions_label(stored) == "2/2" and stored[-1].content == "Long ago."
+    shown = chat_flow.choose(session, conv_id, -1)
+    assert shown[-1]["content"].startswith("Once upon")
+    assert chat_flow.versions_label(session.store.chats.messages(conv_id)) == "1/2"
+    session.store.chats.append(conv_id, "user", "Go on.")
+    list(chat_flow.reply(session, conv_id, "", Sampling()))
+    assert session.runtime.seen[1][1] == {"role": "assistant", "content": "Once upon"}  # the chosen version
+
+
+def test_editing_an_earlier_message_drops_what_followed_and_replies_again(chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    session.store.chats.append(conv_id, "user", "Another one.")
+    session.store.chats.append(conv_id, "assistant", "Sure.")
+    session.runtime = ScriptedRuntime(("A poem.", "stop"))
+    list(chat_flow.edit(session, conv_id, 0, "Tell me a poem.", "", Sampling()))
+    stored = session.store.chats.messages(conv_id)
+    assert [m.content for m in stored] == ["Tell me a poem.", "A poem."]
+    assert session.runtime.seen == [[{"role": "user", "content": "Tell me a poem."}]]
+    with pytest.raises(chat_flow.Problem, match="Only your own messages"):
+        next(chat_flow.edit(session, conv_id, 1, "x", "", Sampling()))  # index 1 is the reply

@@ -4,7 +4,9 @@ Scope: components and their events. Conversations live in the store; the chatbot
 the model sees is always the stored text (the stats line under a reply is display-only). It does NOT load
 models (Models tab) or change the runtime's settings (Settings tab). One request at a time: the send and
 regenerate events share one concurrency slot, Stop has its own so that it is never queued behind a reply.
-A problem is said in the notice line under the chat (`guarded`); deleting a chat asks first.
+A problem is said in the notice line under the chat (`guarded`); deleting a chat asks first. The last reply
+offers Continue when the token limit cut it and "< 1/2 >" when Regenerate made other versions; every message of
+the user's has Gradio's edit pencil (the chat goes on from the edited message).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ChatTab:
     confirm_delete: gr.Button
     keep_chat: gr.Button
     pending_delete: gr.State
+    pending_edit: gr.State
     export: gr.Button
     export_file: gr.File
     chatbot: gr.Chatbot
@@ -50,7 +53,10 @@ class ChatTab:
     send: gr.Button
     stop: gr.Button
     regenerate: gr.Button
-    edit_last: gr.Button
+    continue_reply: gr.Button
+    alt_prev: gr.Button
+    alt_label: gr.Button
+    alt_next: gr.Button
     system: gr.Textbox
     temperature: gr.Slider
     top_p: gr.Slider
@@ -74,6 +80,7 @@ def build(session: Session) -> ChatTab:
                 confirm_delete = gr.Button(size="sm", variant="stop", visible=False, elem_id="confirm-delete")
                 keep_chat = gr.Button("Keep it", size="sm", visible=False, elem_id="keep-chat")
                 pending_delete = gr.State(None)
+                pending_edit = gr.State(None)  # (shown index, new text) of an edit, from the event to its reply
                 export = gr.Button("Export as Markdown", size="sm", elem_id="export-chat")
                 export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file")
         with gr.Column(scale=4):
@@ -82,6 +89,7 @@ def build(session: Session) -> ChatTab:
                 elem_id="chatbot",
                 show_label=False,
                 buttons=["copy"],
+                editable="user",  # a pencil under every message of yours: edit it, and the chat goes on from there
                 feedback_options=None,
                 placeholder="Ask anything. Replies stream from the model running on this computer.",
             )
@@ -102,7 +110,14 @@ def build(session: Session) -> ChatTab:
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")
             with gr.Row():
                 regenerate = gr.Button("↻ Regenerate", size="sm", elem_id="regenerate")
-                edit_last = gr.Button("✎ Edit last message", size="sm", elem_id="edit-last")
+                # Shown only for a reply the token limit cut: goes on with the same message.
+                continue_reply = gr.Button("⏵ Continue", size="sm", visible=False, elem_id="continue")
+                # The last reply's versions (Regenerate keeps the earlier ones), as Open WebUI's "< 1/2 >".
+                alt_prev = gr.Button("<", size="sm", scale=0, min_width=40, visible=False, elem_id="alt-prev")
+                alt_label = gr.Button(
+                    "", size="sm", min_width=60, interactive=False, visible=False, elem_id="alt-label"
+                )
+                alt_next = gr.Button(">", size="sm", scale=0, min_width=40, visible=False, elem_id="alt-next")
             with gr.Accordion("Generation", open=False):
                 system = gr.Textbox(label="System prompt", value=settings.system_prompt, lines=2, elem_id="system")
                 with gr.Row():
@@ -113,8 +128,9 @@ def build(session: Session) -> ChatTab:
                     )
     return ChatTab(
         conv_id, search, conv_list, new_chat, rename_box, rename, delete, confirm_delete, keep_chat, pending_delete,
+        pending_edit,
         export, export_file, chatbot, notice, textbox, send, stop,
-        regenerate, edit_last, system, temperature, top_p, max_tokens,
+        regenerate, continue_reply, alt_prev, alt_label, alt_next, system, temperature, top_p, max_tokens,
     )  # fmt: skip
 
 
@@ -185,31 +201,51 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
             yield chatbot, conv_id, gr.skip(), gr.skip(), gr.skip()
 
     def regenerate(conv_id, system, temperature, top_p, max_tokens):
-        chat_flow.runtime_of(session)
-        stored = chats.messages(conv_id) if conv_id is not None else []
-        if not any(m.role == "user" for m in stored):
-            raise Problem("Nothing to regenerate yet. Send a message first.")
-        while stored and stored[-1].role == "assistant":
-            stored.pop()
-        chats.truncate(conv_id, keep=len(stored))
-        yield gr.skip(), notice()
-        for chatbot in chat_flow.reply(session, conv_id, system, sampling(temperature, top_p, max_tokens)):
+        replies = chat_flow.regenerate(session, conv_id, system, sampling(temperature, top_p, max_tokens))
+        first = next(replies)  # a Problem (nothing to regenerate, no model) is raised before the notice is cleared
+        yield first, notice()
+        for chatbot in replies:
             yield chatbot, gr.skip()
+
+    def continue_reply(conv_id, system, temperature, top_p, max_tokens):
+        replies = chat_flow.continue_reply(session, conv_id, system, sampling(temperature, top_p, max_tokens))
+        first = next(replies)
+        yield first, notice()
+        for chatbot in replies:
+            yield chatbot, gr.skip()
+
+    def take_edit(data: gr.EditData):
+        # Only the event's own handler receives its data; the reply runs later in the chain, in the model's slot.
+        stop()  # the reply being generated answers the old text: end it
+        return (data.index, data.value if isinstance(data.value, str) else str(data.value))
+
+    def edit(pending, conv_id, system, temperature, top_p, max_tokens):
+        if pending is None:
+            raise Problem("That edit was already applied. Edit the message again to change it.")
+        index, text = pending
+        replies = chat_flow.edit(session, conv_id, index, text, system, sampling(temperature, top_p, max_tokens))
+        first = next(replies)
+        yield first, notice()
+        for chatbot in replies:
+            yield chatbot, gr.skip()
+
+    def flip(step: int):
+        def choose(conv_id):
+            return chat_flow.choose(session, conv_id, step), notice()
+
+        return choose
+
+    def controls(conv_id):
+        """Continue for a reply cut by the token limit, "< 1/2 >" when the last reply has versions."""
+        stored = chats.messages(conv_id) if conv_id is not None else []
+        label = chat_flow.versions_label(stored)
+        cut = bool(stored) and chat_flow.can_continue(stored[-1])
+        alt = gr.Button(visible=bool(label))
+        return gr.Button(visible=cut), alt, gr.Button(value=label, visible=bool(label)), alt
 
     def stop():
         if session.runtime is not None:
             session.runtime.stop()
-
-    def edit_last(conv_id):
-        if session.runtime is not None:
-            session.runtime.stop()  # editing the question ends its reply (which is then not stored)
-        stored = chats.messages(conv_id) if conv_id is not None else []
-        users = [m for m in stored if m.role == "user"]
-        if not users:
-            raise Problem("There is no message of yours to edit yet.")
-        last = users[-1]
-        chats.truncate(conv_id, keep=last.position)
-        return display(chats.messages(conv_id)), last.content, notice()
 
     def new_chat():
         return None, [], gr.Radio(choices=conversation_choices(session), value=None), "", notice()
@@ -299,25 +335,42 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     )
     regen = t.regenerate.click(busy, None, [t.send], **quick)
     regen = on(regen.then, regenerate, [t.conv_id, *gen_inputs], [t.chatbot, t.notice], api_name="regenerate", **slot)
-    for event in (sent, submitted, regen):
-        event.then(idle, None, [t.send], **quick)
+    cont = t.continue_reply.click(busy, None, [t.send], **quick)
+    cont = on(cont.then, continue_reply, [t.conv_id, *gen_inputs], [t.chatbot, t.notice], api_name="continue", **slot)
+    # Editing a question ends the reply being generated (it would answer the old text), then answers the new one.
+    edited = t.chatbot.edit(take_edit, None, [t.pending_edit], **quick).then(busy, None, [t.send], **quick)
+    edit_inputs = [t.pending_edit, t.conv_id, *gen_inputs]
+    edited = on(edited.then, edit, edit_inputs, [t.chatbot, t.notice], api_visibility="private", **slot)
+    replies = [sent, submitted, regen, cont, edited]
+    ctrl = [t.continue_reply, t.alt_prev, t.alt_label, t.alt_next]
+    for event in replies:
+        # One step: when Send is back, Continue and "< 1/2 >" already match the reply that just ended.
+        event.then(lambda conv_id: (idle(), *controls(conv_id)), [t.conv_id], [t.send, *ctrl], **quick)
     t.stop.click(stop, None, None, api_name="stop", concurrency_limit=None)
-    on(t.edit_last.click, edit_last, [t.conv_id], [t.chatbot, t.textbox, t.notice], api_name="edit_last")
+    for button, step in ((t.alt_prev, -1), (t.alt_next, 1)):
+        flipped = on(button.click, flip(step), [t.conv_id], [t.chatbot, t.notice], api_visibility="private")
+        flipped.then(controls, [t.conv_id], ctrl, **quick)
     chat_view = [t.conv_id, t.chatbot, t.conv_list, t.rename_box, t.notice]
-    on(t.new_chat.click, new_chat, None, chat_view, api_name="new_chat")
-    on(t.conv_list.input, select, [t.conv_list], [t.conv_id, t.chatbot, t.rename_box, t.notice], api_name="open_chat")
+    opened = on(t.new_chat.click, new_chat, None, chat_view, api_name="new_chat")
+    opened.then(controls, [t.conv_id], ctrl, **quick)
+    opened = on(
+        t.conv_list.input, select, [t.conv_list], [t.conv_id, t.chatbot, t.rename_box, t.notice], api_name="open_chat"
+    )
+    opened.then(controls, [t.conv_id], ctrl, **quick)
     on(t.search.input, search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats")
     on(t.rename.click, rename, [t.conv_id, t.rename_box], [t.conv_list, t.notice], api_name="rename_chat")
     question = [t.delete, t.confirm_delete, t.keep_chat]
     on(t.delete.click, delete, [t.conv_id], [t.pending_delete, *question, t.notice], api_name="delete_chat")
-    on(
+    deleted = on(
         t.confirm_delete.click,
         confirm_delete,
         [t.pending_delete],
         [*chat_view[:4], t.pending_delete, *question, t.notice],
         api_name="confirm_delete_chat",
     )
+    deleted.then(controls, [t.conv_id], ctrl, **quick)
     t.keep_chat.click(keep_chat, None, [t.pending_delete, *question], api_visibility="private")
     on(t.export.click, export, [t.conv_id], [t.export_file, t.notice], api_name="export_chat")
-    demo.load(on_load, None, [t.conv_id, t.chatbot, t.conv_list, *gen_inputs], api_visibility="private")
-    return [sent, submitted, regen]
+    loaded = demo.load(on_load, None, [t.conv_id, t.chatbot, t.conv_list, *gen_inputs], api_visibility="private")
+    loaded.then(controls, [t.conv_id], ctrl, **quick)
+    return replies

@@ -75,3 +75,87 @@ def reply(session: Session, conv_id: int, system: str, sampling: Sampling) -> It
         chats.append(conv_id, "assistant", text, stats, after=after)
 
     yield from stream_reply(session, conv_id, model_messages(stored, system), display(stored), save, sampling)
+
+
+def regenerate(session: Session, conv_id: int | None, system: str, sampling: Sampling) -> Iterator[list[dict]]:
+    """Another reply to the last question; the reply it replaces stays as an alternative (< 1/2 >)."""
+    chats = session.store.chats
+    stored = chats.messages(conv_id) if conv_id is not None else []
+    if not any(m.role == "user" for m in stored):
+        raise Problem("Nothing to regenerate yet. Send a message first.")
+    runtime_of(session)
+    last = stored[-1]
+    if last.role == "assistant":
+        context = stored[:-1]
+
+        def save(text: str, stats: object) -> None:
+            chats.add_alternative(conv_id, last.position, text, stats)
+
+    else:  # the last reply failed before any text: there is nothing to keep, only a reply to add
+        context = stored
+
+        def save(text: str, stats: object) -> None:
+            chats.append(conv_id, "assistant", text, stats, after=last.position)
+
+    yield from stream_reply(session, conv_id, model_messages(context, system), display(context), save, sampling)
+
+
+def can_continue(message) -> bool:  # noqa: ANN001 - a store Message
+    return message.role == "assistant" and (message.stats or {}).get("finish_reason") == "length"
+
+
+def continue_reply(session: Session, conv_id: int | None, system: str, sampling: Sampling) -> Iterator[list[dict]]:
+    """Go on with the last reply where the token limit cut it: the new text is appended to the same message."""
+    chats = session.store.chats
+    stored = chats.messages(conv_id) if conv_id is not None else []
+    if not stored or not can_continue(stored[-1]):
+        raise Problem("Only a reply cut by the length limit can be continued. Send a message or Regenerate instead.")
+    runtime_of(session)
+    last = stored[-1]
+
+    def save(text: str, stats: object) -> None:
+        chats.extend_last(conv_id, last.position, text, stats)
+
+    # The model reads the reply so far as its own unfinished turn (Engine.encode_chat continues a final assistant
+    # message instead of opening a new one).
+    messages = model_messages(stored, system)
+    yield from stream_reply(session, conv_id, messages, display(stored[:-1]), save, sampling, prefix=last.content)
+
+
+def edit(
+    session: Session, conv_id: int | None, index: int, text: str, system: str, sampling: Sampling
+) -> Iterator[list[dict]]:
+    """Replace the user message shown at `index` with `text`, drop everything after it, and reply to it again."""
+    chats = session.store.chats
+    text = (text or "").strip()
+    if not text:
+        raise Problem("A message cannot be empty. Type the new text, or start a new chat.")
+    shown = [m for m in (chats.messages(conv_id) if conv_id is not None else []) if m.role != "system"]
+    if not isinstance(index, int) or not 0 <= index < len(shown) or shown[index].role != "user":
+        raise Problem("Only your own messages can be edited. Use Regenerate for another reply.")
+    runtime_of(session)
+    chats.truncate(conv_id, keep=shown[index].position)
+    chats.append(conv_id, "user", text)
+    yield from reply(session, conv_id, system, sampling)
+
+
+def choose(session: Session, conv_id: int | None, step: int) -> list[dict]:
+    """Show the previous (step −1) or next (+1) version of the last reply; the model reads that one from now on."""
+    chats = session.store.chats
+    stored = chats.messages(conv_id) if conv_id is not None else []
+    last = stored[-1] if stored else None
+    if last is None or len(last.alternatives) < 2:
+        raise Problem("This reply has no other version. Regenerate makes one.")
+    index = last.chosen + step
+    if not 0 <= index < len(last.alternatives):
+        return display(stored)  # already at the first or last version
+    chats.choose_alternative(conv_id, last.position, index)
+    return display(chats.messages(conv_id))
+
+
+def versions_label(stored) -> str:  # noqa: ANN001 - store Messages
+    """ "2/3" for the last reply's versions, "" when it has only one."""
+    last = stored[-1] if stored else None
+    if last is None or len(last.alternatives) < 2:
+        return ""
+    return f"{last.chosen + 1}/{len(last.alternatives)}"
