@@ -111,7 +111,7 @@ def build(session: Session) -> ChatTab:
             with gr.Row():
                 regenerate = gr.Button("↻ Regenerate", size="sm", elem_id="regenerate")
                 # Shown only for a reply the token limit cut: goes on with the same message.
-                continue_reply = gr.Button("⏵ Continue", size="sm", visible=False, elem_id="continue")
+                continue_reply = gr.Button("Continue »", size="sm", visible=False, elem_id="continue")
                 # The last reply's versions (Regenerate keeps the earlier ones), as Open WebUI's "< 1/2 >".
                 alt_prev = gr.Button("<", size="sm", scale=0, min_width=40, visible=False, elem_id="alt-prev")
                 alt_label = gr.Button(
