@@ -3,7 +3,7 @@
 Scope: static facts (sizes, shapes, which files to fetch). It does NOT download, probe the machine or decide
 whether a model fits: `hardware.py` turns these facts plus a machine into a verdict, the UI downloads.
 
-Sizes are decimal bytes. `expert_bytes` is one routed expert in bf16 (gate + up + down projections), i.e.
+Sizes are decimal bytes (per expert format: `expert_bytes_for`). `expert_bytes` is one routed expert in bf16 (gate + up + down projections), i.e.
 3·hidden·moe_intermediate·2 B; `resident_bytes` is everything that is not a routed expert, in bf16 (embeddings,
 attention, norms, routers, shared experts, dense layers) — what has to live on the GPU.
 """
@@ -41,6 +41,7 @@ class CatalogEntry:
     resident_bytes: int  # non-expert weights, bf16
     download_bytes: int  # what the allowed files weigh on the Hub
     note: str = ""
+    native_format: str = "bf16"  # the experts' form in the download: what expert format auto keeps
     allow_patterns: tuple[str, ...] = DEFAULT_ALLOW
     ignore_patterns: tuple[str, ...] = field(default=DEFAULT_IGNORE)
 
@@ -48,6 +49,16 @@ class CatalogEntry:
     def experts_bytes(self) -> int:
         """All routed experts in bf16: what host RAM (or the disk tier) has to hold."""
         return self.num_layers * self.num_experts * self.expert_bytes
+
+    def expert_bytes_for(self, fmt: str) -> int:
+        """One routed expert stored as `fmt` (auto: the download's own form); expert_formats.BITS per weight."""
+        from fmoe_local.expert_formats import bytes_per_expert
+
+        return bytes_per_expert(self.expert_bytes, self.native_format if fmt == "auto" else fmt)
+
+    def experts_bytes_for(self, fmt: str) -> int:
+        """All routed experts stored as `fmt`: what host RAM (or the disk tier) holds."""
+        return self.num_layers * self.num_experts * self.expert_bytes_for(fmt)
 
     @property
     def local_name(self) -> str:
@@ -118,7 +129,8 @@ CATALOG: tuple[CatalogEntry, ...] = (
         expert_bytes=_expert(2880, 2880),
         resident_bytes=int(3.6 * GB),
         download_bytes=int(13.8 * GB),
-        note="Ships in MXFP4; experts are dequantised to bf16 on load.",
+        note="Ships in MXFP4; its experts stay in MXFP4 (4-bit) in RAM and on the GPU.",
+        native_format="mxfp4",
     ),
     CatalogEntry(
         repo_id="Qwen/Qwen3-30B-A3B-Instruct-2507",

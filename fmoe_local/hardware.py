@@ -136,10 +136,12 @@ def min_cache_bytes(top_k: int, expert_bytes: int) -> int:
     return 2 * top_k * expert_bytes
 
 
-def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False) -> FitVerdict:
-    """Will `entry` run here, and how well? Pure arithmetic: see the module constants for the margins."""
+def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: str = "auto") -> FitVerdict:
+    """Will `entry` run here with its experts stored as `fmt`, and how well? Pure arithmetic: see the module
+    constants for the margins. The download is the same for every format (int8/nf4 are made on the first load)."""
     reasons: list[str] = []
-    min_cache = min_cache_bytes(entry.top_k, entry.expert_bytes)
+    expert_bytes, experts_bytes = entry.expert_bytes_for(fmt), entry.experts_bytes_for(fmt)
+    min_cache = min_cache_bytes(entry.top_k, expert_bytes)
     disk_needed = 0 if downloaded else entry.download_bytes + DISK_MARGIN_BYTES
     if disk_needed and machine.disk_free < disk_needed:
         return FitVerdict(
@@ -163,14 +165,14 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False) -> FitV
                 ),
                 0.0,
             )
-        cache = min(vram_for_cache, entry.experts_bytes)
+        cache = min(vram_for_cache, experts_bytes)
         reasons.append(f"GPU: {_gb(entry.resident_bytes)} resident, up to {_gb(cache)} of expert cache.")
-        if entry.experts_bytes <= ram_free:
+        if experts_bytes <= ram_free:
             reasons.insert(0, "Fits: all experts stay in RAM and stream to the GPU cache.")
             return FitVerdict("good", tuple(reasons), cache / GIB)
         reasons.insert(
             0,
-            f"Runs, slowly: the experts ({_gb(entry.experts_bytes)}) exceed free RAM ({_gb(ram_free)}), "
+            f"Runs, slowly: the experts ({_gb(experts_bytes)}) exceed free RAM ({_gb(ram_free)}), "
             "so some are read from disk.",
         )
         return FitVerdict("slow", tuple(reasons), cache / GIB)
@@ -182,12 +184,31 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False) -> FitV
             (f"Not enough memory: the model needs at least {_gb(needed)} of RAM and {_gb(ram_free)} is free.",),
             0.0,
         )
-    cache = min(ram_free - entry.resident_bytes, entry.experts_bytes)
-    where = (
-        "all experts fit in RAM" if entry.resident_bytes + entry.experts_bytes <= ram_free else "experts spill to disk"
-    )
+    cache = min(ram_free - entry.resident_bytes, experts_bytes)
+    where = "all experts fit in RAM" if entry.resident_bytes + experts_bytes <= ram_free else "experts spill to disk"
     gpu = "on the Apple GPU" if machine.device == "mps" else "on the CPU, without a CUDA GPU"
     return FitVerdict("slow", (f"Runs, slowly: {gpu}; {where}.",), cache / GIB)
+
+
+def fit_by_format(entry: CatalogEntry, machine: Machine, downloaded: bool = False) -> dict[str, FitVerdict]:
+    """The verdict for each expert format a user can choose (the download's own form first)."""
+    from fmoe_local.expert_formats import LABELS
+
+    formats = [entry.native_format] + [f for f in ("bf16", "int8", "nf4") if f != entry.native_format]
+    return {f: fit(entry, machine, downloaded, f) for f in formats if f in LABELS}
+
+
+def recommend_format(verdicts: dict[str, FitVerdict]) -> str:
+    """The most faithful format that runs well here; else the one that runs at all with the most room to spare
+    (the smallest); the download's own form when nothing fits."""
+    from fmoe_local.expert_formats import BITS
+
+    order = ("good", "slow")
+    for level in order:
+        fitting = [f for f, v in verdicts.items() if v.level == level]
+        if fitting:
+            return fitting[0] if level == "good" else min(fitting, key=BITS.__getitem__)
+    return next(iter(verdicts))
 
 
 def cache_gb_limit(machine: Machine, resident_bytes: int, current_cache_gb: float = 0.0) -> float:

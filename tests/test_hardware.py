@@ -79,3 +79,21 @@ def test_bandwidth_probe_needs_cuda():
 
     gbps = hardware.host_to_device_gbps(size_mb=8, repeats=1)
     assert (gbps > 0) == torch.cuda.is_available()
+
+
+def test_a_packed_format_fits_where_bf16_spills_and_is_recommended():
+    from fmoe_local.hardware import fit_by_format, recommend_format
+
+    mixtral = find("mistralai/Mixtral-8x7B-Instruct-v0.1")
+    desktop = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 500 * GB)
+    verdicts = fit_by_format(mixtral, desktop)
+    assert list(verdicts) == ["bf16", "int8", "nf4"]
+    assert verdicts["bf16"].level == "slow" and verdicts["int8"].level == "good"  # 90 GB vs 45 GB of experts
+    assert recommend_format(verdicts) == "int8"
+    small = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 32 * GB, 30 * GB, 500 * GB)
+    assert recommend_format(fit_by_format(mixtral, small)) == "nf4"  # 25.4 GB of nf4 experts fit in 27 GB free
+    # nf4 is 4.5 bits per weight with its block scales; GPT-OSS's own MXFP4 is what auto keeps.
+    assert mixtral.expert_bytes_for("nf4") == round(mixtral.expert_bytes * 4.5 / 16)
+    gpt_oss = find("openai/gpt-oss-20b")
+    assert gpt_oss.expert_bytes_for("auto") == gpt_oss.expert_bytes_for("mxfp4") < gpt_oss.expert_bytes / 3
+    assert list(fit_by_format(gpt_oss, desktop))[0] == "mxfp4"
