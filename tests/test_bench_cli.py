@@ -81,3 +81,25 @@ def test_replay_chooses_the_distance_from_the_costs(tmp_path: Path, capsys: pyte
     with pytest.raises(SystemExit):
         cli.main(["replay", str(trace), "--prefetch-distance", "far"])
     assert "'auto'" in capsys.readouterr().err
+
+
+def test_bench_quality_scores_each_expert_format_on_held_text(tiny_model_dir, tmp_path, capsys):
+    import argparse
+
+    from fmoe_local.bench import cli as bench_cli
+
+    text = tmp_path / "held.json"
+    text.write_text(json.dumps(["The quick brown fox jumps over the lazy dog. " * 20] * 4))
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["bench", "quality", "--model", str(tiny_model_dir("olmoe")), "--text", str(text), "--formats", "bf16,nf4"]
+        + ["--seq-len", "16", "--windows", "3", "--device", "cpu"]
+    )
+    assert bench_cli.run(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "|---" not in line]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["unquantised (float32)", "nf4"]
+    losses = [float(r.split("|")[4]) for r in rows[1:]]
+    assert all(0 < x < 10 for x in losses) and losses[0] != losses[1]  # 48 tokens scored; nf4 changes the weights
+    with pytest.raises(ValueError, match="Unknown expert format q3"):
+        bench_cli.run(parser.parse_args(["bench", "quality", "--formats", "q3"]))

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_local.bench import cpu_experts, live, matcher, overhead
+from fmoe_local.bench import cpu_experts, live, matcher, overhead, quality
 from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.oracle import OraclePolicy
 from fmoe_local.bench.presets import BITS, CPU_EXPERT_GBPS, CPU_SOURCE, PRESETS, CostModel, cost_model
@@ -101,6 +101,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     matcher.add_parser(sub)
     live.add_parser(sub)
     overhead.add_parser(sub)
+    quality.add_parser(sub)
     cpu_experts.add_parser(sub)
 
 
@@ -124,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         return live.run(args)
     if args.bench_command == "overhead":
         return overhead.run(args)
+    if args.bench_command == "quality":
+        return quality.run(args)
     raise ValueError(f"Unknown bench command '{args.bench_command}'.")
 
 
