@@ -145,7 +145,9 @@ def test_chat_stop_switch_restart_and_settings(env):
             "() => document.querySelector('#chatbot').innerText.split('Tell me a very long story.')[1]?.trim().length > 6",
             timeout=STREAM_TIMEOUT_MS,
         )
-        page.locator("#stop").click()
+        # Dispatched at once: a plain click first waits for the button to stop moving, and the chat re-renders it
+        # with every streamed token, so on a busy machine the whole reply could finish before the click landed.
+        page.locator("#stop").dispatch_event("click")
         page.locator("#chatbot").get_by_text("stopped").wait_for(timeout=STREAM_TIMEOUT_MS)
         page.screenshot(path=SHOTS / "chat-stopped.png", full_page=True)
 
