@@ -125,20 +125,44 @@ def test_semantic_match_skips_maps_without_embedding():
 
 
 def test_full_store_replaces_most_redundant_by_rdy_weights():
-    # Old A: same routing as the new map, orthogonal prompt. Old B: same prompt, routing cosine 0.5.
+    # Old A: same routing as the new map, orthogonal prompt. Old B: same prompt, routing cosine 0.5. C and D, newer
+    # and unlike the new map, are the newer half: never replaced here.
     new = one_hot_map([0, 1, 2, 3], sem=[1, 0, 0])
     a = one_hot_map([0, 1, 2, 3], sem=[0, 1, 0])
     b = one_hot_map([0, 1, 6, 7], sem=[1, 0, 0])
+    c, d = one_hot_map([4, 5, 6, 7], sem=[0, 0, 1]), one_hot_map([5, 4, 7, 6], sem=[0, 0, 1])
     # d=1, L=4: RDY_A = 1/4·0 + 3/4·1 = 0.75; RDY_B = 1/4·1 + 3/4·0.5 = 0.625 → A goes.
-    store = MapStore(SHAPE, capacity=2, prefetch_distance=1)
-    store.add(a), store.add(b)
-    np.testing.assert_allclose(store.redundancy(new.probs, new.semantic), [0.75, 0.625], rtol=1e-6)
-    assert store.add(new) == 0 and len(store) == 2
+    store = MapStore(SHAPE, capacity=4, prefetch_distance=1)
+    store.add(a), store.add(b), store.add(c), store.add(d)
+    np.testing.assert_allclose(store.redundancy(new.probs, new.semantic)[:2], [0.75, 0.625], rtol=1e-6)
+    assert store.add(new) == 0 and len(store) == 4
     # d=3: RDY_A = 3/4·0 + 1/4·1 = 0.25; RDY_B = 3/4·1 + 1/4·0.5 = 0.875 → B goes.
-    store = MapStore(SHAPE, capacity=2, prefetch_distance=3)
-    store.add(a), store.add(b)
+    store = MapStore(SHAPE, capacity=4, prefetch_distance=3)
+    store.add(a), store.add(b), store.add(c), store.add(d)
     assert store.add(new) == 1
     np.testing.assert_array_equal(store.probs(1), new.probs)
+
+
+def test_full_store_gives_up_only_its_older_half():
+    # A new topic arrives in a store full of an old one: its maps are the most redundant with each other, yet they
+    # must not replace each other while older maps remain, or the store never learns the new topic.
+    store = MapStore(SHAPE, capacity=4, prefetch_distance=1)
+    old = [one_hot_map([e, e, e, e], sem=[0, 1, 0]) for e in range(4)]
+    for m in old:
+        store.add(m)
+    new = [one_hot_map([4, 5, 6, e], sem=[1, 0, 0]) for e in (7, 6, 5, 4)]
+    slots = [store.add(new[0]), store.add(new[1]), store.add(new[2])]
+    # Each newcomer is most redundant with the one before it (RDY 0.8125 against 0), yet they all stay: the oldest
+    # half of the store is three old-topic maps, then two, then the older of {old map, new[0]}.
+    assert len(set(slots)) == 3 and len(store) == 4
+    for m in new[:3]:
+        assert any(np.array_equal(store.probs(s), m.probs) for s in range(4))
+    # Now new[0] is among the older half, and the most redundant there: it goes.
+    slots.append(store.add(new[3]))
+    assert slots[3] == slots[0]
+    # Near-identical maps are still merged wherever they sit, newest included.
+    again = one_hot_map([4, 5, 6, 4], sem=[1, 0, 0.0001])
+    assert store.add(again) == slots[3] and len(store) == 4
 
 
 def test_near_identical_map_replaces_instead_of_adding():
@@ -155,9 +179,9 @@ def test_persistence_sees_every_slot_write_and_clear():
     store = MapStore(SHAPE, capacity=2, prefetch_distance=1, persistence=fake)
     store.add(one_hot_map([0, 1, 2, 3], sem=[1, 0, 0]))
     store.add(one_hot_map([4, 5, 6, 7], sem=[0, 1, 0]))
-    store.add(one_hot_map([4, 5, 6, 6], sem=[0, 1, 0]))  # full: replaces slot 1 on disk too
-    assert fake.calls == [("put", 0), ("put", 1), ("put", 1)]
-    np.testing.assert_array_equal(fake.rows[1].probs, store.probs(1))
+    store.add(one_hot_map([4, 5, 6, 6], sem=[0, 1, 0]))  # full: replaces the older slot 0, on disk too
+    assert fake.calls == [("put", 0), ("put", 1), ("put", 0)]
+    np.testing.assert_array_equal(fake.rows[0].probs, store.probs(0))
     store.clear()
     assert len(store) == 0 and fake.rows == {}
 
