@@ -275,20 +275,21 @@ class MapStore:
     def _choose_slot(self, probs: np.ndarray, sem: np.ndarray | None) -> int:
         if self._n == 0:
             return 0
-        best, rdy = self.most_redundant(probs, sem)
-        if rdy >= self.dedup_threshold:
+        rdy, cand = self._redundancy(probs, sem)  # once: dedup and a full store's choice both read it
+        near = np.arange(self._n) if cand is None else cand
+        best = int(near[np.argmax(rdy[near])])  # = most_redundant's slot
+        if rdy[best] >= self.dedup_threshold:
             return best
         if self._n < self._capacity:
             return self._n
-        return self._most_redundant_old(probs, sem)
+        return self._most_redundant_old(rdy, cand)
 
-    def _most_redundant_old(self, probs: np.ndarray, sem: np.ndarray | None) -> int:
+    def _most_redundant_old(self, rdy: np.ndarray, cand: np.ndarray | None) -> int:
         """A full store's victim: the most redundant map of the older half (by insertion), not of all (the paper's):
         there a new topic's maps replaced each other while the old topic's stayed, and after 4000 maps of one shared
         trace fmoe fell 7 points below an empty store on the other (docs/bench.md, "Generalising")."""
-        rdy, cand = self._redundancy(probs, sem)
-        stamps = self._stamps[: self._n]
-        old = stamps < np.partition(stamps, self._n // 2)[self._n // 2]  # [n] the ⌊n/2⌋ oldest
+        stamps, k = self._stamps[: self._n], max(1, self._n // 2)
+        old = stamps <= np.partition(stamps, k - 1)[k - 1]  # [n] the k oldest (stamps are distinct); C = 1: the map
         pool = np.flatnonzero(old)
         if cand is not None and old[cand].any():  # RDY is exact there (module docstring)
             pool = cand[old[cand]]

@@ -160,6 +160,9 @@ def test_full_store_gives_up_only_its_older_half():
     # Now new[0] is among the older half, and the most redundant there: it goes.
     slots.append(store.add(new[3]))
     assert slots[3] == slots[0]
+    # A store of one map replaces it.
+    one = MapStore(SHAPE, capacity=1, prefetch_distance=1)
+    assert one.add(old[0]) == 0 and one.add(new[0]) == 0 and np.array_equal(one.probs(0), new[0].probs)
     # Near-identical maps are still merged wherever they sit, newest included.
     again = one_hot_map([4, 5, 6, 4], sem=[1, 0, 0.0001])
     assert store.add(again) == slots[3] and len(store) == 4
