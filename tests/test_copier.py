@@ -90,27 +90,37 @@ class _Logged:
         return self.to.copy_(frm)
 
 
-def test_a_demand_load_overtakes_a_prefetch_already_copying():
-    cache, order = _slow_cache(4, chunk_delay=0.02)
+def _during_prefetch(cache, key, hold_s, access):  # noqa: ANN001, ANN202
+    """Prefetch `key` on a thread; once its first chunk is written (and `hold_s` later), run `access()` here while
+    the prefetch is mid-copy. Returns what `access` returned and how long it took."""
     started = threading.Event()
     real_copy = _Logged.copy_
 
     def first_chunk_signals(self, frm, non_blocking=False):  # noqa: ANN001, ANN202
         out = real_copy(self, frm)
-        if self.key == (1, 0) and self.k == 0:
+        if self.key == key and self.k == 0:
             started.set()
-            time.sleep(0.1)  # the forward pass asks for another expert while this prefetch is mid-copy
+            time.sleep(hold_s)
         return out
 
     _Logged.copy_ = first_chunk_signals
     try:
-        prefetch = threading.Thread(target=cache.try_prefetch, args=(1, 0), name="prefetcher")
+        prefetch = threading.Thread(target=cache.try_prefetch, args=key, name="prefetcher")
         prefetch.start()
         assert started.wait(5)
-        slots = cache.acquire(0, [2])  # a miss: on demand, on the loader thread
+        t0 = time.perf_counter()
+        result = access()
+        waited = time.perf_counter() - t0
         prefetch.join(5)
     finally:
         _Logged.copy_ = real_copy
+    return result, waited
+
+
+def test_a_demand_load_overtakes_a_prefetch_already_copying():
+    cache, order = _slow_cache(4, chunk_delay=0.02)
+    # The forward pass misses expert 2 (an on-demand load) while the prefetch of (1, 0) is mid-copy.
+    slots, _ = _during_prefetch(cache, (1, 0), 0.1, lambda: cache.acquire(0, [2]))
     demand = [i for i, (key, _) in enumerate(order) if key == (0, 2)]
     prefetched = [i for i, (key, _) in enumerate(order) if key == (1, 0)]
     assert len(demand) == 6 and len(prefetched) == 6
@@ -123,28 +133,8 @@ def test_a_demand_load_overtakes_a_prefetch_already_copying():
 def test_a_prefetch_the_forward_pass_waits_for_does_not_give_way_to_itself():
     # The forward pass needs the very expert being prefetched (late) while it also loads another on demand: the
     # prefetch must go on, or the access would wait for the deadline.
-    cache, order = _slow_cache(4, chunk_delay=0.01)
-    started = threading.Event()
-    real_copy = _Logged.copy_
-
-    def first_chunk_signals(self, frm, non_blocking=False):  # noqa: ANN001, ANN202
-        out = real_copy(self, frm)
-        if self.key == (0, 1) and self.k == 0:
-            started.set()
-            time.sleep(0.05)
-        return out
-
-    _Logged.copy_ = first_chunk_signals
-    try:
-        prefetch = threading.Thread(target=cache.try_prefetch, args=(0, 1), name="prefetcher")
-        prefetch.start()
-        assert started.wait(5)
-        t0 = time.perf_counter()
-        cache.acquire(0, [1, 3])  # 1 is late (being prefetched), 3 a miss
-        waited = time.perf_counter() - t0
-        prefetch.join(5)
-    finally:
-        _Logged.copy_ = real_copy
+    cache, _ = _slow_cache(4, chunk_delay=0.01)
+    _, waited = _during_prefetch(cache, (0, 1), 0.05, lambda: cache.acquire(0, [1, 3]))  # 1 late, 3 a miss
     assert waited < 4  # far below the 5 s deadline: no deadlock between the prefetch and the demand
     assert cache.counters.late[0, 1] == 1 and cache.counters.misses[0, 3] == 1
     cache.close()
@@ -200,28 +190,8 @@ def test_on_the_cuda_path_the_forward_thread_never_waits_for_a_copy_on_the_host(
 def test_a_prefetch_does_not_pause_for_a_demand_load_that_needs_its_slot():
     # One slot, held by a prefetch mid-copy; the forward pass misses another expert: it can only take the slot once
     # the prefetch lands, so the prefetch must not wait for the demand load (before the fix: a 5 s deadline).
-    cache, order = _slow_cache(1, chunk_delay=0.01)
-    started = threading.Event()
-    real_copy = _Logged.copy_
-
-    def first_chunk_signals(self, frm, non_blocking=False):  # noqa: ANN001, ANN202
-        out = real_copy(self, frm)
-        if self.key == (1, 0) and self.k == 0:
-            started.set()
-            time.sleep(0.05)
-        return out
-
-    _Logged.copy_ = first_chunk_signals
-    try:
-        prefetch = threading.Thread(target=cache.try_prefetch, args=(1, 0), name="prefetcher")
-        prefetch.start()
-        assert started.wait(5)
-        t0 = time.perf_counter()
-        slots = cache.acquire(0, [2])
-        waited = time.perf_counter() - t0
-        prefetch.join(5)
-    finally:
-        _Logged.copy_ = real_copy
+    cache, _ = _slow_cache(1, chunk_delay=0.01)
+    slots, waited = _during_prefetch(cache, (1, 0), 0.05, lambda: cache.acquire(0, [2]))
     assert waited < 4
     assert torch.equal(cache.tensors["w"][slots[0]], torch.full((2, 3), 2.0))
     assert cache.counters.prefetch_wasted == 1  # the prefetched expert was evicted unused
