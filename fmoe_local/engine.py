@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from fmoe_local import cpu_experts, miss_cost
-from fmoe_local.bench.traces import DECODE, PREFILL, TraceRecorder
 from fmoe_local.cache import ExpertCache, check_capacity, slots_for_budget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.cpu_experts import HostExperts, Kernel
@@ -30,6 +29,7 @@ from fmoe_local.policies import make_policy
 from fmoe_local.policies.base import ModelShape
 from fmoe_local.prefetcher import Prefetcher, PrefetcherFailed
 from fmoe_local.stats import LayerCounters, RequestStats
+from fmoe_local.traces import DECODE, PREFILL, TraceRecorder
 
 
 class ContextTooLong(ValueError):

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from fmoe_local.bench import cli
-from fmoe_local.bench.traces import save_trace
+from fmoe_local.traces import save_trace
 
 from .test_oracle import synthetic_trace
 

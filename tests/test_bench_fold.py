@@ -4,7 +4,7 @@ import pytest
 from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.replay import build_schedule
 from fmoe_local.bench.synthetic import fold_trace
-from fmoe_local.bench.traces import DECODE, Trace
+from fmoe_local.traces import DECODE, Trace
 
 
 def _trace() -> Trace:

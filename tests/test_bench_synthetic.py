@@ -8,7 +8,7 @@ import numpy as np
 
 from fmoe_local.bench import live
 from fmoe_local.bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, fold_trace
-from fmoe_local.bench.traces import Trace, load_trace, save_trace
+from fmoe_local.traces import Trace, load_trace, save_trace
 
 PROMPTS = ["Write a short poem about the sea.", "Explain how a router picks two experts for every token."]
 TINY_MIXTRAL = dict(

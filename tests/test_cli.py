@@ -8,9 +8,9 @@ import sys
 
 import numpy as np
 
-from fmoe_local.bench.traces import load_trace
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.runtime import Runtime
+from fmoe_local.traces import load_trace
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

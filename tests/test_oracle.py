@@ -7,9 +7,9 @@ import pytest
 from fmoe_local.bench.oracle import OraclePolicy
 from fmoe_local.bench.presets import CostModel
 from fmoe_local.bench.replay import build_schedule, replay
-from fmoe_local.bench.traces import DECODE, Trace
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.policies.base import ExpertKey, Prefetch
+from fmoe_local.traces import DECODE, Trace
 
 from .test_replay import LRU
 

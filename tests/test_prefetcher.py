@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fmoe_local.bench.traces import load_trace
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.maps import ExpertMap
 from fmoe_local.policies.base import Prefetch
 from fmoe_local.policies.lru import LRUPolicy
 from fmoe_local.runtime import Runtime
+from fmoe_local.traces import load_trace
 
 # Long enough that the prefill routes to every expert of every layer of the tiny mixtral: the cache is complete
 # after the first request.

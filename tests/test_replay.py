@@ -5,8 +5,8 @@ import pytest
 
 from fmoe_local.bench.presets import CostModel
 from fmoe_local.bench.replay import build_schedule, capacity_for, replay, replay_all
-from fmoe_local.bench.traces import DECODE, PREFILL, Trace
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
+from fmoe_local.traces import DECODE, PREFILL, Trace
 
 
 def make_trace(steps: list[list[list[int]]], seq_of: list[int], num_experts: int = 4, phases=None) -> Trace:

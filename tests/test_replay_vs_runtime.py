@@ -10,10 +10,10 @@ import pytest
 
 from fmoe_local.bench.presets import cost_model
 from fmoe_local.bench.replay import build_schedule, replay
-from fmoe_local.bench.traces import load_trace
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.policies import make_policy
 from fmoe_local.runtime import Runtime
+from fmoe_local.traces import load_trace
 
 PROMPTS = ["Tell me about the ocean.", "Write a poem about the moon.", "Tell me about the sea and its waves."]
 

@@ -3,7 +3,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fmoe_local.bench.traces import DECODE, PREFILL, Trace, TraceRecorder, load_trace, save_trace
+from fmoe_local.traces import DECODE, PREFILL, Trace, TraceRecorder, load_trace, save_trace
 from tests.shared_data import SHARED_DATA
 
 SHARED = SHARED_DATA / "traces"

@@ -31,10 +31,10 @@ from fmoe_local.bench.replay import (
     capacity_for,
     replay_all,
 )
-from fmoe_local.bench.traces import load_trace
 from fmoe_local.config import MISS_HANDLING, SEMANTIC_MODES, RuntimeConfig
 from fmoe_local.policies.base import Policy
 from fmoe_local.prefetch_distance import distance_for
+from fmoe_local.traces import load_trace
 
 DEFAULT_POLICIES = "fmoe,moe_infinity,lru,lfu,on_demand,oracle"
 PLOT_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from fmoe_local.bench.synthetic import fold_trace
-from fmoe_local.bench.traces import Trace
+from fmoe_local.traces import Trace
 
 
 def parse_fold(text: str) -> tuple[int, int]:

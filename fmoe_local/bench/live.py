@@ -392,7 +392,7 @@ def run_synthetic(
 
     from fmoe_local.architectures import architecture_for
     from fmoe_local.bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, fold_trace
-    from fmoe_local.bench.traces import load_trace
+    from fmoe_local.traces import load_trace
 
     if not Path(trace_path).exists():
         raise FileNotFoundError(f"No routing trace at {trace_path}: pass --trace FILE.npz (format in DESIGN.md).")

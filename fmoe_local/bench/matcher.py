@@ -171,7 +171,7 @@ def trace_agreement(
     policy does); before each add, its semantic search and most-redundant choice are scored against a brute-force
     cosine over a mirror of the store's contents. Returns (agreement, the semantic input's size h)."""
     from fmoe_local.bench.replay import build_schedule
-    from fmoe_local.bench.traces import load_trace
+    from fmoe_local.traces import load_trace
 
     schedule = build_schedule(load_trace(path))
     shape = schedule.shape

@@ -46,13 +46,13 @@ import numpy as np
 
 from fmoe_local.bench.presets import CostModel
 from fmoe_local.bench.simcache import SimCache
-from fmoe_local.bench.traces import DECODE, Trace
 from fmoe_local.config import MISS_HANDLING
 from fmoe_local.miss_cost import MissPlanner
 from fmoe_local.policies._common import learn_pass
 from fmoe_local.policies.base import ModelShape, Policy
 from fmoe_local.prefetch_queue import PrefetchQueue
 from fmoe_local.stats import LayerCounters
+from fmoe_local.traces import DECODE, Trace
 
 MODES = ("offline", "online")
 FALLBACKS = ("prev_map", "request_map_mean", "none")

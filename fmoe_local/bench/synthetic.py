@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fmoe_local.bench.traces import Trace
+from fmoe_local.traces import Trace
 
 # Source: https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (num_hidden_layers is --layers).
 SYNTHETIC: dict[str, dict] = {

@@ -1,0 +1,40 @@
+"""The house rules on imports, checked on the source: the runtime (fmoe_local) never imports the UI, the store or
+SQLite, and nothing in it but the command line's `bench` dispatch imports the benchmarks."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "fmoe_local"
+FORBIDDEN = ("gradio", "sqlite3", "sqlite_utils", "store", "ui")
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _modules() -> list[Path]:
+    return sorted(ROOT.rglob("*.py"))
+
+
+def test_the_runtime_never_imports_the_ui_the_store_or_sqlite():
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[0] in FORBIDDEN) for p in _modules()
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_nothing_in_the_runtime_imports_the_benchmarks():
+    outside = [p for p in _modules() if p.relative_to(ROOT).parts[0] not in ("bench", "cli.py")]
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.startswith("fmoe_local.bench")) for p in outside
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
