@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from fmoe_local.bench.presets import CostModel
-from fmoe_local.bench.replay import build_schedule, capacity_for, replay, replay_all
+from fmoe_local.bench.replay import build_schedule, capacity_for, replay
+from fmoe_local.bench.replay_pool import replay_all
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
 from fmoe_local.traces import DECODE, PREFILL, Trace
 

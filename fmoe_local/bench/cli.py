@@ -29,8 +29,8 @@ from fmoe_local.bench.replay import (
     Schedule,
     build_schedule,
     capacity_for,
-    replay_all,
 )
+from fmoe_local.bench.replay_pool import replay_all
 from fmoe_local.config import MISS_HANDLING, SEMANTIC_MODES, RuntimeConfig
 from fmoe_local.policies.base import Policy
 from fmoe_local.prefetch_distance import distance_for
