@@ -28,6 +28,7 @@ from fmoe_local.observe import RoutingObserver
 from fmoe_local.policies import make_policy
 from fmoe_local.policies.base import ModelShape
 from fmoe_local.prefetcher import Prefetcher, PrefetcherFailed
+from fmoe_local.quant_cache import Progress
 from fmoe_local.stats import LayerCounters, RequestStats
 from fmoe_local.traces import DECODE, PREFILL, TraceRecorder
 
@@ -62,14 +63,16 @@ class Engine:
         config: RuntimeConfig,
         map_persistence: object | None = None,
         saved_costs: MissCosts | None = None,
+        progress: Progress | None = None,
     ) -> Engine:
         """`saved_costs`: figures an earlier load measured on this machine for this model (`miss_costs`); used
-        instead of a new probe when they match the model's stored format and size and the device."""
+        instead of a new probe when they match the model's stored format and size and the device. `progress`:
+        load_model's, while a quantised copy of the experts is made."""
         self = object.__new__(cls)
         self.model_dir = model_dir
         self.config = config
         self.device = resolve_device(config.device)
-        loaded = load_model(model_dir, config, self.device, resolve_dtype(config.dtype, self.device))
+        loaded = load_model(model_dir, config, self.device, resolve_dtype(config.dtype, self.device), progress)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
         self.moe_layers = loaded.moe_layers
         self.dtype = next(p.dtype for p in self.model.parameters() if p.device.type != "meta")

@@ -31,6 +31,7 @@ from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.host import CheckpointFiles, CheckpointHostStore, TieredHostStore
 from fmoe_local.packed_host import build_packed_host, resolve_format
+from fmoe_local.quant_cache import Progress
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,12 @@ def load_model(
     config: RuntimeConfig | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    progress: Progress | None = None,
 ) -> LoadedModel:
     """Load `model_dir` (a Hugging Face checkpoint directory in safetensors) for expert offloading.
 
     `dtype=None` keeps the checkpoint's dtype. Host RAM for experts follows `config.host_ram_gb` (None = all).
+    `progress(done, total)` is called per expert while an int8/nf4 copy is made (quant_cache.py), only then.
     """
     model_dir = Path(model_dir)
     config = config or RuntimeConfig()
@@ -70,7 +73,9 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     files = CheckpointFiles(model_dir)
     try:
-        model, moe_layers, host, unexpected, dtype = _build(model_dir, hf_config, arch, files, config, device, dtype)
+        model, moe_layers, host, unexpected, dtype = _build(
+            model_dir, hf_config, arch, files, config, device, dtype, progress
+        )
     except BaseException:
         files.close()  # no half-loaded model keeps the checkpoint mapped
         raise
@@ -87,6 +92,7 @@ def _build(
     config: RuntimeConfig,
     device: torch.device,
     dtype: torch.dtype | None,
+    progress: Progress | None = None,
 ) -> tuple[PreTrainedModel, list[MoELayerRef], TieredHostStore, list[str], torch.dtype]:
     """The meta skeleton, its resident weights and the host store (see load_model)."""
     dtype = dtype or _checkpoint_dtype(hf_config, files)
@@ -120,7 +126,7 @@ def _build(
         host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
     else:
         transposed = hf_internals.is_transposed(moe_layers[0].experts)
-        host = build_packed_host(files, sources, param_shapes, dtype, fmt, transposed, config)
+        host = build_packed_host(files, sources, param_shapes, dtype, fmt, transposed, config, progress)
     return model, moe_layers, host, unexpected, dtype
 
 

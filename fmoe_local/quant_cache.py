@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 VERSION = 1  # of the stored layout: a change makes every earlier copy unused (a new folder name)
 _TMP = ".partial"
 Fetch = Callable[[int, int], dict[str, torch.Tensor]]
+# (experts in the copy so far, experts in the whole copy), after every expert quantised: a resumed build starts at
+# the experts of the layers it kept, so a user sees it continue rather than start over.
 Progress = Callable[[int, int], None]
 
 
@@ -97,13 +99,20 @@ class QuantCache:
         for stale in self.dir.glob(f"*{_TMP}"):
             stale.unlink(missing_ok=True)  # a build that was killed mid-file
         t0 = time.perf_counter()
-        for done, layer in enumerate(missing):
-            tensors = {f"{e}.{key}": t.contiguous() for e in range(num_experts) for key, t in fetch(layer, e).items()}
+        total = self.num_layers * num_experts
+        done = (self.num_layers - len(missing)) * num_experts
+        if progress is not None:
+            progress(done, total)
+        for step, layer in enumerate(missing):
+            tensors = {}
+            for e in range(num_experts):
+                tensors.update({f"{e}.{key}": t.contiguous() for key, t in fetch(layer, e).items()})
+                done += 1
+                if progress is not None:
+                    progress(done, total)
             self._write(layer, tensors)
             self.quantised_layers += 1
-            if progress is not None:
-                progress(done + 1, len(missing))
-            log.info("quantised MoE layer %d (%d/%d) into %s", layer, done + 1, len(missing), self.dir)
+            log.info("quantised MoE layer %d (%d/%d) into %s", layer, step + 1, len(missing), self.dir)
         log.info("quantised %d layers in %.1f s", len(missing), time.perf_counter() - t0)
 
     def _write(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -29,6 +29,7 @@ from fmoe_local.engine import ContextTooLong, Engine
 from fmoe_local.generate import Detokenizer, generate_ids
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.prefetcher import PrefetcherFailed
+from fmoe_local.quant_cache import Progress
 from fmoe_local.stats import RequestStats
 
 T = TypeVar("T")
@@ -101,12 +102,15 @@ class Runtime:
         config: RuntimeConfig | None = None,
         map_persistence: object | None = None,
         miss_costs: MissCosts | None = None,
+        progress: Progress | None = None,
     ) -> Runtime:
         """`miss_costs`: the figures an earlier load measured here for this model (`Runtime.miss_costs`, saved by
-        the app); without them (or when they no longer fit the model) a short probe measures them again."""
+        the app); without them (or when they no longer fit the model) a short probe measures them again.
+        `progress(done, total)`: experts quantised so far while the first load in int8/nf4 makes its copy (called
+        on the loading thread; a UI shows it instead of a silent wait of minutes)."""
         config = config or RuntimeConfig()
         config.validate()
-        return cls(Engine.build(Path(model_dir), config, map_persistence, miss_costs))
+        return cls(Engine.build(Path(model_dir), config, map_persistence, miss_costs, progress))
 
     # ---- public API ----------------------------------------------------------------------------------------------
     @property

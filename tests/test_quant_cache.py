@@ -72,8 +72,15 @@ def test_an_interrupted_build_resumes_and_never_reads_a_partial_file(tiny_model_
     monkeypatch.setattr(QuantCache, "_write", real_write)
     (folder,) = tmp_path.iterdir()
     assert sorted(p.name for p in folder.iterdir()) == ["layer-0000.safetensors", "layer-0001.safetensors.partial"]
-    resumed = _load(model_dir, tmp_path)
+    seen = []
+    resumed = load_model(
+        model_dir, RuntimeConfig(expert_format="nf4", quant_cache_dir=str(tmp_path)), "cpu", None,
+        lambda done, total: seen.append((done, total)),
+    )  # fmt: skip
     cache = resumed.host.quant_cache
+    experts, layers = resumed.host.num_experts, resumed.host.num_layers
+    # It goes on from the kept layer 0, one expert at a time, to the whole copy: the user sees it continue.
+    assert seen == [(done, layers * experts) for done in range(experts, layers * experts + 1)]
     assert cache.quantised_layers == resumed.host.num_layers - 1  # layer 0 was kept
     assert not list(folder.glob("*.partial"))
     clean = _load(model_dir, tmp_path / "clean")
@@ -81,6 +88,17 @@ def test_an_interrupted_build_resumes_and_never_reads_a_partial_file(tiny_model_
     assert all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
     resumed.host.close()
     clean.host.close()
+
+
+def test_runtime_load_reports_each_expert_of_the_first_load_and_nothing_on_the_next(tiny_model_dir, tmp_path):
+    config = RuntimeConfig(device="cpu", expert_format="int8", quant_cache_dir=str(tmp_path), cache_experts=2)
+    first, again = [], []
+    with Runtime.load(tiny_model_dir("olmoe"), config, progress=lambda *p: first.append(p)) as runtime:
+        total = runtime.info.num_layers * runtime.info.num_experts
+    assert first[0] == (0, total) and first[-1] == (total, total) and len(first) == total + 1
+    with Runtime.load(tiny_model_dir("olmoe"), config, progress=lambda *p: again.append(p)):
+        pass
+    assert again == []  # read from the copy: nothing to wait for
 
 
 def test_a_damaged_layer_file_is_quantised_again(tiny_model_dir, tmp_path):
