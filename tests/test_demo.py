@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from fmoe_local.demo import demo_model_dir
 from fmoe_local.demo.analysis import Recording, record_request, topic_report, write_trace
 from fmoe_local.demo.data import CHAT_TEMPLATE, is_heldout, iter_sharegpt_raw, render_chat
-from fmoe_local.demo.train import build_tokenizer, lr_at
+from fmoe_local.demo.train import TrainBudget, build_tokenizer, lr_at, train_lm
 from tests.shared_data import SHARED_DATA
 
 PROMPTS_DIR = SHARED_DATA / "prompts"
@@ -137,6 +137,27 @@ def test_lr_schedule_warms_up_then_decays():
     assert lr_at(0.1, 1.0, 0.1) == pytest.approx(1.0)
     assert lr_at(1.0, 1.0, 0.1) == pytest.approx(0.1)
     assert lr_at(0.5, 1.0, 0.1) < lr_at(0.3, 1.0, 0.1)
+
+
+def test_train_lm_lowers_the_loss_and_reports_every_step():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(config)
+    stream = np.tile(np.arange(8, dtype=np.uint16), 64)  # a cycle: learnable in a few steps
+    rows: list[tuple[int, dict]] = []
+    budget = TrainBudget(steps=30, batch=4, seq_len=16, lr=1e-2, warmup=0.1)
+    last, tokens = train_lm(model, stream, budget, 4, 2, lambda step, row: rows.append((step, row)))
+    assert (last, tokens) == (30, 30 * 4 * 16)
+    assert [s for s, _ in rows] == list(range(1, 31))
+    assert rows[-1][1]["loss"] < 0.5 * rows[0][1]["loss"]
+    assert all(r["aux_loss"] > 0 for _, r in rows)
+    with pytest.raises(ValueError, match="shorter than one window"):
+        train_lm(model, stream[:10], budget, 4, 2)
 
 
 def test_topic_report_separates_distinct_routing():

@@ -18,6 +18,8 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +174,74 @@ def sample_prompt(model: Qwen3MoeForCausalLM, tokenizer: PreTrainedTokenizerFast
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+@dataclass(frozen=True)
+class TrainBudget:
+    """How long and how hard `train_lm` trains: the demo's and `bench quality --families`'s one knob set."""
+
+    steps: int
+    batch: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    warmup: float = 0.04  # fraction of training
+    weight_decay: float = 0.1
+    aux_coef: float = 0.02
+    max_minutes: float = 78.0  # the LR schedule ends here too when time, not steps, runs out
+    seed: int = 0
+
+
+def train_lm(
+    model: torch.nn.Module,
+    train: np.ndarray,
+    budget: TrainBudget,
+    num_experts: int,
+    top_k: int,
+    after_step: Callable[[int, dict], None] | None = None,
+) -> tuple[int, int]:
+    """Train a MoE causal LM on random windows of the packed token stream `train`; returns (last step, tokens seen).
+
+    AdamW (decay on matrices only), warmup then cosine (`lr_at`), gradient clip 1.0, LM loss plus the per-layer
+    balance loss. `after_step(step, {lr, loss, aux_loss, tokens})` runs after each step (the demo logs, evaluates
+    and checkpoints there). Any family whose forward returns `router_logits` trains here (bench quality's tiny models).
+    """
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": budget.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=budget.lr,
+        betas=(0.9, 0.95),
+    )
+    if len(train) < budget.seq_len + 2:
+        raise ValueError(f"The training text is shorter than one window of {budget.seq_len} tokens: give more text.")
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(budget.seed)
+    start = time.time()
+    tokens_seen = 0
+    step = 0
+    for step in range(1, budget.steps + 1):
+        elapsed = time.time() - start
+        # The schedule follows whichever budget runs out first, so a slow machine still anneals before stopping.
+        progress = max(step / budget.steps, elapsed / (60 * budget.max_minutes))
+        if progress > 1.0:
+            break
+        lr = lr_at(progress, budget.lr, budget.warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = rng.integers(0, len(train) - budget.seq_len - 1, size=budget.batch)
+        x = torch.from_numpy(np.stack([train[s : s + budget.seq_len] for s in starts]).astype(np.int64))
+        out = model(input_ids=x, output_router_logits=True)
+        lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, vocab), x[:, 1:].reshape(-1))
+        aux = per_layer_balance_loss(out.router_logits, num_experts, top_k)
+        (lm + budget.aux_coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens_seen += x.numel()
+        if after_step is not None:
+            after_step(step, {"lr": lr, "loss": lm.item(), "aux_loss": aux.item(), "tokens": tokens_seen})
+    return step, tokens_seen
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("build/demo-train"))
@@ -234,47 +304,21 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     emit(event="model", params=n_params, config=config.to_dict())
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
-    rng = np.random.default_rng(args.seed)
     start = time.time()
     last_ckpt = start
     best = float("inf")
-    tokens_seen = 0
-    for step in range(1, args.steps + 1):
-        elapsed = time.time() - start
-        # The schedule follows whichever budget runs out first, so a slow machine still anneals before stopping.
-        progress = max(step / args.steps, elapsed / (60 * args.max_minutes))
-        if progress > 1.0:
-            break
-        lr = lr_at(progress, args.lr, args.warmup)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        starts = rng.integers(0, len(train) - args.seq_len - 1, size=args.batch)
-        x = torch.from_numpy(np.stack([train[s : s + args.seq_len] for s in starts]).astype(np.int64))
-        out = model(input_ids=x, output_router_logits=True)
-        lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, config.vocab_size), x[:, 1:].reshape(-1))
-        aux = per_layer_balance_loss(out.router_logits, config.num_experts, config.num_experts_per_tok)
-        (lm + args.aux_coef * aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        tokens_seen += x.numel()
-        lm_loss = lm.item()
+
+    def after_step(step: int, row: dict) -> None:
+        nonlocal best, last_ckpt
         if step % 10 == 0 or step == 1:
             emit(
                 event="train",
                 step=step,
                 minutes=round((time.time() - start) / 60, 2),
-                tokens=tokens_seen,
-                lr=lr,
-                loss=round(lm_loss, 4),
-                aux_loss=round(aux.item(), 4),
+                tokens=row["tokens"],
+                lr=row["lr"],
+                loss=round(row["loss"], 4),
+                aux_loss=round(row["aux_loss"], 4),
             )
         if step % args.eval_every == 0:
             hl = heldout_loss(model, heldout, args.seq_len, max_windows=64)
@@ -282,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
             emit(
                 event="eval",
                 step=step,
-                tokens=tokens_seen,
+                tokens=row["tokens"],
                 heldout_loss=round(hl, 4),
                 heldout_ppl=round(math.exp(hl), 2),
             )
@@ -290,6 +334,19 @@ def main(argv: list[str] | None = None) -> None:
             save_checkpoint(model, tokenizer, args.out / "checkpoint")
             emit(event="checkpoint", step=step, sample=sample_prompt(model, tokenizer, "Tell me about the ocean."))
             last_ckpt = time.time()
+
+    budget = TrainBudget(
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        aux_coef=args.aux_coef,
+        max_minutes=args.max_minutes,
+        seed=args.seed,
+    )
+    step, tokens_seen = train_lm(model, train, budget, config.num_experts, config.num_experts_per_tok, after_step)
     hl = heldout_loss(model, heldout, args.seq_len, max_windows=256)
     save_checkpoint(model, tokenizer, args.out / "checkpoint")
     emit(
