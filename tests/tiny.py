@@ -17,23 +17,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-from transformers.models.deepseek_v2 import DeepseekV2Config
-from transformers.models.deepseek_v3 import DeepseekV3Config
-from transformers.models.gpt_oss import GptOssConfig
-from transformers.models.mixtral import MixtralConfig
-from transformers.models.olmoe import OlmoeConfig
-from transformers.models.phimoe import PhimoeConfig
-from transformers.models.qwen2_moe import Qwen2MoeConfig
-from transformers.models.qwen3_moe import Qwen3MoeConfig
 
+from fmoe_local.bench.tiny_families import FAMILIES, NUM_EXPERTS, TOP_K, tiny_config
 from tests.shared_data import SHARED_DATA
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+__all__ = ("FAMILIES", "NUM_EXPERTS", "TOP_K", "build_tiny_model", "tiny_config", "train_tokenizer")
 
 VOCAB_SIZE = 384
-HIDDEN = 64
-NUM_EXPERTS = 8
-TOP_K = 2
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>")
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
@@ -85,71 +75,6 @@ def train_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, *, tied: bool = False):
-    """The config of a tiny model of `family` (hidden 64, 8 experts, top-2), token ids from `tokenizer`."""
-    ids = dict(
-        vocab_size=VOCAB_SIZE,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=tied,
-        max_position_embeddings=512,
-    )
-    attn = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2)
-    if family == "mixtral":
-        return MixtralConfig(
-            **ids, **attn, num_hidden_layers=4, intermediate_size=32, num_local_experts=NUM_EXPERTS,
-            num_experts_per_tok=TOP_K,
-        )  # fmt: skip
-    if family == "qwen2_moe":
-        return Qwen2MoeConfig(
-            **ids, **attn, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
-        )  # fmt: skip
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **ids, **attn, head_dim=16, num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32,
-            num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, mlp_only_layers=[1], norm_topk_prob=True,
-        )  # fmt: skip
-    if family == "olmoe":
-        return OlmoeConfig(
-            **ids, **attn, num_hidden_layers=3, intermediate_size=32, num_experts=NUM_EXPERTS,
-            num_experts_per_tok=TOP_K,
-        )  # fmt: skip
-    if family == "phimoe":
-        return PhimoeConfig(
-            **ids, **attn, num_hidden_layers=3, intermediate_size=32, num_local_experts=NUM_EXPERTS,
-            num_experts_per_tok=TOP_K, router_jitter_noise=0.0, input_jitter_noise=0.0,
-        )  # fmt: skip
-    mla = dict(
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-    )  # fmt: skip
-    if family == "deepseek_v2":
-        return DeepseekV2Config(
-            **ids, **mla, hidden_size=HIDDEN, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
-            n_routed_experts=NUM_EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K, first_k_dense_replace=1,
-            topk_method="greedy",
-        )  # fmt: skip
-    if family == "deepseek_v3":
-        return DeepseekV3Config(
-            **ids, **dict(mla, q_lora_rank=24), hidden_size=HIDDEN, num_hidden_layers=3, intermediate_size=96,
-            moe_intermediate_size=32, n_routed_experts=NUM_EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K,
-            first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-        )  # fmt: skip
-    if family == "gpt_oss":
-        return GptOssConfig(
-            **ids, **attn, head_dim=16, num_hidden_layers=2, intermediate_size=32, num_local_experts=NUM_EXPERTS,
-            num_experts_per_tok=TOP_K, sliding_window=64,
-            # GPT-OSS ships YaRN; keep it, with a factor consistent with the tiny context.
-            rope_parameters={
-                "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 16, "rope_theta": 150000.0,
-            },
-        )  # fmt: skip
-    raise ValueError(f"Unknown tiny family '{family}'. Choose one of: {', '.join(FAMILIES)}.")
-
-
 @torch.no_grad()
 def _reinit(model: torch.nn.Module, seed: int) -> None:
     """Redraw every parameter deterministically (sorted names, own generator)."""
@@ -191,7 +116,7 @@ def build_tiny_model(
     for stale in out_dir.glob("model*.safetensors*"):
         stale.unlink()  # a rebuild with another sharding must not leave the old files behind
     tokenizer = train_tokenizer(out_dir)
-    config = tiny_config(family, tokenizer, tied=tied)
+    config = tiny_config(family, tokenizer, VOCAB_SIZE, tied=tied)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit(model, seed)
