@@ -61,6 +61,28 @@ def test_replay_folds_traces(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert data["config"]["fold"] == "4x2" and {r["policy"] for r in data["results"]} == {"fmoe", "lru"}
 
 
+def test_replay_of_a_part_with_the_first_requests(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "syn.npz"
+    save_trace(synthetic_trace(0, requests=5, length=4), trace)
+    out = tmp_path / "r.json"
+    argv = ["replay", str(trace), "--cache-experts", "4", "--jobs", "1", "--policies", "fmoe,lru", "--mode", "online"]
+    argv += ["--requests", "second-half", "--first-requests", "1,2,50,200", "--json", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "requests 2–4 of 5 (second-half)" in printed and "3 requests" in printed
+    header = next(line for line in printed.splitlines() if line.startswith("policy+misses") and "first 1" in line)
+    assert header.split()[1:] == ["first", "1", "first", "2", "all", "3"]  # 50 and 200 are past the end: once
+    data = json.loads(out.read_text())
+    assert data["config"]["requests"] == "second-half" and data["config"]["first_requests"] == [1, 2, 50, 200]
+    for row in data["results"]:
+        firsts = row["first_requests"]
+        assert [f["requests"] for f in firsts] == [1, 2, 3, 3]
+        assert firsts[-1]["hit_rate"] == pytest.approx(row["hit_rate"])  # all of them: the whole replay's rate
+        assert firsts[0]["hit_rate"] == row["request_hits"][0] / row["request_accesses"][0]
+    assert cli.main([*argv[:-2], "--requests", "9:"]) == 2
+    assert "selects no request" in capsys.readouterr().err
+
+
 def test_bad_fold_is_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     trace = tmp_path / "syn.npz"
     save_trace(synthetic_trace(0, requests=2, length=2), trace)

@@ -136,6 +136,9 @@ def test_offline_mode_measures_only_the_last_requests() -> None:
     assert (r.hits, r.misses) == (2, 2)
     online = replay(build_schedule(trace), LRU(), capacity=4, cost=COST, mode="online")
     assert (online.hits, online.misses) == (4, 4)
+    # Per measured request: online all four from the first, offline the last two (the third's experts were resident).
+    assert (online.request_hits, online.request_accesses) == ([0, 0, 2, 2], [2, 2, 2, 2])
+    assert (r.request_hits, r.request_accesses) == ([2, 0], [2, 2])
 
 
 def test_prefill_needs_union_of_tokens_and_counts_no_tpot() -> None:

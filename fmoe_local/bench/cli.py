@@ -20,6 +20,7 @@ from pathlib import Path
 from fmoe_local.bench import cpu_experts, live, matcher, overhead, quality, replay_report
 from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.oracle import OraclePolicy
+from fmoe_local.bench.parts import parse_counts, select_requests
 from fmoe_local.bench.presets import BITS, CPU_EXPERT_GBPS, CPU_SOURCE, PRESETS, CostModel, cost_model
 from fmoe_local.bench.replay import (
     FALLBACKS,
@@ -68,6 +69,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--store-capacity", type=int, default=RuntimeConfig.store_capacity, help="C: maps kept")
     r.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
     r.add_argument("--mode", default="offline", choices=MODES, help="offline: first 70%% of requests only warm up")
+    r.add_argument(
+        "--requests",
+        default="all",
+        metavar="PART",
+        help="replay only these requests of each trace: all, first-half, second-half (⌊n/2⌋ requests, then the "
+        "rest) or a slice A:B of request indices (bench/parts.py); default all",
+    )
+    r.add_argument(
+        "--first-requests",
+        metavar="N,N",
+        help="also the hit rate over the first N measured requests, per policy (e.g. 10,50,200: a new user's start "
+        "with --mode online)",
+    )
     r.add_argument("--semantic-mode", default=RuntimeConfig.semantic_mode, choices=SEMANTIC_MODES)
     r.add_argument(
         "--semantic-fallback",
@@ -199,6 +213,7 @@ def run_replay(args: argparse.Namespace) -> int:
     _check_policies(names)
     folding = parse_fold(args.fold) if args.fold else None
     args.miss_handling = _miss_handlings(args.miss_handling)
+    counts = parse_counts(args.first_requests) if args.first_requests else None
     cost = cost_model(args.preset, args.dtype, args.bandwidth_gbs, args.expert_mb, args.layer_time_ms, args.cpu_gbs)
     config = {
         "preset": args.preset,
@@ -214,13 +229,15 @@ def run_replay(args: argparse.Namespace) -> int:
         "fold": args.fold,
         "store_capacity": args.store_capacity,
         "mode": args.mode,
+        "requests": args.requests,
+        "first_requests": counts,
         "policies": names,
         "traces": [str(p) for p in args.traces],
     }
     out: dict = {"config": config, "results": []}
     schedules = {}
     for path in args.traces:
-        trace = load_trace(path)
+        trace = select_requests(load_trace(path), args.requests)
         if folding is not None:
             trace = fold(trace, *folding)
         schedule = build_schedule(trace, args.semantic_mode, args.semantic_fallback)
@@ -241,7 +258,10 @@ def run_replay(args: argparse.Namespace) -> int:
             args.miss_handling,
         )
         replay_report.print_table(path.name, trace.model, schedule, capacity, cost, results, distance)
-        out["results"].extend(replay_report.rows(results))
+        rows = replay_report.rows(results, counts)
+        if counts:
+            replay_report.print_first_requests(rows, args.mode)
+        out["results"].extend(rows)
     if len(args.traces) > 1:
         replay_report.print_pooled(out["results"], names)
     if args.sweep == "prefetch-distance":

@@ -198,6 +198,10 @@ class ReplayResult:
     layer_hits: list[int] = field(default_factory=list)
     layer_misses: list[int] = field(default_factory=list)
     layer_late: list[int] = field(default_factory=list)
+    # Per measured request, in order: hits and accesses (hits + late + misses) — the hit rate over a replay's first
+    # n requests (bench/parts.py), e.g. a new user's first 10 online.
+    request_hits: list[int] = field(default_factory=list)
+    request_accesses: list[int] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -267,6 +271,7 @@ def replay(
     before: LayerCounters | None = None
     transfer, access, push, observe_layer = sim.transfer, sim.access, queue.push, policy.observe_layer
     request = -1
+    counted = (0, 0)  # hits, accesses when the current measured request began
     for i in range(schedule.num_iterations):
         r = int(schedule.request_of[i])
         if r != request:
@@ -274,9 +279,11 @@ def replay(
                 policy.end_request()
                 sim.end_request()
                 queue.clear()
+                if request >= warm:
+                    counted = _count_request(result, sim.counters, counted)
             request = r
             if r == warm:
-                before = sim.counters.snapshot()
+                before, counted = sim.counters.snapshot(), _totals(sim.counters)
             policy.begin_request(schedule.requests[r])
         measuring = r >= warm
         if r < warm - 1:  # the last warm-up request is served, so the measured part starts with a warm cache
@@ -305,6 +312,8 @@ def replay(
     if request >= 0:
         policy.end_request()
         sim.end_request()
+        if request >= warm:
+            _count_request(result, sim.counters, counted)
     measured = sim.counters.since(before) if before is not None else LayerCounters(shape.num_layers, shape.num_experts)
     result.hits, result.misses = int(measured.hits.sum()), int(measured.misses.sum())
     result.late = int(measured.late.sum())
@@ -319,6 +328,19 @@ def replay(
     result.requests_measured = len(schedule.requests) - warm
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def _totals(counters: LayerCounters) -> tuple[int, int]:
+    hits = int(counters.hits.sum())
+    return hits, hits + int(counters.late.sum()) + int(counters.misses.sum())
+
+
+def _count_request(result: ReplayResult, counters: LayerCounters, start: tuple[int, int]) -> tuple[int, int]:
+    """Append the request that just ended (counts since `start`) to the result's per-request lists."""
+    now = _totals(counters)
+    result.request_hits.append(now[0] - start[0])
+    result.request_accesses.append(now[1] - start[1])
+    return now
 
 
 def _learn(policy: Policy, schedule: Schedule, i: int) -> None:

@@ -6,13 +6,15 @@ NOT replay anything (replay.py, replay_pool.py) or parse arguments (cli.py).
 
 from __future__ import annotations
 
+from fmoe_local.bench.parts import first_requests
 from fmoe_local.bench.presets import CostModel
 from fmoe_local.bench.replay import ReplayResult, Schedule
 
 
-def rows(results: list[ReplayResult]) -> list[dict]:
+def rows(results: list[ReplayResult], first: list[int] | None = None) -> list[dict]:
     """Speed-ups are against on_demand with copied misses (the plain offloading baseline) where it ran, hit rates
-    against the oracle under the same miss handling."""
+    against the oracle under the same miss handling; with `first`, the hit rate over the first n measured requests
+    per n (parts.first_requests)."""
     by = {(r.policy, r.miss_handling): r for r in results if not r.note}
     base = next((r.tpot_s for r in results if r.policy == "on_demand" and r.miss_handling == "copy"), None)
     base = base or next((r.tpot_s for r in results if r.policy == "on_demand"), None)
@@ -22,6 +24,8 @@ def rows(results: list[ReplayResult]) -> list[dict]:
         d["speedup_vs_on_demand"] = base / r.tpot_s if base and r.tpot_s else None
         oracle = by.get(("oracle", r.miss_handling))
         d["hit_rate_vs_oracle"] = r.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate and not r.note else None
+        if first:
+            d["first_requests"] = [] if r.note else first_requests(r, first)
         out.append(d)
     return out
 
@@ -60,3 +64,20 @@ def print_pooled(table: list[dict], names: list[str]) -> None:
         hits, total = sum(r["hits"] for r in mine), sum(r["hits"] + r["late"] + r["misses"] for r in mine)
         if total:
             print(f"{name + '+' + misses:<20}{hits / total:>9.3f}")
+
+
+def print_first_requests(table: list[dict], mode: str) -> None:
+    """One trace's hit rate over its first n measured requests, per policy; a count past the trace's end is
+    printed once, as "all m"."""
+    done = [d for d in table if not d["note"] and d.get("first_requests")]
+    if not done:
+        return
+    columns = {}  # requests counted → label; counts past the end collapse into one "all m" column
+    for f in done[0]["first_requests"]:
+        columns.setdefault(f["requests"], f"all {f['requests']}" if f["all"] else f"first {f['n']}")
+    start = "from an empty store" if mode == "online" else "after the offline warm-up"
+    print(f"hit rate over the first requests measured ({mode}, {start}):")
+    print(f"{'policy+misses':<20}" + "".join(f"{label:>11}" for label in columns.values()))
+    for d in done:
+        rates = {f["requests"]: f["hit_rate"] for f in d["first_requests"]}
+        print(f"{d['policy'] + '+' + d['miss_handling']:<20}" + "".join(f"{rates[m]:>11.3f}" for m in columns))
