@@ -1,5 +1,6 @@
 """The house rules on imports, checked on the source: the runtime (fmoe_local) never imports the UI, the store or
-SQLite, and nothing in it but the command line's `bench` dispatch imports the benchmarks."""
+SQLite, nor bitsandbytes (a test-only dependency: the app does not install it), and nothing in it but the command
+line's `bench` dispatch imports the benchmarks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "fmoe_local"
-FORBIDDEN = ("gradio", "sqlite3", "sqlite_utils", "store", "ui")
+FORBIDDEN = ("gradio", "sqlite3", "sqlite_utils", "store", "ui", "bitsandbytes")
 
 
 def _imports(path: Path) -> set[str]:
@@ -25,7 +26,7 @@ def _modules() -> list[Path]:
     return sorted(ROOT.rglob("*.py"))
 
 
-def test_the_runtime_never_imports_the_ui_the_store_or_sqlite():
+def test_the_runtime_never_imports_the_ui_the_store_sqlite_or_bitsandbytes():
     offenders = {
         str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[0] in FORBIDDEN) for p in _modules()
     }
