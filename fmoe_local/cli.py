@@ -36,7 +36,13 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--cache-gb", type=float, help="expert cache size on the device, in GB")
     size.add_argument("--cache-experts", type=int, help="expert cache size as a number of experts")
-    p.add_argument("--prefetch-distance", type=int, default=RuntimeConfig.prefetch_distance)
+    p.add_argument(
+        "--prefetch-distance",
+        type=distance_arg,
+        default=RuntimeConfig.prefetch_distance,
+        help="d, or 'auto': ⌈expert copy time / layer time⌉ + 1, measured (copy at load, layer time per request; d "
+        f"starts at {RuntimeConfig.prefetch_distance})",
+    )
     p.add_argument("--policy", choices=POLICIES, default=RuntimeConfig.policy)
     p.add_argument(
         "--miss-handling",
@@ -52,6 +58,16 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--record-trace", type=Path, help="write what the runtime saw to this .npz (trace format)")
     p.add_argument("--synchronous", action="store_true", help="match and copy inline (deterministic hit counts)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def distance_arg(text: str) -> int | str:
+    """`--prefetch-distance` of run and bench replay: a number of layers, or 'auto' (prefetch_distance.py)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give d as a number of layers or 'auto' (got '{text}')") from None
 
 
 def add_expert_format_argument(p: argparse.ArgumentParser) -> None:
@@ -72,7 +88,8 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         dtype=args.dtype,
         cache_gb=args.cache_gb if args.cache_gb is not None else base.cache_gb,
         cache_experts=args.cache_experts,
-        prefetch_distance=args.prefetch_distance,
+        prefetch_distance=base.prefetch_distance if args.prefetch_distance == "auto" else args.prefetch_distance,
+        prefetch_distance_auto=args.prefetch_distance == "auto",
         policy=args.policy,
         miss_handling=args.miss_handling,
         expert_format=args.expert_format,

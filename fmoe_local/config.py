@@ -36,6 +36,11 @@ class RuntimeConfig:
     cache_experts: int | None = None
     # d: how many layers ahead the matcher predicts.
     prefetch_distance: int = 3
+    # Choose d from the link and the model instead (prefetch_distance.py): after each request, ⌈copy time of one
+    # expert (measured at load) / compute time of one layer (that request's decode)⌉ + 1, the rule `bench replay
+    # --prefetch-distance auto` uses. Off by default: it gained 1–2 points of hit rate in the replay (docs/bench.md,
+    # "Generalising") but has not been measured live on a GPU yet. Without a GPU it changes nothing (no copies).
+    prefetch_distance_auto: bool = False
     policy: str = "fmoe"
     # What happens to an expert the cache lacks: "copy" loads it into a slot, "cpu" computes it on the host from its
     # host copy (hidden states go down, [T, H] comes back), "auto" decides per miss from the measured costs

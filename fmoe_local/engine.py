@@ -27,6 +27,7 @@ from fmoe_local.miss_cost import MissCosts, MissPlanner
 from fmoe_local.observe import RoutingObserver
 from fmoe_local.policies import make_policy
 from fmoe_local.policies.base import ModelShape
+from fmoe_local.prefetch_distance import distance_for
 from fmoe_local.prefetcher import Prefetcher, PrefetcherFailed
 from fmoe_local.quant_cache import Progress
 from fmoe_local.stats import LayerCounters, RequestStats
@@ -295,6 +296,15 @@ class Engine:
         self.config = new
         self.host_misses = self._host_misses(new)
         self._tell_capacity()
+
+    def adapt_distance(self, layer_s: float | None) -> None:
+        """With `prefetch_distance_auto`: retune d to the measured copy time and this layer time (between requests
+        only). Nothing without a GPU, where no expert is copied, or without a layer time."""
+        if not self.config.prefetch_distance_auto or not self.miss_costs.has_gpu or not layer_s:
+            return
+        d = distance_for(self.miss_costs.copy_s, layer_s, self.shape.num_layers)
+        if d != self.config.prefetch_distance:
+            self.reconfigure(self.config.with_changes(prefetch_distance=d))
 
     def reset_cache(self) -> None:
         """A new, cold cache of the configured size (between requests only): every expert back to RAM only."""

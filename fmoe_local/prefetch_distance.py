@@ -1,8 +1,10 @@
 """Prefetch distance from the model and the link: how many layers ahead a prefetch must be planned to land in time.
 
-Scope: `distance_for(load_s, layer_s, num_layers)`, a pure rule. It does NOT measure the link or the layer time
-(miss_cost.py measures copies, the replay's presets model both) and changes no default by itself: `bench replay
---prefetch-distance auto` uses it; RuntimeConfig keeps the paper's 3 until the runtime measures its layer time.
+Scope: `distance_for(load_s, layer_s, num_layers)`, a pure rule, and `decode_layer_s`, the layer time a request's
+decode shows. It does NOT measure the link (miss_cost.py measures copies; the replay's presets model both) and
+changes no default by itself. Both users apply the same rule: `bench replay --prefetch-distance auto` to the cost
+model's copy and layer times, the runtime (`RuntimeConfig.prefetch_distance_auto`, engine.py) to the copy time
+miss_cost.py measured at load and the layer time of each finished request's decode.
 
 Rule: d = ⌈copy time of one expert / compute time of one layer⌉ + 1, within 1 … L − 1. A prefetch planned after
 layer l's router for layer l + d has the compute of d layers to copy in, so d ≥ copy / layer lets one copy land on
@@ -16,6 +18,17 @@ folded to 8 experts, top-2: +1.7 to +1.9 points over 3 (6 was worse than 3, 13 b
 from __future__ import annotations
 
 import math
+
+
+def decode_layer_s(decode_s: float, waited_s: float, tokens: int, num_layers: int) -> float | None:
+    """Compute time per MoE layer of one request's decode: its decode time less the time it waited for experts
+    (loads, late prefetches, misses computed on the host), per decode step and MoE layer; None when it has no
+    decode step to measure or the waits took all of it. A layer's share of attention and the dense layers counts:
+    that is time a copy overlaps with too, as in the presets' layer time."""
+    if tokens < 1 or num_layers < 1:
+        return None
+    compute = decode_s - waited_s
+    return compute / (tokens * num_layers) if compute > 0 else None
 
 
 def distance_for(load_s: float, layer_s: float, num_layers: int) -> int:

@@ -28,6 +28,7 @@ from fmoe_local.copier import Interrupted, LoadTimeout
 from fmoe_local.engine import ContextTooLong, Engine
 from fmoe_local.generate import Detokenizer, generate_ids
 from fmoe_local.miss_cost import MissCosts
+from fmoe_local.prefetch_distance import decode_layer_s
 from fmoe_local.prefetcher import PrefetcherFailed
 from fmoe_local.quant_cache import Progress
 from fmoe_local.stats import RequestStats
@@ -292,12 +293,15 @@ class Runtime:
         times: list[float] = []
         request_id = next(self._request_ids)
         t0 = time.perf_counter()
+        waited = 0.0  # the forward pass's waits for experts up to the first token (decode's are the rest)
         try:
             with e.request(request_id, stats, text=request.messages[-1].get("content", "") if request.messages else ""):
                 for token in generate_ids(
                     e.model, prompt_ids, sampling, e.eos_ids, request.stop, after_forward=e.end_iteration
                 ):
                     times.append(time.perf_counter())
+                    if len(times) == 1:
+                        waited = e.counters.stall_s + e.counters.host_s
                     if token in e.eos_ids:
                         detok.ids.append(token)
                         reason = "stop"
@@ -317,6 +321,9 @@ class Runtime:
             stats.ttft_s = times[0] - t0
             stats.tpot_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else stats.ttft_s
         stats.finish_reason = reason
+        if reason in ("stop", "length") and len(times) > 1:
+            decode_waits = e.counters.stall_s + e.counters.host_s - waited
+            e.adapt_distance(decode_layer_s(times[-1] - times[0], decode_waits, len(times) - 1, e.shape.num_layers))
         request.out.put(Finished(detok.text, list(detok.ids), stats, reason, error=error))
 
     @staticmethod

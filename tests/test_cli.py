@@ -83,3 +83,12 @@ def test_run_with_an_unknown_expert_format_names_the_choices(tiny_model_dir):
     proc = run_cli("--model", str(tiny_model_dir("mixtral")), "--prompt", "hi", "--expert-format", "q3")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "Unknown expert format 'q3'" in proc.stderr and "nf4" in proc.stderr and "int8" in proc.stderr
+
+
+def test_run_takes_auto_as_the_prefetch_distance() -> None:
+    from fmoe_local.cli import build_parser, config_from_args
+
+    auto = config_from_args(build_parser().parse_args(["run", "--prompt", "hi", "--prefetch-distance", "auto"]))
+    assert auto.prefetch_distance_auto and auto.prefetch_distance == RuntimeConfig.prefetch_distance
+    fixed = config_from_args(build_parser().parse_args(["run", "--prompt", "hi", "--prefetch-distance", "5"]))
+    assert not fixed.prefetch_distance_auto and fixed.prefetch_distance == 5

@@ -32,6 +32,7 @@ from fmoe_local.bench.replay import (
     capacity_for,
 )
 from fmoe_local.bench.replay_pool import replay_all
+from fmoe_local.cli import distance_arg
 from fmoe_local.config import MISS_HANDLING, SEMANTIC_MODES, RuntimeConfig
 from fmoe_local.policies.base import Policy
 from fmoe_local.prefetch_distance import distance_for
@@ -62,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     size.add_argument("--cache-gb", type=float, help="cache budget in GB (slots = floor(GB / expert size))")
     r.add_argument(
         "--prefetch-distance",
-        type=_distance_arg,
+        type=distance_arg,
         default=RuntimeConfig.prefetch_distance,
         help="d, or 'auto': ⌈expert copy time / layer time⌉ + 1 from the cost model (prefetch_distance.py)",
     )
@@ -117,15 +118,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     overhead.add_parser(sub)
     quality.add_parser(sub)
     cpu_experts.add_parser(sub)
-
-
-def _distance_arg(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"give d as a number of layers or 'auto' (got '{text}')") from None
 
 
 def run(args: argparse.Namespace) -> int:
