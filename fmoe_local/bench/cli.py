@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_local.bench import cpu_experts, live, matcher, overhead, quality, replay_report
+from fmoe_local.bench import cpu_experts, live, matcher, overhead, quality, record, replay_report
 from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.oracle import OraclePolicy
 from fmoe_local.bench.parts import parse_counts, select_requests
@@ -117,6 +117,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     live.add_parser(sub)
     overhead.add_parser(sub)
     quality.add_parser(sub)
+    record.add_parser(sub)
     cpu_experts.add_parser(sub)
 
 
@@ -133,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         return overhead.run(args)
     if args.bench_command == "quality":
         return quality.run(args)
+    if args.bench_command == "record":
+        return record.run(args)
     raise ValueError(f"Unknown bench command '{args.bench_command}'.")
 
 
