@@ -83,6 +83,34 @@ def test_replay_of_a_part_with_the_first_requests(tmp_path: Path, capsys: pytest
     assert "selects no request" in capsys.readouterr().err
 
 
+def test_replay_after_learning_another_trace_measures_all_of_this_one(tmp_path: Path, capsys) -> None:
+    learned, measured = tmp_path / "a.npz", tmp_path / "b.npz"
+    save_trace(synthetic_trace(1, requests=4, length=4), learned)
+    save_trace(synthetic_trace(2, requests=3, length=4), measured)
+    out = tmp_path / "r.json"
+    argv = [
+        "replay",
+        str(measured),
+        "--cache-experts",
+        "4",
+        "--jobs",
+        "1",
+        "--policies",
+        "fmoe,lru",
+        "--mode",
+        "online",
+    ]
+    argv += ["--learn-first", str(learned), "--json", str(out)]
+    assert cli.main(argv) == 0
+    assert "after all of synthetic" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["config"]["learn_first"] == str(learned)
+    assert {r["requests_measured"] for r in data["results"]} == {3}
+    assert {r["iterations_measured"] for r in data["results"]} == {3 * 4}
+    assert cli.main([*argv, "--mode", "offline"]) == 2
+    assert "use it with --mode online" in capsys.readouterr().err
+
+
 def test_bad_fold_is_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     trace = tmp_path / "syn.npz"
     save_trace(synthetic_trace(0, requests=2, length=2), trace)

@@ -1,6 +1,7 @@
 import pytest
 
-from fmoe_local.bench.parts import first_requests, parse_counts, request_range, select_requests
+from fmoe_local.bench.fold import fold
+from fmoe_local.bench.parts import first_requests, learned_first, parse_counts, request_range, select_requests
 from fmoe_local.bench.replay import ReplayResult
 
 from .test_oracle import synthetic_trace
@@ -44,3 +45,16 @@ def test_first_requests_pool_the_first_n_and_say_all_past_the_end() -> None:
     got = first_requests(r, [1, 2, 10])
     assert [f["hit_rate"] for f in got] == [0.25, 0.5, 0.4]
     assert [(f["requests"], f["all"]) for f in got] == [(1, False), (2, False), (3, True)]
+
+
+def test_learned_first_puts_every_learned_request_before_the_measured_ones() -> None:
+    learned, measured = synthetic_trace(1, requests=3, length=2), synthetic_trace(2, requests=2, length=4)
+    both = learned_first(learned, measured)
+    seqs = [s for s, _, _ in both.requests()]
+    assert len(seqs) == 5 and len(set(seqs)) == 5  # the measured trace's ids moved past the learned ones
+    assert both.num_rows == learned.num_rows + measured.num_rows
+    assert (both.topk_ids[learned.num_rows :] == measured.topk_ids).all()
+    assert len(list(both.iterations())) == 3 * 2 + 2 * 4
+    other = fold(measured, 2, 1)
+    with pytest.raises(ValueError, match="same shape"):
+        learned_first(learned, other)

@@ -20,7 +20,7 @@ from pathlib import Path
 from fmoe_local.bench import cpu_experts, live, matcher, overhead, quality, record, replay_report
 from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.oracle import OraclePolicy
-from fmoe_local.bench.parts import parse_counts, select_requests
+from fmoe_local.bench.parts import learned_first, parse_counts, select_requests
 from fmoe_local.bench.presets import BITS, CPU_EXPERT_GBPS, CPU_SOURCE, PRESETS, CostModel, cost_model
 from fmoe_local.bench.replay import (
     FALLBACKS,
@@ -76,6 +76,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="PART",
         help="replay only these requests of each trace: all, first-half, second-half (⌊n/2⌋ requests, then the "
         "rest) or a slice A:B of request indices (bench/parts.py); default all",
+    )
+    r.add_argument(
+        "--learn-first",
+        type=Path,
+        metavar="TRACE",
+        help="the policies first learn every request of TRACE (its last one served), then every request of each "
+        "trace is measured: a history of other work (--mode online only)",
     )
     r.add_argument(
         "--first-requests",
@@ -209,6 +216,10 @@ def run_replay(args: argparse.Namespace) -> int:
     folding = parse_fold(args.fold) if args.fold else None
     args.miss_handling = _miss_handlings(args.miss_handling)
     counts = parse_counts(args.first_requests) if args.first_requests else None
+    learned = load_trace(args.learn_first) if args.learn_first else None
+    if learned is not None and args.mode != "online":
+        raise ValueError("--learn-first replaces the offline warm-up: use it with --mode online.")
+    args.warm_requests = len(learned.requests()) if learned is not None else None  # the sweep and curve too
     cost = cost_model(args.preset, args.dtype, args.bandwidth_gbs, args.expert_mb, args.layer_time_ms, args.cpu_gbs)
     config = {
         "preset": args.preset,
@@ -226,6 +237,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "requests": args.requests,
         "first_requests": counts,
+        "learn_first": str(args.learn_first) if args.learn_first else None,
         "policies": names,
         "traces": [str(p) for p in args.traces],
     }
@@ -233,6 +245,8 @@ def run_replay(args: argparse.Namespace) -> int:
     schedules = {}
     for path in args.traces:
         trace = select_requests(load_trace(path), args.requests)
+        if learned is not None:
+            trace = learned_first(learned, trace)
         if folding is not None:
             trace = fold(trace, *folding)
         schedule = build_schedule(trace, args.semantic_mode, args.semantic_fallback)
@@ -251,6 +265,7 @@ def run_replay(args: argparse.Namespace) -> int:
             path.name,
             args.jobs,
             args.miss_handling,
+            args.warm_requests,
         )
         replay_report.print_table(path.name, trace.model, schedule, capacity, cost, results, distance)
         rows = replay_report.rows(results, counts)
@@ -298,7 +313,8 @@ def _sweep(args: argparse.Namespace, schedules: dict, names: list[str], cost: Co
         for d in SWEEP_DISTANCES:
             todo = varying + (fixed if d == SWEEP_DISTANCES[0] else [])
             factory = _policy_factory(args, d)
-            for r in replay_all(schedule, todo, factory, capacity, cost, args.mode, path.name, args.jobs, first):
+            rest = (capacity, cost, args.mode, path.name, args.jobs, first, args.warm_requests)
+            for r in replay_all(schedule, todo, factory, *rest):
                 rates.setdefault(r.policy, []).append(r.hit_rate)
                 rows.append({"trace": path.name, "policy": r.policy, "prefetch_distance": d, **_brief(r)})
         for name in varying + fixed:
@@ -314,7 +330,8 @@ def _curve(args: argparse.Namespace, schedules: dict, names: list[str], cost: Co
         for f in PLOT_FRACTIONS:
             capacity = _capacity(args, schedule, cost, fraction=f)
             factory = _policy_factory(args, _distance(args, schedule, cost))
-            for r in replay_all(schedule, names, factory, capacity, cost, args.mode, path.name, args.jobs, first):
+            rest = (capacity, cost, args.mode, path.name, args.jobs, first, args.warm_requests)
+            for r in replay_all(schedule, names, factory, *rest):
                 if not r.note:
                     rows.append({"trace": path.name, "policy": r.policy, "cache_fraction": f, **_brief(r)})
     return rows

@@ -250,8 +250,10 @@ def replay(
     trace_name: str = "",
     policy_name: str | None = None,
     miss_handling: str = "copy",
+    warm_requests: int | None = None,
 ) -> ReplayResult:
-    """Replay `schedule` through `policy`. Offline: the first `warm_fraction` of the requests only warm the policy."""
+    """Replay `schedule` through `policy`. Offline: the first `warm_fraction` of the requests only warm the policy;
+    `warm_requests`, in either mode, names how many do (another trace's requests put first: bench/parts.py)."""
     if mode not in MODES:
         raise ValueError(f"Unknown replay mode '{mode}'. Choose offline or online.")
     if miss_handling not in MISS_HANDLING:
@@ -266,6 +268,8 @@ def replay(
     on_host = None if planner.mode == "copy" else planner.on_host
     sim = SimCache(shape, capacity, policy, cost)
     warm = int(warm_fraction * len(schedule.requests)) if mode == "offline" else 0
+    if warm_requests is not None:
+        warm = warm_requests
     result = ReplayResult(trace_name, name, planner.mode, semantic_source=schedule.semantic_source)
     queue = PrefetchQueue(shape.num_layers, shape.num_experts)
     before: LayerCounters | None = None

@@ -42,11 +42,19 @@ def forced(name: str) -> str | None:
 
 def _replay_one(task: tuple[str, str]) -> ReplayResult:
     name, miss_handling = task
-    schedule, factory, capacity, cost, mode, trace_name = _shared
+    schedule, factory, capacity, cost, mode, trace_name, warm_requests = _shared
     t0 = time.process_time()
     policy = factory(name, schedule, capacity)
     result = replay(
-        schedule, policy, capacity, cost, mode, trace_name=trace_name, policy_name=name, miss_handling=miss_handling
+        schedule,
+        policy,
+        capacity,
+        cost,
+        mode,
+        trace_name=trace_name,
+        policy_name=name,
+        miss_handling=miss_handling,
+        warm_requests=warm_requests,
     )
     result.cpu_s = time.process_time() - t0
     return result
@@ -62,10 +70,12 @@ def replay_all(
     trace_name: str = "",
     jobs: int = 1,
     miss_handling: Sequence[str] = ("copy",),
+    warm_requests: int | None = None,
 ) -> list[ReplayResult]:
     """Every named policy under every miss handling on the same schedule, cache and costs; live-only policies get
     a note, not numbers. A policy that forces its own miss handling (cpu_moe) is replayed once.
 
+    `warm_requests`: how many of the first requests only warm the policies (replay.replay), in either mode.
     `jobs` > 1 replays in that many processes (the factory must then be picklable where processes are spawned, not
     forked); results keep the order of `names` (then of `miss_handling`) either way, and each result does not
     depend on `jobs`.
@@ -76,7 +86,7 @@ def replay_all(
         for m in ((forced(n),) if forced(n) else dict.fromkeys(miss_handling))
     ]
     todo = sorted(tasks, key=lambda t: -REPLAY_COST.get(t[0], 0.0))
-    shared = (schedule, factory, capacity, cost, mode, trace_name)
+    shared = (schedule, factory, capacity, cost, mode, trace_name, warm_requests)
     if jobs > 1 and len(todo) > 1:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         workers = min(jobs, len(todo))
