@@ -55,6 +55,9 @@ LABELS = {
     "mxfp4": "MXFP4 (GPT-OSS's own 4-bit): ~4× smaller, the released model's answers",
 }
 
+# Short names for places with no room for a label (a table column, a status line).
+NAMES = {"auto": "Auto", "bf16": "bf16", "int8": "8-bit", "nf4": "4-bit", "mxfp4": "MXFP4"}
+
 
 def bytes_per_expert(dense_bf16_bytes: int, fmt: str) -> int:
     """Size of one expert in `fmt` from its bf16 size (an estimate for models that are not loaded)."""

@@ -136,9 +136,34 @@ def min_cache_bytes(top_k: int, expert_bytes: int) -> int:
     return 2 * top_k * expert_bytes
 
 
+def copy_bytes(entry: CatalogEntry, fmt: str) -> int:
+    """Disk the quantised copy of the experts takes (quant_cache.py): int8/nf4 made from another form on the first
+    load; 0 for the download's own form."""
+    made = fmt in ("int8", "nf4") and fmt != entry.native_format
+    return entry.experts_bytes_for(fmt) if made else 0
+
+
 def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: str = "auto") -> FitVerdict:
     """Will `entry` run here with its experts stored as `fmt`, and how well? Pure arithmetic: see the module
-    constants for the margins. The download is the same for every format (int8/nf4 are made on the first load)."""
+    constants for the margins. The download is the same for every format; int8/nf4 are made on the first load into
+    a copy on disk, and a copy that does not fit is made again in memory at every load (minutes), so it runs, slowly."""
+    verdict = _fit(entry, machine, downloaded, fmt)
+    copy = copy_bytes(entry, fmt)
+    room = machine.disk_free - (0 if downloaded else entry.download_bytes) - DISK_MARGIN_BYTES
+    if verdict.level == "no" or not copy or copy <= room:
+        return verdict
+    from fmoe_local.expert_formats import NAMES
+
+    why = (
+        f"The {NAMES[fmt]} copy of the experts ({_gb(copy)}) does not fit on the disk as well, so every load "
+        "quantises them again (minutes): free up space to keep it."
+    )
+    if verdict.level == "good":
+        return FitVerdict("slow", (f"Runs, slowly: {why}", *verdict.reasons[1:]), verdict.max_cache_gb)
+    return FitVerdict(verdict.level, (*verdict.reasons, why), verdict.max_cache_gb)
+
+
+def _fit(entry: CatalogEntry, machine: Machine, downloaded: bool, fmt: str) -> FitVerdict:
     reasons: list[str] = []
     expert_bytes, experts_bytes = entry.expert_bytes_for(fmt), entry.experts_bytes_for(fmt)
     min_cache = min_cache_bytes(entry.top_k, expert_bytes)
@@ -209,6 +234,60 @@ def recommend_format(verdicts: dict[str, FitVerdict]) -> str:
         if fitting:
             return fitting[0] if level == "good" else min(fitting, key=BITS.__getitem__)
     return next(iter(verdicts))
+
+
+@dataclass(frozen=True)
+class FormatFit:
+    """One expert format of a catalog model on this machine: what it takes and the verdict (the wizard's row)."""
+
+    fmt: str  # the stored form: bf16, int8, nf4 or the download's own (mxfp4)
+    choice: str  # the RuntimeConfig.expert_format that gives it ("auto" for a download's own non-bf16 form)
+    disk_bytes: int  # the download plus the quantised copy made on the first load
+    ram_bytes: int  # every expert in this form (plus the resident part without a CUDA GPU: it shares RAM)
+    gpu_bytes: int  # resident part plus the expert cache this machine can give it; 0 without a CUDA GPU
+    verdict: FitVerdict
+    recommended: bool
+
+
+def format_fits(entry: CatalogEntry, machine: Machine, downloaded: bool = False) -> list[FormatFit]:
+    """Every format a user can choose for `entry` here, the download's own first, with one recommended (none when
+    no format fits)."""
+    verdicts = fit_by_format(entry, machine, downloaded)
+    best = recommend_format(verdicts)
+    out = []
+    for fmt, verdict in verdicts.items():
+        experts = entry.experts_bytes_for(fmt)
+        gpu = entry.resident_bytes + int(verdict.max_cache_gb * GIB) if machine.has_gpu and verdict.max_cache_gb else 0
+        out.append(
+            FormatFit(
+                fmt,
+                "auto" if fmt == entry.native_format and fmt != "bf16" else fmt,
+                entry.download_bytes + copy_bytes(entry, fmt),
+                experts + (0 if machine.has_gpu else entry.resident_bytes),
+                gpu,
+                verdict,
+                fmt == best and verdict.level != "no",  # nothing is recommended where nothing fits
+            )
+        )
+    return out
+
+
+def instead(fits: list[FormatFit], choice: str) -> str:
+    """A sentence when the chosen format (a RuntimeConfig.expert_format) does not fit here, naming one that does;
+    "" when it fits (or runs, slowly)."""
+    from fmoe_local.expert_formats import NAMES
+
+    chosen = next((f for f in fits if f.choice == choice), fits[0] if choice == "auto" else None)
+    if chosen is None or chosen.verdict.level != "no":
+        return ""
+    working = [f for f in fits if f.verdict.level != "no"]
+    if not working:
+        return f"{NAMES[chosen.fmt]} does not fit here, and neither does any other format: {chosen.verdict.reasons[0]}"
+    best = next((f for f in working if f.recommended), working[0])
+    return (
+        f"{NAMES[chosen.fmt]} does not fit here: {chosen.verdict.reasons[0]} Choose {NAMES[best.fmt]} instead "
+        f"({best.verdict.label.lower()})."
+    )
 
 
 def cache_gb_limit(machine: Machine, resident_bytes: int, current_cache_gb: float = 0.0) -> float:

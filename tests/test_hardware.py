@@ -97,3 +97,53 @@ def test_a_packed_format_fits_where_bf16_spills_and_is_recommended():
     gpt_oss = find("openai/gpt-oss-20b")
     assert gpt_oss.expert_bytes_for("auto") == gpt_oss.expert_bytes_for("mxfp4") < gpt_oss.expert_bytes / 3
     assert list(fit_by_format(gpt_oss, desktop))[0] == "mxfp4"
+
+
+def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
+    from fmoe_local.hardware import copy_bytes, format_fits
+
+    desktop = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 500 * GB)
+    fits = {f.fmt: f for f in format_fits(MIXTRAL, desktop)}
+    assert [f.fmt for f in fits.values()] == ["bf16", "int8", "nf4"]
+    assert [f.recommended for f in fits.values()] == [False, True, False]  # the most faithful that fits well
+    # The download is the same; int8/nf4 add the copy made on the first load, as big as their experts.
+    assert fits["bf16"].disk_bytes == MIXTRAL.download_bytes and copy_bytes(MIXTRAL, "bf16") == 0
+    assert fits["nf4"].disk_bytes == MIXTRAL.download_bytes + MIXTRAL.experts_bytes_for("nf4")
+    assert fits["int8"].ram_bytes == MIXTRAL.experts_bytes_for("int8") == MIXTRAL.experts_bytes // 2
+    assert fits["nf4"].gpu_bytes == MIXTRAL.resident_bytes + int(fits["nf4"].verdict.max_cache_gb * GIB)
+    cpu = {f.fmt: f for f in format_fits(OLMOE, OFFICE)}
+    assert cpu["nf4"].gpu_bytes == 0 and cpu["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + OLMOE.resident_bytes
+    gpt_oss = format_fits(find("openai/gpt-oss-20b"), desktop)
+    assert (gpt_oss[0].fmt, gpt_oss[0].choice) == ("mxfp4", "auto")
+    assert gpt_oss[0].disk_bytes == find("openai/gpt-oss-20b").download_bytes  # its own form: no copy
+
+
+def test_a_copy_that_does_not_fit_on_disk_means_quantising_at_every_load():
+    # Room for Qwen3's download (61 GB) but not for its 8-bit copy (29 GB) as well.
+    tight = Machine("cuda", "RTX 4090", 24 * GB, 23 * GB, 128 * GB, 120 * GB, 70 * GB)
+    assert fit(QWEN3, tight, fmt="bf16").level == "good"
+    int8 = fit(QWEN3, tight, fmt="int8")
+    assert int8.level == "slow" and "quantises them again" in int8.reasons[0]
+    assert fit(QWEN3, tight, downloaded=True, fmt="int8").level == "good"  # the download's space is in use already
+
+
+def test_a_format_that_does_not_fit_names_one_that_does():
+    from fmoe_local.hardware import format_fits, instead
+
+    small_ram = Machine("cpu", "", 0, 0, 16 * GB, 11 * GB, 500 * GB)
+    fits = format_fits(MIXTRAL, small_ram)
+    assert [f.verdict.level for f in fits] == ["slow", "slow", "slow"]  # spills to disk, but runs
+    assert instead(fits, "bf16") == ""
+    tiny_gpu = Machine("cuda", "RTX 3050", 6 * GB, int(5.5 * GB), 64 * GB, 60 * GB, 500 * GB)
+    fits = format_fits(MIXTRAL, tiny_gpu)  # a minimal bf16 cache (4 experts × 352 MB) does not fit next to 3.2 GB
+    assert [f.verdict.level for f in fits] == ["no", "good", "good"]
+    sentence = instead(fits, "bf16")
+    assert (
+        sentence.startswith("bf16 does not fit here: Not enough GPU memory")
+        and "Choose 8-bit instead (fits)." in sentence
+    )
+    assert instead(fits, "auto") == sentence  # auto keeps a bf16 download in bf16
+    assert instead(fits, "nf4") == ""
+    hopeless = Machine("cuda", "GT 1030", 2 * GB, int(1.5 * GB), 64 * GB, 60 * GB, 500 * GB)
+    assert "neither does any other format" in instead(format_fits(MIXTRAL, hopeless), "nf4")
+    assert not any(f.recommended for f in format_fits(MIXTRAL, hopeless))  # nothing to recommend where nothing fits
