@@ -1,5 +1,5 @@
 """The user's settings between sessions: last model, cache size, prefetch distance, policy, store capacity, miss
-handling (and the measured miss costs per model), and sampling defaults, typed, with defaults taken from fmoe_local.config (never repeated here).
+handling (and the measured miss costs per model), the expert format (used at the next load), and sampling defaults, typed, with defaults taken from fmoe_local.config (never repeated here).
 
 Scope: a key → JSON value table read into an `AppSettings` dataclass and written back one key at a time. It does
 NOT apply settings to a running model (the app calls `Runtime.reconfigure`); `AppSettings.apply_to` only builds
@@ -27,6 +27,9 @@ class AppSettings:
     policy: str = RuntimeConfig.policy
     store_capacity: int = RuntimeConfig.store_capacity
     miss_handling: str = RuntimeConfig.miss_handling
+    # How the experts are stored (auto | bf16 | int8 | nf4): unlike the fields above it needs a reload, so a change
+    # applies at the next load of a model.
+    expert_format: str = RuntimeConfig.expert_format
     # What a miss costs on this machine, per model folder: {"/path/to/model": MissCosts.to_dict()} as JSON, measured
     # at the first load and reused by the next ones (Runtime.load checks they fit the model and the device).
     miss_costs: str = ""
@@ -46,6 +49,7 @@ class AppSettings:
             policy=self.policy,
             store_capacity=self.store_capacity,
             miss_handling=self.miss_handling,
+            expert_format=self.expert_format,
             sampling=sampling,
         )
 

@@ -47,6 +47,7 @@ def test_set_persists_typed_values(tmp_path):
     ("changes", "message"),
     [
         ({"policy": "magic"}, "Unknown policy"),
+        ({"expert_format": "fp8"}, "Unknown expert format 'fp8'. Choose auto"),
         ({"prefetch_distance": 0}, "at least 1 layer"),
         ({"top_p": 1.5}, "Top-p"),
         ({"cache_gb": "lots"}, "expects a float"),
@@ -80,6 +81,15 @@ def test_apply_to_builds_the_runtime_config(tmp_path):
     config.validate()
     assert (config.device, config.cache_gb, config.store_capacity) == ("cpu", 1.5, 64)
     assert (config.sampling.temperature, config.sampling.max_new_tokens, config.sampling.seed) == (0.2, 32, 7)
+
+
+def test_the_expert_format_is_kept_and_reaches_the_next_load(tmp_path):
+    with open_store(tmp_path) as s:
+        assert s.settings.load().expert_format == RuntimeConfig().expert_format == "auto"
+        s.settings.set(expert_format="nf4")
+    with open_store(tmp_path) as s:
+        settings = s.settings.load()
+    assert settings.expert_format == "nf4" and settings.apply_to(RuntimeConfig()).expert_format == "nf4"
 
 
 CHILD = """

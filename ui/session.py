@@ -210,6 +210,7 @@ class Session:
                 "policy",
                 "store_capacity",
                 "miss_handling",
+                "expert_format",
                 "temperature",
                 "top_p",
                 "max_new_tokens",
