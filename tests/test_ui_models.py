@@ -1,24 +1,34 @@
 """Models tab: the built-in demo is listed under "Your models" (so it can be chosen again after another model was
-loaded) under its people's name, and cannot be deleted."""
+loaded) under its people's name, and cannot be deleted; each catalog model shows its sizes and verdict per expert
+format with one recommended; a format that does not fit names one that does; Load uses the chosen format, says how
+far a first quantised load got, and says a failure as a sentence."""
 
 from __future__ import annotations
 
-import gradio as gr
+import threading
+
 import pytest
 
+from fmoe_local.catalog import CATALOG, GB, find
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.demo import demo_model_dir
+from fmoe_local.hardware import Machine, format_fits
+from fmoe_local.quant_cache import QuantCache
 from store import open_store
-from ui import build
+from ui import build, model_formats
 from ui.downloads import write_marker
-from ui.models import downloaded_choices
+from ui.models import HEADERS, catalog_rows, downloaded_choices, load_steps
 from ui.session import DEMO_LABEL, Session
+
+DESKTOP = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 500 * GB)
+SMALL_GPU = Machine("cuda", "RTX 3050", 6 * GB, int(5.5 * GB), 64 * GB, 60 * GB, 500 * GB)
+MIXTRAL = find("mistralai/Mixtral-8x7B-Instruct-v0.1")
 
 
 @pytest.fixture
 def session(tmp_path):
     store = open_store(tmp_path)
-    s = Session(store=store, config=RuntimeConfig(device="cpu"))
+    s = Session(store=store, config=RuntimeConfig(device="cpu", quant_cache_dir=str(tmp_path / "quantized")))
     yield s
     s.close()
     store.close()
@@ -33,10 +43,77 @@ def test_your_models_lists_the_demo_after_the_downloads(session):
     assert choices[0][1] == str(folder) and choices[-1] == (DEMO_LABEL, str(demo_model_dir().resolve()))
 
 
-def test_deleting_the_demo_is_refused_and_leaves_it_loaded(session):
+def test_deleting_the_demo_is_refused_with_a_sentence_and_leaves_it_loaded(session):
     session.load(demo_model_dir())
     demo = build(session)
     delete = next(f for f in demo.fns.values() if f.api_name == "delete_model")
-    with pytest.raises(gr.Error, match="demo model is part of the app"):
-        delete.fn(str(demo_model_dir()))
+    status, _ = delete.fn(str(demo_model_dir()))
+    assert status == "⚠️ The demo model is part of the app and cannot be deleted."
     assert session.runtime is not None and (demo_model_dir() / "model.safetensors").is_file()
+
+
+def test_each_catalog_row_shows_every_format_with_its_verdict_and_one_recommended(session):
+    session._machine = DESKTOP
+    rows = catalog_rows(session)
+    assert HEADERS[-3:] == ["bf16 experts", "8-bit experts", "4-bit experts"]
+    assert all(len(row) == len(HEADERS) and sum("recommended" in c for c in row) == 1 for row in rows)
+    mixtral = rows[[e.repo_id for e in CATALOG].index(MIXTRAL.repo_id)]
+    # 90 GB of bf16 experts spill out of 57 GB of free RAM; 45 GB of int8 fit, and int8 is the most faithful that does.
+    assert mixtral[-3:] == ["Runs, slowly · 90.2 GB", "Fits · 45.1 GB · recommended", "Fits · 25.4 GB"]
+    gpt_oss = rows[[e.repo_id for e in CATALOG].index("openai/gpt-oss-20b")]
+    assert gpt_oss[-1].startswith("MXFP4 (as released): Fits")  # its own 4-bit, not a re-quantised nf4
+
+
+def test_the_picked_model_s_table_labels_each_format_and_says_no_ready_made_4_bit_is_listed():
+    text = model_formats.detail(MIXTRAL, format_fits(MIXTRAL, DESKTOP))
+    assert "recommended here: **8-bit (int8)** (~2× smaller, nearly the same answers)" in text
+    assert "| 4-bit (nf4) | ~4× smaller, slightly different answers | 118.8 GB | 25.4 GB |" in text  # 93.4 + 25.4
+    assert "| bf16 | full size, the model's exact answers | 93.4 GB | 90.2 GB |" in text
+    assert "no ready-made 8-bit or 4-bit download" in text
+    full_disk = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 20 * GB)
+    nowhere = model_formats.detail(MIXTRAL, format_fits(MIXTRAL, full_disk))
+    assert "no expert format fits on this computer. Not enough disk space" in nowhere and "recommended)" not in nowhere
+    gpt_oss = find("openai/gpt-oss-20b")
+    assert "already MXFP4: Auto keeps it" in model_formats.detail(gpt_oss, format_fits(gpt_oss, DESKTOP))
+
+
+def test_a_format_that_does_not_fit_is_said_under_the_choice_with_one_that_does(session):
+    session._machine = SMALL_GPU
+    note = model_formats.choice_note(session, "bf16", None, MIXTRAL.repo_id)
+    assert (
+        note.startswith("⚠️ Mixtral 8x7B Instruct: bf16 does not fit here: Not enough GPU memory")
+        and "Choose 8-bit instead" in note
+    )
+    int8 = model_formats.choice_note(session, "int8", None, MIXTRAL.repo_id)
+    assert int8 == (
+        "The first load of Mixtral 8x7B Instruct in 8-bit (int8) makes a copy of its experts (45.1 GB on disk; "
+        "minutes, with progress shown); later loads reuse it."
+    )
+    assert model_formats.choice_note(session, "nf4", str(demo_model_dir()), "") == ""  # not a catalog model
+
+
+def test_load_uses_the_chosen_format_and_shows_how_far_the_copy_got(session, tiny_model_dir, monkeypatch):
+    real_write, release = QuantCache._write, threading.Event()
+
+    def held(self, layer, tensors):
+        release.wait(120)  # holds the first load mid-copy until the page has shown its progress
+        real_write(self, layer, tensors)
+
+    monkeypatch.setattr(QuantCache, "_write", held)
+    steps = load_steps(session, str(tiny_model_dir("mixtral")), "nf4")
+    status, bar = next(steps)
+    while "Making the 4-bit (nf4) copy of" not in bar:
+        status, bar = next(steps)
+    assert status == "" and "experts: 8 of 32 experts" in bar and "kept for the next" in bar  # layer 0's 8 experts
+    release.set()
+    *_, (status, bar) = steps
+    assert status.startswith("Loaded mixtral") and "experts in 4-bit (nf4)" in status and bar == ""
+    assert session.runtime.info.expert_format == "nf4" and session.store.settings.load().expert_format == "nf4"
+
+
+def test_load_refusals_and_failures_are_sentences_and_load_nothing(session, tmp_path):
+    assert list(load_steps(session, "", "nf4")) == [("⚠️ Pick a downloaded model or type a folder first.", "")]
+    said = list(load_steps(session, str(demo_model_dir()), "fp8"))
+    assert said[-1][0].startswith("⚠️ Unknown expert format 'fp8'. Choose auto") and session.runtime is None
+    *_, (status, _) = load_steps(session, str(tmp_path), "int8")
+    assert status.startswith("⚠️") and "is not a model folder (no config.json)" in status and session.runtime is None

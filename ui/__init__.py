@@ -11,7 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from ui import chat, models, settings, stats
-from ui.session import Session, fmt_gb, model_label
+from ui.session import Session, fmt_gb, format_in_use, model_label
 
 TITLE = "fmoe-local"
 
@@ -19,7 +19,10 @@ TITLE = "fmoe-local"
 def header(session: Session) -> str:
     if session.runtime is not None:
         i = session.runtime.info
-        model = f"**{model_label(session.model_dir, i.name)}** on {i.device} · expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts)"
+        model = (
+            f"**{model_label(session.model_dir, i.name)}** on {i.device} · experts in {format_in_use(i.expert_format, i.dtype)} · "
+            f"expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts)"
+        )
     else:
         model = "**No model loaded** — open the Models tab to download one or load a folder."
     recovered = getattr(session.store, "recovered_from", None)
@@ -55,10 +58,11 @@ def build(session: Session) -> gr.Blocks:
         for event in loads:
             event.success(after_load, None, after_load_outputs, api_visibility="private")
         for event in applied:
+            # The Models tab's format choice is the same saved setting: show what Settings saved.
             event.success(
-                lambda: (header(session), *stats.draw(session)),
+                lambda: (header(session), *stats.draw(session), session.store.settings.load().expert_format),
                 None,
-                [top, *stats.outputs(stats_tab)],
+                [top, *stats.outputs(stats_tab), models_tab.expert_format],
                 api_visibility="private",
             )
         for event in replies:

@@ -1,26 +1,31 @@
-"""Models tab: the download wizard (curated list with a fit verdict for this machine, or any HF repo id),
-downloaded models (load, delete) and loading a model folder from disk.
+"""Models tab: the download wizard (curated list with each expert format's size and fit verdict for this machine,
+one recommended, or any HF repo id), downloaded models (load in a chosen expert format, with progress; delete) and
+loading a model folder from disk.
 
-Scope: components and events. Fit arithmetic is fmoe_local.hardware, the facts fmoe_local.catalog, the
-download itself ui.downloads. It does NOT touch the runtime beyond Session.load/unload.
+Scope: components and events. Fit arithmetic is fmoe_local.hardware, the facts fmoe_local.catalog, the format texts
+ui.model_formats, the download itself ui.downloads. It does NOT touch the runtime beyond Session.start_load/unload.
+A refusal or a failure is a sentence in the status line under the buttons (a gr.Error's red pill covers the page);
+the scripts' endpoints (gr.api) raise instead, so a client sees an error.
 """
 
 from __future__ import annotations
 
 import html
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
 
-from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find, local_name
-from fmoe_local.hardware import fit
+from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find
+from fmoe_local.hardware import format_fits
+from ui import model_formats
 from ui.downloads import Download, delete_downloaded, list_downloaded
 from ui.session import DEMO_LABEL, ModelLoadError, Session, demo_dir
 
 POLL_S = 0.5
-HEADERS = ["Model", "Repo id", "Params (total / active)", "Experts × layers", "Download", "Expert (bf16)", "Fit here"]
+HEADERS = ["Model", "Repo id", "Params (total / active)", "Experts × layers", "Download", *model_formats.FORMAT_HEADERS]
 
 
 @dataclass
@@ -35,11 +40,14 @@ class ModelsTab:
     cancel: gr.Button
     progress: gr.HTML
     downloaded: gr.Dropdown
+    expert_format: gr.Radio
+    format_note: gr.Markdown
     load: gr.Button
     delete: gr.Button
     folder: gr.Textbox
     load_folder: gr.Button
     status: gr.Markdown
+    load_progress: gr.HTML
 
 
 def catalog_rows(session: Session) -> list[list[str]]:
@@ -47,7 +55,7 @@ def catalog_rows(session: Session) -> list[list[str]]:
     have = {m.repo_id for m in list_downloaded(session.models_dir)}
     rows = []
     for e in CATALOG:
-        verdict = fit(e, machine, downloaded=e.repo_id in have)
+        fits = format_fits(e, machine, downloaded=e.repo_id in have)
         rows.append(
             [
                 e.name,
@@ -55,8 +63,7 @@ def catalog_rows(session: Session) -> list[list[str]]:
                 f"{e.total_params_b:g}B / {e.active_params_b:g}B",
                 f"{e.num_experts} × {e.num_layers} (top-{e.top_k})",
                 f"{e.download_bytes / GB:.1f} GB",
-                f"{e.expert_bytes / 1e6:.0f} MB",
-                verdict.label,
+                *model_formats.format_cells(fits),
             ]
         )
     return rows
@@ -89,7 +96,7 @@ def build(session: Session) -> ModelsTab:
         interactive=False,
         wrap=True,
         elem_id="catalog",
-        column_widths=["17%", "25%", "12%", "13%", "8%", "9%", "16%"],
+        column_widths=["13%", "19%", "10%", "11%", "7%", "13%", "13%", "14%"],
     )
     fit_detail = gr.Markdown("", elem_id="fit-detail")
     with gr.Row():
@@ -111,11 +118,37 @@ def build(session: Session) -> ModelsTab:
     with gr.Row():
         folder = gr.Textbox(label="…or load a model folder from disk", placeholder="/path/to/checkpoint", scale=3)
         load_folder = gr.Button("Load folder", scale=0, elem_id="load-folder")
+    expert_format = gr.Radio(
+        model_formats.choices(),
+        value=session.store.settings.load().expert_format,
+        label="Expert format (used by Load; saved for the next loads, like the Settings tab's)",
+        info="Smaller formats hold more experts in RAM and on the GPU, and answer slightly differently.",
+        elem_id="load-format",
+    )
+    format_note = gr.Markdown("", elem_id="format-note")
     status = gr.Markdown("", elem_id="models-status")
+    load_progress = gr.HTML("", elem_id="load-progress")
     return ModelsTab(
-        machine, refresh_machine, catalog, fit_detail, repo_id, token, download, cancel, progress, downloaded, load, delete,
-        folder, load_folder, status,
+        machine, refresh_machine, catalog, fit_detail, repo_id, token, download, cancel, progress, downloaded,
+        expert_format, format_note, load, delete, folder, load_folder, status, load_progress,
     )  # fmt: skip
+
+
+def load_steps(session: Session, path: str | None, fmt: str | None) -> Iterator[tuple[str, str]]:
+    """The Load button: saves the chosen expert format, loads on a thread and yields (status, progress bar) until
+    it is done — the bar says how far a first int8/nf4 load's copy got, else how long it has been loading."""
+    if not path:
+        yield "⚠️ Pick a downloaded model or type a folder first.", ""
+        return
+    try:
+        session.store.settings.set(expert_format=fmt or session.store.settings.load().expert_format)
+    except ValueError as exc:
+        yield f"⚠️ {exc}", ""
+        return
+    job = session.start_load(path)
+    while not job.finished.wait(POLL_S):
+        yield "", progress_html(*model_formats.load_progress(job, time.monotonic()))
+    yield (f"⚠️ {job.error}" if job.error else job.message), ""
 
 
 def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
@@ -129,20 +162,21 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
         loaded = session.model_dir.resolve() if session.model_dir is not None else None
         choices = downloaded_choices(session)
         value = next((path for _, path in choices if Path(path).resolve() == loaded), None)
-        return machine_md(), catalog_rows(session), gr.Dropdown(choices=choices, value=value)
+        saved = session.store.settings.load().expert_format
+        return machine_md(), catalog_rows(session), gr.Dropdown(choices=choices, value=value), saved
 
     def recheck():
         return machine_md(refresh=True), catalog_rows(session)
 
-    def pick(evt: gr.SelectData):
+    def pick(fmt, evt: gr.SelectData):
+        # The wizard's row: its table per format, and the recommended format chosen for the next Load.
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
         entry = CATALOG[row]
         have = {m.repo_id for m in list_downloaded(session.models_dir)}
-        verdict = fit(entry, session.machine(), downloaded=entry.repo_id in have)
-        detail = f"**{entry.name}:** " + " ".join(verdict.reasons)
-        if entry.note:
-            detail += f" _{entry.note}_"
-        return entry.repo_id, detail
+        fits = format_fits(entry, session.machine(), downloaded=entry.repo_id in have)
+        choice = next((f.choice for f in fits if f.recommended), None)
+        note = model_formats.choice_note(session, choice or fmt, None, entry.repo_id)
+        return entry.repo_id, model_formats.detail(entry, fits), choice or gr.skip(), note
 
     def start(repo_id, token):
         repo_id = (repo_id or "").strip()
@@ -172,7 +206,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
                 continue
             if s.state == "done":
                 yield (
-                    progress_html(1.0, s.message + " Select it below and press Load."),
+                    progress_html(1.0, s.message + " Select it below, choose its expert format and press Load."),
                     gr.Dropdown(choices=downloaded_choices(session), value=str(d.dest)),
                 )
             else:
@@ -185,19 +219,23 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
         session.download.cancel()
         return ""  # the progress line under the buttons says it (the download loop sees the cancel)
 
-    def load_path(path):
-        if not path:
-            raise gr.Error("Pick a downloaded model or type a folder first.")
+    def load_model(folder: str, expert_format: str = "") -> str:
+        """Load a model folder (a downloaded one or any on disk); expert_format: auto, bf16, int8 or nf4 ("" keeps
+        the saved one). Returns the sentence the app shows; raises with a sentence when it cannot."""
+        if not folder:
+            raise gr.Error("Name a downloaded model's folder or another model folder.")
         try:
-            return session.load(Path(path))
-        except ModelLoadError as exc:
+            if expert_format:
+                session.store.settings.set(expert_format=expert_format)
+            return session.load(Path(folder))
+        except (ModelLoadError, ValueError) as exc:
             raise gr.Error(str(exc)) from exc
 
     def delete(path):
         if not path:
-            raise gr.Error("Pick a downloaded model to delete.")
+            return "⚠️ Pick a downloaded model to delete.", gr.skip()
         if demo_dir() is not None and Path(path).resolve() == demo_dir():
-            raise gr.Error("The demo model is part of the app and cannot be deleted.")
+            return "⚠️ The demo model is part of the app and cannot be deleted.", gr.skip()
         if session.model_dir is not None and Path(path).resolve() == session.model_dir.resolve():
             session.unload()
         delete_downloaded(session.models_dir, Path(path))
@@ -210,22 +248,32 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
             for m in list_downloaded(session.models_dir)
         ]
 
-    demo.load(on_load, None, [tab.machine, tab.catalog, tab.downloaded], api_visibility="private")
-    tab.refresh_machine.click(recheck, None, [tab.machine, tab.catalog], api_visibility="private")
-    tab.catalog.select(pick, None, [tab.repo_id, tab.fit_detail], api_visibility="private")
+    def load_ui(path, fmt):
+        yield from load_steps(session, path, fmt)
+
+    def note(choice, folder, repo_id):
+        return model_formats.choice_note(session, choice, folder, repo_id)
+
+    private = dict(api_visibility="private")
+    demo.load(on_load, None, [tab.machine, tab.catalog, tab.downloaded, tab.expert_format], **private)
+    tab.refresh_machine.click(recheck, None, [tab.machine, tab.catalog], **private)
+    tab.catalog.select(
+        pick, [tab.expert_format], [tab.repo_id, tab.fit_detail, tab.expert_format, tab.format_note], **private
+    )
+    for changed in (tab.expert_format.change, tab.downloaded.change):
+        changed(note, [tab.expert_format, tab.downloaded, tab.repo_id], [tab.format_note], queue=False, **private)
     tab.download.click(start, [tab.repo_id, tab.token], [tab.progress, tab.downloaded], api_name="download")
     tab.cancel.click(cancel, None, [tab.status], api_name="cancel_download", concurrency_limit=None)
-    loaded = tab.load.click(load_path, [tab.downloaded], [tab.status], api_name="load_model", concurrency_id="runtime")
+    outputs = [tab.status, tab.load_progress]
+    loaded = tab.load.click(load_ui, [tab.downloaded, tab.expert_format], outputs, concurrency_id="runtime", **private)
     loaded_folder = tab.load_folder.click(
-        load_path, [tab.folder], [tab.status], api_name="load_folder", concurrency_id="runtime"
+        load_ui, [tab.folder, tab.expert_format], outputs, concurrency_id="runtime", **private
     )
     deleted = tab.delete.click(
         delete, [tab.downloaded], [tab.status, tab.downloaded], api_name="delete_model", concurrency_id="runtime"
     )
-    # An invisible endpoint for scripts and tests: the downloaded models as data.
+    # Invisible endpoints for scripts and tests: the downloaded models as data, and loading one.
     gr.api(list_models, api_name="list_models")
+    gr.api(load_model, api_name="load_model", concurrency_id="runtime")
+    gr.api(load_model, api_name="load_folder", concurrency_id="runtime")
     return [loaded, loaded_folder, deleted]
-
-
-def catalog_local_name(repo_id: str) -> str:
-    return local_name(repo_id)

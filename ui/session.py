@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,22 @@ def fmt_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def format_name(fmt: str) -> str:
+    """An expert format for people: "4-bit (nf4)", "8-bit (int8)", "bf16", "MXFP4" (expert_formats.NAMES)."""
+    from fmoe_local.expert_formats import NAMES
+
+    name = NAMES.get(fmt, fmt)
+    return name if name.lower() == fmt else f"{name} ({fmt})"
+
+
+def format_in_use(fmt: str, dtype: str) -> str:
+    """A loaded model's expert format (ModelInfo.expert_format, .dtype): unquantised experts are in the compute
+    dtype, which is not bf16 everywhere (float32 on a CPU for fp16 checkpoints, the tiny models)."""
+    if fmt == "bf16" and dtype != "bfloat16":
+        return f"{dtype} (full size)"
+    return format_name(fmt)
 
 
 DEMO_LABEL = "Demo model (built in, 9M parameters — shows the machinery, not a useful assistant)"
@@ -94,6 +112,24 @@ def shape_of(model_dir: Path) -> ModelShapeFacts:
 
 
 @dataclass
+class LoadJob:
+    """A model loading on its own thread, so that the page can show how far it got (a first int8/nf4 load
+    quantises for minutes). `message` is Session.load's sentence, `error` the failure's; `finished` is set after."""
+
+    model_dir: Path
+    expert_format: str  # as saved when the load started (auto | bf16 | int8 | nf4)
+    done: int = 0  # experts quantised so far, while a quantised copy is made
+    total: int = 0  # 0: no copy is being made (loading weights, or the copy is reused)
+    message: str = ""
+    error: str = ""
+    started: float = field(default_factory=time.monotonic)
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def report(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+
+
+@dataclass
 class Session:
     store: object  # store.Store; typed loosely so that ui tests can pass a Store opened on a temp folder
     config: RuntimeConfig
@@ -129,8 +165,26 @@ class Session:
     def record(self, stats: RequestStats) -> None:
         self.history.append(stats)
 
-    def load(self, model_dir: str | Path) -> str:
+    def start_load(self, model_dir: str | Path) -> LoadJob:
+        """`load` on a thread of its own; the job says how far it got and, when finished, what happened."""
+        job = LoadJob(Path(model_dir).expanduser(), self.store.settings.load().expert_format)
+
+        def run() -> None:
+            try:
+                job.message = self.load(job.model_dir, progress=job.report)
+            except ModelLoadError as exc:
+                job.error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - the page must hear of it rather than wait forever
+                job.error = f"Could not load {job.model_dir.name}: {exc}"
+            finally:
+                job.finished.set()
+
+        threading.Thread(target=run, name="fmoe-load", daemon=True).start()
+        return job
+
+    def load(self, model_dir: str | Path, progress: Callable[[int, int], None] | None = None) -> str:
         """Load a model (unloading the current one); returns a sentence for the user. Saves it as last_model.
+        `progress(done, total)`: experts quantised so far while a first int8/nf4 load makes its copy.
 
         Raises ModelLoadError (a sentence) when the folder is not a model or loading fails; a folder that is
         not a model leaves the current model loaded.
@@ -150,7 +204,7 @@ class Session:
                 self._persistence = self.store.map_persistence(model_dir, shape)
                 try:
                     self.runtime = Runtime.load(
-                        model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir)
+                        model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir), progress
                     )
                 except ValueError as exc:
                     # A saved value this model cannot use (e.g. a cache smaller than one of its experts) must not
@@ -160,7 +214,7 @@ class Session:
                         raise
                     notice = f" Your saved settings could not be used ({exc}); {', '.join(reset)} reset to defaults."
                     self.runtime = Runtime.load(
-                        model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir)
+                        model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir), progress
                     )
             except Exception as exc:  # noqa: BLE001 - any load failure is reported, the app keeps running
                 self._close_persistence()
@@ -173,7 +227,8 @@ class Session:
             self._save_miss_costs(model_dir)
             info = self.runtime.info
             return (
-                f"Loaded {model_label(model_dir, info.name)} on {info.device}: {info.num_layers} MoE layers × {info.num_experts} experts, "
+                f"Loaded {model_label(model_dir, info.name)} on {info.device}, experts in {format_in_use(info.expert_format, info.dtype)}: "
+                f"{info.num_layers} MoE layers × {info.num_experts} experts, "
                 f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{notice}"
             )
 

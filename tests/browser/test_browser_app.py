@@ -183,6 +183,21 @@ def test_chat_stop_switch_restart_and_settings(env):
         page.get_by_role("tab", name="Models").click()
         page.get_by_text("OLMoE 1B-7B Instruct").wait_for()
         page.screenshot(path=SHOTS / "models.png", full_page=True)
+
+        # A catalog row shows its formats; clicking it explains each and chooses the recommended one for Load.
+        page.locator("#catalog").get_by_text("Mixtral 8x7B Instruct").click()
+        page.locator("#fit-detail").get_by_role("columnheader", name="On this computer").wait_for(timeout=30_000)
+        assert "4-bit (nf4)" in page.locator("#fit-detail").inner_text()  # one row per format, each labelled
+        assert "slightly different answers" in page.locator("#fit-detail").inner_text()
+        page.screenshot(path=SHOTS / "models-formats.png", full_page=True)
+        # Pick 4-bit and load the running model's folder in it: the header then says which format is in use.
+        page.locator("#load-format").get_by_text("4-bit: ~4× smaller, slightly different answers").click()
+        page.get_by_label("…or load a model folder from disk").fill(str(env["model"]))
+        page.locator("#load-folder").click()
+        page.locator("#models-status").get_by_text("experts in 4-bit (nf4)").wait_for(timeout=120_000)
+        page.locator("#app-title").get_by_text("experts in 4-bit (nf4)").wait_for(timeout=30_000)
+        assert page.locator("#models-status .error, #load-format .error").count() == 0
+        page.screenshot(path=SHOTS / "models-loaded-nf4.png", full_page=True)
         page.close()
     finally:
         app.stop()
@@ -197,6 +212,8 @@ def test_chat_stop_switch_restart_and_settings(env):
         page.locator("#conv-list").get_by_text("What is an expert cache?").click()
         page.locator("#chatbot").get_by_text("What is an expert cache?").wait_for()
         page.screenshot(path=SHOTS / "after-restart.png", full_page=True)
+        # The chosen format was saved: the restart loads 4-bit again (from the copy the first load made).
+        assert "experts in 4-bit (nf4)" in page.locator("#app-title").inner_text()
         page.close()
     finally:
         app.stop()

@@ -1,0 +1,117 @@
+"""What the Models tab says about expert formats: each catalog model's per-format cells and detail table, the
+format choice with its honest label, the sentence under that choice, and the progress line of a loading model.
+
+Scope: text. Sizes, verdicts and the recommended format are fmoe_local.hardware's (`format_fits`, `instead`); the
+labels are fmoe_local.expert_formats'. It does NOT compute a size, decide a verdict or load anything.
+"""
+
+from __future__ import annotations
+
+from fmoe_local.catalog import GB, CatalogEntry, find
+from fmoe_local.config import EXPERT_FORMATS
+from fmoe_local.expert_formats import LABELS
+from fmoe_local.hardware import FormatFit, format_fits, instead
+from ui.downloads import list_downloaded
+from ui.session import LoadJob, Session, format_name, model_label
+
+FORMAT_HEADERS = ["bf16 experts", "8-bit experts", "4-bit experts"]
+
+
+def choices() -> list[tuple[str, str]]:
+    """The Radio's and the Dropdown's choices: every format a user can pick, each with what it costs in answers."""
+    return [(LABELS[f], f) for f in EXPERT_FORMATS]
+
+
+def answers(fmt: str) -> str:
+    """The part of a format's label that says what happens to the answers ("~4× smaller, slightly different...")."""
+    return LABELS[fmt].split(": ", 1)[-1]
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def cell(f: FormatFit) -> str:
+    own = "MXFP4 (as released): " if f.fmt == "mxfp4" else ""
+    return f"{own}{f.verdict.label} · {_gb(f.ram_bytes)}" + (" · recommended" if f.recommended else "")
+
+
+def format_cells(fits: list[FormatFit]) -> list[str]:
+    """The catalog row's cells under FORMAT_HEADERS; a download that is already 4-bit shows its own 4-bit form."""
+    by = {f.fmt: f for f in fits}
+    return [cell(by["bf16"]), cell(by["int8"]), cell(by.get("mxfp4") or by["nf4"])]
+
+
+def detail(entry: CatalogEntry, fits: list[FormatFit]) -> str:
+    """The picked model's table: per format what the answers are, disk, RAM, GPU and the verdict's reasons."""
+    best = next((f for f in fits if f.recommended), None)
+    headline = (
+        f"recommended here: **{format_name(best.fmt)}** ({answers(best.fmt)})."
+        if best is not None
+        else f"no expert format fits on this computer. {fits[0].verdict.reasons[0]}"
+    )
+    rows = [
+        f"**{entry.name}** — {headline}",
+        "",
+        "| Expert format | Answers | Disk | RAM | GPU | On this computer |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in fits:
+        name = f"**{format_name(f.fmt)}** (recommended)" if f.recommended else format_name(f.fmt)
+        gpu = _gb(f.gpu_bytes) if f.gpu_bytes else "—"
+        reasons = " ".join(f.verdict.reasons)
+        rows.append(f"| {name} | {answers(f.fmt)} | {_gb(f.disk_bytes)} | {_gb(f.ram_bytes)} | {gpu} | {reasons} |")
+    rows.append("")
+    if entry.native_format == "bf16":
+        rows.append(
+            "Disk is the download plus, for 8-bit and 4-bit, the copy made from it on the first load (its progress "
+            "is shown; it is kept and reused). The catalog lists no ready-made 8-bit or 4-bit download of this model."
+        )
+    else:
+        rows.append(f"The download is already {format_name(entry.native_format)}: Auto keeps it as released.")
+    if entry.note:
+        rows.append(f"_{entry.note}_")
+    return "\n".join(rows)
+
+
+def entry_of(session: Session, folder: str | None, repo_id: str | None) -> tuple[CatalogEntry | None, bool]:
+    """(the catalog model the user is about to load, whether it is downloaded): the downloaded folder picked, else
+    the repo id typed or clicked in the wizard."""
+    downloaded = {str(m.path): m.repo_id for m in list_downloaded(session.models_dir)}
+    if folder and folder in downloaded:
+        entry = find(downloaded[folder])
+        if entry is not None:
+            return entry, True
+    entry = find((repo_id or "").strip()) if repo_id else None
+    return entry, entry is not None and entry.repo_id in downloaded.values()
+
+
+def choice_note(session: Session, choice: str, folder: str | None, repo_id: str | None) -> str:
+    """The sentence under the format choice: the format that works instead when this one does not fit; what the
+    first load costs when it makes a copy; "" when there is nothing to add."""
+    entry, downloaded = entry_of(session, folder, repo_id)
+    if entry is None or choice not in EXPERT_FORMATS:
+        return ""
+    fits = format_fits(entry, session.machine(), downloaded)
+    sentence = instead(fits, choice)
+    if sentence:
+        return f"⚠️ {entry.name}: {sentence}"
+    chosen = next((f for f in fits if f.choice == choice), fits[0])
+    copy = chosen.disk_bytes - entry.download_bytes
+    if copy:
+        return (
+            f"The first load of {entry.name} in {format_name(chosen.fmt)} makes a copy of its experts "
+            f"({_gb(copy)} on disk; minutes, with progress shown); later loads reuse it."
+        )
+    return ""
+
+
+def load_progress(job: LoadJob, now: float) -> tuple[float, str]:
+    """(fraction, sentence) of a loading model, for the bar under Load: never a silent wait."""
+    name = model_label(job.model_dir)
+    if job.total:
+        return job.done / job.total, (
+            f"Making the {format_name(job.expert_format)} copy of {name}'s experts: {job.done} of {job.total} experts. "
+            "Only the first load in this format does this; the copy is kept for the next."
+        )
+    return 0.0, f"Loading {name} with expert format {format_name(job.expert_format)}… {now - job.started:.0f} s"
