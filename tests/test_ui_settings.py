@@ -1,4 +1,5 @@
-"""Settings tab: sizes in the unit that fits, one line of help on every field, impossible values refused."""
+"""Settings tab: sizes in the unit that fits, one line of help on every field, impossible values refused, the expert
+format saved for the next load with its label."""
 
 from __future__ import annotations
 
@@ -32,7 +33,15 @@ def test_the_demo_cache_is_shown_in_mb_and_in_experts(session):
 def test_every_field_has_one_line_of_help(session):
     with gr.Blocks():
         tab = settings.build(session)
-    for field in (tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity, tab.miss_handling):
+    fields = (
+        tab.cache_size,
+        tab.prefetch_distance,
+        tab.policy,
+        tab.store_capacity,
+        tab.miss_handling,
+        tab.expert_format,
+    )
+    for field in fields:
         assert field.info and "\n" not in field.info
 
 
@@ -77,4 +86,31 @@ def test_miss_handling_applies_without_reloading_is_saved_and_explained(session)
     _, said = apply.fn(size, info.prefetch_distance, info.policy, info.store_capacity, "copy")
     assert session.runtime.info.miss_handling == "copy" and session.store.settings.load().miss_handling == "copy"
     assert "No GPU: misses are copied within RAM because miss handling is set to copy" in said
-    assert settings.refresh(session)[-1] == "copy"
+    assert settings.refresh(session)[-2] == "copy"
+
+
+def test_the_expert_format_is_saved_for_the_next_load_labelled_and_the_model_keeps_running(session):
+    demo = build(session)
+    apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+    runtime, info = session.runtime, session.runtime.info
+    # The demo's own form, what auto keeps: unquantised, in the CPU's float32 (not called bf16).
+    assert "experts in float32 (full size)" in settings.describe(session)
+    size = settings.refresh(session)[1].value
+    _, said = apply.fn(size, info.prefetch_distance, info.policy, info.store_capacity, "auto", "nf4")
+    assert session.runtime is runtime and runtime.info.expert_format == "bf16"  # no reload
+    assert said.endswith(
+        "Expert format 4-bit (nf4) is saved: the model runs in float32 (full size) until you load it again (Models tab, Load)."
+    )
+    assert session.store.settings.load().expert_format == "nf4" and settings.refresh(session)[-1] == "nf4"
+    with gr.Blocks():
+        tab = settings.build(session)
+    assert ("4-bit: ~4× smaller, slightly different answers", "nf4") in tab.expert_format.choices
+
+
+def test_an_unknown_expert_format_is_refused_before_anything_changes(session):
+    demo = build(session)
+    apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+    before = session.store.settings.load()
+    _, said = apply.fn(settings.refresh(session)[1].value, 1, "lru", 10, "copy", "fp8")
+    assert said.startswith("⚠️ Unknown expert format 'fp8'")
+    assert session.store.settings.load() == before and session.runtime.info.policy == "fmoe"

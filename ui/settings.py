@@ -1,6 +1,8 @@
-"""Settings tab: expert cache size, prefetch distance, policy, map-store capacity, miss handling, clearing the maps.
+"""Settings tab: expert cache size, prefetch distance, policy, map-store capacity, miss handling, expert format,
+clearing the maps.
 
-Scope: applying these to the loaded model with `runtime.reconfigure` (no reload) and saving them in the store.
+Scope: applying these to the loaded model with `runtime.reconfigure` (no reload) and saving them in the store; the
+expert format is saved only, for the next load (it changes what RAM and the cache hold: a reload).
 The cache size is typed in the unit that fits the model (GB, MB or KB) and shown in experts; it must hold one
 expert and fit what this machine has left (fmoe_local.hardware.cache_gb_limit), else it is refused with a sentence. It does NOT
 load models or choose defaults (RuntimeConfig / AppSettings hold them).
@@ -13,9 +15,10 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from fmoe_local.config import POLICIES
+from fmoe_local.config import POLICIES, RuntimeConfig
 from fmoe_local.hardware import GIB, cache_gb_limit
-from ui.session import Session, fmt_bytes, fmt_gb, model_label
+from ui.model_formats import choices as format_choices
+from ui.session import Session, fmt_bytes, fmt_gb, format_in_use, format_name, model_label
 
 UNITS = (("GB", GIB), ("MB", 1024**2), ("KB", 1024))  # binary, as RuntimeConfig.cache_gb
 
@@ -48,6 +51,7 @@ class SettingsTab:
     policy: gr.Dropdown
     store_capacity: gr.Number
     miss_handling: gr.Dropdown
+    expert_format: gr.Dropdown
     apply: gr.Button
     clear_maps: gr.Button
     status: gr.Markdown
@@ -74,7 +78,8 @@ def describe(session: Session) -> str:
         return f"**No model loaded.** {session.load_error or 'Load one in the Models tab.'}{api}"
     i = session.runtime.info
     return (
-        f"**{model_label(session.model_dir, i.name)}** · {i.family} · {i.device} ({i.dtype}) · {i.num_layers} MoE layers × {i.num_experts} experts, "
+        f"**{model_label(session.model_dir, i.name)}** · {i.family} · {i.device} ({i.dtype}) · experts in "
+        f"{format_in_use(i.expert_format, i.dtype)} · {i.num_layers} MoE layers × {i.num_experts} experts, "
         f"top-{i.top_k} · resident {fmt_bytes(i.resident_bytes)} · one expert {fmt_bytes(i.expert_bytes)} · "
         f"cache {fmt_gb(i.cache_gb)} = **{i.cache_experts} experts**{api}"
     )
@@ -121,15 +126,24 @@ def build(session: Session) -> SettingsTab:
             MISS_CHOICES, value=s.miss_handling, label="When an expert is not in the cache", info=MISS_HELP,
             elem_id="miss-handling",
         )  # fmt: skip
+        expert_format = gr.Dropdown(
+            format_choices(), value=s.expert_format, label="Expert format (applies at the next load)", info=FORMAT_HELP,
+            elem_id="expert-format",
+        )  # fmt: skip
     with gr.Row():
         apply = gr.Button("Apply", variant="primary", elem_id="apply-settings")
         clear_maps = gr.Button("Clear learned expert maps", variant="secondary", elem_id="clear-maps")
     status = gr.Markdown("", elem_id="settings-status")
     return SettingsTab(
-        model_info, cache_size, cache_experts, prefetch, policy, capacity, miss_handling, apply, clear_maps, status
-    )
+        model_info, cache_size, cache_experts, prefetch, policy, capacity, miss_handling, expert_format, apply,
+        clear_maps, status,
+    )  # fmt: skip
 
 
+FORMAT_HELP = (
+    "How experts are kept in RAM and on the GPU: smaller holds more of them, answers differ slightly. A reload applies "
+    "it (Models tab, Load); a first 8-bit or 4-bit load makes a copy of the experts, kept for the next."
+)
 CACHE_HELP = "Memory kept for experts ready to run; more means fewer waits for copies, less memory for anything else."
 
 
@@ -179,6 +193,7 @@ def refresh_outputs(tab: SettingsTab) -> list:
         tab.policy,
         tab.store_capacity,
         tab.miss_handling,
+        tab.expert_format,
     ]
 
 
@@ -198,6 +213,20 @@ def refresh(session: Session) -> tuple:
         s.policy,
         s.store_capacity,
         s.miss_handling,
+        s.expert_format,
+    )
+
+
+def format_pending(session: Session) -> str:
+    """ " The saved expert format waits for a reload" when it differs from the loaded model's, else ""."""
+    saved = session.store.settings.load().expert_format
+    if saved == session.runtime.config.expert_format:
+        return ""
+    info = session.runtime.info
+    loaded = format_in_use(info.expert_format, info.dtype)  # the form it resolved to (auto: the checkpoint's own)
+    return (
+        f" Expert format {format_name(saved)} is saved: the model runs in {loaded} until you load it "
+        "again (Models tab, Load)."
     )
 
 
@@ -241,7 +270,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
     def refused(sentence: str) -> tuple:
         return gr.skip(), f"⚠️ {sentence}"
 
-    def apply(size, distance, policy, capacity, miss_handling="auto"):
+    def apply(size, distance, policy, capacity, miss_handling="auto", expert_format=None):
         try:
             cache_gb = check_cache_size(session, size)
         except ValueError as exc:
@@ -255,6 +284,11 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
             store_capacity=int(capacity),
             miss_handling=miss_handling,
         )
+        if expert_format is not None:
+            try:  # checked before anything is applied: a refused value changes nothing
+                RuntimeConfig(expert_format=expert_format).validate()
+            except ValueError as exc:
+                return refused(str(exc))
         if session.runtime is not None:
             layers = session.runtime.info.num_layers
             if int(distance) > max(1, layers - 1):
@@ -264,7 +298,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
             except ValueError as exc:
                 return refused(str(exc))
         try:
-            session.store.settings.set(**changes)
+            session.store.settings.set(**changes, **({} if expert_format is None else {"expert_format": expert_format}))
         except ValueError as exc:
             return refused(str(exc))
         if session.runtime is None:
@@ -273,7 +307,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
         return describe(session), (
             f"Applied without reloading: cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts), prefetch distance "
             f"{i.prefetch_distance}, policy {i.policy}, {i.store_capacity} maps kept. "
-            f"{session.runtime.miss_explanation}"
+            f"{session.runtime.miss_explanation}{format_pending(session)}"
         )
 
     def clear_maps():
@@ -289,7 +323,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
     )  # fmt: skip
     applied = tab.apply.click(
         apply,
-        [tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity, tab.miss_handling],
+        [tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity, tab.miss_handling, tab.expert_format],
         [tab.model_info, tab.status],
         api_name="apply_settings",
         concurrency_id="runtime",

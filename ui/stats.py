@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator, PercentFormatter  # noqa: E402
 
 from fmoe_local.stats import RequestStats  # noqa: E402
-from ui.session import Session, fmt_gb  # noqa: E402
+from ui.session import Session, fmt_gb, format_in_use  # noqa: E402
 
 # A red-to-green scale: a cell's colour is its hit rate, so a rare miss does not paint a mostly-hit expert red.
 RATE_CMAP = "RdYlGn"
@@ -113,7 +113,7 @@ def summary(session: Session) -> str:
         return "No model loaded."
     i = session.runtime.info
     s = session.last_stats
-    line = f"**Cache:** {fmt_gb(i.cache_gb)} on {i.device} ({i.cache_experts} experts)"
+    line = f"**Cache:** {fmt_gb(i.cache_gb)} on {i.device} ({i.cache_experts} experts in {format_in_use(i.expert_format, i.dtype)})"
     if s is not None:
         line += (
             f" · **last reply:** {s.tokens_per_s:.1f} tok/s, TTFT {1000 * s.ttft_s:.0f} ms, hit rate {s.hit_rate:.0%},"
