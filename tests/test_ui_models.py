@@ -6,6 +6,7 @@ far a first quantised load got, and says a failure as a sentence."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ from store import open_store
 from ui import build, model_formats
 from ui.downloads import write_marker
 from ui.models import HEADERS, catalog_rows, downloaded_choices, load_steps
-from ui.session import DEMO_LABEL, Session
+from ui.session import DEMO_LABEL, LoadJob, Session
 
 DESKTOP = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 500 * GB)
 SMALL_GPU = Machine("cuda", "RTX 3050", 6 * GB, int(5.5 * GB), 64 * GB, 60 * GB, 500 * GB)
@@ -107,6 +108,10 @@ def test_load_uses_the_chosen_format_and_shows_how_far_the_copy_got(session, tin
     assert status == "" and "experts: 8 of 32 experts" in bar and "kept for the next" in bar  # layer 0's 8 experts
     release.set()
     *_, (status, bar) = steps
+    done = LoadJob(Path("m"), "int8", done=32, total=32, started=0.0)
+    assert model_formats.load_progress(done, 75.4) == (
+        1.0, "Made the 8-bit (int8) copy of m's experts (32 experts); finishing the load… 75 s"
+    )  # fmt: skip
     assert status.startswith("Loaded mixtral") and "experts in 4-bit (nf4)" in status and bar == ""
     assert session.runtime.info.expert_format == "nf4" and session.store.settings.load().expert_format == "nf4"
 

@@ -109,6 +109,12 @@ def choice_note(session: Session, choice: str, folder: str | None, repo_id: str 
 def load_progress(job: LoadJob, now: float) -> tuple[float, str]:
     """(fraction, sentence) of a loading model, for the bar under Load: never a silent wait."""
     name = model_label(job.model_dir)
+    if job.total and job.done == job.total:
+        # The last layer is written and the rest of the load (miss costs) follows: tens of seconds, so it still moves.
+        return 1.0, (
+            f"Made the {format_name(job.expert_format)} copy of {name}'s experts ({job.total} experts); finishing the "
+            f"load… {now - job.started:.0f} s"
+        )
     if job.total:
         return job.done / job.total, (
             f"Making the {format_name(job.expert_format)} copy of {name}'s experts: {job.done} of {job.total} experts. "
