@@ -44,6 +44,9 @@ try:
         for tab in ("Models", "Settings", "Stats"):
             page.get_by_role("tab", name=tab).click()
             time.sleep(3)
+            if tab == "Models":  # a picked catalog model shows its table per expert format
+                page.locator("#catalog").get_by_text("DeepSeek-V2-Lite Chat").click()
+                time.sleep(2)
             page.screenshot(path=out / f"{tab.lower()}.png", full_page=True)
         b.close()
 finally:
