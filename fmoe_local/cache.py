@@ -10,7 +10,7 @@ hard ceiling, in prefill too (experts.py computes a layer in chunks of at most `
 Complete: once every expert of the model is resident (possible only with L·J slots) nothing can miss or be evicted
 again, and acquire takes a short path (no loads, waits or stall clock).
 
-Threads: the forward thread calls acquire/release; the prefetcher thread calls try_prefetch and copies its own
+Threads (the Offload's rule, offload.py, which alone owns the cache): the forward thread calls acquire/release; the prefetcher thread calls try_prefetch and copies its own
 prefetches; the forward pass's on-demand loads run on the loader thread (copier.py) while the forward thread waits
 for them. One lock guards the residency tables; copies run outside it, in chunks, and a prefetch gives way to a
 running on-demand load between chunks (`_give_way`). On CUDA a landing means the copy is issued: the forward

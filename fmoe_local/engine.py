@@ -1,10 +1,11 @@
-"""Engine: the offloaded model and everything wired around it (cache, policy, map store, prefetcher, hooks).
+"""Engine: the offloaded model and everything wired around it (the Offload, the map store, the router hooks).
 
-Scope: construction, per-request bracketing (policy events, statistics), reconfiguration and shutdown. It does NOT
-own a thread for requests (runtime.py does) or run the token loop (generate.py).
+Scope: construction, per-request bracketing (statistics, traces), reconfiguration and shutdown. It does NOT own a
+thread for requests (runtime.py does), run the token loop (generate.py), or touch the cache, the prefetcher or
+the policy's calls except through the Offload (offload.py).
 
 Threads: everything here runs on the runtime's worker thread, except `interrupt.set()` (any thread: Stop, close),
-which ends every wait of the cache within a fraction of a second.
+which ends every wait of the Offload within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ import torch
 from fmoe_local import cpu_experts, miss_cost
 from fmoe_local.cache import ExpertCache, check_capacity, slots_for_budget
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.cpu_experts import HostExperts, Kernel
-from fmoe_local.experts import HostMisses, OffloadedExperts
+from fmoe_local.cpu_experts import Kernel
+from fmoe_local.experts import OffloadedExperts
 from fmoe_local.loading import load_model
 from fmoe_local.maps import MapStore
-from fmoe_local.miss_cost import MissCosts, MissPlanner
+from fmoe_local.miss_cost import MissCosts
 from fmoe_local.observe import RoutingObserver
+from fmoe_local.offload import Offload
 from fmoe_local.policies import make_policy
-from fmoe_local.policies.base import ModelShape
+from fmoe_local.policies.base import ModelShape, Policy
 from fmoe_local.prefetch_distance import distance_for
-from fmoe_local.prefetcher import Prefetcher, PrefetcherFailed
 from fmoe_local.quant_cache import Progress
 from fmoe_local.stats import LayerCounters, RequestStats
 from fmoe_local.traces import DECODE, PREFILL, TraceRecorder
@@ -91,27 +92,36 @@ class Engine:
         self.map_store = MapStore.for_config(self.shape, config, map_persistence)
         if map_persistence is not None:
             self.map_store.load_from()  # the user's earlier maps: why prediction improves over time
-        self.policy = make_policy(config.policy, self.shape, config, self.map_store)
+        policy = make_policy(config.policy, self.shape, config, self.map_store)
         self.interrupt = threading.Event()
-        self.cache = self._new_cache(self._capacity(config))
-        self.prefetcher = Prefetcher(self.cache, self.policy, synchronous=config.synchronous_prefetch)
+        capacity = self._capacity(config)
+        check_capacity(capacity, self.host.expert_bytes)
+        self.miss_costs, kernel = self._measure_misses(saved_costs)
+        self.offload = Offload(
+            self.host,
+            self.device,
+            capacity,
+            policy,
+            self.counters,
+            self.miss_costs,
+            kernel,
+            miss_handling=config.miss_handling,
+            load_timeout_s=config.load_timeout_s,
+            copy_chunk_bytes=int(config.copy_chunk_mb * 1024**2),
+            synchronous=config.synchronous_prefetch,
+            interrupt=self.interrupt,
+        )
         self.observer = RoutingObserver(
             self.model.get_input_embeddings(),
             self.moe_layers,
             self.arch,
-            self.prefetcher.publish,
+            self.offload.publish,
             config.semantic_mode,
-            per_layer=lambda: self.prefetcher.per_layer,
+            per_layer=lambda: self.offload.per_layer,
         )
-        self.observer.want_lookahead = self.policy.needs_lookahead
+        self.observer.want_lookahead = policy.needs_lookahead
         self.observer.attach()
-        self._tell_capacity()
-        self.miss_costs, kernel = self._measure_misses(saved_costs)
-        self.host_experts = HostExperts(self.host, kernel)
-        self.host_misses = self._host_misses(config)
-        self.offloaded = OffloadedExperts(
-            {id(ref.experts): ref.moe_index for ref in self.moe_layers}, self._cache, lambda: self.host_misses
-        )
+        self.offloaded = OffloadedExperts({id(ref.experts): ref.moe_index for ref in self.moe_layers}, self._offload)
         self.model.set_experts_implementation(self.offloaded.register())
         self.eos_ids = self._eos_ids()
         self.recorder = None
@@ -123,14 +133,17 @@ class Engine:
         self._iteration_in_request = 0
         return self
 
-    def _cache(self) -> ExpertCache:
-        return self.cache
+    def _offload(self) -> Offload:
+        return self.offload
 
-    def _tell_capacity(self) -> None:
-        """Policies that place experts by the cache's size (cpu_moe) learn it whenever a cache or policy is made."""
-        set_capacity = getattr(self.policy, "set_capacity", None)
-        if set_capacity is not None:
-            set_capacity(self.cache.capacity)
+    @property
+    def cache(self) -> ExpertCache:
+        """The Offload's cache, for reading (tests, statistics); the forward pass goes through the Offload."""
+        return self.offload.cache
+
+    @property
+    def policy(self) -> Policy:
+        return self.offload.policy
 
     def _measure_misses(self, saved: MissCosts | None) -> tuple[MissCosts, Kernel]:
         """The miss figures for this model here: the saved ones when they fit, else a short probe (miss_cost.py)."""
@@ -141,23 +154,6 @@ class Engine:
             except ValueError:
                 pass  # measured with a kernel this install lacks: measure again
         return miss_cost.probe(self.host, self.moe_layers[0].experts, self.device)
-
-    def _host_misses(self, config: RuntimeConfig) -> HostMisses:
-        # A policy may force its own miss handling (cpu_moe computes every miss on the CPU).
-        forced = getattr(self.policy, "miss_handling", None)
-        return HostMisses(MissPlanner(config.miss_handling, self.miss_costs, forced), self.host_experts)
-
-    def _new_cache(self, capacity: int) -> ExpertCache:
-        return ExpertCache(
-            self.host,
-            capacity,
-            self.device,
-            self.policy,
-            self.counters,
-            self.interrupt,
-            self.config.load_timeout_s,
-            copy_chunk_bytes=int(self.config.copy_chunk_mb * 1024**2),
-        )
 
     def _capacity(self, config: RuntimeConfig) -> int:
         if config.cache_experts is not None:
@@ -215,7 +211,7 @@ class Engine:
         self._request_id, self._iteration_in_request = request_id, 0
         before = self.counters.snapshot()
         self.observer.begin_request()
-        self.prefetcher.publish("begin_request", value=request_id)
+        self.offload.begin_request(request_id)
         failed = False
         try:
             yield
@@ -223,30 +219,19 @@ class Engine:
             failed = True
             raise
         finally:
-            late_error: PrefetcherFailed | None = None
-            try:
-                self.prefetcher.publish("end_request")
-            except PrefetcherFailed as exc:
-                late_error = exc
-            if not self.prefetcher.wait_idle(self.config.load_timeout_s) and late_error is None:
-                late_error = PrefetcherFailed(
-                    f"Expert prediction did not finish within {self.config.load_timeout_s:.0f} s: a read from the "
-                    "model files may be stuck. Check the disk, or load the model again."
-                )
-            self.cache.drop_unused_prefetches()
+            late_error = self.offload.end_request(self.config.load_timeout_s)
             self.counters.since(before).fill(stats)
-            stats.cache_gb_used = self.cache.resident_bytes() / 1024**3
+            stats.cache_gb_used = self.offload.resident_bytes() / 1024**3
             if self.recorder is not None and len(self.recorder):
                 self.recorder.label(request_id, text=text)
                 self.recorder.save(self.config.record_trace)
             if not failed:
                 if late_error is not None:
                     raise late_error
-                self.prefetcher.raise_if_failed()
+                self.offload.raise_if_failed()
 
     def end_iteration(self) -> None:
-        self.prefetcher.raise_if_failed()
-        self.prefetcher.publish("end_iteration")
+        self.offload.end_iteration()
         if self.recorder is not None:
             obs = self.observer
             probs = torch.stack(obs.rows_probs, dim=1).cpu().numpy()  # [T, L, J]
@@ -257,12 +242,11 @@ class Engine:
     # ---- settings ------------------------------------------------------------------------------------------------
     def recover_policy(self) -> None:
         """After a background failure: a fresh policy on the same map store (what the store holds survives)."""
-        self.policy = make_policy(self.config.policy, self.shape, self.config, self.map_store)
-        self.prefetcher.set_policy(self.policy)
-        self.cache.policy = self.policy
-        self.observer.want_lookahead = self.policy.needs_lookahead
-        self.host_misses = self._host_misses(self.config)
-        self._tell_capacity()
+        self._set_policy(make_policy(self.config.policy, self.shape, self.config, self.map_store))
+
+    def _set_policy(self, policy: Policy) -> None:
+        self.offload.set_policy(policy)
+        self.observer.want_lookahead = policy.needs_lookahead
 
     def reconfigure(self, new: RuntimeConfig) -> None:
         """Between requests only (the runtime's worker calls it); the model is not reloaded. Everything is checked
@@ -272,12 +256,12 @@ class Engine:
         new.validate()
         capacity = self._capacity(new)
         check_capacity(capacity, self.host.expert_bytes)
-        self.prefetcher.wait_idle(old.load_timeout_s)
+        self.offload.wait_idle(old.load_timeout_s)
         if capacity != self._capacity(old):
             try:
-                self._replace_cache(capacity)
+                self.offload.resize(capacity)
             except Exception as exc:
-                self._replace_cache(self._capacity(old))  # cold, at the size that worked
+                self.offload.resize(self._capacity(old))  # cold, at the size that worked
                 raise ValueError(
                     f"Could not set up a {capacity}-expert cache ({type(exc).__name__}: {exc}). The previous "
                     f"{self.cache.capacity}-expert cache is back; choose a smaller cache."
@@ -288,14 +272,10 @@ class Engine:
         if new.policy == old.policy and retune is not None:
             retune(prefetch_distance=new.prefetch_distance, store_capacity=new.store_capacity)
         elif new.policy != old.policy or new.prefetch_distance != old.prefetch_distance:
-            self.policy = make_policy(new.policy, self.shape, new, self.map_store)
-            self.prefetcher.set_policy(self.policy)
-            self.observer.want_lookahead = self.policy.needs_lookahead
-        self.cache.policy = self.policy
-        self.cache.load_timeout_s = new.load_timeout_s
+            self._set_policy(make_policy(new.policy, self.shape, new, self.map_store))
+        self.offload.set_load_timeout(new.load_timeout_s)
+        self.offload.set_miss_handling(new.miss_handling)
         self.config = new
-        self.host_misses = self._host_misses(new)
-        self._tell_capacity()
 
     def adapt_distance(self, layer_s: float | None) -> None:
         """With `prefetch_distance_auto`: retune d to the measured copy time and this layer time (between requests
@@ -308,24 +288,9 @@ class Engine:
 
     def reset_cache(self) -> None:
         """A new, cold cache of the configured size (between requests only): every expert back to RAM only."""
-        self.prefetcher.wait_idle(self.config.load_timeout_s)
-        self._replace_cache(self._capacity(self.config))
-
-    def _replace_cache(self, capacity: int) -> None:
-        # The old slots are freed first so both caches never coexist on the device.
-        self.cache.close()
-        self.cache.tensors.clear()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.cache = self._new_cache(capacity)
-        self.prefetcher.cache = self.cache
-        self._tell_capacity()
+        self.offload.resize(self._capacity(self.config))
 
     def close(self) -> None:
-        self.interrupt.set()
-        self.prefetcher.close()
+        self.offload.close()
         self.observer.detach()
-        self.cache.close()
-        self.cache.tensors.clear()
-        self.host_experts.close()
         self.host.close()

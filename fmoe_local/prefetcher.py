@@ -16,8 +16,9 @@ pending events and prefetches are dropped, and the forward thread's next `raise_
 pass) turns it into a `PrefetcherFailed` sentence for the running request; the engine then gives the worker a
 fresh policy. Prefetching only ever speeds things up, so nothing computed before the failure is wrong.
 
-Threads: `publish`, `per_layer`, `raise_if_failed` and `wait_idle` belong to the forward thread; `set_policy` and
-`close` are called between requests; everything else runs on the worker.
+Threads (the Offload's rule, offload.py, which alone owns a Prefetcher): `publish`, `per_layer`, `raise_if_failed`
+and `wait_idle` belong to the forward thread; `set_policy` and `close` are called between requests; everything else
+runs on the worker.
 """
 
 from __future__ import annotations

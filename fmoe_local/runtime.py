@@ -135,7 +135,7 @@ class Runtime:
             cache_experts=e.cache.capacity,
             cache_gb=e.cache.budget_bytes / 1024**3,
             policy=e.config.policy,
-            miss_handling=e.host_misses.planner.mode,
+            miss_handling=e.offload.miss_handling,
             expert_format=e.host.expert_format,
             prefetch_distance=e.config.prefetch_distance,
             store_capacity=e.config.store_capacity,
@@ -149,7 +149,7 @@ class Runtime:
     @property
     def miss_explanation(self) -> str:
         """One sentence: what the current miss handling does with those figures, and why (the Stats tab shows it)."""
-        return self._engine.host_misses.planner.explain()
+        return self._engine.offload.explain_misses()
 
     @property
     def engine(self) -> Engine:

@@ -39,3 +39,18 @@ def test_nothing_in_the_runtime_imports_the_benchmarks():
         str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.startswith("fmoe_local.bench")) for p in outside
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_offload_state_has_one_owner():
+    """The cache, the prefetcher, the miss planner and the host experts are wired together in offload.py only; the
+    forward pass's experts implementation reaches them through the Offload (DESIGN.md, "One owner")."""
+    owned = {
+        "fmoe_local.prefetcher.Prefetcher",
+        "fmoe_local.miss_cost.MissPlanner",
+        "fmoe_local.cpu_experts.HostExperts",
+    }
+    runtime = [p for p in _modules() if p.relative_to(ROOT).parts[0] != "bench" and p.name != "offload.py"]
+    offenders = {str(p.relative_to(ROOT)): sorted(_imports(p) & owned) for p in runtime}
+    assert {k: v for k, v in offenders.items() if v} == {}
+    forward = _imports(ROOT / "experts.py")
+    assert not {m for m in forward if m.split(".")[:2] in (["fmoe_local", "cache"], ["fmoe_local", "prefetcher"])}

@@ -110,8 +110,7 @@ def test_a_policy_with_observe_iteration_gets_one_event_per_complete_pass(synchr
         runtime.generate(WARM)
         assert engine.cache.complete
         policy = PassLog(engine.shape)
-        engine.prefetcher.set_policy(policy)
-        engine.cache.policy = engine.policy = policy
+        engine.offload.set_policy(policy)
         tokens = runtime.generate(PROMPT).stats.tokens
     assert policy.layer_events == policy.iteration_events == 0
     assert len(policy.passes) == tokens == 5

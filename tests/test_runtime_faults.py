@@ -45,7 +45,7 @@ def test_a_policy_that_raises_in_the_worker_ends_the_request_with_a_sentence(tin
         assert "Expert prediction failed" in final.error and "IndexError" in final.error
         assert "send the message again" in final.error
         assert runtime.engine.policy is not policy  # the worker was given a fresh policy
-        assert runtime.engine.prefetcher.wait_idle(1.0)  # nothing left piling up
+        assert runtime.engine.offload.wait_idle(1.0)  # nothing left piling up
         assert _works(runtime).token_ids == expected  # recovered, and still lossless
 
 
@@ -138,18 +138,18 @@ def test_an_impossible_cache_size_is_refused_and_changes_nothing(tiny_model_dir)
 
 
 def test_a_cache_allocation_that_fails_rolls_back_to_the_previous_size(tiny_model_dir, monkeypatch):
-    import fmoe_local.engine as engine_module
+    import fmoe_local.offload as offload_module
 
     with Runtime.load(tiny_model_dir("deepseek_v2"), _config(cache_experts=3)) as runtime:
         expected = _works(runtime).token_ids
-        real_cache = engine_module.ExpertCache
+        real_cache = offload_module.ExpertCache
 
         def out_of_memory(host, capacity, *args, **kwargs):
             if capacity == 6:
                 raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
             return real_cache(host, capacity, *args, **kwargs)
 
-        monkeypatch.setattr(engine_module, "ExpertCache", out_of_memory)
+        monkeypatch.setattr(offload_module, "ExpertCache", out_of_memory)
         with pytest.raises(
             ValueError, match="Could not set up a 6-expert cache.*out of memory.*3-expert cache is back"
         ):
