@@ -381,6 +381,14 @@ class ExpertCache:
             self._lock.notify_all()
         return None
 
+    def pin_host(self, budget_bytes: int) -> int:
+        """On CUDA, page-lock up to `budget_bytes` of the host store's RAM experts (host.pin) so that their copies
+        skip the staging buffers; returns the bytes pinned (0 on the CPU, or for a store that cannot pin)."""
+        pin = getattr(self.host, "pin", None)
+        if not self._copier.cuda or pin is None or budget_bytes <= 0:
+            return 0
+        return pin(budget_bytes, self._copier.streams.register, self._copier.streams.unregister)
+
     def close(self) -> None:
         """Ends the loader thread (a load stuck in a read ends with its daemon thread)."""
         self._loader.close()

@@ -68,6 +68,10 @@ class RuntimeConfig:
     quant_cache_dir: str | None = None
     # Host RAM for expert weights; None = all of them. What does not fit is read from the checkpoint per use.
     host_ram_gb: float | None = None
+    # On a GPU, how much of that RAM to page-lock ("pin") so that copies go straight from it to the device at the
+    # link's full rate, with no staging copy on the host. None = up to half of the machine's RAM (pinned memory
+    # cannot be swapped out, so pinning all of it would starve everything else); 0 = never (every copy is staged).
+    pinned_ram_gb: float | None = None
     # Semantic embedding of an iteration: running mean over the request's tokens, or the iteration's tokens only.
     semantic_mode: str = "running_mean"
     sampling: Sampling = field(default_factory=Sampling)
@@ -120,6 +124,8 @@ class RuntimeConfig:
             raise ValueError("Set the semantic sketch candidates to at least 1: that many maps are re-ranked exactly.")
         if self.load_timeout_s <= 0:
             raise ValueError("Set the load timeout to a positive number of seconds.")
+        if self.pinned_ram_gb is not None and not self.pinned_ram_gb >= 0:
+            raise ValueError("Set the pinned RAM to 0 GB (never pin) or a positive number of GB, or leave it on auto.")
         if not self.copy_chunk_mb > 0:
             raise ValueError("Set the copy chunk to a positive number of MB (32 is a good size).")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

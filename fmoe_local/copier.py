@@ -1,7 +1,8 @@
 """Moving one expert from the host store into a cache slot, and the landing that says when (or whether) it arrived.
 
-Scope: the copy itself (chunked: a plain copy on CPU; two pinned staging buffers in rotation, a copy stream and
-events on CUDA, behind `CudaStreams` so tests can fake them), a `Landing` per
+Scope: the copy itself (chunked: a plain copy on CPU; on CUDA straight from a page-locked host expert, or
+through two pinned staging buffers in rotation, on a copy stream with events, behind `CudaStreams` so tests can
+fake them), a `Landing` per
 load that waiters block on with a deadline and an interrupt, and the loader thread that runs the forward pass's
 on-demand loads. It does NOT choose slots or count hits (cache.py owns residency).
 
@@ -86,6 +87,19 @@ class CudaStreams:
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
 
+    def register(self, block: torch.Tensor) -> None:
+        """Page-lock a block of host memory in place (cudaHostRegister), so copies from it need no staging."""
+        nbytes = block.numel() * block.element_size()
+        error = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0))
+        if error:
+            raise RuntimeError(f"cudaHostRegister of {nbytes >> 20} MB failed with CUDA error {error}")
+
+    def unregister(self, block: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.is_pinned()
+
 
 class _Staging:
     """One pinned buffer and the event of the last copy out of it (None: free)."""
@@ -98,9 +112,10 @@ class _Staging:
 class Copier:
     """Moves one expert from the host store into a slot, in chunks of `chunk_bytes`.
 
-    CPU: a plain copy per chunk. CUDA: each chunk is staged into one of two pinned buffers in rotation and copied
-    with `non_blocking` on the copy stream; the host waits only for the event of the buffer it is about to refill
-    (on the copying thread, never the forward thread), and the slot gets the copy's final event, which the
+    CPU: a plain copy per chunk. CUDA: a chunk of a page-locked host expert (host.pin) is copied straight from it
+    with `non_blocking` on the copy stream, nobody waiting; any other chunk is staged into one of two pinned
+    buffers in rotation and copied the same way, the host waiting only for the event of the buffer it is about to
+    refill (on the copying thread, never the forward thread). The slot gets the copy's final event, which the
     compute stream waits on (cache.before_use) — no thread waits for the whole copy.
 
     Chunks are where a prefetch gives way: `copy(..., pause=...)` calls `pause()` before every chunk after the
@@ -137,7 +152,8 @@ class Copier:
             if k and pause is not None:
                 pause()
             if self.cuda:
-                self._copy_staged(slot, k == 0, to, frm)
+                pinned = self.streams.is_pinned(frm)
+                self._issue(slot, k == 0, to, *((frm, None) if pinned else self._stage(frm)))
             else:
                 to.copy_(frm)
         if self.cuda:
@@ -157,7 +173,8 @@ class Copier:
             out += [(to[a : a + step], frm[a : a + step]) for a in range(0, frm.numel(), step)]
         return out
 
-    def _copy_staged(self, slot: object, first: bool, to: torch.Tensor, frm: torch.Tensor) -> None:
+    def _stage(self, frm: torch.Tensor) -> tuple[torch.Tensor, _Staging]:
+        """`frm` copied into the next staging buffer, once that buffer's previous DMA is done."""
         buffers = getattr(self._staging, "buffers", None)
         if buffers is None:
             size = max(self.chunk_bytes, 16)  # a chunk is at least one element
@@ -170,12 +187,20 @@ class Copier:
         nbytes = frm.numel() * frm.element_size()
         staged = staging.buffer[:nbytes].view(frm.dtype)
         staged.copy_(frm)
+        return staged, staging
+
+    def _issue(
+        self, slot: object, first: bool, to: torch.Tensor, frm: torch.Tensor, staging: _Staging | None = None
+    ) -> None:
+        """The DMA of one chunk from page-locked `frm` (a staging buffer's, or a pinned host expert's), on the copy
+        stream; a staging buffer gets the DMA's event, which its next refill waits for."""
         with self.streams.use(self.stream):
             if first and slot.last_use is not None:
                 self.stream.wait_event(slot.last_use)  # the slot's previous occupant is no longer being read
-            to.copy_(staged, non_blocking=True)
-            staging.event = self.streams.event()
-            staging.event.record(self.stream)
+            to.copy_(frm, non_blocking=True)
+            if staging is not None:
+                staging.event = self.streams.event()
+                staging.event.record(self.stream)
 
 
 class Loader:

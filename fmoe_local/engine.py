@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fmoe_local import cpu_experts, miss_cost
+from fmoe_local import cpu_experts, hardware, miss_cost
 from fmoe_local.cache import ExpertCache, check_capacity, slots_for_budget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.cpu_experts import Kernel
@@ -45,6 +45,15 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("No CUDA GPU is available here. Choose device cpu (or auto).")
     return torch.device(name)
+
+
+def pinned_budget(config: RuntimeConfig) -> int:
+    """Bytes of RAM experts to page-lock on a GPU: the setting, or up to half of the machine's RAM (none when the
+    machine does not say how much it has)."""
+    if config.pinned_ram_gb is not None:
+        return int(config.pinned_ram_gb * 1024**3)
+    total, _ = hardware.ram_bytes()
+    return total // 2
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
@@ -110,6 +119,7 @@ class Engine:
             copy_chunk_bytes=int(config.copy_chunk_mb * 1024**2),
             synchronous=config.synchronous_prefetch,
             interrupt=self.interrupt,
+            pinned_bytes=pinned_budget(config),
         )
         self.observer = RoutingObserver(
             self.model.get_input_embeddings(),

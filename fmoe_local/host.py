@@ -2,8 +2,10 @@
 
 Scope: reading a safetensors checkpoint (single file or sharded with an index) tensor by tensor or row by row, and
 serving `read(layer, expert)` in the layout of one row of the model's fused experts parameters, in the compute
-dtype. Experts that fit in `host_ram_gb` are held in RAM (plain tensors: pinning everything OOMs consumer
-machines; the cache stages copies itself); the rest are read from the checkpoint files on each `read` (positioned reads, never a memory map).
+dtype. Experts that fit in `host_ram_gb` are held in RAM; the rest are read from the checkpoint files on each `read`
+(positioned reads, never a memory map). On a GPU, `pin` moves RAM experts into page-locked blocks, as many as
+`pinned_ram_gb` allows (pinning everything would starve the rest of a consumer machine): a copy from them goes
+straight to the device; the cache stages the others (copier.py).
 It does NOT touch the device, the cache or the model.
 
 Shapes per expert, e.g. Mixtral: gate_up_proj [2I, H] (= cat([w1, w3])), down_proj [H, I]; GPT-OSS: gate_up_proj
@@ -13,8 +15,9 @@ Shapes per expert, e.g. Mixtral: gate_up_proj [2I, H] (= cat([w1, w3])), down_pr
 from __future__ import annotations
 
 import json
+import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -23,7 +26,10 @@ import torch
 from fmoe_local.architectures import ConcatRows, ExpertSource, FusedRow, Mxfp4Row
 from fmoe_local.safetensors_file import SafetensorsFile
 
+log = logging.getLogger(__name__)
+
 GIB = 1024**3
+_ALIGN = 64  # bytes: each tensor of a pinned block starts on a cache line, so any dtype's view is aligned
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -135,6 +141,15 @@ def read_expert(files: CheckpointFiles, sources: Mapping[str, ExpertSource], dty
     return out
 
 
+def _block_layout(rows: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], int]:
+    """Byte offset of each of an expert's tensors inside its stretch of a pinned block, and the stretch's size."""
+    offsets, at = {}, 0
+    for name, t in rows.items():
+        offsets[name] = at
+        at += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
+    return offsets, at
+
+
 def _dense(files: CheckpointFiles, key: str, dtype: torch.dtype) -> torch.Tensor:
     from fmoe_local import bnb_checkpoint  # a bitsandbytes 4-bit checkpoint read unquantised (format bf16)
 
@@ -189,6 +204,8 @@ class TieredHostStore:
         total = self.num_layers * self.num_experts
         budget = total if host_ram_gb is None else min(total, int(host_ram_gb * GIB // max(self.expert_bytes, 1)))
         self._ram: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._pinned: list[torch.Tensor] = []  # page-locked blocks the RAM experts live in (`pin`)
+        self._unregister: Callable[[torch.Tensor], None] | None = None
         for i in range(budget):
             key = divmod(i, self.num_experts)
             self._ram[key] = self._read_checked(*key)
@@ -212,6 +229,59 @@ class TieredHostStore:
     def in_ram(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._ram
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the page-locked blocks RAM experts live in (0 until `pin`)."""
+        return sum(b.numel() for b in self._pinned)
+
+    def pin(
+        self,
+        budget_bytes: int,
+        register: Callable[[torch.Tensor], None],
+        unregister: Callable[[torch.Tensor], None],
+    ) -> int:
+        """Move RAM experts into page-locked blocks, in (layer, expert) order, while `budget_bytes` lasts; returns
+        the bytes pinned. One block per MoE layer, registered in place by `register` (copier.CudaStreams: a few
+        large regions for the driver, not thousands of small ones, and no rounding up as a pinned allocator does).
+        Each block is filled before the expert's unpinned tensors are dropped, so RAM use grows by one layer at
+        most. A block that cannot be registered stays as plain memory (copies from it are staged) and pinning
+        stops there. Call once, before the store is shared with other threads."""
+        if self._pinned:
+            raise RuntimeError("This host store is already pinned.")
+        self._unregister = unregister
+        pinned = 0
+        for layer in range(self.num_layers):
+            keys = [(layer, e) for e in range(self.num_experts) if (layer, e) in self._ram]
+            if not keys:
+                continue
+            offsets, stride = _block_layout(self._ram[keys[0]])
+            keys = keys[: max(0, budget_bytes - pinned) // stride]
+            if not keys:
+                break
+            block = torch.empty(stride * len(keys), dtype=torch.uint8)
+            moved = {}
+            for i, key in enumerate(keys):
+                moved[key] = {}
+                for name, t in self._ram[key].items():
+                    start = i * stride + offsets[name]
+                    view = block[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                    view.copy_(t)
+                    moved[key][name] = view
+            try:
+                register(block)
+            except Exception:  # noqa: BLE001 - pinning is a speed-up: keep the plain memory, stage its copies
+                log.warning(
+                    "could not page-lock %d MB of expert weights; copies from them are staged",
+                    block.numel() >> 20,
+                    exc_info=True,
+                )
+                self._ram.update(moved)
+                break
+            self._ram.update(moved)
+            self._pinned.append(block)
+            pinned += block.numel()
+        return pinned
+
     def _read_checked(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         rows = self._fetch(layer, expert)
         for name, shape in self.param_shapes.items():
@@ -234,6 +304,12 @@ class TieredHostStore:
 
     def close(self) -> None:
         self._ram.clear()
+        while self._pinned:
+            block = self._pinned.pop()
+            try:
+                self._unregister(block)
+            except Exception:  # noqa: BLE001 - closing: the memory is released with the process anyway
+                log.warning("could not unregister a page-locked block", exc_info=True)
 
 
 class CheckpointHostStore(TieredHostStore):

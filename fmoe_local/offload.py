@@ -77,7 +77,10 @@ class Offload:
         copy_chunk_bytes: int = 32 * 1024**2,
         synchronous: bool = False,
         interrupt: threading.Event | None = None,
+        pinned_bytes: int = 0,
     ) -> None:
+        """`pinned_bytes`: on a GPU, how much of the host store's RAM experts to page-lock (Offload.pinned_bytes
+        says how much was)."""
         self.host = host
         self.device = device
         self.counters = counters
@@ -87,6 +90,8 @@ class Offload:
         self._load_timeout_s = load_timeout_s
         self._policy = policy
         self.cache = self._new_cache(capacity)
+        # Before any copying thread exists: pinning moves the RAM experts into their blocks.
+        self.pinned_bytes = self.cache.pin_host(pinned_bytes)
         self._prefetcher = Prefetcher(self.cache, policy, synchronous=synchronous)
         self._host_experts = HostExperts(host, kernel)
         self._mode = miss_handling
@@ -251,5 +256,7 @@ class Offload:
         self.interrupt.set()
         self._prefetcher.close()
         self.cache.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy may still read a pinned block when the host store closes
         self.cache.tensors.clear()
         self._host_experts.close()

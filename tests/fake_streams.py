@@ -37,6 +37,7 @@ class FakeStreams:
         self.log: list[tuple] = []
         self.compute = FakeStream("compute", self.log)
         self._events = 0
+        self.registered: list[tuple[int, int]] = []  # [start, end) of each "page-locked" block
         self._lock = threading.Lock()
 
     def stream(self) -> FakeStream:
@@ -54,7 +55,20 @@ class FakeStreams:
         return contextlib.nullcontext()
 
     def pinned(self, nbytes: int) -> torch.Tensor:
+        self.log.append(("pinned", nbytes, threading.current_thread().name))
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def register(self, block: torch.Tensor) -> None:
+        """Pretend to page-lock `block`: copies from inside it count as pinned from now on."""
+        start = block.data_ptr()
+        self.registered.append((start, start + block.numel() * block.element_size()))
+
+    def unregister(self, block: torch.Tensor) -> None:
+        self.registered.remove((block.data_ptr(), block.data_ptr() + block.numel() * block.element_size()))
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        at = t.data_ptr()
+        return any(a <= at < b for a, b in self.registered)
 
     def by_thread(self, op: str, thread: str) -> list[tuple]:
         return [e for e in self.log if e[0] == op and e[-1] == thread]

@@ -44,3 +44,20 @@ def test_cuda_copy_stream_is_lossless_and_within_budget(family, policy, tiny_mod
     expected = out[0, ids.shape[1] :].tolist()
     assert final.token_ids == expected[: len(final.token_ids)]
     assert final.stats.misses > 0 and final.stats.bytes_moved > 0
+
+
+@pytest.mark.parametrize("pinned_ram_gb", [None, 0.0])
+def test_pinned_host_experts_are_copied_straight_and_give_the_same_tokens(pinned_ram_gb, tiny_model_dir):
+    config = RuntimeConfig(
+        device="cuda", dtype="float32", cache_experts=3, policy="lru", miss_handling="copy",
+        pinned_ram_gb=pinned_ram_gb, sampling=Sampling(greedy=True, max_new_tokens=12),
+    )  # fmt: skip
+    prompt = [{"role": "user", "content": "Tell me about the ocean."}]
+    with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
+        host = runtime.engine.host
+        first = host.read(0, 0)
+        assert all(t.is_pinned() for t in first.values()) == (pinned_ram_gb is None)
+        assert runtime.engine.offload.pinned_bytes == host.pinned_bytes
+        tokens = runtime.generate(prompt).token_ids
+    with Runtime.load(tiny_model_dir("mixtral"), config.with_changes(pinned_ram_gb=0.0)) as runtime:
+        assert runtime.generate(prompt).token_ids == tokens

@@ -12,6 +12,7 @@ import torch
 
 from fmoe_local.cache import ExpertCache
 from fmoe_local.copier import Copier
+from fmoe_local.host import TieredHostStore
 from fmoe_local.stats import LayerCounters
 from tests.fake_streams import FakeStreams
 from tests.test_cache import RecordingPolicy, ValueHost
@@ -196,3 +197,45 @@ def test_a_prefetch_does_not_pause_for_a_demand_load_that_needs_its_slot():
     assert torch.equal(cache.tensors["w"][slots[0]], torch.full((2, 3), 2.0))
     assert cache.counters.prefetch_wasted == 1  # the prefetched expert was evicted unused
     cache.close()
+
+
+def test_a_pinned_host_expert_is_copied_straight_from_ram_with_no_staging_and_no_host_wait():
+    fake = FakeStreams()
+    copier = Copier(torch.device("cpu"), 40, fake)  # "a" in 2 chunks, "b" in 1
+    block = torch.zeros(1024, dtype=torch.uint8)
+    fake.register(block)
+    src = {"a": block[:80].view(torch.float32).view(4, 5), "b": block[128:140].view(torch.float32)}
+    src["a"].fill_(3.0), src["b"].fill_(4.0)
+    slot, dst = SimpleNamespace(last_use=None, copy_event=None), _slots()
+    copier.copy(slot, dst, 1, src)
+    assert torch.equal(dst["a"][1], src["a"]) and torch.equal(dst["b"][1], src["b"])
+    assert [e for e in fake.log if e[0] in ("pinned", "synchronize")] == []  # no staging buffer, nobody waited
+    assert slot.copy_event is not None  # the compute stream still waits for the copy (cache.before_use)
+    copier.copy(slot, dst, 0, _expert(5.0))  # an unpinned expert (the disk tier) is staged as before
+    assert [e[0] for e in fake.log if e[0] == "pinned"] == ["pinned", "pinned"]
+
+
+class _TieredValueHost(TieredHostStore):
+    """ValueHost's experts (the value 10·l + e) behind the real RAM tier, so that they can be pinned."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 4, {"w": (2, 3)}, torch.float32)
+
+    def _fetch(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        return {"w": torch.full((2, 3), float(10 * layer + expert))}
+
+
+def test_the_cache_pins_host_experts_on_cuda_only_and_copies_them_without_staging():
+    assert ExpertCache(_TieredValueHost(), 2, torch.device("cpu"), RecordingPolicy(), LayerCounters(3, 4)).pin_host(
+        1 << 30
+    ) == 0  # fmt: skip
+    fake, host = FakeStreams(), _TieredValueHost()
+    cache = ExpertCache(host, 2, torch.device("cpu"), RecordingPolicy(), LayerCounters(3, 4), streams=fake)
+    assert cache.pin_host(4 * 64) == 4 * 64  # layer 0's four experts, each 24 bytes in a 64-byte stretch
+    slots = cache.acquire(0, [1, 3])
+    assert [float(cache.tensors["w"][s][0, 0]) for s in slots] == [1.0, 3.0]
+    assert [e for e in fake.log if e[0] == "pinned"] == []  # straight from the pinned block
+    cache.release(slots)
+    slots = cache.acquire(2, [0])
+    assert float(cache.tensors["w"][slots[0]][0, 0]) == 20.0
+    assert [e[0] for e in fake.log if e[0] == "pinned"] == ["pinned", "pinned"]  # layer 2 was not pinned: staged

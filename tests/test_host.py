@@ -138,3 +138,63 @@ def test_fused_rows_are_read_one_expert_at_a_time(tmp_path):
     with pytest.raises(ValueError, match="does not match its config.json"):
         wrong.read(0, 1)
     store.close()
+
+
+class _Locks:
+    """register / unregister as CudaStreams offers them, recording each block; `fail_after` registrations work."""
+
+    def __init__(self, fail_after: int = 10**9) -> None:
+        self.blocks: list[torch.Tensor] = []
+        self.released: list[torch.Tensor] = []
+        self.fail_after = fail_after
+
+    def register(self, block: torch.Tensor) -> None:
+        if len(self.blocks) >= self.fail_after:
+            raise RuntimeError("cudaHostRegister failed")
+        self.blocks.append(block)
+
+    def unregister(self, block: torch.Tensor) -> None:
+        self.released.append(block)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel() for b in self.blocks)
+
+
+def _all_rows(store) -> dict:
+    keys = [(layer, e) for layer in range(store.num_layers) for e in range(store.num_experts)]
+    return {key: {k: v.clone() for k, v in store.read(*key).items()} for key in keys}
+
+
+def test_pinning_moves_ram_experts_into_one_block_per_layer_within_the_budget(tiny_model_dir):
+    store, _, _ = _store(tiny_model_dir("mixtral"), dtype=torch.bfloat16)
+    before = _all_rows(store)
+    J, locks = store.num_experts, _Locks()
+    budget = int(1.5 * J * store.expert_bytes)  # one whole layer and half of the next
+    pinned = store.pin(budget, locks.register, locks.unregister)
+    assert len(locks.blocks) == 2 and pinned == store.pinned_bytes == sum(b.numel() for b in locks.blocks) <= budget
+    inside = {k for k in before if all(locks.holds(t) for t in store.read(*k).values())}
+    assert inside == {(0, e) for e in range(J)} | {(1, e) for e in range(J // 2)}
+    for key, rows in before.items():  # the same weights, wherever they live now
+        got = store.read(*key)
+        assert all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in rows.items())
+    with pytest.raises(RuntimeError, match="already pinned"):
+        store.pin(budget, locks.register, locks.unregister)
+    store.close()
+    assert [b.data_ptr() for b in locks.released] == [b.data_ptr() for b in reversed(locks.blocks)]
+
+
+def test_a_block_that_cannot_be_pinned_keeps_its_experts_and_pinning_stops(tiny_model_dir):
+    store, _, _ = _store(tiny_model_dir("olmoe"))
+    before = _all_rows(store)
+    locks = _Locks(fail_after=1)
+    pinned = store.pin(10 * GIB, locks.register, locks.unregister)
+    assert len(locks.blocks) == 1 and pinned == locks.blocks[0].numel()
+    for key, rows in before.items():
+        assert all(torch.equal(store.read(*key)[n], t) for n, t in rows.items())
+    assert store.in_ram(store.num_layers - 1, 0)  # later layers still in (plain) RAM
+
+
+def test_only_the_ram_tier_is_pinned(tiny_model_dir):
+    store, _, _ = _store(tiny_model_dir("mixtral"), host_ram_gb=0)
+    locks = _Locks()
+    assert store.pin(10 * GIB, locks.register, locks.unregister) == 0 and locks.blocks == []

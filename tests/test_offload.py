@@ -72,3 +72,16 @@ def test_after_stop_the_next_layer_asks_for_nothing(tiny_model_dir):
             offload.interrupt.clear()
         offload.release([-1, -1])  # host experts hold no slot: nothing to release
         assert runtime.generate(PROMPT).error == ""
+
+
+def test_the_pinned_ram_budget_is_half_the_machine_unless_set_and_never_negative(tiny_model_dir):
+    from fmoe_local import hardware
+    from fmoe_local.engine import pinned_budget
+
+    assert pinned_budget(RuntimeConfig()) == hardware.ram_bytes()[0] // 2
+    assert pinned_budget(RuntimeConfig(pinned_ram_gb=1.5)) == int(1.5 * 1024**3)
+    assert pinned_budget(RuntimeConfig(pinned_ram_gb=0.0)) == 0
+    with pytest.raises(ValueError, match="pinned RAM to 0 GB"):
+        RuntimeConfig(pinned_ram_gb=-1.0).validate()
+    with Runtime.load(tiny_model_dir("olmoe"), _config()) as runtime:  # a CPU device copies nothing: pins nothing
+        assert runtime.engine.offload.pinned_bytes == 0 == runtime.engine.host.pinned_bytes
