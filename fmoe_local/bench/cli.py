@@ -1,7 +1,7 @@
 """`fmoe-local bench …`: argument parsing and printing for the benchmarks.
 
 Scope: `bench replay` (every policy on recorded traces, a table, --json, --plot, --sweep prefetch-distance),
-`bench matcher` (map-search cost), `bench cpu-experts` (bench/cpu_experts.py), and the wiring of `bench live` (bench/live.py) and `bench overhead`
+`bench matcher` (map-search cost), `bench cpu-experts` (bench/cpu_experts.py), and the wiring of `bench live` (bench/live_cli.py) and `bench overhead`
 (bench/overhead.py), whose modules own their arguments. The main CLI (fmoe_local/cli.py) calls
 `add_parser(subparsers)` and `run(args)`; `python -m fmoe_local.bench.cli …` works on its own too. It does NOT
 simulate anything itself (replay.py) and builds policies only through `policies.make_policy` (the oracle through
@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_local.bench import cpu_experts, live, matcher, overhead, quality, record, replay_report
+from fmoe_local.bench import cpu_experts, live_cli, matcher, overhead, quality, record, replay_report
 from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.oracle import OraclePolicy
 from fmoe_local.bench.parts import learned_first, parse_counts, select_requests
@@ -121,7 +121,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--sweep", choices=["prefetch-distance"], help="also vary d over 1…6")
     r.add_argument("--jobs", type=int, default=2, help="policies replayed in parallel processes (default 2)")
     matcher.add_parser(sub)
-    live.add_parser(sub)
+    live_cli.add_parser(sub)
     overhead.add_parser(sub)
     quality.add_parser(sub)
     record.add_parser(sub)
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_command == "cpu-experts":
         return cpu_experts.run(args)
     if args.bench_command == "live":
-        return live.run(args)
+        return live_cli.run(args)
     if args.bench_command == "overhead":
         return overhead.run(args)
     if args.bench_command == "quality":
