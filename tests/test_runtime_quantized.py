@@ -26,6 +26,14 @@ NEW_TOKENS = 8
 def dequantised_reference(model_dir, fmt: str, prompt_ids: torch.Tensor, n: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
     model.eval()
+    dequantise_experts(model, fmt)
+    out = model.generate(prompt_ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return out[0, prompt_ids.shape[1] :].tolist()
+
+
+@torch.no_grad()
+def dequantise_experts(model: torch.nn.Module, fmt: str) -> None:
+    """Replace every routed expert row of `model` with `unpack(pack(row))` in `fmt`: the weights the runtime uses."""
     arch = architecture_for(model.config)
     for ref in arch.moe_layers(model):
         experts = ref.experts
@@ -36,8 +44,6 @@ def dequantised_reference(model_dir, fmt: str, prompt_ids: torch.Tensor, n: int)
             for e in range(weight.shape[0]):
                 stored = expert_formats.pack_expert({name: param}, {name: weight[e]}, torch.float32)
                 weight[e] = expert_formats.PackedRows(stored, {name: param}, torch.float32)[name]
-    out = model.generate(prompt_ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    return out[0, prompt_ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])

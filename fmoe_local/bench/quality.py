@@ -7,6 +7,7 @@ anything (bench live does) or generate.
 
 Held text: the first user turns of the shared ShareGPT prompts, which the demo model never trained on (its
 TRAINING.md), rendered in the model's chat template and packed into windows of `seq_len` tokens.
+`--families` adds one briefly trained tiny model per supported family (quality_families.py).
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--windows", type=int, default=64, help="windows scored (default 64)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--families",
+        help="also train one tiny model per family (comma-separated, or 'all') on part of the text and score it and "
+        "the demo model on the rest (random weights would make perplexity meaningless)",
+    )
+    p.add_argument("--train-steps", type=int, default=300, help="training steps per tiny model (default 300)")
+    p.add_argument("--train-dir", type=Path, help="keep the trained tiny models here (default: a temporary folder)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,8 +101,14 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len < 2 or args.windows < 1:
         raise ValueError("--seq-len must be at least 2 and --windows at least 1.")
     model_dir = args.model or demo_model_dir()
+    if args.families and args.model:
+        raise ValueError("--families scores the demo model beside the tiny ones: leave out --model.")
     text_path = args.text or shared_data_dir() / DEFAULT_TEXT
     texts = read_prompts(text_path)
+    if args.families:
+        from fmoe_local.bench.quality_families import run_families
+
+        return run_families(args, formats, texts, text_path)
     print(f"model {model_dir}; held text {text_path}; {args.windows} windows x {args.seq_len} tokens")
     print("| expert format | expert KB | tokens | loss | perplexity |\n|---|---|---|---|---|")
     for fmt in formats:
