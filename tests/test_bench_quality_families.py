@@ -54,10 +54,14 @@ def test_a_trained_tiny_family_scores_like_eager_on_the_weights_each_format_stor
         assert r["loss"] == pytest.approx(eager_loss(trained[0].model_dir, r["format"]), abs=1e-6), r["format"]
         assert r["rel_ppl"] == pytest.approx(math.exp(r["loss"] - rows[0]["loss"]) - 1, abs=1e-9)
     assert abs(rows[2]["loss"] - rows[0]["loss"]) > 1e-4  # nf4 really changed the weights, beyond the tolerance
+    # Zeroing every routed expert moves the loss far more than quantising them, and is reported once per model.
+    assert abs(rows[0]["loss_without_experts"] - rows[0]["loss"]) > 10 * abs(rows[2]["loss"] - rows[0]["loss"])
+    assert len({r["loss_without_experts"] for r in rows}) == 1
     assert rows[2]["expert_bytes"] < rows[1]["expert_bytes"] < rows[0]["expert_bytes"]
     table = format_table(rows).splitlines()
-    assert table[2].startswith("| mixtral | unquantised (float32) |") and table[2].endswith("| — |")
-    assert table[4].startswith("| mixtral | nf4 |") and table[4].endswith(" % |")
+    assert table[2].startswith("| mixtral | unquantised (float32) |")
+    assert table[2].endswith(f"| — | {rows[0]['loss_without_experts']:.4f} |")
+    assert table[4].startswith("| mixtral | nf4 |") and table[4].endswith(" % | — |")
     assert training_line(trained[0]).startswith("- mixtral: 4 steps, 256 tokens, train loss ")
 
 

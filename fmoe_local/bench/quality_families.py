@@ -98,6 +98,30 @@ def train_family(
     return Trained(family, Path(out_dir), steps, tokens, sum(tail) / len(tail), seconds)
 
 
+def loss_without_routed_experts(model_dir: Path, texts: Sequence[str], seq_len: int, windows: int) -> float:
+    """Mean loss of transformers eager on the same windows with every routed expert's weights zeroed (their output
+    is then 0; shared experts and dense layers stay): how much of the prediction the routed experts carry, the most
+    any expert format could lose."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fmoe_local.architectures import architecture_for
+    from fmoe_local.bench.quality import held_windows
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32).eval()
+    rows = held_windows(AutoTokenizer.from_pretrained(model_dir), texts, seq_len, windows)
+    total = 0.0
+    with torch.inference_mode():
+        for ref in architecture_for(model.config).moe_layers(model):
+            for param in ref.experts.parameters():
+                param.zero_()
+        for row in rows:
+            x = torch.tensor([row])
+            logits = model(input_ids=x[:, :-1]).logits.float()
+            total += torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum").item()
+    return total / (seq_len * len(rows))
+
+
 def measure_families(
     families: Sequence[str],
     formats: Sequence[str],
@@ -112,8 +136,8 @@ def measure_families(
 ) -> tuple[list[Trained], list[dict]]:
     """Train each family's tiny model in `work_dir/FAMILY`, then score it (and the demo) per format on the held texts.
 
-    Rows: `quality.perplexity`'s dict plus `model` and `rel_ppl` (perplexity / the model's unquantised one − 1; None
-    when bf16 is not among the formats).
+    Rows: `quality.perplexity`'s dict plus `model`, `rel_ppl` (perplexity / the model's unquantised one − 1; None
+    when bf16 is not among the formats) and `loss_without_experts` (`loss_without_routed_experts`, per model).
     """
     import torch
 
@@ -139,7 +163,10 @@ def measure_families(
     for name, model_dir in models:
         scored = [perplexity(model_dir, fmt, held_texts, seq_len, windows, device) for fmt in formats]
         base = next((r["ppl"] for r in scored if r["format"] == "bf16"), None)
-        rows += [{**r, "model": name, "rel_ppl": None if base is None else r["ppl"] / base - 1.0} for r in scored]
+        off = loss_without_routed_experts(model_dir, held_texts, seq_len, windows)
+        for r in scored:
+            rel = None if base is None else r["ppl"] / base - 1.0
+            rows.append({**r, "model": name, "rel_ppl": rel, "loss_without_experts": off})
     return trained, rows
 
 
@@ -154,15 +181,21 @@ def training_line(t: Trained) -> str:
 def format_table(rows: Sequence[dict]) -> str:
     """The markdown table of every model x format, with the perplexity increase over the model's unquantised row."""
     lines = [
-        "| model | experts stored as | KB per expert | tokens | mean loss | perplexity | vs unquantised |",
-        "|---|---|---|---|---|---|---|",
+        "| model | experts stored as | KB per expert | tokens | mean loss | perplexity | vs unquantised "
+        "| loss without routed experts |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    first: dict[str, dict] = {}
+    for r in rows:
+        first.setdefault(r["model"], r)
     for r in rows:
         name = r["format"] if r["format"] != "bf16" else f"unquantised ({r['dtype']})"
         rel = "—" if r["rel_ppl"] is None or r["format"] == "bf16" else f"{100 * r['rel_ppl']:+.2f} %"
+        # Once per model: the ceiling on what any format could lose (eager, routed experts zeroed).
+        off = f"{r['loss_without_experts']:.4f}" if r is first.get(r["model"]) else "—"
         lines.append(
             f"| {r['model']} | {name} | {r['expert_bytes'] / 1e3:.1f} | {r['tokens']} | {r['loss']:.4f} "
-            f"| {r['ppl']:.2f} | {rel} |"
+            f"| {r['ppl']:.2f} | {rel} | {off} |"
         )
     return "\n".join(lines)
 
