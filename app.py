@@ -100,6 +100,20 @@ def resolve_model(arg: str | None, models_dir: Path, last_model: str) -> tuple[P
         return None, "No model is loaded yet. Download one in the Models tab."
 
 
+def console_progress(what: str, out=print):
+    """A progress callback for Runtime.load at start-up, before there is a page to show it on: a first int8/nf4
+    load quantises for minutes, so the console says how far the copy got, every tenth of the way."""
+    shown = [-1]
+
+    def report(done: int, total: int) -> None:
+        tenth = done * 10 // total if total else 10
+        if tenth != shown[0]:
+            shown[0] = tenth
+            out(f"fmoe-local: making the {what} copy of the experts: {done} of {total} (first load only)", flush=True)
+
+    return report
+
+
 def serve(args: argparse.Namespace):
     """Open the store, load the model, build and serve the UI. Returns (server, session, url); does not block."""
     from store import StoreError, open_store
@@ -117,7 +131,7 @@ def serve(args: argparse.Namespace):
         print(f"fmoe-local: the database was damaged; it was moved to {store.recovered_from} and a new one started.")
     from fmoe_local.config import RuntimeConfig
     from ui import build
-    from ui.session import ModelLoadError, Session
+    from ui.session import ModelLoadError, Session, format_name
     from ui.theme import CSS, theme
 
     # Quantised copies of experts live beside the models, in the same data folder (also under --data-dir).
@@ -126,7 +140,8 @@ def serve(args: argparse.Namespace):
     model_dir, note = resolve_model(args.model, session.models_dir, store.settings.load().last_model)
     if model_dir is not None:
         try:
-            print(f"fmoe-local: {session.load(model_dir)}", flush=True)
+            what = format_name(store.settings.load().expert_format)
+            print(f"fmoe-local: {session.load(model_dir, progress=console_progress(what))}", flush=True)
         except ModelLoadError as exc:
             session.load_error = str(exc)
             print(f"fmoe-local: {exc}", flush=True)

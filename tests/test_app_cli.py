@@ -88,3 +88,13 @@ def test_without_a_last_model_the_demo_model_is_next(tmp_path):
         assert found is None and "Models tab" in note
     else:
         assert found == expected and note == ""
+
+
+def test_a_first_quantised_load_at_start_up_says_how_far_its_copy_got_every_tenth():
+    lines = []
+    report = app.console_progress("4-bit (nf4)", out=lambda line, flush: lines.append(line))
+    for done in range(0, 257):
+        report(done, 256)
+    assert len(lines) == 11  # 0 %, each tenth, and the end: not one line per expert
+    assert lines[0] == "fmoe-local: making the 4-bit (nf4) copy of the experts: 0 of 256 (first load only)"
+    assert lines[-1].endswith(": 256 of 256 (first load only)")
