@@ -2,9 +2,9 @@
 
 Random weights make perplexity meaningless, so each supported family's tiny config (tiny_families.py) is first
 trained with the demo's own recipe (demo/train.py: its byte-level BPE tokenizer and `train_lm`) on the training part
-of the held-text file, saved with save_pretrained (float32, so the unquantised row is the trained model itself) and then scored per expert format
-by `quality.perplexity` — loaded through `Runtime.load`, every expert resident — on the held part, which no model
-trained on. The demo model is scored on the same held part. It does NOT time anything and keeps nothing unless asked
+of the held-text file, saved with save_pretrained (float32, so the unquantised row is the trained model itself), and
+scored per expert format by `quality.perplexity` — loaded through `Runtime.load`, every expert resident — on the held
+part, which no model trained on. The demo model is scored on the same held part. It does NOT time anything and keeps nothing unless asked
 (`--train-dir`).
 
 The split is by a hash of each text (the demo's `is_heldout`), so it is the same on every machine and run.
