@@ -11,6 +11,7 @@ h semantic embedding size.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,8 +215,16 @@ def save_trace(trace: Trace, path: str | Path) -> None:
         arrays["seq_labels"] = np.asarray(trace.seq_labels, dtype=np.str_)
     if trace.seq_texts is not None:
         arrays["seq_texts"] = np.asarray(trace.seq_texts, dtype=np.str_)
-    with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz" to the caller's name
-        np.savez_compressed(f, **arrays)
+    # Written beside the target and renamed over it: the recorder rewrites its file after every request, and a
+    # reader (or a crash) must only ever see the previous whole trace or the new one, never a half-written zip.
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:  # a file object keeps numpy from appending ".npz" to the caller's name
+            np.savez_compressed(f, **arrays)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class TraceRecorder:

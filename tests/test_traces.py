@@ -103,3 +103,20 @@ def test_shared_traces_load() -> None:
         d = t.distributions(0, 2)
         assert ((d > 0).sum(-1) == 6).all()
         assert len(t.requests()) == np.unique(t.seq_ids).shape[0]
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_trace_whole(tmp_path: Path, monkeypatch) -> None:
+    rec, _ = _recorded(np.random.default_rng(1))
+    path = tmp_path / "run.npz"
+    rec.save(path)
+    before = path.read_bytes()
+
+    def dies_halfway(f, **arrays):  # noqa: ANN001, ANN202 - np.savez_compressed's signature
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(np, "savez_compressed", dies_halfway)
+    with pytest.raises(OSError, match="No space"):
+        rec.save(path)
+    assert path.read_bytes() == before and load_trace(path).seq_ids.size == 9  # still the whole previous trace
+    assert [p.name for p in tmp_path.iterdir()] == ["run.npz"]  # no temporary file left behind
