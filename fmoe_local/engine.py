@@ -131,7 +131,7 @@ class Engine:
         )
         self.observer.want_lookahead = policy.needs_lookahead
         self.observer.attach()
-        self.offloaded = OffloadedExperts({id(ref.experts): ref.moe_index for ref in self.moe_layers}, self._offload)
+        self.offloaded = OffloadedExperts({id(ref.experts): ref.moe_index for ref in self.moe_layers}, self.offload)
         self.model.set_experts_implementation(self.offloaded.register())
         self.eos_ids = self._eos_ids()
         self.recorder = None
@@ -142,9 +142,6 @@ class Engine:
         self._request_id = 0
         self._iteration_in_request = 0
         return self
-
-    def _offload(self) -> Offload:
-        return self.offload
 
     @property
     def cache(self) -> ExpertCache:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 
@@ -35,9 +34,9 @@ class OffloadedExperts:
     expert order, as eager adds them.
     """
 
-    def __init__(self, layer_of: dict[int, int], offload_getter: Callable[[], Offload]) -> None:
+    def __init__(self, layer_of: dict[int, int], offload: Offload) -> None:
         self._layer_of = layer_of  # id(experts module) → MoE-layer index
-        self._offload = offload_getter
+        self._offload = offload  # lives as long as the engine: a resize replaces the cache inside it
         self.name = f"fmoe_local_{next(_names)}"
 
     def register(self) -> str:
@@ -60,7 +59,7 @@ class OffloadedExperts:
         top_k_weights: torch.Tensor,  # [T, K]
     ) -> torch.Tensor:
         layer = self._layer_of[id(module)]
-        offload = self._offload()
+        offload = self._offload
         out = torch.zeros_like(hidden_states)
         if top_k_index.shape[0] == 1:
             # Decode (one token): its expert list is the routing decision itself; reading it is the layer's one
