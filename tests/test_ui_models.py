@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import gradio as gr
 import pytest
 
 from fmoe_local.catalog import CATALOG, GB, find
@@ -122,3 +123,18 @@ def test_load_refusals_and_failures_are_sentences_and_load_nothing(session, tmp_
     assert said[-1][0].startswith("⚠️ Unknown expert format 'fp8'. Choose auto") and session.runtime is None
     *_, (status, _) = load_steps(session, str(tmp_path), "int8")
     assert status.startswith("⚠️") and "is not a model folder (no config.json)" in status and session.runtime is None
+
+
+def test_download_refusals_are_sentences_under_the_button_not_red_pills(session, monkeypatch):
+    demo = build(session)
+    start = next(f for f in demo.fns.values() if f.name == "start").fn  # the Download button's handler
+    (progress, _), *more = list(start("not a repo", ""))
+    assert not more and "⚠️ Type a Hugging Face repo id like owner/name" in progress and "progress-inner" not in progress
+    full_disk = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 20 * GB)
+    monkeypatch.setattr("ui.session.probe", lambda _: full_disk)  # the download re-checks the disk
+    [(progress, _)] = list(start(MIXTRAL.repo_id, ""))
+    assert "⚠️ Not enough disk space: Mixtral 8x7B Instruct needs 93.4 GB and 20.0 GB is free." in progress
+    assert session.download is None  # nothing started
+    api = next(f for f in demo.fns.values() if f.api_name == "download").fn  # scripts still hear an error
+    with pytest.raises(gr.Error, match="owner/name"):
+        next(api("not a repo", ""))

@@ -85,6 +85,47 @@ def downloaded_choices(session: Session) -> list[tuple[str, str]]:
     )
 
 
+def refusal_html(sentence: str) -> str:
+    """A download that cannot start: the sentence where the progress would be, no bar."""
+    return f"<div id='download-text'>⚠️ {html.escape(sentence)}</div>"
+
+
+class DownloadRefused(ValueError):
+    """A download that cannot start; the message is a sentence that says what to do instead."""
+
+
+def download_steps(session: Session, repo_id: str, token: str) -> Iterator[tuple[float, str, Path | None]]:
+    """Start a download and yield (fraction, sentence, folder once done) until it ends. Raises DownloadRefused before
+    anything starts when the repo id is not one, a download is running or the disk cannot hold the model."""
+    repo_id = (repo_id or "").strip()
+    if repo_id.count("/") != 1 or " " in repo_id:
+        raise DownloadRefused("Type a Hugging Face repo id like owner/name, or click a model in the list.")
+    if session.download is not None and session.download.status().state in ("planning", "downloading"):
+        raise DownloadRefused("A download is already running. Cancel it or wait for it to finish.")
+    entry = find(repo_id)
+    allow = list(entry.allow_patterns if entry else DEFAULT_ALLOW)
+    ignore = list(entry.ignore_patterns if entry else DEFAULT_IGNORE)
+    if entry is not None:
+        free = session.machine(refresh=True).disk_free
+        if entry.download_bytes > free:
+            raise DownloadRefused(
+                f"Not enough disk space: {entry.name} needs {entry.download_bytes / GB:.1f} GB and "
+                f"{free / GB:.1f} GB is free. Free up space or choose a smaller model."
+            )
+    d = Download(repo_id, session.models_dir, allow, ignore, token=token or None, endpoint=session.endpoint)
+    session.download = d
+    yield 0.0, f"Looking up {repo_id}…", None
+    while True:
+        s = d.status()
+        if s.state in ("planning", "downloading"):
+            text = f"{s.done_bytes / GB:.2f} of {s.total_bytes / GB:.2f} GB" if s.total_bytes else "Planning…"
+            yield s.fraction, f"Downloading {repo_id}: {text}", None
+            time.sleep(POLL_S)
+            continue
+        yield (1.0, s.message, d.dest) if s.state == "done" else (s.fraction, s.message, None)
+        return
+
+
 def build(session: Session) -> ModelsTab:
     with gr.Row():
         machine = gr.Markdown("", elem_id="machine")
@@ -179,39 +220,27 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
         return entry.repo_id, model_formats.detail(entry, fits), choice or gr.skip(), note
 
     def start(repo_id, token):
-        repo_id = (repo_id or "").strip()
-        if repo_id.count("/") != 1 or " " in repo_id:
-            raise gr.Error("Type a Hugging Face repo id like owner/name, or click a model in the list.")
-        if session.download is not None and session.download.status().state in ("planning", "downloading"):
-            raise gr.Error("A download is already running. Cancel it or wait for it to finish.")
-        entry = find(repo_id)
-        allow = list(entry.allow_patterns if entry else DEFAULT_ALLOW)
-        ignore = list(entry.ignore_patterns if entry else DEFAULT_IGNORE)
-        if entry is not None:
-            free = session.machine(refresh=True).disk_free
-            if entry.download_bytes > free:
-                raise gr.Error(
-                    f"Not enough disk space: {entry.name} needs {entry.download_bytes / GB:.1f} GB and "
-                    f"{free / GB:.1f} GB is free. Free up space or choose a smaller model."
-                )
-        d = Download(repo_id, session.models_dir, allow, ignore, token=token or None, endpoint=session.endpoint)
-        session.download = d
-        yield progress_html(0, f"Looking up {repo_id}…"), gr.skip()
-        while True:
-            s = d.status()
-            if s.state in ("planning", "downloading"):
-                text = f"{s.done_bytes / GB:.2f} of {s.total_bytes / GB:.2f} GB" if s.total_bytes else "Planning…"
-                yield progress_html(s.fraction, f"Downloading {repo_id}: {text}"), gr.skip()
-                time.sleep(POLL_S)
-                continue
-            if s.state == "done":
-                yield (
-                    progress_html(1.0, s.message + " Select it below, choose its expert format and press Load."),
-                    gr.Dropdown(choices=downloaded_choices(session), value=str(d.dest)),
-                )
-            else:
-                yield progress_html(s.fraction, s.message), gr.skip()
-            return
+        # The button: a refusal is a sentence in the progress line under it, like every other problem on the page.
+        try:
+            for fraction, text, dest in download_steps(session, repo_id, token):
+                if dest is None:
+                    yield progress_html(fraction, text), gr.skip()
+                else:
+                    yield (
+                        progress_html(1.0, text + " Select it below, choose its expert format and press Load."),
+                        gr.Dropdown(choices=downloaded_choices(session), value=str(dest)),
+                    )
+        except DownloadRefused as exc:
+            yield refusal_html(str(exc)), gr.skip()
+
+    def download(repo_id: str, token: str = "") -> Iterator[str]:
+        """Download a model: yields how far it got, then the outcome's sentence; raises with a sentence when the
+        download cannot start (a bad repo id, another download running, not enough disk)."""
+        try:
+            for _, text, _ in download_steps(session, repo_id, token):
+                yield text
+        except DownloadRefused as exc:
+            raise gr.Error(str(exc)) from exc
 
     def cancel():
         if session.download is None:
@@ -262,7 +291,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
     )
     for changed in (tab.expert_format.change, tab.downloaded.change):
         changed(note, [tab.expert_format, tab.downloaded, tab.repo_id], [tab.format_note], queue=False, **private)
-    tab.download.click(start, [tab.repo_id, tab.token], [tab.progress, tab.downloaded], api_name="download")
+    tab.download.click(start, [tab.repo_id, tab.token], [tab.progress, tab.downloaded], **private)
     tab.cancel.click(cancel, None, [tab.status], api_name="cancel_download", concurrency_limit=None)
     outputs = [tab.status, tab.load_progress]
     loaded = tab.load.click(load_ui, [tab.downloaded, tab.expert_format], outputs, concurrency_id="runtime", **private)
@@ -274,6 +303,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
     )
     # Invisible endpoints for scripts and tests: the downloaded models as data, and loading one.
     gr.api(list_models, api_name="list_models")
+    gr.api(download, api_name="download")
     gr.api(load_model, api_name="load_model", concurrency_id="runtime")
     gr.api(load_model, api_name="load_folder", concurrency_id="runtime")
     return [loaded, loaded_folder, deleted]
