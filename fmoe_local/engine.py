@@ -231,7 +231,7 @@ class Engine:
             stats.cache_gb_used = self.offload.resident_bytes() / 1024**3
             if self.recorder is not None and len(self.recorder):
                 self.recorder.label(request_id, text=text)
-                self.recorder.save(self.config.record_trace)
+                self.recorder.checkpoint(self.config.record_trace)
             if not failed:
                 if late_error is not None:
                     raise late_error
@@ -296,6 +296,11 @@ class Engine:
     def reset_cache(self) -> None:
         """A new, cold cache of the configured size (between requests only): every expert back to RAM only."""
         self.offload.resize(self._capacity(self.config))
+
+    def finish_recording(self) -> None:
+        """Write what the trace recorder holds and has not saved yet (forward thread, after the last request)."""
+        if self.recorder is not None and self.recorder.unsaved:
+            self.recorder.save(self.config.record_trace)
 
     def close(self) -> None:
         self.offload.close()

@@ -259,6 +259,7 @@ class Runtime:
         while True:
             job = self._jobs.get()
             if job is _SENTINEL:
+                self._engine.finish_recording()  # the recorder belongs to this thread: it writes the last part
                 return
             if isinstance(job, tuple):
                 fn, done = job

@@ -12,6 +12,7 @@ h semantic embedding size.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,12 @@ import numpy as np
 
 FORMAT_VERSION = 1
 PREFILL, DECODE = 0, 1
+# A recording is rewritten whole (the .npz cannot be appended to safely), so its cost grows with its length. Saving
+# only once this many times the last save's duration has passed keeps the rewrites to about 5 % of the wall time
+# whatever the length, while a crash loses at most that interval. Measured: a 200-request recording saved after
+# every request spent 122 s in saves (docs/bench.md, "Trace recording").
+SAVE_INTERVAL_PER_SAVE_S = 20.0
+_clock = time.monotonic  # the recorder's only clock; tests replace it
 
 
 @dataclass(frozen=True)
@@ -232,7 +239,7 @@ class TraceRecorder:
 
     Usage (runtime): `rec = TraceRecorder(model_name, L, J, K)`; after each forward pass
     `rec.add(seq_id, phase, probs, embeddings)` with numpy arrays already on the CPU; `rec.label(seq_id, text=...)`
-    optionally; `rec.save(path)` at the end (or whenever — it can be called again as the recording grows).
+    optionally; `rec.checkpoint(path)` after each request (saves when due) and `rec.save(path)` at the end.
     Every `add` is one iteration. Full distributions are kept, and the top-K ids/probs are derived from them.
     Not thread-safe: call it from the thread that owns the forward pass.
     """
@@ -242,6 +249,9 @@ class TraceRecorder:
         self._chunks: list[tuple[int, int, np.ndarray, np.ndarray | None]] = []
         self._labels: dict[int, tuple[str, str]] = {}
         self._embed_dim: int | None = None
+        self._saved_at: float | None = None  # _clock() when the last save ended
+        self._save_s = 0.0  # how long it took
+        self.unsaved = False  # something was added or labelled since the last save
 
     def __len__(self) -> int:
         """Rows (tokens) recorded so far."""
@@ -264,10 +274,12 @@ class TraceRecorder:
                 raise ValueError(f"embeddings changed size from {self._embed_dim} to {embeddings.shape[1]}.")
             self._embed_dim = embeddings.shape[1]
         self._chunks.append((int(seq_id), int(phase), probs.copy(), None if embeddings is None else embeddings.copy()))
+        self.unsaved = True
 
     def label(self, seq_id: int, label: str = "", text: str = "") -> None:
         """Attach a label and/or the prompt text to request `seq_id` (saved as seq_labels/seq_texts)."""
         self._labels[int(seq_id)] = (label, text)
+        self.unsaved = True
 
     def to_trace(self) -> Trace:
         lay, j, k = self.num_layers, self.num_experts, self.top_k
@@ -301,4 +313,19 @@ class TraceRecorder:
         )
 
     def save(self, path: str | Path) -> None:
+        """Write everything recorded so far to `path` now."""
+        start = _clock()
         save_trace(self.to_trace(), path)
+        self._saved_at = _clock()
+        self._save_s = self._saved_at - start
+        self.unsaved = False
+
+    def checkpoint(self, path: str | Path) -> bool:
+        """Save if it is due (`SAVE_INTERVAL_PER_SAVE_S` × the last save's duration since it ended); True if it
+        saved. The owner calls `save` once more at the end so nothing recorded is left out."""
+        if not self.unsaved:
+            return False
+        if self._saved_at is not None and _clock() - self._saved_at < SAVE_INTERVAL_PER_SAVE_S * self._save_s:
+            return False
+        self.save(path)
+        return True

@@ -120,3 +120,43 @@ def test_a_save_that_fails_midway_leaves_the_previous_trace_whole(tmp_path: Path
         rec.save(path)
     assert path.read_bytes() == before and load_trace(path).seq_ids.size == 9  # still the whole previous trace
     assert [p.name for p in tmp_path.iterdir()] == ["run.npz"]  # no temporary file left behind
+
+
+def test_checkpoints_space_out_as_saves_grow_slow(tmp_path: Path, monkeypatch) -> None:
+    from fmoe_local import traces
+
+    now = [0.0]
+    monkeypatch.setattr(traces, "_clock", lambda: now[0])
+    saves: list[float] = []
+
+    def slow_save(trace: Trace, path: Path) -> None:  # each save "takes" one second of the fake clock
+        saves.append(now[0])
+        now[0] += 1.0
+
+    monkeypatch.setattr(traces, "save_trace", slow_save)
+    rec, _ = _recorded(np.random.default_rng(2))
+    assert rec.checkpoint(tmp_path / "t.npz")  # the first one always saves
+    assert not rec.checkpoint(tmp_path / "t.npz")  # nothing new
+    rec.label(3, text="again")
+    now[0] += traces.SAVE_INTERVAL_PER_SAVE_S - 0.5
+    assert not rec.checkpoint(tmp_path / "t.npz") and rec.unsaved  # a 1 s save is due 20 s after the last one
+    now[0] += 0.5
+    assert rec.checkpoint(tmp_path / "t.npz") and not rec.unsaved
+    assert saves == [0.0, 1.0 + traces.SAVE_INTERVAL_PER_SAVE_S]
+
+
+def test_the_runtime_saves_the_requests_a_checkpoint_skipped_when_it_closes(tiny_model_dir, tmp_path, monkeypatch):
+    from fmoe_local import traces
+    from fmoe_local.config import RuntimeConfig, Sampling
+    from fmoe_local.runtime import Runtime
+
+    ticks = iter(range(10**6))  # every reading is a second later, so each save "takes" 1 s: only the first is due
+    monkeypatch.setattr(traces, "_clock", lambda: float(next(ticks)))
+    path = tmp_path / "run.npz"
+    config = RuntimeConfig(device="cpu", policy="lru", record_trace=str(path), sampling=Sampling(max_new_tokens=3))
+    with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
+        for prompt in ("first", "second", "third"):
+            runtime.generate([{"role": "user", "content": prompt}])
+        assert len(load_trace(path).requests()) == 1  # saved after the first request only
+    saved = load_trace(path)
+    assert len(saved.requests()) == 3 and "third" in saved.seq_texts[-1]
