@@ -43,14 +43,11 @@ from fmoe_local.policies.base import ExpertKey, Policy
 from fmoe_local.stats import LayerCounters
 
 GIB = 1024**3
+OnHost = Callable[[list[int]], Sequence[bool]]  # an access's missing experts → computed on the host, each?
 
 
 def slots_for_budget(cache_gb: float, expert_bytes: int) -> int:
     return int(cache_gb * GIB // expert_bytes)
-
-
-def _dtypes(host: HostStore) -> dict[str, torch.dtype]:
-    return getattr(host, "param_dtypes", None) or {}
 
 
 def check_capacity(capacity: int, expert_bytes: int) -> None:
@@ -99,9 +96,9 @@ class ExpertCache:
         self.policy = policy
         self.counters = counters
         self.expert_bytes = host.expert_bytes
+        dtypes = getattr(host, "param_dtypes", None) or {}  # packed formats: some parts in other dtypes
         self.tensors = {
-            # Packed formats store some parts in other dtypes than the compute dtype (expert_formats.py).
-            name: torch.empty((self.capacity, *shape), dtype=_dtypes(host).get(name, host.param_dtype), device=device)
+            name: torch.empty((self.capacity, *shape), dtype=dtypes.get(name, host.param_dtype), device=device)
             for name, shape in host.param_shapes.items()
         }
         self._slots = [_Slot() for _ in range(self.capacity)]
@@ -155,10 +152,11 @@ class ExpertCache:
         return self._complete
 
     # ---- forward thread ------------------------------------------------------------------------------------------
-    def acquire(self, layer: int, experts: Sequence[int], on_host: Callable[[int], bool] | None = None) -> list[int]:
+    def acquire(self, layer: int, experts: Sequence[int], on_host: OnHost | None = None) -> list[int]:
         """Make `experts` of `layer` resident and pinned; returns their slots. Misses load now (on demand), except
-        those `on_host(expert)` claims: they are counted as misses (and as computed on the host), get slot −1 and
-        load nothing — the caller computes them from the host copy. The policy sees every access either way."""
+        those `on_host(missing)` claims (one flag per missing expert, in access order): they are counted as misses
+        (and as computed on the host), get slot −1 and load nothing — the caller computes them from the host copy,
+        after this returns, so the loads are under way by then. The policy sees every access either way."""
         if len(experts) > self.capacity:
             raise ValueError("acquire() got more experts than the cache has slots; compute in chunks.")
         with self._lock:
@@ -197,7 +195,7 @@ class ExpertCache:
         experts: Sequence[int],
         pinned: list[tuple[int, Landing]],
         deadline: float,
-        on_host: Callable[[int], bool] | None = None,
+        on_host: OnHost | None = None,
     ) -> tuple[list[int], list[tuple[Landing, ExpertKey]]]:
         """Pin the resident experts of this access, then claim slots for the missing ones and start their loads.
         Returns the slots and the landings to wait for (late prefetches and the new loads)."""
@@ -223,10 +221,12 @@ class ExpertCache:
                 self.counters.late[layer, e] += 1
                 waits.append((slot.ready, (layer, e)))
             pinned.append((s, slot.ready))
+        missing = [e for e, hit in zip(experts, hits, strict=True) if not hit]
+        host = {e for e, cpu in zip(missing, on_host(missing), strict=True) if cpu} if on_host and missing else ()
         for i, e in enumerate(experts):
             if hits[i]:
                 continue
-            if on_host is not None and on_host(e):
+            if e in host:
                 self.counters.misses[layer, e] += 1
                 self.counters.on_host[layer, e] += 1
                 continue  # slot −1: computed from the host copy, nothing loaded

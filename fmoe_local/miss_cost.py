@@ -1,16 +1,19 @@
 """Miss handling: what one miss costs copied versus computed on the CPU, measured once per machine and model, and
-the decision `auto` makes from it for each miss.
+how `auto` shares a layer's misses between the two.
 
 Scope: `MissCosts` (the figures: copy time = expert bytes / measured host→device bandwidth, CPU time = measured
 time of this model's expert shape with the chosen kernel at 1 and at `PROBE_TOKENS` tokens), `probe` (measures them
-at load on the model's own host experts), and `MissPlanner` (mode + figures → "compute this miss on the host?").
-It does NOT compute experts (cpu_experts.py) or count anything (cache.py).
+at load on the model's own host experts), and `MissPlanner` (mode + figures → which of a layer's misses the host
+computes). It does NOT compute experts (cpu_experts.py) or count anything (cache.py).
 
-Decision (auto): a miss of an expert that `tokens` tokens need goes to the CPU when cpu_s(tokens) < copy_s. Decode
-(one token) usually goes to the CPU; a prefill's expert serves many tokens, its CPU time grows with them while the
-copy's does not, so it is copied. Without a GPU there is no copy worth making (it would duplicate the expert in
-RAM), so auto computes every miss on the CPU; a CPU slower than the copy even at one token is never chosen, and
-`explain` says why.
+Decision (auto), per layer: the copies of a layer's misses are issued first and land while the forward thread
+computes the host's share, so the link and the CPU work at once and the layer waits for whichever finishes last.
+`MissPlanner.plan` shares the misses by list scheduling on those two: in order of decreasing CPU time (an expert
+many prefill tokens need goes to the link first, its CPU time grows with them while the copy's does not), each miss
+goes to the one that would finish it earlier given what it already has; a tie is copied (a copied expert stays
+resident for the next token). So a CPU slower than the copy still takes a miss when the link is busy enough, and a
+CPU faster than it still leaves some to the link. Without a GPU there is no copy worth making (it would duplicate
+the expert in RAM), so auto computes every miss on the CPU; `explain` says what the figures make of it.
 
 Threads: the planner is read by the forward thread; it is replaced (never mutated) between requests.
 """
@@ -31,6 +34,7 @@ PROBE_MAX_EXPERTS = 64
 PROBE_MIN_BYTES = 64 * 1024**2
 PROBE_MAX_BYTES = 1024**3  # more than the last-level cache of consumer CPUs: the probe reads from DRAM like a miss
 H2D_PROBE_MB = 64
+EXPLAIN_MAX_MISSES = 64  # the most misses of one layer the Stats sentence considers
 
 
 @dataclass(frozen=True)
@@ -65,20 +69,6 @@ class MissCosts:
         per_token = max(0.0, self.cpu_s_n - self.cpu_s_1) / (self.probe_tokens - 1)
         return self.cpu_s_1 + per_token * (tokens - 1)
 
-    def prefer_cpu(self, tokens: int) -> bool:
-        return self.cpu_s(tokens) < self.copy_s
-
-    def cpu_token_limit(self) -> int:
-        """The most tokens for which the CPU still beats the copy (0: never; a large number: always)."""
-        if not self.has_gpu:
-            return 1 << 30
-        if not self.prefer_cpu(1):
-            return 0
-        per_token = max(0.0, self.cpu_s_n - self.cpu_s_1) / max(1, self.probe_tokens - 1)
-        if per_token <= 0:
-            return 1 << 30
-        return 1 + int((self.copy_s - self.cpu_s_1) / per_token)
-
     def explain(self, mode: str) -> str:
         """One sentence for the Stats tab: the figures and what `mode` does with them."""
         cpu = f"the CPU computes one of this model's experts in {self.cpu_s_1 * 1e3:.2f} ms ({self.cpu_kernel})"
@@ -93,14 +83,23 @@ class MissCosts:
             return f"Every miss is copied (miss handling: copy); {cpu}, {copy}."
         if mode == "cpu":
             return f"Every miss is computed on the CPU (miss handling: cpu); {cpu}, {copy}."
-        limit = self.cpu_token_limit()
-        if limit == 0:
-            return f"Every miss is copied: {cpu}, slower than the copy ({copy}), so auto never chooses the CPU."
-        if limit >= 1 << 30:
-            return f"Every miss is computed on the CPU: {cpu}, faster than the copy ({copy}) at any token count."
+        planner = MissPlanner("auto", self)
+        first = next((n for n in range(1, EXPLAIN_MAX_MISSES + 1) if any(planner.plan([1] * n))), 0)
+        if not first:
+            return (
+                f"Every miss is copied: {cpu}, so much slower than the copy ({copy}) that even a layer with "
+                f"{EXPLAIN_MAX_MISSES} misses finishes sooner copying them all."
+            )
+        share = sum(planner.plan([1] * EXPLAIN_MAX_MISSES)) / EXPLAIN_MAX_MISSES
+        start = (
+            "a layer's lone one-token miss is computed on the CPU"
+            if first == 1
+            else f"a layer's lone one-token miss is copied, and the CPU takes a share from {first} misses on"
+        )
         return (
-            f"Misses needed by up to {limit} tokens (decode) are computed on the CPU, larger ones (prefill) copied: "
-            f"{cpu}, {copy}."
+            f"Each layer's misses are shared between the copy link and the CPU, which work at once, so that the last "
+            f"finishes soonest: {cpu}, {copy}. So {start}; of many misses about {share:.0%} go to the CPU, and an "
+            "expert many prefill tokens need costs the CPU more, so it is copied sooner."
         )
 
     def to_dict(self) -> dict:
@@ -113,18 +112,29 @@ class MissCosts:
 
 
 class MissPlanner:
-    """Decides, per miss, whether the forward pass computes it on the host: `on_host(tokens)`."""
+    """Decides which of a layer's misses the forward pass computes on the host: `plan(tokens)`."""
 
     def __init__(self, mode: str, costs: MissCosts, forced: str | None = None) -> None:
         self.mode = forced or mode  # a policy may force its own (cpu_moe computes every miss on the CPU)
         self.costs = costs
 
-    def on_host(self, tokens: int) -> bool:
+    def plan(self, tokens: Sequence[int]) -> list[bool]:
+        """For a layer's misses, needed by `tokens[i]` tokens each: True for those the host computes, False for
+        those copied (list scheduling on the link and the CPU under auto; the module docstring says why)."""
         if self.mode == "copy":
-            return False
+            return [False] * len(tokens)
         if self.mode == "cpu" or not self.costs.has_gpu:
-            return True
-        return self.costs.prefer_cpu(tokens)
+            return [True] * len(tokens)
+        copy_s = self.costs.copy_s
+        cpu = [self.costs.cpu_s(t) for t in tokens]
+        on_host = [False] * len(tokens)
+        link_end = cpu_end = 0.0
+        for i in sorted(range(len(tokens)), key=cpu.__getitem__, reverse=True):  # stable: ties keep their order
+            if cpu_end + cpu[i] < link_end + copy_s:
+                on_host[i], cpu_end = True, cpu_end + cpu[i]
+            else:
+                link_end += copy_s
+        return on_host
 
     def explain(self) -> str:
         return self.costs.explain(self.mode)

@@ -78,9 +78,10 @@ class Offload:
         synchronous: bool = False,
         interrupt: threading.Event | None = None,
         pinned_bytes: int = 0,
+        streams: object | None = None,
     ) -> None:
         """`pinned_bytes`: on a GPU, how much of the host store's RAM experts to page-lock (Offload.pinned_bytes
-        says how much was)."""
+        says how much was). `streams`: the cache's CUDA operations (tests pass a fake, cache.py says why)."""
         self.host = host
         self.device = device
         self.counters = counters
@@ -89,6 +90,7 @@ class Offload:
         self._copy_chunk_bytes = copy_chunk_bytes
         self._load_timeout_s = load_timeout_s
         self._policy = policy
+        self._streams = streams
         self.cache = self._new_cache(capacity)
         # Before any copying thread exists: pinning moves the RAM experts into their blocks.
         self.pinned_bytes = self.cache.pin_host(pinned_bytes)
@@ -108,6 +110,7 @@ class Offload:
             self.interrupt,
             self._load_timeout_s,
             copy_chunk_bytes=self._copy_chunk_bytes,
+            streams=self._streams,
         )
 
     def _new_planner(self) -> MissPlanner:
@@ -146,16 +149,17 @@ class Offload:
     # ---- forward thread: one MoE layer ---------------------------------------------------------------------------
     def acquire(self, layer: int, experts: Sequence[int], tokens: Callable[[int], int] | None = None) -> list[int]:
         """The slots of `experts` of `layer`, pinned until `release`; −1 for a miss to compute from the host copy
-        (`host_expert`). `tokens(expert)`: how many tokens the expert computes, what the miss planner weighs
-        (None: one each)."""
+        (`host_expert`) once this returns: the other misses' copies are under way by then, so the CPU's share and the
+        link's run at once — what the miss planner plans the layer's misses for. `tokens(expert)`: how many tokens
+        the expert computes, what the planner weighs (None: one each)."""
         if self.interrupt.is_set():
             # Stop reaches a long prefill at the next MoE layer instead of after the whole forward pass.
             raise Interrupted("Stopped.")
         planner = self._planner
-        on_host = None
-        if planner.mode != "copy":
-            on_host = (lambda e: planner.on_host(tokens(e))) if tokens is not None else (lambda e: planner.on_host(1))
-        return self.cache.acquire(layer, experts, on_host)
+        if planner.mode == "copy":
+            return self.cache.acquire(layer, experts)
+        count = tokens or (lambda e: 1)
+        return self.cache.acquire(layer, experts, lambda missing: planner.plan([count(e) for e in missing]))
 
     def device_expert(self, module: torch.nn.Module, x: torch.Tensor, slot: int) -> torch.Tensor:
         """One expert computed from its acquired slot, once the slot's copy is done (on CUDA the compute stream waits

@@ -191,7 +191,9 @@ def test_a_miss_claimed_by_on_host_is_counted_and_reported_but_never_loaded():
     cache, host, policy = make_cache(capacity=3)
     cache.release(cache.acquire(0, [1]))  # (0, 1) resident
     host.reads.clear()
-    slots = cache.acquire(0, [1, 2, 3], on_host=lambda e: e == 3)
+    asked = []
+    slots = cache.acquire(0, [1, 2, 3], on_host=lambda missing: asked.append(missing) or [e == 3 for e in missing])
+    assert asked == [[2, 3]]  # once per access, about its misses only, in access order
     # 1 hits, 2 is loaded into a slot, 3 is left to the caller (slot −1): nothing read or claimed for it.
     assert slots[0] >= 0 and slots[1] >= 0 and slots[2] == -1
     assert host.reads == [(0, 2)] and holds(cache, slots[1], 0, 2)
@@ -202,4 +204,4 @@ def test_a_miss_claimed_by_on_host_is_counted_and_reported_but_never_loaded():
     assert policy.accesses[-1] == (0, [1, 2, 3], [True, False, False])  # the policy sees the access once
     cache.release([s for s in slots if s >= 0])
     # A resident expert is a hit whatever on_host says: it is only asked about misses.
-    assert cache.acquire(0, [1], on_host=lambda e: True) != [-1] and int(c.on_host.sum()) == 1
+    assert cache.acquire(0, [1], on_host=lambda missing: [True] * len(missing)) != [-1] and int(c.on_host.sum()) == 1

@@ -28,27 +28,55 @@ def test_copy_time_is_bytes_over_bandwidth_and_cpu_time_is_the_line_through_the_
     assert c.cpu_s(1) == c.cpu_s(0) == pytest.approx(0.5e-3)
     assert c.cpu_s(16) == pytest.approx(2.05e-3)
     assert c.cpu_s(6) == pytest.approx(0.5e-3 + 5 * 1.55e-3 / 15)
-    # The CPU wins up to where its line crosses the copy time: 1 + floor((1.0 − 0.5) / 0.1033) = 5 tokens.
-    assert c.cpu_token_limit() == 5
-    assert c.prefer_cpu(1) and c.prefer_cpu(5) and not c.prefer_cpu(6)
 
 
-def test_each_mode_decides_every_miss_its_way():
+def test_copy_and_cpu_modes_decide_every_miss_their_way_and_no_gpu_means_the_cpu():
     c = costs()
-    assert [MissPlanner("copy", c).on_host(t) for t in (1, 100)] == [False, False]
-    assert [MissPlanner("cpu", c).on_host(t) for t in (1, 100)] == [True, True]
-    assert [MissPlanner("auto", c).on_host(t) for t in (1, 5, 6, 100)] == [True, True, False, False]
-    assert MissPlanner("copy", c, forced="cpu").on_host(100)  # cpu_moe overrides the setting
+    assert MissPlanner("copy", c).plan([1, 100, 1]) == [False] * 3
+    assert MissPlanner("cpu", c).plan([1, 100, 1]) == [True] * 3
+    assert MissPlanner("copy", c, forced="cpu").plan([100]) == [True]  # cpu_moe overrides the setting
     # Without a GPU a copy only duplicates the expert in RAM: auto always computes on the CPU.
     no_gpu = costs(device="cpu", h2d_gbps=0.0)
-    assert math.isinf(no_gpu.copy_s) and MissPlanner("auto", no_gpu).on_host(10_000)
+    assert math.isinf(no_gpu.copy_s) and MissPlanner("auto", no_gpu).plan([10_000, 1]) == [True, True]
+    assert MissPlanner("auto", c).plan([]) == []
+
+
+def _figures(cpu_ms: float) -> MissCosts:
+    # The example: a DeepSeek-V2-Lite expert copies in 0.69 ms at 25 GB/s.
+    return costs(expert_bytes=17_250_000, cpu_s_1=cpu_ms * 1e-3, cpu_s_n=cpu_ms * 1e-3 * 4)
+
+
+def test_auto_shares_a_layers_misses_so_that_link_and_cpu_finish_earliest():
+    # CPU 2.51 ms, slower than a 0.69 ms copy: six misses all copied end at 4.14 ms; the fourth goes to the CPU
+    # instead (2.51 < 2.76), and the layer ends at max(2.51, 5 × 0.69 = 3.45).
+    assert MissPlanner("auto", _figures(2.51)).plan([1] * 6) == [False, False, False, True, False, False]
+    assert MissPlanner("auto", _figures(2.51)).plan([1] * 3) == [False] * 3  # 3 copies end at 2.07 < 2.51
+    # CPU 0.38 ms, faster than the copy: still 4 on the CPU (1.52 ms) and 2 copied (1.38 ms) beat all 6 on the CPU
+    # (2.28 ms); the second miss is copied because 0.38 + 0.38 > 0.69.
+    fast = MissPlanner("auto", _figures(0.38))
+    assert fast.plan([1] * 6) == [True, False, True, True, False, True]
+    assert fast.plan([1]) == [True]
+    # A CPU this slow never finishes a miss before the link would have copied it.
+    assert not any(MissPlanner("auto", _figures(60.0)).plan([1] * 64))
+
+
+def test_auto_gives_the_link_the_experts_many_prefill_tokens_need():
+    # costs(): copy 1 ms, CPU 0.5 ms + 0.1033 ms per further token. Decreasing CPU time: the 100-token expert
+    # (10.7 ms) and the 20-token one (2.5 ms) go to the link first (ending 1, then 2 ms), the 1-token ones to the CPU
+    # (0.5, 1.0, 1.5 ms: each ends before the link's next copy would, at 3 ms).
+    assert MissPlanner("auto", costs()).plan([1, 100, 1, 20, 1]) == [True, False, True, False, True]
+    # Equal CPU times keep their order, and a tie goes to the link: CPU 1 ms = copy 1 ms.
+    assert MissPlanner("auto", costs(cpu_s_1=1e-3, cpu_s_n=1e-3)).plan([1, 1]) == [False, True]
 
 
 def test_the_stats_sentence_says_what_auto_does_and_why():
-    assert "up to 5 tokens" in costs().explain("auto") and "1.00 ms" in costs().explain("auto")
-    slow = costs(cpu_s_1=3e-3, cpu_s_n=9e-3)
-    assert slow.cpu_token_limit() == 0 and not MissPlanner("auto", slow).on_host(1)
-    assert "auto never chooses the CPU" in slow.explain("auto") and "3.00 ms" in slow.explain("auto")
+    slow = _figures(2.51).explain("auto")
+    assert "2.51 ms" in slow and "0.69 ms" in slow and "lone one-token miss is copied" in slow
+    assert "from 4 misses on" in slow and "about 22% go to the CPU" in slow  # 14 of 64 misses: 0.69 / (0.69 + 2.51)
+    fast = _figures(0.38).explain("auto")
+    assert "lone one-token miss is computed on the CPU" in fast and "about 64% go to the CPU" in fast
+    never = _figures(60.0).explain("auto")
+    assert "Every miss is copied" in never and "60.00 ms" in never and "64 misses" in never
     no_gpu = costs(device="cpu", h2d_gbps=0.0)
     assert "No GPU" in no_gpu.explain("auto") and "only meaningful choice" in no_gpu.explain("auto")
     assert "copy" in no_gpu.explain("copy")

@@ -6,12 +6,24 @@ through the Offload reaches every piece it owns, and that the forward pass gets 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.copier import Interrupted
+from fmoe_local.cpu_experts import NATIVE
+from fmoe_local.engine import Engine
+from fmoe_local.experts import OffloadedExperts
+from fmoe_local.miss_cost import MissCosts
+from fmoe_local.offload import Offload
 from fmoe_local.policies import make_policy
 from fmoe_local.runtime import Runtime
+from fmoe_local.stats import LayerCounters
+from tests.fake_streams import FakeStreams
 
 PROMPT = [{"role": "user", "content": "Tell me about the ocean and the waves."}]
 
@@ -85,3 +97,84 @@ def test_the_pinned_ram_budget_is_half_the_machine_unless_set_and_never_negative
         RuntimeConfig(pinned_ram_gb=-1.0).validate()
     with Runtime.load(tiny_model_dir("olmoe"), _config()) as runtime:  # a CPU device copies nothing: pins nothing
         assert runtime.engine.offload.pinned_bytes == 0 == runtime.engine.host.pinned_bytes
+
+
+class LoggingHost:
+    """A host store that logs every read with the thread that made it into `log` (the fake streams' log, so reads
+    and copy-stream events share one order), and reads slowly on the loader thread (the copies)."""
+
+    def __init__(self, host: object, log: list) -> None:
+        self._host, self._log = host, log
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._host, name)
+
+    def read(self, layer: int, expert: int) -> object:
+        thread = threading.current_thread().name
+        self._log.append(("read", layer, expert, thread))
+        if thread == "fmoe-loader":
+            time.sleep(0.01)  # a slow read: a host expert computed before the copies were issued would show first
+        return self._host.read(layer, expert)
+
+
+def _split_offload(engine, cpu_ms: float) -> tuple[Offload, FakeStreams]:
+    """An Offload over the engine's host experts that believes in a GPU: copies take 1 ms, the CPU `cpu_ms` at any
+    token count; its cache runs the CUDA logic on CPU tensors through fake streams."""
+    streams = FakeStreams()
+    host = LoggingHost(engine.host, streams.log)
+    costs = MissCosts(
+        device="cuda", fmt="fp32", expert_bytes=host.expert_bytes, h2d_gbps=host.expert_bytes / 1e6,
+        cpu_kernel="fp32 native", cpu_s_1=cpu_ms * 1e-3, cpu_s_n=cpu_ms * 1e-3,
+    )  # fmt: skip
+    shape = engine.shape
+    policy = make_policy("lru", shape, engine.config)
+    counters = LayerCounters(shape.num_layers, shape.num_experts)
+    offload = Offload(
+        host, torch.device("cpu"), shape.num_experts, policy, counters, costs, NATIVE, synchronous=True, streams=streams
+    )
+    return offload, streams
+
+
+def test_auto_shares_a_layers_misses_between_the_link_and_the_cpu_as_the_costs_say(tiny_model_dir):
+    engine = Engine.build(tiny_model_dir("mixtral"), _config(policy="lru"))
+    offload, _ = _split_offload(engine, cpu_ms=2.5)
+    try:
+        # Copies end at 1, 2, 3, ... ms; the CPU's 2.5 ms beats only the third copy (3 ms). The fourth would end at
+        # 5 ms on the CPU, so the rest are copied (the sixth ties at 5 ms: copied, it stays resident).
+        slots = offload.acquire(0, [0, 1, 2, 3, 4, 5])
+        assert [s < 0 for s in slots] == [False, False, True, False, False, False]
+        c = offload.counters
+        assert int(c.misses.sum()) == 6 and int(c.on_host.sum()) == int(c.on_host[0, 2]) == 1
+        offload.release(slots)
+        # Resident experts are hits, never planned: the one miss left is alone, and a lone miss is copied here.
+        assert min(offload.acquire(0, [0, 1, 2])) >= 0 and int(c.on_host.sum()) == 1
+    finally:
+        offload.close()
+        engine.close()
+
+
+def test_copies_are_issued_before_the_cpu_computes_its_share_and_the_layer_stays_exact(tiny_model_dir):
+    model_dir = tiny_model_dir("mixtral")
+    engine = Engine.build(model_dir, _config(policy="lru"))
+    offload, streams = _split_offload(engine, cpu_ms=2.5)
+    try:
+        ref = engine.moe_layers[0]
+        plain = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
+        eager = plain.get_submodule(engine.arch.experts_prefix(ref.layer_index))
+        layer = OffloadedExperts({id(ref.experts): 0}, offload)
+        index = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])  # a prefill needing all 8 experts, one token each
+        weights = torch.softmax(torch.randn(4, 2, generator=torch.Generator().manual_seed(0)), dim=-1)
+        x = torch.randn(4, engine.shape.embed_dim, generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            got = layer(ref.experts, x, index, weights)
+            expected = eager(x, index, weights)
+        assert torch.equal(got, expected)
+        log = streams.log
+        # 8 equal misses: copies end at 1, 2, 3, 4, 5, 6 ms, the CPU's two at 2.5 and 5 ms (the third and seventh).
+        host_reads = [i for i, e in enumerate(log) if e[0] == "read" and e[-1] == threading.main_thread().name]
+        copies = [i for i, e in enumerate(log) if e[0] == "record" and e[2] == "copy" and e[-1] == "fmoe-loader"]
+        assert [log[i][2] for i in host_reads] == [2, 6]
+        assert len(copies) >= 6 and max(copies) < min(host_reads)  # every copy issued before the CPU's first read
+    finally:
+        offload.close()
+        engine.close()

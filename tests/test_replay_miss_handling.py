@@ -1,4 +1,5 @@
-"""The replay's miss handling: the runtime's MissPlanner decides per miss, a host miss loads nothing and costs CPU."""
+"""The replay's miss handling: the runtime's MissPlanner shares a layer's misses between the link and the CPU, a
+host miss loads nothing and costs CPU time, and the layer waits for the later of the two."""
 
 from __future__ import annotations
 
@@ -48,7 +49,27 @@ def test_auto_computes_decode_misses_on_the_cpu_and_copies_the_ones_many_prefill
     assert r.host_s == pytest.approx(0.04 + 0.04)
 
 
-def test_a_cpu_slower_than_the_copy_is_never_chosen_by_auto():
+def _four_misses_in_one_layer():
+    return build_schedule(make_trace([[[0, 1, 2, 3]]], [1], num_experts=8))  # one decode step, L=1, K=4
+
+
+def test_auto_shares_a_layers_misses_and_the_layer_waits_for_the_later_of_link_and_cpu():
+    # CPU 0.25 s per miss, copy 0.1 s: three copies end at 0.3 s, the fourth miss ends sooner on the CPU (0.25 s).
+    # The copies land while the CPU computes: the layer waits max(0.3, 0.25), not their sum.
+    r = replay(_four_misses_in_one_layer(), LRU(), 4, replace(COST, cpu_s_1=0.25), "online", miss_handling="auto")
+    assert (r.misses, r.on_host, r.bytes_moved) == (4, 1, 300)
+    assert r.host_s == pytest.approx(0.25) and r.stall_s == pytest.approx(0.05)  # the link's time the CPU leaves
+    assert r.tpot_s == pytest.approx(0.01 + 0.3)
+    # CPU 0.04 s: CPU, CPU, copy (0.12 > 0.1), CPU (0.12 < 0.2) — the one copy ends under the CPU's 0.12 s.
+    r = replay(_four_misses_in_one_layer(), LRU(), 4, COST, "online", miss_handling="auto")
+    assert (r.on_host, r.bytes_moved, r.stall_s) == (3, 100, 0)
+    assert r.host_s == pytest.approx(0.12) and r.tpot_s == pytest.approx(0.01 + 0.12)
+    # cpu is not shared: the four run one after the other on the CPU.
+    r = replay(_four_misses_in_one_layer(), LRU(), 4, COST, "online", miss_handling="cpu")
+    assert r.on_host == 4 and r.tpot_s == pytest.approx(0.01 + 0.16)
+
+
+def test_a_lone_miss_is_copied_when_the_cpu_is_slower_than_the_copy():
     slow = replace(COST, cpu_s_1=0.5)
     r = replay(_decode_schedule(), LRU(), 2, slow, "online", miss_handling="auto")
     assert r.on_host == 0 and r.bytes_moved == 8 * 100

@@ -13,8 +13,9 @@ Timeline of one iteration (the runtime's order, prefetcher.py + cache.py):
      Resident and copied → hit. A prefetch still copying is "late" (neither): it stalls only for its remaining bytes
      (the policy is told hit=True, as cache.acquire would). Else an on-demand load that stalls
      expert_bytes / bandwidth, prefetching paused meanwhile — or, when the miss handling sends it to the host (the
-     runtime's MissPlanner on the same figures: miss_handling copy | cpu | auto, or the policy's own, cpu_moe: cpu),
-     no load at all and the layer waits the CPU's time for that expert and its tokens (`CostModel.cpu_s`).
+     runtime's MissPlanner.plan over the layer's misses, on the same figures: miss_handling copy | cpu | auto, or
+     the policy's own, cpu_moe: cpu), no load at all and the CPU's time for that expert and its tokens
+     (`CostModel.cpu_s`). The link's and the CPU's work for the layer run at once: the layer waits for the later.
      record_access (by the simulated cache, per chunk as cache.acquire does), then observe_layer(l, mean probs of
      the rows) → more prefetches.
   Queued prefetches for layers ≤ l (or an older iteration) are stale and dropped: the same PrefetchQueue
@@ -178,7 +179,9 @@ class ReplayResult:
     miss_handling: str = "copy"  # in force: the one asked for, or the one the policy forces (cpu_moe: cpu)
     hits: int = 0
     misses: int = 0
-    stall_s: float = 0.0  # time the forward pass waited for copies (on-demand loads and unfinished prefetches)
+    # Time the forward pass waited for copies (on-demand loads and unfinished prefetches) beyond the CPU's work on
+    # the same layer's misses, which runs meanwhile.
+    stall_s: float = 0.0
     compute_s: float = 0.0  # simulated layer compute of the measured iterations
     decode_s: float = 0.0  # compute + stalls of measured decode iterations
     decode_tokens: int = 0
@@ -265,7 +268,7 @@ def replay(
     if set_capacity is not None:  # as the engine does whenever it makes a cache
         set_capacity(capacity)
     planner = MissPlanner(miss_handling, cost.miss_costs(), getattr(policy, "miss_handling", None))
-    on_host = None if planner.mode == "copy" else planner.on_host
+    plan = None if planner.mode == "copy" else planner.plan
     sim = SimCache(shape, capacity, policy, cost)
     warm = int(warm_fraction * len(schedule.requests)) if mode == "offline" else 0
     if warm_requests is not None:
@@ -303,7 +306,7 @@ def replay(
         counts = schedule.counts.get(i)
         for layer, experts in enumerate(schedule.needed[i]):
             transfer(budget, queue, i)
-            _, stall, host = access(layer, experts, None if counts is None else counts[layer], on_host)
+            _, stall, host = access(layer, experts, None if counts is None else counts[layer], plan)
             stall_total += stall + host
             push(i, observe_layer(layer, probs[layer]))
         policy.end_iteration()

@@ -1,5 +1,5 @@
 """The replay's simulated expert cache: slots, pins, one copy in flight, on-demand loads, misses computed on the
-host, hit/miss accounting.
+host (at the same time as the layer's copies), hit/miss accounting.
 
 Scope: residency and the copy engine's progress in bytes, evicting only through the policy's `choose_victims`
 (the same call the runtime's cache.py makes). It does NOT order events or time iterations (replay.py does) and it
@@ -109,17 +109,23 @@ class SimCache:
         layer: int,
         experts: tuple[int, ...],
         counts: tuple[int, ...] | None = None,
-        on_host: Callable[[int], bool] | None = None,
+        plan: Callable[[list[int]], list[bool]] | None = None,
     ) -> tuple[list[bool], float, float]:
         """The forward pass needs `experts` of `layer`: returns hits, the stall and the host compute in seconds.
 
-        A miss that `on_host(tokens)` claims (miss handling, the runtime's own MissPlanner) is counted as a miss
-        computed on the host: nothing is loaded and the layer waits `cost.cpu_s(tokens)`, as cache.acquire with
-        `on_host` and experts.py do. `counts[i]` is how many tokens need `experts[i]` (1 when not given: decode).
+        `plan(tokens)` (miss handling: the runtime's own `MissPlanner.plan`) gets the token counts of the layer's
+        misses and says which the host computes: those are counted as misses computed on the host, load nothing and
+        cost the CPU `cost.cpu_s(tokens)` each, as cache.acquire with `on_host` and experts.py do. `counts[i]` is how
+        many tokens need `experts[i]` (1 when not given: decode).
 
-        More experts than slots (a long prefill) are taken in chunks of `capacity`, as experts.py computes them;
-        like cache.acquire, each chunk's slots are claimed and then the chunk is reported to the policy
-        (record_access), so a later chunk's evictions see the earlier chunk's use.
+        Time: the link's work for the layer (the rest of a late prefetch's copy, the copy a slot waits for, the
+        on-demand loads) and the CPU's share run at once — the runtime issues the copies before the CPU computes —
+        so the layer waits max(link, CPU). The returned stall is the part of the link's time the CPU does not cover
+        (stall + host = that max); the CPU's work is still never credited as overlapping the GPU's compute.
+
+        More experts than slots (a long prefill) are taken in chunks of `capacity`, as experts.py computes them (one
+        acquire, one plan and one max per chunk); like cache.acquire, each chunk's slots are claimed and then the
+        chunk is reported to the policy (record_access), so a later chunk's evictions see the earlier chunk's use.
         """
         self.current_layer = layer
         resident, c, cap = self.resident, self.counters, self.capacity
@@ -130,17 +136,17 @@ class SimCache:
             chunk = tuple([(layer, e) for e in chunk_experts])
             first = len(hits)
             self.set_pinned(chunk)
+            tokens = counts[start : start + cap] if counts is not None else (1,) * len(chunk)
+            missed = [i for i, key in enumerate(chunk) if key not in resident]
+            flags = plan([tokens[i] for i in missed]) if plan is not None and missed else [False] * len(missed)
+            on_cpu = {missed[j] for j, cpu in enumerate(flags) if cpu}
             # Nothing changes the policy's mind between this chunk's loads (record_access comes after them): ask for
             # all the victims its misses need at once — the Policy contract makes that the same choice.
-            tokens = counts[start : start + cap] if counts is not None else (1,) * len(chunk)
-            on_cpu = [
-                on_host is not None and key not in resident and on_host(n) for key, n in zip(chunk, tokens, strict=True)
-            ]
-            missing = [key for key, cpu in zip(chunk, on_cpu, strict=True) if key not in resident and not cpu]
-            need = len(missing) - (cap - len(resident))
+            need = len(missed) - len(on_cpu) - (cap - len(resident))
             if need > 0:
                 self._victims = self._choose(need)[::-1]  # popped from the end: first victim first
-            for key, n, cpu in zip(chunk, tokens, on_cpu, strict=True):
+            link = cpu = 0.0
+            for i, (key, n) in enumerate(zip(chunk, tokens, strict=True)):
                 unused = resident.get(key)
                 if unused is not None:
                     hits.append(True)  # what the runtime's cache tells the policy, late or not
@@ -148,7 +154,7 @@ class SimCache:
                         resident[key] = False
                         c.prefetch_used += 1
                     if key == self.inflight:  # a late prefetch: wait for its copy, as cache.acquire does
-                        stall += self.inflight_left / self.cost.bandwidth
+                        link += self.inflight_left / self.cost.bandwidth
                         self._finish_copy()
                         c.late[key] += 1  # neither a hit nor a miss (DESIGN.md, "Hits, late and misses")
                     else:
@@ -156,18 +162,20 @@ class SimCache:
                     continue
                 hits.append(False)
                 c.misses[key] += 1
-                if cpu:
+                if i in on_cpu:
                     c.on_host[key] += 1
-                    host += self.cost.cpu_s(n)
+                    cpu += self.cost.cpu_s(n)
                     continue
                 if not self._insert(key, by_prefetch=False):
                     # Every other slot is pinned: wait for the copy in flight to free one, as cache.acquire does.
-                    stall += self.inflight_left / self.cost.bandwidth
+                    link += self.inflight_left / self.cost.bandwidth
                     self._finish_copy()
                     if not self._insert(key, by_prefetch=False):
                         raise RuntimeError("The cache has no slot to load into; raise the cache size.")
                 c.bytes_moved += self.cost.expert_bytes
-                stall += self.cost.load_s
+                link += self.cost.load_s
+            stall += max(0.0, link - cpu)
+            host += cpu
             self._victims = []
             self.policy.record_access(layer, list(chunk_experts), hits[first:])
         c.stall_s += stall
