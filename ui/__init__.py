@@ -11,27 +11,10 @@ from __future__ import annotations
 import gradio as gr
 
 from ui import chat, models, settings, stats
-from ui.session import Session, fmt_gb, format_in_use, model_label
+from ui.page_header import TITLE, header
+from ui.session import Session
 
-TITLE = "fmoe-local"
-
-
-def header(session: Session) -> str:
-    if session.runtime is not None:
-        i = session.runtime.info
-        model = (
-            f"**{model_label(session.model_dir, i.name)}** on {i.device} · experts in {format_in_use(i.expert_format, i.dtype)} · "
-            f"expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts)"
-        )
-    else:
-        model = "**No model loaded** — open the Models tab to download one or load a folder."
-    recovered = getattr(session.store, "recovered_from", None)
-    if recovered is not None:
-        model += (
-            f"\n\n⚠️ **Your database was damaged and could not be read.** It was moved to `{recovered}` (your earlier "
-            "chats are in that file) and a new, empty one was started."
-        )
-    return f"# {TITLE}\n{model}"
+__all__ = ["TITLE", "build", "header"]
 
 
 def build(session: Session) -> gr.Blocks:
@@ -47,7 +30,7 @@ def build(session: Session) -> gr.Blocks:
             with gr.Tab("Stats", id="stats", elem_id="tab-stats"):
                 stats_tab = stats.build(session)
         replies = chat.wire(session, chat_tab, demo)
-        loads = models.wire(session, models_tab, demo)
+        loads = models.wire(session, models_tab, demo, top)
         applied = settings.wire(session, settings_tab, demo)
         stats.wire(session, stats_tab, demo)
 

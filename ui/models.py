@@ -20,7 +20,7 @@ import gradio as gr
 
 from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find
 from fmoe_local.hardware import format_fits
-from ui import model_formats
+from ui import model_formats, page_header
 from ui.downloads import Download, delete_downloaded, list_downloaded
 from ui.session import DEMO_LABEL, ModelLoadError, Session, demo_dir
 
@@ -187,13 +187,15 @@ def load_steps(session: Session, path: str | None, fmt: str | None) -> Iterator[
         yield f"⚠️ {exc}", ""
         return
     job = session.start_load(path)
+    yield "", progress_html(*model_formats.load_progress(job, time.monotonic()))  # at once: the header says it too
     while not job.finished.wait(POLL_S):
         yield "", progress_html(*model_formats.load_progress(job, time.monotonic()))
     yield (f"⚠️ {job.error}" if job.error else job.message), ""
 
 
-def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
-    """Attach the events; returns the events after which a model was (un)loaded."""
+def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) -> list:
+    """Attach the events; returns the events after which a model was (un)loaded. `top`: the page's header, which
+    Load redraws while it loads (it names the model loading, then the one loaded, or the failure)."""
 
     def machine_md(refresh: bool = False) -> str:
         return f"**This computer:** {session.machine(refresh).summary()}"
@@ -278,7 +280,8 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
         ]
 
     def load_ui(path, fmt):
-        yield from load_steps(session, path, fmt)
+        for status, bar in load_steps(session, path, fmt):
+            yield status, bar, page_header.header(session)
 
     def note(choice, folder, repo_id):
         return model_formats.choice_note(session, choice, folder, repo_id)
@@ -293,7 +296,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks) -> list:
         changed(note, [tab.expert_format, tab.downloaded, tab.repo_id], [tab.format_note], queue=False, **private)
     tab.download.click(start, [tab.repo_id, tab.token], [tab.progress, tab.downloaded], **private)
     tab.cancel.click(cancel, None, [tab.status], api_name="cancel_download", concurrency_limit=None)
-    outputs = [tab.status, tab.load_progress]
+    outputs = [tab.status, tab.load_progress, top]
     loaded = tab.load.click(load_ui, [tab.downloaded, tab.expert_format], outputs, concurrency_id="runtime", **private)
     loaded_folder = tab.load_folder.click(
         load_ui, [tab.folder, tab.expert_format], outputs, concurrency_id="runtime", **private

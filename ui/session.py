@@ -140,6 +140,7 @@ class Session:
     api_base: str = ""  # the OpenAI-compatible API's base URL once the server runs (ui/openai_api.py)
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # RequestStats of recent replies
     download: object | None = None  # ui.downloads.Download in progress
+    loading: LoadJob | None = None  # the latest start_load's job (the header says "Loading …" until it finishes)
     _machine: Machine | None = None
     _persistence: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -179,6 +180,7 @@ class Session:
             finally:
                 job.finished.set()
 
+        self.loading = job
         threading.Thread(target=run, name="fmoe-load", daemon=True).start()
         return job
 

@@ -1,0 +1,51 @@
+"""The page header during a load: Load redraws it at once with the model loading (the previous one is already gone),
+then names the model loaded; a failed load leaves it naming what is loaded (none) with the failure's sentence."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.quant_cache import QuantCache
+from store import open_store
+from ui import build
+from ui.session import Session
+
+
+@pytest.fixture
+def session(tmp_path):
+    store = open_store(tmp_path)
+    s = Session(store=store, config=RuntimeConfig(device="cpu", quant_cache_dir=str(tmp_path / "quantized")))
+    yield s
+    s.close()
+    store.close()
+
+
+def test_load_says_which_model_is_loading_then_the_one_loaded_or_why_none(
+    session, tiny_model_dir, monkeypatch, tmp_path
+):
+    session.load(tiny_model_dir("qwen3_moe"))
+    demo = build(session)
+    load = next(f for f in demo.fns.values() if f.name == "load_ui").fn  # the Load button's handler
+    assert "qwen3" in next(f for f in demo.fns.values() if f.name == "after_load").fn()[0]
+    real_write, release = QuantCache._write, threading.Event()
+
+    def held(self, layer, tensors):
+        release.wait(120)  # holds the load mid-copy while the page shows it
+        real_write(self, layer, tensors)
+
+    monkeypatch.setattr(QuantCache, "_write", held)
+    steps = load(str(tiny_model_dir("mixtral")), "nf4")
+    _, _, top = next(steps)
+    assert "**Loading mixtral" in top and "4-bit (nf4)" in top and "qwen3" not in top
+    release.set()
+    *_, (status, _, top) = steps
+    assert status.startswith("Loaded mixtral") and top.startswith("# fmoe-local\n**mixtral") and "Loading" not in top
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # a folder that looks like a model and is not one
+    *_, (status, _, top) = load(str(broken), "auto")
+    assert status.startswith("⚠️ Could not load broken") and session.runtime is None
+    assert "**No model loaded.** ⚠️ Could not load broken" in top and "mixtral" not in top

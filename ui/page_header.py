@@ -1,0 +1,38 @@
+"""The page's header: the model that answers — or the one loading, or why none is loaded.
+
+Scope: text from the Session's state (what is loaded, the load under way, the last load's failure). It does NOT load
+anything or build components; ui/__init__ shows it at the top and the Models tab's Load redraws it while it loads.
+"""
+
+from __future__ import annotations
+
+from ui.session import Session, fmt_gb, format_in_use, format_name, model_label
+
+TITLE = "fmoe-local"
+
+
+def header(session: Session) -> str:
+    job = session.loading
+    if job is not None and not job.finished.is_set():
+        # The previous model is already unloaded: naming it would say the wrong model answers.
+        model = (
+            f"**Loading {model_label(job.model_dir)}…** with experts in {format_name(job.expert_format)}; the Models "
+            "tab shows how far it got."
+        )
+    elif session.runtime is not None:
+        i = session.runtime.info
+        model = (
+            f"**{model_label(session.model_dir, i.name)}** on {i.device} · experts in "
+            f"{format_in_use(i.expert_format, i.dtype)} · expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts)"
+        )
+    elif session.load_error:
+        model = f"**No model loaded.** ⚠️ {session.load_error} Load another model in the Models tab, or try again."
+    else:
+        model = "**No model loaded** — open the Models tab to download one or load a folder."
+    recovered = getattr(session.store, "recovered_from", None)
+    if recovered is not None:
+        model += (
+            f"\n\n⚠️ **Your database was damaged and could not be read.** It was moved to `{recovered}` (your earlier "
+            "chats are in that file) and a new, empty one was started."
+        )
+    return f"# {TITLE}\n{model}"
