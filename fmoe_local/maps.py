@@ -1,7 +1,8 @@
 """Expert maps and the map store the fMoE matcher searches.
 
-Scope: `MapStore`: arrays in memory, capacity with redundancy-based replacement (RDY), dedup, the two cosine searches
-and successor links (map_links.py); records in expert_map.py, embeddings and their sketch in semantic_index.py. It
+Scope: `MapStore`: capacity with redundancy-based replacement (RDY), dedup, the two cosine searches and their
+query caches, and successor links (map_links.py); records in expert_map.py, the probability arrays in
+trajectory_index.py, embeddings and their sketch in semantic_index.py. It
 does NOT decide what to prefetch (policies/fmoe.py), touch SQLite, or run a thread: it is safe to call from several.
 
 Array legend: C capacity, n maps stored (slots 0..n-1, always contiguous), L MoE layers, J experts, h embed dim.
@@ -30,6 +31,7 @@ from fmoe_local.config import RuntimeConfig
 from fmoe_local.expert_map import ExpertMap, MapPersistence
 from fmoe_local.map_links import SuccessorLinks
 from fmoe_local.semantic_index import SemanticIndex
+from fmoe_local.trajectory_index import BLOCK_ELEMS, TrajectoryIndex
 
 if TYPE_CHECKING:  # policies/ imports this module (fmoe); a runtime import back would be circular
     from fmoe_local.policies.base import ModelShape
@@ -39,9 +41,6 @@ __all__ = ["ExpertMap", "MapPersistence", "MapStore"]  # the records are importe
 log = logging.getLogger(__name__)
 
 _EPS = 1e-12
-# Elements per BLAS call. A small gemv stays on one thread: on a busy 2-core machine one [64, 32768] gemv measured
-# 7 ms with 2 BLAS threads against 0.5 ms cut in 2048-column blocks (and a [1300, 1664] one 9.4 ms against 1.6 ms).
-_BLOCK_ELEMS = 131072
 
 
 class MapStore:
@@ -72,7 +71,8 @@ class MapStore:
         self._version = 0  # bumped on every write: invalidates the incremental trajectory cache
         self._traj_cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (query prefix, dots, version)
         self._sem_cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (query, cosines, version)
-        self._semantic = SemanticIndex(shape.embed_dim, capacity, sketch_dim, sketch_candidates, _BLOCK_ELEMS)
+        self._traj = TrajectoryIndex(shape.num_layers, shape.num_experts, capacity)
+        self._semantic = SemanticIndex(shape.embed_dim, capacity, sketch_dim, sketch_candidates, BLOCK_ELEMS)
         self._alloc(capacity)
 
     @classmethod
@@ -98,15 +98,8 @@ class MapStore:
         return self._n
 
     def _alloc(self, capacity: int) -> None:
-        L, J = self.shape.num_layers, self.shape.num_experts
         self._capacity = capacity
-        # Layer-major with maps innermost: one layer's [J, n] block is contiguous, so a trajectory search is one
-        # gemv per new layer, and a sparse query reads only its non-zero experts' rows.
-        self._traj = np.zeros((L, J, capacity), np.float32)  # [L, J, C]
-        # cumsq[l, c]: squared norm of map c's first l layers, so any prefix norm is O(1) per map.
-        self._cumsq = np.zeros((L + 1, capacity), np.float64)  # [L+1, C]
-        # 1/sqrt(cumsq) (0 for an all-zero prefix): a search is then one gemv, one multiply and one argmax.
-        self._inv_norm = np.zeros((L + 1, capacity), np.float32)  # [L+1, C]
+        self._traj.alloc(capacity)
         self._semantic.alloc(capacity)
         self._request_ids = np.zeros(capacity, np.int64)
         self._stamps = np.zeros(capacity, np.int64)  # insertion order: which maps to keep when shrinking
@@ -116,7 +109,7 @@ class MapStore:
         """A copy of the stored map's [L, J] probabilities."""
         with self._lock:
             self._check_slot(slot)
-            return np.ascontiguousarray(self._traj[:, :, slot])
+            return self._traj.probs(slot)
 
     def get(self, slot: int) -> ExpertMap:
         with self._lock:
@@ -174,27 +167,14 @@ class MapStore:
             if dots is None:
                 dots = np.zeros(n, np.float32)
             for i in range(start, depth):
-                dots += self._layer_dots(i, q[i], n)
+                dots += self._traj.layer_dots(i, q[i], n)
             self._traj_cache = (q.copy(), dots, self._version)
             qn = float(np.sqrt(np.square(q, dtype=np.float64).sum()))
             if qn == 0.0:
                 return 0, 0.0
-            scores = dots * self._inv_norm[depth, :n]  # cosine × ‖q‖: the same argmax
+            scores = dots * self._traj.inv_norms(depth, n)  # cosine × ‖q‖: the same argmax
             best = int(np.argmax(scores))
             return best, float(scores[best]) / qn
-
-    def _layer_dots(self, layer: int, q: np.ndarray, n: int) -> np.ndarray:
-        """[n] dot products of one layer's query row with every stored map's same layer."""
-        nz = np.flatnonzero(q)
-        if nz.size * 4 <= q.size:  # top-k-only maps: read just the rows that can contribute
-            qv, rows = q[nz], self._traj[layer, nz, :n]
-        else:
-            qv, rows = q, self._traj[layer, :, :n]
-        out = np.empty(n, np.float32)
-        step = max(1, _BLOCK_ELEMS // max(1, rows.shape[0]))
-        for a in range(0, n, step):
-            np.matmul(qv, rows[:, a : a + step], out=out[a : a + step])
-        return out
 
     # --- writing ---------------------------------------------------------------------------------------------
     def add(self, expert_map: ExpertMap, after: int = -1) -> int:
@@ -245,9 +225,9 @@ class MapStore:
             if dots is None:
                 dots = np.zeros(n, np.float32)
                 for i in range(L):
-                    dots += self._layer_dots(i, q[i], n)
+                    dots += self._traj.layer_dots(i, q[i], n)
             qn = float(np.sqrt(np.square(q, dtype=np.float64).sum()))
-            s_traj = dots * self._inv_norm[L, :n] / max(qn, _EPS)
+            s_traj = dots * self._traj.inv_norms(L, n) / max(qn, _EPS)
             s_sem, qs = s_traj, None
             if semantic is not None and self.shape.embed_dim > 0:
                 qs = self._as_semantic(semantic)
@@ -296,11 +276,7 @@ class MapStore:
         return int(pool[np.argmax(rdy[pool])])
 
     def _write(self, slot: int, probs: np.ndarray, sem: np.ndarray | None, request_id: int) -> None:
-        self._traj[:, :, slot] = probs
-        self._cumsq[0, slot] = 0.0
-        self._cumsq[1:, slot] = np.cumsum(np.square(probs, dtype=np.float64).sum(axis=1))
-        cs = self._cumsq[:, slot]
-        self._inv_norm[:, slot] = np.where(cs > 0, 1.0 / np.sqrt(np.maximum(cs, _EPS)), 0.0)
+        self._traj.write(slot, probs)
         self._semantic.write(slot, sem)
         self._request_ids[slot] = request_id
         self._stamps[slot] = self._next_stamp

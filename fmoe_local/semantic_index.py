@@ -48,7 +48,7 @@ class SemanticIndex:
             raise ValueError("Set the semantic sketch candidates to at least 1: that many maps are re-ranked exactly.")
         self.dim = dim
         self.candidates = candidates
-        self._block_elems = block_elems  # elements per BLAS call, see maps._BLOCK_ELEMS
+        self._block_elems = block_elems  # elements per BLAS call, see trajectory_index.BLOCK_ELEMS
         self.sketch_dim = sketch_dim if 0 < sketch_dim < dim else 0
         self._proj: np.ndarray | None = None
         if self.sketch_dim:
