@@ -17,9 +17,20 @@ from ui.session import LoadJob, Session, format_name, model_label
 FORMAT_HEADERS = ["bf16 experts", "8-bit experts", "4-bit experts"]
 
 
+# Auto's label says what it keeps in brackets, too long for a choice (the Settings dropdown cut it off): the choice
+# says the short part and the control's help line the rest.
+AUTO_SHORT, _, _kept = LABELS["auto"].partition(" (")
+AUTO_HELP = f"Auto keeps the checkpoint's own form: {_kept.rstrip(')')}."
+
+
+def label(fmt: str) -> str:
+    """A format's label in a choice: what it costs in answers (Auto: the short half, AUTO_HELP the rest)."""
+    return AUTO_SHORT if fmt == "auto" else LABELS[fmt]
+
+
 def choices() -> list[tuple[str, str]]:
     """The Radio's and the Dropdown's choices: every format a user can pick, each with what it costs in answers."""
-    return [(LABELS[f], f) for f in EXPERT_FORMATS]
+    return [(label(f), f) for f in EXPERT_FORMATS]
 
 
 def answers(fmt: str) -> str:

@@ -163,7 +163,7 @@ def build(session: Session) -> ModelsTab:
         model_formats.choices(),
         value=session.store.settings.load().expert_format,
         label="Expert format (used by Load; saved for the next loads, like the Settings tab's)",
-        info="Smaller formats hold more experts in RAM and on the GPU, and answer slightly differently.",
+        info=f"Smaller formats hold more experts in RAM and on the GPU, and answer slightly differently. {model_formats.AUTO_HELP}",
         elem_id="load-format",
     )
     format_note = gr.Markdown("", elem_id="format-note")

@@ -17,6 +17,7 @@ import gradio as gr
 
 from fmoe_local.config import POLICIES, RuntimeConfig
 from fmoe_local.hardware import GIB, cache_gb_limit
+from ui.model_formats import AUTO_HELP
 from ui.model_formats import choices as format_choices
 from ui.session import Session, fmt_bytes, fmt_gb, format_in_use, format_name, model_label
 
@@ -141,8 +142,9 @@ def build(session: Session) -> SettingsTab:
 
 
 FORMAT_HELP = (
-    "How experts are kept in RAM and on the GPU: smaller holds more of them, answers differ slightly. A reload applies "
-    "it (Models tab, Load); a first 8-bit or 4-bit load makes a copy of the experts, kept for the next."
+    "How experts are kept in RAM and on the GPU: smaller holds more of them, answers differ slightly. "
+    f"{AUTO_HELP} A reload applies it (Models tab, Load); a first 8-bit or 4-bit load makes a copy of the experts, "
+    "kept for the next."
 )
 CACHE_HELP = "Memory kept for experts ready to run; more means fewer waits for copies, less memory for anything else."
 

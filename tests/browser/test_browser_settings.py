@@ -66,6 +66,7 @@ def test_impossible_cache_size_is_refused_and_the_chat_and_a_restart_still_work(
 
 
 def test_the_cache_size_is_shown_in_kb_and_experts_and_999_or_minus_1_are_refused_not_clamped(tiny_model_dir, tmp_path):
+    """…and the expert format's choice fits its field."""
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         app = App(tmp_path / "data", tiny_model_dir("mixtral"), tmp_path / "net.log", port=7891)
@@ -81,6 +82,11 @@ def test_the_cache_size_is_shown_in_kb_and_experts_and_999_or_minus_1_are_refuse
                 assert field.locator("input[type=number]").input_value() == typed  # refused, never clamped
                 assert page.locator("#settings-status .error, #model-info .error").count() == 0
             page.screenshot(path=SHOTS / "settings-cache-refused.png", full_page=True)
+            # The expert format's choice is read whole (Auto's long label was cut off); its help line says the rest.
+            chosen = page.locator("#expert-format input")
+            assert chosen.input_value() == "Auto: the checkpoint's own form"
+            assert chosen.evaluate("e => e.scrollWidth <= e.clientWidth"), "the format's label is cut off"
+            page.locator("#expert-format").get_by_text("a 4-bit download stays 4-bit").wait_for(timeout=30_000)
             assert "(32 experts)" in page.locator("#app-title").inner_text()  # nothing changed
             page.close()
         finally:
