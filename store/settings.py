@@ -1,5 +1,6 @@
 """The user's settings between sessions: last model, cache size, prefetch distance, policy, store capacity, miss
-handling (and the measured miss costs per model), the expert format (used at the next load), and sampling defaults, typed, with defaults taken from fmoe_local.config (never repeated here).
+handling (and the measured miss costs per model), the expert format (used at the next load; each model's own choice),
+and sampling defaults, typed, with defaults taken from fmoe_local.config (never repeated here).
 
 Scope: a key → JSON value table read into an `AppSettings` dataclass and written back one key at a time. It does
 NOT apply settings to a running model (the app calls `Runtime.reconfigure`); `AppSettings.apply_to` only builds
@@ -11,9 +12,10 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
-from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.config import EXPERT_FORMATS, RuntimeConfig, Sampling
 from store.db import StoreDb
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,9 @@ class AppSettings:
     # What a miss costs on this machine, per model folder: {"/path/to/model": MissCosts.to_dict()} as JSON, measured
     # at the first load and reused by the next ones (Runtime.load checks they fit the model and the device).
     miss_costs: str = ""
+    # The expert format the user chose for each model folder: {"/path/to/model": "int8"} as JSON. Load settings belong
+    # to the model loaded (picking a model in the Models tab shows its own choice, not the last model's).
+    model_formats: str = ""
     temperature: float = Sampling.temperature
     top_p: float = Sampling.top_p
     max_new_tokens: int = Sampling.max_new_tokens
@@ -120,6 +125,17 @@ class SettingsStore:
             )
         return updated
 
+    def model_format(self, folder: str) -> str | None:
+        """The expert format the user chose for this model folder the last time (None: never chosen)."""
+        chosen = _json_dict(self.load().model_formats).get(_folder_key(folder))
+        return chosen if chosen in EXPERT_FORMATS else None
+
+    def format_choice(self, folder: str, fmt: str) -> dict[str, str]:
+        """The changes for `set` that make `fmt` the format of the next load and this folder's own choice."""
+        known = _json_dict(self.load().model_formats)
+        known[_folder_key(folder)] = fmt
+        return {"expert_format": fmt, "model_formats": json.dumps(known)}
+
     def reset_fields(self, names: list[str]) -> AppSettings:
         """Put `names` back to their defaults (one transaction); returns the settings now in effect."""
         for key in names:
@@ -132,6 +148,18 @@ class SettingsStore:
         with self._s.writing():
             self._s.db.execute("DELETE FROM settings")
         return AppSettings()
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}  # unreadable (another version wrote it): as if nothing were chosen
+    return value if isinstance(value, dict) else {}
+
+
+def _folder_key(folder: str) -> str:
+    return str(Path(folder).expanduser().resolve())
 
 
 def _check_key(key: str) -> None:

@@ -130,3 +130,18 @@ def test_kill_9_during_settings_saves_keeps_every_committed_apply_whole(tmp_path
         assert store.recovered_from is None
     finally:
         store.close()
+
+
+def test_each_model_folder_keeps_its_own_expert_format(tmp_path):
+    with open_store(tmp_path / "data") as s:
+        a, b = tmp_path / "a", tmp_path / "b"
+        assert s.settings.model_format(str(a)) is None  # never chosen
+        s.settings.set(**s.settings.format_choice(str(a), "int8"))
+        s.settings.set(**s.settings.format_choice(str(b / ".." / "b"), "nf4"))  # the same folder, however spelt
+        assert (s.settings.model_format(str(a)), s.settings.model_format(str(b))) == ("int8", "nf4")
+        assert s.settings.load().expert_format == "nf4"  # the next load's, as before
+        with pytest.raises(ValueError, match="Unknown expert format"):
+            s.settings.set(**s.settings.format_choice(str(a), "fp8"))
+        assert s.settings.model_format(str(a)) == "int8"  # refused: nothing saved
+        s.settings.set(model_formats="not json")
+        assert s.settings.model_format(str(a)) is None  # unreadable: as if never chosen

@@ -5,6 +5,7 @@ far a first quantised load got, and says a failure as a sentence."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -79,19 +80,61 @@ def test_the_picked_model_s_table_labels_each_format_and_says_no_ready_made_4_bi
     assert "already MXFP4: Auto keeps it" in model_formats.detail(gpt_oss, format_fits(gpt_oss, DESKTOP))
 
 
+def _downloaded(session, entry) -> str:
+    """A finished download of a catalog model (its folder as "Your models" lists it)."""
+    folder = session.models_dir / entry.repo_id.replace("/", "--")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    write_marker(folder, {"repo_id": entry.repo_id})
+    return str(folder)
+
+
 def test_a_format_that_does_not_fit_is_said_under_the_choice_with_one_that_does(session):
     session._machine = SMALL_GPU
-    note = model_formats.choice_note(session, "bf16", None, MIXTRAL.repo_id)
+    mixtral = _downloaded(session, MIXTRAL)
+    note = model_formats.choice_note(session, "bf16", mixtral)
     assert (
         note.startswith("⚠️ Mixtral 8x7B Instruct: bf16 does not fit here: Not enough GPU memory")
         and "Choose 8-bit instead" in note
     )
-    int8 = model_formats.choice_note(session, "int8", None, MIXTRAL.repo_id)
+    int8 = model_formats.choice_note(session, "int8", mixtral)
     assert int8 == (
         "The first load of Mixtral 8x7B Instruct in 8-bit (int8) makes a copy of its experts (45.1 GB on disk; "
         "minutes, with progress shown); later loads reuse it."
     )
-    assert model_formats.choice_note(session, "nf4", str(demo_model_dir()), "") == ""  # not a catalog model
+    demo = model_formats.choice_note(session, "nf4", str(demo_model_dir()))  # not a catalog model
+    assert demo == f"For {DEMO_LABEL}: Load uses 4-bit (nf4)."
+
+
+def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog_row(session, tiny_model_dir):
+    session._machine = DESKTOP
+    olmoe = find("allenai/OLMoE-1B-7B-0924-Instruct")
+    mixtral, other = _downloaded(session, MIXTRAL), _downloaded(session, olmoe)
+    best = {e.repo_id: next(f.choice for f in format_fits(e, DESKTOP, True) if f.recommended) for e in (MIXTRAL, olmoe)}
+    assert best[MIXTRAL.repo_id] == "int8" and best[olmoe.repo_id] != "int8"
+    demo = build(session)
+    handler = {f.name: f for f in demo.fns.values()}
+    # A catalog row shows that model's table; it no longer touches the choice another model's Load takes.
+    pick = handler["pick"]
+    assert pick.fn(gr.SelectData(None, {"index": [0, 0], "value": "x"}))[0] == CATALOG[0].repo_id
+    assert "load-format" not in [demo.blocks[o._id].elem_id for o in pick.outputs]
+    follow = handler["follow"].fn  # picking a model under "Your models"
+    fmt, note = follow(mixtral)
+    assert fmt == "int8" and "Mixtral 8x7B Instruct" in note
+    fmt, note = follow(other)
+    assert fmt == best[olmoe.repo_id] and note.startswith("For OLMoE 1B-7B Instruct: Load uses")
+    # The user's own choice for a model is what that model brings back, whatever was loaded since.
+    tiny = session.models_dir / "acme--tiny"
+    shutil.copytree(tiny_model_dir("mixtral"), tiny)
+    write_marker(tiny, {"repo_id": "acme/tiny"})
+    assert follow(str(tiny))[0] == "auto"  # not in the catalog and never chosen: the default
+    *_, (status, _) = load_steps(session, str(tiny), "int8")
+    assert status.startswith("Loaded acme--tiny") and session.runtime.info.expert_format == "int8"
+    assert follow(mixtral)[0] == "int8" and follow(other)[0] == best[olmoe.repo_id]
+    fmt, note = follow(str(tiny))
+    assert fmt == "int8" and note == "For acme--tiny: Load uses 8-bit (int8)."
+    session.store.settings.set(**session.store.settings.format_choice(mixtral, "nf4"))
+    assert follow(mixtral)[0] == "nf4" and follow(str(tiny))[0] == "int8"
 
 
 def test_load_uses_the_chosen_format_and_shows_how_far_the_copy_got(session, tiny_model_dir, monkeypatch):

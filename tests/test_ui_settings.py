@@ -102,6 +102,8 @@ def test_the_expert_format_is_saved_for_the_next_load_labelled_and_the_model_kee
         "Expert format 4-bit (nf4) is saved: the model runs in float32 (full size) until you load it again (Models tab, Load)."
     )
     assert session.store.settings.load().expert_format == "nf4" and settings.refresh(session)[-1] == "nf4"
+    # …as the loaded model's own choice, which the Models tab brings back when that model is picked for Load.
+    assert session.store.settings.model_format(str(session.model_dir)) == "nf4"
     with gr.Blocks():
         tab = settings.build(session)
     assert ("4-bit: ~4× smaller, slightly different answers", "nf4") in tab.expert_format.choices

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from ui import chat, models, settings, stats
+from ui import chat, model_formats, models, settings, stats
 from ui.page_header import TITLE, header
 from ui.session import Session
 
@@ -41,10 +41,10 @@ def build(session: Session) -> gr.Blocks:
         for event in loads:
             event.success(after_load, None, after_load_outputs, api_visibility="private")
         for event in applied:
-            # The Models tab's format choice is the same saved setting: show what Settings saved.
+            # The Models tab's format choice is the picked model's: Settings may have just chosen it for the loaded one.
             event.success(
-                lambda: (header(session), *stats.draw(session), session.store.settings.load().expert_format),
-                None,
+                lambda folder: (header(session), *stats.draw(session), model_formats.format_for(session, folder)),
+                [models_tab.downloaded],
                 [top, *stats.outputs(stats_tab), models_tab.expert_format],
                 api_visibility="private",
             )

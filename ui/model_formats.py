@@ -7,8 +7,10 @@ labels are fmoe_local.expert_formats'. It does NOT compute a size, decide a verd
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fmoe_local.catalog import GB, CatalogEntry, find
-from fmoe_local.config import EXPERT_FORMATS
+from fmoe_local.config import EXPERT_FORMATS, RuntimeConfig
 from fmoe_local.expert_formats import LABELS
 from fmoe_local.hardware import FormatFit, format_fits, instead
 from ui.downloads import list_downloaded
@@ -85,24 +87,40 @@ def detail(entry: CatalogEntry, fits: list[FormatFit]) -> str:
     return "\n".join(rows)
 
 
-def entry_of(session: Session, folder: str | None, repo_id: str | None) -> tuple[CatalogEntry | None, bool]:
-    """(the catalog model the user is about to load, whether it is downloaded): the downloaded folder picked, else
-    the repo id typed or clicked in the wizard."""
+def entry_of(session: Session, folder: str | None) -> tuple[CatalogEntry | None, bool]:
+    """(the catalog model in this folder, whether it is a finished download): (None, False) for any other folder."""
     downloaded = {str(m.path): m.repo_id for m in list_downloaded(session.models_dir)}
-    if folder and folder in downloaded:
-        entry = find(downloaded[folder])
-        if entry is not None:
-            return entry, True
-    entry = find((repo_id or "").strip()) if repo_id else None
-    return entry, entry is not None and entry.repo_id in downloaded.values()
+    entry = find(downloaded[folder]) if folder in downloaded else None
+    return entry, entry is not None
 
 
-def choice_note(session: Session, choice: str, folder: str | None, repo_id: str | None) -> str:
-    """The sentence under the format choice: the format that works instead when this one does not fit; what the
-    first load costs when it makes a copy; "" when there is nothing to add."""
-    entry, downloaded = entry_of(session, folder, repo_id)
-    if entry is None or choice not in EXPERT_FORMATS:
+def format_for(session: Session, folder: str | None) -> str:
+    """The format Load offers for the model in `folder`: the user's own choice for it, else the one recommended for a
+    catalog model on this machine, else the app's default. Load settings belong to the model, not the last load."""
+    saved = session.store.settings.load()
+    if not folder:
+        return saved.expert_format
+    chosen = session.store.settings.model_format(folder)
+    if chosen is not None:
+        return chosen
+    entry, downloaded = entry_of(session, folder)
+    if entry is not None:
+        best = next((f.choice for f in format_fits(entry, session.machine(), downloaded) if f.recommended), None)
+        if best is not None:
+            return best
+    return RuntimeConfig.expert_format
+
+
+def choice_note(session: Session, choice: str, folder: str | None) -> str:
+    """The sentence under the format choice, naming the model it is for (the one picked under "Your models"): the
+    format that works instead when this one does not fit, or what the first load costs when it makes a copy."""
+    if not folder:
+        return "Pick a model under Your models: each model keeps its own expert format."
+    if choice not in EXPERT_FORMATS:
         return ""
+    entry, downloaded = entry_of(session, folder)
+    if entry is None:
+        return f"For {model_label(Path(folder))}: Load uses {format_name(choice)}."
     fits = format_fits(entry, session.machine(), downloaded)
     sentence = instead(fits, choice)
     if sentence:
@@ -114,7 +132,9 @@ def choice_note(session: Session, choice: str, folder: str | None, repo_id: str 
             f"The first load of {entry.name} in {format_name(chosen.fmt)} makes a copy of its experts "
             f"({_gb(copy)} on disk; minutes, with progress shown); later loads reuse it."
         )
-    return ""
+    return f"For {entry.name}: Load uses {format_name(chosen.fmt)}" + (
+        " (recommended here)." if chosen.recommended else "."
+    )
 
 
 def load_progress(job: LoadJob, now: float) -> tuple[float, str]:

@@ -162,7 +162,7 @@ def build(session: Session) -> ModelsTab:
     expert_format = gr.Radio(
         model_formats.choices(),
         value=session.store.settings.load().expert_format,
-        label="Expert format (used by Load; saved for the next loads, like the Settings tab's)",
+        label="Expert format of the model picked above (used by Load; each model keeps its own)",
         info=f"Smaller formats hold more experts in RAM and on the GPU, and answer slightly differently. {model_formats.AUTO_HELP}",
         elem_id="load-format",
     )
@@ -182,7 +182,8 @@ def load_steps(session: Session, path: str | None, fmt: str | None) -> Iterator[
         yield "⚠️ Pick a downloaded model or type a folder first.", ""
         return
     try:
-        session.store.settings.set(expert_format=fmt or session.store.settings.load().expert_format)
+        settings = session.store.settings
+        settings.set(**settings.format_choice(path, fmt or model_formats.format_for(session, path)))
     except ValueError as exc:
         yield f"⚠️ {exc}", ""
         return
@@ -205,21 +206,25 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
         loaded = session.model_dir.resolve() if session.model_dir is not None else None
         choices = downloaded_choices(session)
         value = next((path for _, path in choices if Path(path).resolve() == loaded), None)
-        saved = session.store.settings.load().expert_format
-        return machine_md(), catalog_rows(session), gr.Dropdown(choices=choices, value=value), saved
+        fmt = model_formats.format_for(session, value)
+        return machine_md(), catalog_rows(session), gr.Dropdown(choices=choices, value=value), fmt
 
     def recheck():
         return machine_md(refresh=True), catalog_rows(session)
 
-    def pick(fmt, evt: gr.SelectData):
-        # The wizard's row: its table per format, and the recommended format chosen for the next Load.
+    def pick(evt: gr.SelectData):
+        # The wizard's row: its repo id and table per format. The format choice stays with the model picked for
+        # Load (a row is a model to download; it used to switch the choice another model's Load then took).
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
         entry = CATALOG[row]
         have = {m.repo_id for m in list_downloaded(session.models_dir)}
         fits = format_fits(entry, session.machine(), downloaded=entry.repo_id in have)
-        choice = next((f.choice for f in fits if f.recommended), None)
-        note = model_formats.choice_note(session, choice or fmt, None, entry.repo_id)
-        return entry.repo_id, model_formats.detail(entry, fits), choice or gr.skip(), note
+        return entry.repo_id, model_formats.detail(entry, fits)
+
+    def follow(folder):
+        # The model picked for Load brings its own format (its last choice, else its recommendation).
+        fmt = model_formats.format_for(session, folder)
+        return fmt, model_formats.choice_note(session, fmt, folder)
 
     def start(repo_id, token):
         # The button: a refusal is a sentence in the progress line under it, like every other problem on the page.
@@ -257,7 +262,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             raise gr.Error("Name a downloaded model's folder or another model folder.")
         try:
             if expert_format:
-                session.store.settings.set(expert_format=expert_format)
+                session.store.settings.set(**session.store.settings.format_choice(folder, expert_format))
             return session.load(Path(folder))
         except (ModelLoadError, ValueError) as exc:
             raise gr.Error(str(exc)) from exc
@@ -283,17 +288,15 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
         for status, bar in load_steps(session, path, fmt):
             yield status, bar, page_header.header(session)
 
-    def note(choice, folder, repo_id):
-        return model_formats.choice_note(session, choice, folder, repo_id)
+    def note(choice, folder):
+        return model_formats.choice_note(session, choice, folder)
 
     private = dict(api_visibility="private")
     demo.load(on_load, None, [tab.machine, tab.catalog, tab.downloaded, tab.expert_format], **private)
     tab.refresh_machine.click(recheck, None, [tab.machine, tab.catalog], **private)
-    tab.catalog.select(
-        pick, [tab.expert_format], [tab.repo_id, tab.fit_detail, tab.expert_format, tab.format_note], **private
-    )
-    for changed in (tab.expert_format.change, tab.downloaded.change):
-        changed(note, [tab.expert_format, tab.downloaded, tab.repo_id], [tab.format_note], queue=False, **private)
+    tab.catalog.select(pick, None, [tab.repo_id, tab.fit_detail], **private)
+    tab.downloaded.change(follow, [tab.downloaded], [tab.expert_format, tab.format_note], queue=False, **private)
+    tab.expert_format.change(note, [tab.expert_format, tab.downloaded], [tab.format_note], queue=False, **private)
     tab.download.click(start, [tab.repo_id, tab.token], [tab.progress, tab.downloaded], **private)
     tab.cancel.click(cancel, None, [tab.status], api_name="cancel_download", concurrency_limit=None)
     outputs = [tab.status, tab.load_progress, top]

@@ -299,8 +299,13 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
                 session.runtime.reconfigure(**changes)
             except ValueError as exc:
                 return refused(str(exc))
+        if expert_format is not None:
+            # The loaded model's own choice too: the Models tab shows it when that model is picked for Load.
+            store = session.store.settings
+            chosen = store.format_choice(str(session.model_dir), expert_format) if session.model_dir else None
+            changes.update(chosen or {"expert_format": expert_format})
         try:
-            session.store.settings.set(**changes, **({} if expert_format is None else {"expert_format": expert_format}))
+            session.store.settings.set(**changes)
         except ValueError as exc:
             return refused(str(exc))
         if session.runtime is None:

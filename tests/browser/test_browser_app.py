@@ -184,9 +184,12 @@ def test_chat_stop_switch_restart_and_settings(env):
         page.get_by_text("OLMoE 1B-7B Instruct").wait_for()
         page.screenshot(path=SHOTS / "models.png", full_page=True)
 
-        # A catalog row shows its formats; clicking it explains each and chooses the recommended one for Load.
+        # A catalog row shows its formats and explains each; the format choice stays the loaded model's (a row is a
+        # model to download, not the one Load takes).
+        chosen = page.locator("#load-format input:checked").input_value()
         page.locator("#catalog").get_by_text("Mixtral 8x7B Instruct").click()
         page.locator("#fit-detail").get_by_role("columnheader", name="On this computer").wait_for(timeout=30_000)
+        assert page.locator("#load-format input:checked").input_value() == chosen
         assert "4-bit (nf4)" in page.locator("#fit-detail").inner_text()  # one row per format, each labelled
         assert "slightly different answers" in page.locator("#fit-detail").inner_text()
         page.screenshot(path=SHOTS / "models-formats.png", full_page=True)
