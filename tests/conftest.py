@@ -43,3 +43,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
         return built[key]
 
     return get
+
+
+@pytest.fixture
+def ui_session(tmp_path: Path):  # noqa: ANN201 - a generator of ui.session.Session, imported here only when used
+    """A UI session on a fresh store with nothing loaded; its quantised copies go under tmp_path."""
+    from fmoe_local.config import RuntimeConfig
+    from store import open_store
+    from ui.session import Session
+
+    store = open_store(tmp_path)
+    s = Session(store=store, config=RuntimeConfig(device="cpu", quant_cache_dir=str(tmp_path / "quantized")))
+    yield s
+    s.close()
+    store.close()

@@ -13,51 +13,40 @@ import gradio as gr
 import pytest
 
 from fmoe_local.catalog import CATALOG, GB, find
-from fmoe_local.config import RuntimeConfig
 from fmoe_local.demo import demo_model_dir
 from fmoe_local.hardware import Machine, format_fits
 from fmoe_local.quant_cache import QuantCache
-from store import open_store
 from ui import build, model_formats
 from ui.downloads import write_marker
 from ui.models import HEADERS, catalog_rows, downloaded_choices, load_steps
-from ui.session import DEMO_LABEL, LoadJob, Session
+from ui.session import DEMO_LABEL, LoadJob
 
 DESKTOP = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 500 * GB)
 SMALL_GPU = Machine("cuda", "RTX 3050", 6 * GB, int(5.5 * GB), 64 * GB, 60 * GB, 500 * GB)
 MIXTRAL = find("mistralai/Mixtral-8x7B-Instruct-v0.1")
 
 
-@pytest.fixture
-def session(tmp_path):
-    store = open_store(tmp_path)
-    s = Session(store=store, config=RuntimeConfig(device="cpu", quant_cache_dir=str(tmp_path / "quantized")))
-    yield s
-    s.close()
-    store.close()
-
-
-def test_your_models_lists_the_demo_after_the_downloads(session):
-    folder = session.models_dir / "acme--tiny"
+def test_your_models_lists_the_demo_after_the_downloads(ui_session):
+    folder = ui_session.models_dir / "acme--tiny"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     write_marker(folder, {"repo_id": "acme/tiny"})
-    choices = downloaded_choices(session)
+    choices = downloaded_choices(ui_session)
     assert choices[0][1] == str(folder) and choices[-1] == (DEMO_LABEL, str(demo_model_dir().resolve()))
 
 
-def test_deleting_the_demo_is_refused_with_a_sentence_and_leaves_it_loaded(session):
-    session.load(demo_model_dir())
-    demo = build(session)
+def test_deleting_the_demo_is_refused_with_a_sentence_and_leaves_it_loaded(ui_session):
+    ui_session.load(demo_model_dir())
+    demo = build(ui_session)
     delete = next(f for f in demo.fns.values() if f.api_name == "delete_model")
     status, _ = delete.fn(str(demo_model_dir()))
     assert status == "⚠️ The demo model is part of the app and cannot be deleted."
-    assert session.runtime is not None and (demo_model_dir() / "model.safetensors").is_file()
+    assert ui_session.runtime is not None and (demo_model_dir() / "model.safetensors").is_file()
 
 
-def test_each_catalog_row_shows_every_format_with_its_verdict_and_one_recommended(session):
-    session._machine = DESKTOP
-    rows = catalog_rows(session)
+def test_each_catalog_row_shows_every_format_with_its_verdict_and_one_recommended(ui_session):
+    ui_session._machine = DESKTOP
+    rows = catalog_rows(ui_session)
     assert HEADERS[-3:] == ["bf16 experts", "8-bit experts", "4-bit experts"]
     assert all(len(row) == len(HEADERS) and sum("recommended" in c for c in row) == 1 for row in rows)
     mixtral = rows[[e.repo_id for e in CATALOG].index(MIXTRAL.repo_id)]
@@ -80,39 +69,39 @@ def test_the_picked_model_s_table_labels_each_format_and_says_no_ready_made_4_bi
     assert "already MXFP4: Auto keeps it" in model_formats.detail(gpt_oss, format_fits(gpt_oss, DESKTOP))
 
 
-def _downloaded(session, entry) -> str:
+def _downloaded(ui_session, entry) -> str:
     """A finished download of a catalog model (its folder as "Your models" lists it)."""
-    folder = session.models_dir / entry.repo_id.replace("/", "--")
+    folder = ui_session.models_dir / entry.repo_id.replace("/", "--")
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     write_marker(folder, {"repo_id": entry.repo_id})
     return str(folder)
 
 
-def test_a_format_that_does_not_fit_is_said_under_the_choice_with_one_that_does(session):
-    session._machine = SMALL_GPU
-    mixtral = _downloaded(session, MIXTRAL)
-    note = model_formats.choice_note(session, "bf16", mixtral)
+def test_a_format_that_does_not_fit_is_said_under_the_choice_with_one_that_does(ui_session):
+    ui_session._machine = SMALL_GPU
+    mixtral = _downloaded(ui_session, MIXTRAL)
+    note = model_formats.choice_note(ui_session, "bf16", mixtral)
     assert (
         note.startswith("⚠️ Mixtral 8x7B Instruct: bf16 does not fit here: Not enough GPU memory")
         and "Choose 8-bit instead" in note
     )
-    int8 = model_formats.choice_note(session, "int8", mixtral)
+    int8 = model_formats.choice_note(ui_session, "int8", mixtral)
     assert int8 == (
         "The first load of Mixtral 8x7B Instruct in 8-bit (int8) makes a copy of its experts (45.1 GB on disk; "
         "minutes, with progress shown); later loads reuse it."
     )
-    demo = model_formats.choice_note(session, "nf4", str(demo_model_dir()))  # not a catalog model
+    demo = model_formats.choice_note(ui_session, "nf4", str(demo_model_dir()))  # not a catalog model
     assert demo == f"For {DEMO_LABEL}: Load uses 4-bit (nf4)."
 
 
-def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog_row(session, tiny_model_dir):
-    session._machine = DESKTOP
+def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog_row(ui_session, tiny_model_dir):
+    ui_session._machine = DESKTOP
     olmoe = find("allenai/OLMoE-1B-7B-0924-Instruct")
-    mixtral, other = _downloaded(session, MIXTRAL), _downloaded(session, olmoe)
+    mixtral, other = _downloaded(ui_session, MIXTRAL), _downloaded(ui_session, olmoe)
     best = {e.repo_id: next(f.choice for f in format_fits(e, DESKTOP, True) if f.recommended) for e in (MIXTRAL, olmoe)}
     assert best[MIXTRAL.repo_id] == "int8" and best[olmoe.repo_id] != "int8"
-    demo = build(session)
+    demo = build(ui_session)
     handler = {f.name: f for f in demo.fns.values()}
     # A catalog row shows that model's table; it no longer touches the choice another model's Load takes.
     pick = handler["pick"]
@@ -124,20 +113,20 @@ def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog
     fmt, note = follow(other)
     assert fmt == best[olmoe.repo_id] and note.startswith("For OLMoE 1B-7B Instruct: Load uses")
     # The user's own choice for a model is what that model brings back, whatever was loaded since.
-    tiny = session.models_dir / "acme--tiny"
+    tiny = ui_session.models_dir / "acme--tiny"
     shutil.copytree(tiny_model_dir("mixtral"), tiny)
     write_marker(tiny, {"repo_id": "acme/tiny"})
     assert follow(str(tiny))[0] == "auto"  # not in the catalog and never chosen: the default
-    *_, (status, _) = load_steps(session, str(tiny), "int8")
-    assert status.startswith("Loaded acme--tiny") and session.runtime.info.expert_format == "int8"
+    *_, (status, _) = load_steps(ui_session, str(tiny), "int8")
+    assert status.startswith("Loaded acme--tiny") and ui_session.runtime.info.expert_format == "int8"
     assert follow(mixtral)[0] == "int8" and follow(other)[0] == best[olmoe.repo_id]
     fmt, note = follow(str(tiny))
     assert fmt == "int8" and note == "For acme--tiny: Load uses 8-bit (int8)."
-    session.store.settings.set(**session.store.settings.format_choice(mixtral, "nf4"))
+    ui_session.store.settings.set(**ui_session.store.settings.format_choice(mixtral, "nf4"))
     assert follow(mixtral)[0] == "nf4" and follow(str(tiny))[0] == "int8"
 
 
-def test_load_uses_the_chosen_format_and_shows_how_far_the_copy_got(session, tiny_model_dir, monkeypatch):
+def test_load_uses_the_chosen_format_and_shows_how_far_the_copy_got(ui_session, tiny_model_dir, monkeypatch):
     real_write, release = QuantCache._write, threading.Event()
 
     def held(self, layer, tensors):
@@ -145,7 +134,7 @@ def test_load_uses_the_chosen_format_and_shows_how_far_the_copy_got(session, tin
         real_write(self, layer, tensors)
 
     monkeypatch.setattr(QuantCache, "_write", held)
-    steps = load_steps(session, str(tiny_model_dir("mixtral")), "nf4")
+    steps = load_steps(ui_session, str(tiny_model_dir("mixtral")), "nf4")
     status, bar = next(steps)
     while "Making the 4-bit (nf4) copy of" not in bar:
         status, bar = next(steps)
@@ -157,19 +146,19 @@ def test_load_uses_the_chosen_format_and_shows_how_far_the_copy_got(session, tin
         1.0, "Made the 8-bit (int8) copy of m's experts (32 experts); finishing the load… 75 s"
     )  # fmt: skip
     assert status.startswith("Loaded mixtral") and "experts in 4-bit (nf4)" in status and bar == ""
-    assert session.runtime.info.expert_format == "nf4" and session.store.settings.load().expert_format == "nf4"
+    assert ui_session.runtime.info.expert_format == "nf4" and ui_session.store.settings.load().expert_format == "nf4"
 
 
-def test_load_refusals_and_failures_are_sentences_and_load_nothing(session, tmp_path):
-    assert list(load_steps(session, "", "nf4")) == [("⚠️ Pick a downloaded model or type a folder first.", "")]
-    said = list(load_steps(session, str(demo_model_dir()), "fp8"))
-    assert said[-1][0].startswith("⚠️ Unknown expert format 'fp8'. Choose auto") and session.runtime is None
-    *_, (status, _) = load_steps(session, str(tmp_path), "int8")
-    assert status.startswith("⚠️") and "is not a model folder (no config.json)" in status and session.runtime is None
+def test_load_refusals_and_failures_are_sentences_and_load_nothing(ui_session, tmp_path):
+    assert list(load_steps(ui_session, "", "nf4")) == [("⚠️ Pick a downloaded model or type a folder first.", "")]
+    said = list(load_steps(ui_session, str(demo_model_dir()), "fp8"))
+    assert said[-1][0].startswith("⚠️ Unknown expert format 'fp8'. Choose auto") and ui_session.runtime is None
+    *_, (status, _) = load_steps(ui_session, str(tmp_path), "int8")
+    assert status.startswith("⚠️") and "is not a model folder (no config.json)" in status and ui_session.runtime is None
 
 
-def test_download_refusals_are_sentences_under_the_button_not_red_pills(session, monkeypatch):
-    demo = build(session)
+def test_download_refusals_are_sentences_under_the_button_not_red_pills(ui_session, monkeypatch):
+    demo = build(ui_session)
     start = next(f for f in demo.fns.values() if f.name == "start").fn  # the Download button's handler
     (progress, _), *more = list(start("not a repo", ""))
     assert not more and "⚠️ Type a Hugging Face repo id like owner/name" in progress and "progress-inner" not in progress
@@ -177,7 +166,7 @@ def test_download_refusals_are_sentences_under_the_button_not_red_pills(session,
     monkeypatch.setattr("ui.session.probe", lambda _: full_disk)  # the download re-checks the disk
     [(progress, _)] = list(start(MIXTRAL.repo_id, ""))
     assert "⚠️ Not enough disk space: Mixtral 8x7B Instruct needs 93.4 GB and 20.0 GB is free." in progress
-    assert session.download is None  # nothing started
+    assert ui_session.download is None  # nothing started
     api = next(f for f in demo.fns.values() if f.api_name == "download").fn  # scripts still hear an error
     with pytest.raises(gr.Error, match="owner/name"):
         next(api("not a repo", ""))

@@ -5,29 +5,15 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
-from fmoe_local.config import RuntimeConfig
 from fmoe_local.quant_cache import QuantCache
-from store import open_store
 from ui import build
-from ui.session import Session
-
-
-@pytest.fixture
-def session(tmp_path):
-    store = open_store(tmp_path)
-    s = Session(store=store, config=RuntimeConfig(device="cpu", quant_cache_dir=str(tmp_path / "quantized")))
-    yield s
-    s.close()
-    store.close()
 
 
 def test_load_says_which_model_is_loading_then_the_one_loaded_or_why_none(
-    session, tiny_model_dir, monkeypatch, tmp_path
+    ui_session, tiny_model_dir, monkeypatch, tmp_path
 ):
-    session.load(tiny_model_dir("qwen3_moe"))
-    demo = build(session)
+    ui_session.load(tiny_model_dir("qwen3_moe"))
+    demo = build(ui_session)
     load = next(f for f in demo.fns.values() if f.name == "load_ui").fn  # the Load button's handler
     assert "qwen3" in next(f for f in demo.fns.values() if f.name == "after_load").fn()[0]
     real_write, release = QuantCache._write, threading.Event()
@@ -47,5 +33,5 @@ def test_load_says_which_model_is_loading_then_the_one_loaded_or_why_none(
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # a folder that looks like a model and is not one
     *_, (status, _, top) = load(str(broken), "auto")
-    assert status.startswith("⚠️ Could not load broken") and session.runtime is None
+    assert status.startswith("⚠️ Could not load broken") and ui_session.runtime is None
     assert "**No model loaded.** ⚠️ Could not load broken" in top and "mixtral" not in top
