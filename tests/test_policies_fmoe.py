@@ -324,3 +324,21 @@ def test_layer_runs_are_counted_on_the_forward_thread_whatever_the_prefetcher_la
             for _ in range(chunks):
                 policy.record_access(layer, [layer], [False])
     np.testing.assert_array_equal(policy._runs, np.full(SHAPE.num_layers, len(lags)))
+
+
+def test_recent_routing_outweighs_a_map_once_it_has_predicted_better():
+    # The store holds only map A while the request routes like B, iteration after iteration, and learns nothing
+    # (no end_iteration): A's rows keep predicting wrong, B's last routing right (blend.py, MixChoice).
+    policy = make(d=1, maps=[ExpertMap(MAP_A, None, 0)])
+    policy.begin_iteration(None)
+    first = policy.observe_layer(1, MAP_B[1])  # layer 1 has no last routing yet: A predicts layer 2 alone
+    assert first[0].expert == 4 and first[0].priority == max(p.priority for p in first)  # A's top at layer 2
+    for layer in (0, 2, 3):
+        policy.observe_layer(layer, MAP_B[layer])
+    policy.begin_iteration(None)
+    policy.observe_layer(0, MAP_B[0])
+    # At layer 1 A had predicted {2, 3} and the layer ran B's {5, 4}, as last time: recency is ahead, so layer 2's
+    # plan mixes mostly B's last routing.
+    out = policy.observe_layer(1, MAP_B[1])
+    best = max(out, key=lambda p: p.priority)
+    assert (best.layer, best.expert) == (2, 3)  # B's top expert of layer 2, not A's 4

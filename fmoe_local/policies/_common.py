@@ -36,6 +36,14 @@ def normalised(probs: np.ndarray) -> np.ndarray | None:
     return p / total if total > 0 else None
 
 
+def predicted_use(rows: np.ndarray, k: int) -> np.ndarray:
+    """[..., J] bool: each row's k most probable experts (all of a tie at the k-th), never a zero entry: the experts a
+    predicted row says will run, whether a map holds full softmaxes or only top-k entries."""
+    k = min(k, rows.shape[-1])
+    kth = -np.partition(-rows, k - 1, axis=-1)[..., k - 1 : k]
+    return (rows >= kth) & (rows > 0)
+
+
 def top_k(probs: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest entries, largest first (ties: lower index first)."""
     return np.argsort(-np.asarray(probs), kind="stable")[:k]

@@ -57,6 +57,10 @@ sooner than one copy time is late anyway, while the farthest target (l_now + d, 
 can still land in time. When the link keeps up, the queue drains every layer and the order changes little.
 Within a layer the paper's p / (l − l_now) orders the copies.
 
+Match confidence sets the mix (blend.py): every row a map predicts (prefetch and eviction alike) is blended with
+the layer's last observed routing, at the weight whose top-K has held the most used experts so far (w = 1, the map
+alone, until recency has done better: early in a new user's first request, on the shared traces).
+
 Empty store, or no semantic embedding: predict a layer from its last observed distribution (the previous
 iteration's routing, which decode steps largely repeat) with δ = 0, i.e. its top-K; before anything was observed,
 predict nothing and let misses load on demand.
@@ -71,8 +75,9 @@ import numpy as np
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.maps import ExpertMap, MapStore
-from fmoe_local.policies._common import flat_codes, lowest, normalised, prefetch_set, split_keys
+from fmoe_local.policies._common import flat_codes, lowest, normalised, predicted_use, prefetch_set, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
+from fmoe_local.policies.blend import MixChoice, blend
 
 HORIZON = 16  # runs of a layer, the next one included, whose use the successor chain predicts (module docstring)
 
@@ -114,6 +119,12 @@ class FMoEPolicy:
         self._stale = np.ones(L, bool)  # [L] layers whose eviction keys need recomputing
         self._p_stale = np.ones(L, bool)  # [L] layers whose p_use needs recomputing
         self._reset_chain()
+        # Match confidence sets the mix (blend.py): every row a map predicts is blended with the layer's last routing
+        # at the weight that has predicted best so far; the map's row per layer is kept until the layer runs, to
+        # score the candidates against what it used.
+        self._mix = MixChoice(shape.top_k)
+        self._map_row = np.zeros((L, J), np.float32)  # [L, J] the map's latest prediction of each layer's next run
+        self._map_has = np.zeros(L, bool)
         self._request_id = 0
         self._prev_slot = -1  # where this request's previous iteration was stored (−1: none, or it stopped)
         self._final: tuple[int, float] = (-1, 0.0)  # the previous iteration's all-layer match (slot, score)
@@ -166,8 +177,10 @@ class FMoEPolicy:
             predicted = self.store.probs(slot) if slot >= 0 else None
         out: list[Prefetch] = []
         if predicted is not None:
+            with self._lock:
+                rows = self._mixed(0, predicted[:first])
             for layer in range(first):
-                out += self._plan(layer, predicted[layer], _delta(score), l_now=-1)
+                out += self._plan(layer, rows[layer], _delta(score), l_now=-1)
         else:
             for layer in range(first):
                 out += self._fallback(layer, l_now=-1)
@@ -176,6 +189,9 @@ class FMoEPolicy:
     def observe_layer(self, layer: int, probs: np.ndarray, lookahead: np.ndarray | None = None) -> Sequence[Prefetch]:
         p = np.asarray(probs, np.float32).reshape(-1)
         with self._lock:
+            if self._map_has[layer] and self._has_seen[layer]:
+                self._mix.score(self._map_row[layer], self._last_seen[layer], predicted_use(p, self.shape.top_k))
+            self._map_has[layer] = False
             self._live[layer] = p
             self._observed[layer] = True
             observed = normalised(p)
@@ -195,7 +211,9 @@ class FMoEPolicy:
                 self._final = (slot, score)
         if target >= L:
             return []
-        return self._plan(target, matched[target], _delta(score), l_now=layer)
+        with self._lock:
+            row = self._mixed(target, matched[target : target + 1])[0]
+        return self._plan(target, row, _delta(score), l_now=layer)
 
     def end_iteration(self) -> None:
         with self._lock:
@@ -286,7 +304,19 @@ class FMoEPolicy:
         if successor is not None:
             rows[: layer + 1] = successor[: layer + 1]
         with self._lock:
-            self._set_estimates(first, rows)
+            self._set_estimates(first, self._mixed(first, rows))
+
+    def _mixed(self, first: int, rows: np.ndarray) -> np.ndarray:  # under self._lock
+        """A map's prediction rows for layers first.. blended with those layers' last routing (blend.py), and kept
+        as the map's prediction to score the mix with when each layer runs."""
+        layers = slice(first, first + rows.shape[0])
+        self._map_row[layers] = rows
+        self._map_has[layers] = True
+        weight = self._mix.weight
+        if weight >= 1.0:  # the map has predicted best so far (always, after a new user's first requests)
+            return rows
+        prior = np.where(self._has_seen[layers, None], self._last_seen[layers], 0.0)
+        return blend(rows, prior, weight)
 
     def _set_estimates(self, first: int, rows: np.ndarray) -> None:  # under self._lock
         """p_est of layers first.. = these rows normalised to sum 1; a row with no mass (a layer the map never
@@ -377,13 +407,6 @@ class FMoEPolicy:
         with self._lock:
             when = self._fresh_keys().reshape(-1)[flat]
         return lowest(candidates, layers, experts, -when, count=count)  # the latest predicted next use first
-
-
-def predicted_use(rows: np.ndarray, k: int) -> np.ndarray:
-    """[..., J] bool: each row's k most probable experts (all of a tie at the k-th), never a zero entry."""
-    k = min(k, rows.shape[-1])
-    kth = -np.partition(-rows, k - 1, axis=-1)[..., k - 1 : k]
-    return (rows >= kth) & (rows > 0)
 
 
 def _delta(score: float) -> float:
