@@ -17,10 +17,8 @@ Prefetch priority p/(l − l_now) therefore divides by l+1 (semantic) or d (traj
 Predicted distributions are normalised to sum 1 before δ is applied, so δ means a share of the predicted mass
 whether a map holds full softmaxes or only top-k entries (recordings from other tools).
 
-Eviction: evict the expert whose predicted next use is farthest away (Belady's rule on a prediction; the paper's
-1/(p·freq) with mis-prefetched first gave 5.4–5.6 points less hit rate on the halves of the shared traces,
-docs/bench.md "Tuning", session 3). Time is counted in
-layer steps: a layer still to run this iteration runs again in l − l_now steps, one that ran in L − (l_now − l),
+Eviction: evict the expert whose predicted next use is farthest away (Belady's rule on a prediction; it beat the
+paper's 1/(p·freq) with mis-prefetched first, docs/bench.md "Tuning", session 3). Time is counted in layer steps: a layer still to run this iteration runs again in l − l_now steps, one that ran in L − (l_now − l),
 then every L steps. Per (layer, expert) the next use is predicted at:
 - the layer's next run, if the expert is in the top-K of p_{l}, the newest estimate for that run: for layers this
   iteration has not run yet, the latest trajectory match's row (every remaining layer, not only l+d: a map matched
@@ -35,12 +33,9 @@ then every L steps. Per (layer, expert) the next use is predicted at:
   layer's use rate of the expert (freq: its accesses since the policy was built, every request; runs: forward
   passes that ran the layer).
 Only the top-K of a predicted row counts (an expert is in it or not): whether a map holds full softmaxes or
-top-k entries only, that is the map's prediction of which experts run (it measured better than weighing runs by
-min(1, K·p)). HORIZON = 16 runs: 8, 16 and 32 gave pooled hit rates 0.610, 0.614 and 0.611 on the halves of the
-shared traces.
-The paper's (ExpertFlow's) mis-prefetched-first rule — experts prefetched for a layer that ran without using them
-go before everything else — is dropped: with next-use times their chance of use is already in the key, and
-putting them first cost 1.3–1.5 points on each half (pooled 0.614 against 0.601).
+top-k entries only, that is the map's prediction of which experts run. The paper's (ExpertFlow's) mis-prefetched-
+first rule (experts prefetched for a layer that ran without using them go first) is dropped: with next-use times
+their chance of use is already in the key. Those choices and HORIZON were measured (docs/bench.md, session 3).
 
 Successor links: when the policy stores a map it names the slot of the request's previous map, and the store links
 that one to the new one (MapStore.successor; kept, renumbered and saved with the maps, rules in map_links.py, so the
@@ -52,10 +47,9 @@ iteration, predicts layers 0..d−1 from the successor of the previous iteration
 successor.
 
 Prefetch priority: the target layer first, then p / (l − l_now). Copies leave one at a time at the link's rate;
-when the queue backs up (DeepSeek-V2-Lite at 25 GB/s: 0.41 experts per layer), a copy for a layer that runs
-sooner than one copy time is late anyway, while the farthest target (l_now + d, just planned) is the one that
-can still land in time. When the link keeps up, the queue drains every layer and the order changes little.
-Within a layer the paper's p / (l − l_now) orders the copies.
+when the queue backs up, a copy for a layer that runs sooner than one copy time is late anyway, while the farthest
+target (l_now + d, just planned) can still land in time; when the link keeps up the order changes little. Within
+a layer the paper's p / (l − l_now) orders the copies.
 
 Match confidence sets the mix (blend.py): every row a map predicts (prefetch and eviction alike) is blended with
 the layer's last observed routing, at the weight whose top-K has held the most used experts so far (w = 1, the map
