@@ -100,6 +100,9 @@ def test_continue_goes_on_with_the_same_message(page):
     page.wait_for_function("() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS)
     page.locator("#conv-list").get_by_text("Cut reply").click()
     chat = page.locator("#chatbot")
+    # This chat's own text first: the previous test's chat also ends with a cut reply, so "length limit reached"
+    # alone can match it before the switch lands, and Continue would then rightly go on with that chat.
+    chat.get_by_text("Once upon a time").wait_for(timeout=60_000)
     chat.get_by_text("length limit reached").wait_for(timeout=60_000)
     page.locator("#continue").click(timeout=60_000)
     chat.get_by_text("7.0 tok/s").wait_for(state="detached", timeout=STREAM_TIMEOUT_MS)  # the new stats line
