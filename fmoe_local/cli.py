@@ -47,7 +47,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--miss-handling",
         default=RuntimeConfig.miss_handling,
-        help="a missing expert: auto (decide per miss from measured costs), copy (into the cache) or cpu (computed "
+        help="a missing expert: auto (each layer's misses shared between copy and CPU from measured costs), copy (into the cache) or cpu (computed "
         "on the processor)",
     )
     add_expert_format_argument(p)

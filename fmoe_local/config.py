@@ -43,8 +43,8 @@ class RuntimeConfig:
     prefetch_distance_auto: bool = False
     policy: str = "fmoe"
     # What happens to an expert the cache lacks: "copy" loads it into a slot, "cpu" computes it on the host from its
-    # host copy (hidden states go down, [T, H] comes back), "auto" decides per miss from the measured costs
-    # (miss_cost.py: a decode token's expert is usually cheaper on the CPU, a prefill's copied). Without a GPU,
+    # host copy (hidden states go down, [T, H] comes back), "auto" shares each layer's misses between the two from
+    # the measured costs (miss_cost.py: they work at once; a prefill's expert mostly goes to the copy). Without a GPU,
     # auto computes every miss on the CPU: a copy would only duplicate it in RAM.
     miss_handling: str = "auto"
     # C: expert maps kept by the map store. More history finds closer matches and longer successor chains: on the
@@ -98,7 +98,7 @@ class RuntimeConfig:
             raise ValueError(f"Unknown policy '{self.policy}'. Choose one of: {', '.join(POLICIES)}.")
         if self.miss_handling not in MISS_HANDLING:
             raise ValueError(
-                f"Unknown miss handling '{self.miss_handling}'. Choose auto (decide per miss), copy (load it into the "
+                f"Unknown miss handling '{self.miss_handling}'. Choose auto (share each layer's misses between the copy and the processor), copy (load it into the "
                 "cache) or cpu (compute it on the processor)."
             )
         if self.expert_format not in EXPERT_FORMATS:

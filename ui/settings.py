@@ -33,13 +33,13 @@ POLICY_HELP = {
     "cpu_moe": "CPU MoE (llama.cpp --n-cpu-moe style)",
 }
 MISS_CHOICES = [
-    ("Decide per expert (auto: the faster of the two, measured here)", "auto"),
+    ("Auto: share each layer's misses between both (measured here)", "auto"),
     ("Copy it to the GPU", "copy"),
     ("Compute it on the CPU", "cpu"),
 ]
 MISS_HELP = (
     "An expert the cache lacks can be copied to the GPU or computed by the CPU from RAM; auto measures both at load "
-    "and takes the faster per expert (the Stats tab says what it chose)."
+    "and shares each layer's misses between them so the layer finishes soonest (the Stats tab says how)."
 )
 
 
