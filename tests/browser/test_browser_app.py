@@ -113,10 +113,21 @@ def set_max_tokens(page, n: int, open_panel: bool = True) -> None:
     if open_panel:
         page.get_by_text("Generation", exact=True).click()
     box = page.locator("#max-tokens input[type=number]")
-    box.fill(str(n))
-    box.press("Enter")
-    # The slider takes the typed value on Enter; a Send before that would still read the old one.
-    page.wait_for_function("n => document.querySelector('#max-tokens input[type=range]').value === String(n)", arg=n)
+    # The slider takes the typed value on Enter; a Send before that would still read the old one. Typed again if
+    # it did not take: in clean CI runs a value typed right after the panel opened was now and then not taken.
+    for attempt in range(3):
+        box.fill(str(n))
+        box.press("Enter")
+        try:
+            page.wait_for_function(
+                "n => document.querySelector('#max-tokens input[type=range]').value === String(n)",
+                arg=n,
+                timeout=10_000,
+            )
+            return
+        except sync_api.TimeoutError:
+            if attempt == 2:
+                raise
 
 
 def send(page, text: str) -> None:
