@@ -18,8 +18,9 @@ Predicted distributions are normalised to sum 1 before δ is applied, so δ mean
 whether a map holds full softmaxes or only top-k entries (recordings from other tools).
 
 Eviction: evict the expert whose predicted next use is farthest away (Belady's rule on a prediction; it beat the
-paper's 1/(p·freq) with mis-prefetched first, docs/bench.md "Tuning", session 3). Time is counted in layer steps: a layer still to run this iteration runs again in l − l_now steps, one that ran in L − (l_now − l),
-then every L steps. Per (layer, expert) the next use is predicted at:
+paper's 1/(p·freq) with mis-prefetched first, docs/bench.md "Tuning", session 3). Time is counted in layer steps:
+a layer still to run this iteration runs again in l − l_now steps, one that ran in L − (l_now − l), then every L
+steps. Per (layer, expert) the next use is predicted at:
 - the layer's next run, if the expert is in the top-K of p_{l}, the newest estimate for that run: for layers this
   iteration has not run yet, the latest trajectory match's row (every remaining layer, not only l+d: a map matched
   on layers 0..l predicts layer l+5 about as well as l+1), or the semantic / fallback prediction before the first
