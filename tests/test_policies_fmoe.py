@@ -161,6 +161,29 @@ def test_eviction_looks_ahead_along_the_successor_chain():
     assert eviction_order(policy, [(2, 2), (2, 4), (2, 6)], current_layer=-1) == [(2, 6), (2, 4), (2, 2)]
 
 
+def test_a_few_expert_model_reads_the_chain_only_as_far_as_its_horizon():
+    # 4 experts, top-2: the chain is read ⌈1.5 · 4 / 2⌉ = 3 runs ahead (successor_chain.py). Request 1 stores six
+    # linked maps whose layer 0 uses experts {0, 1}, except map 4's: {1, 2} (layer 1 differs in each, so none is a
+    # near-duplicate of another); expert 3 is in no map but runs every time. Expert 2 is predicted only 4 maps down
+    # the chain, past the horizon: it counts as unpredicted, and the rarer of the two unpredicted experts (2, never
+    # used) goes first. Read 16 runs ahead, map 4 would still vouch for expert 2 and expert 3 would go first.
+    shape = ModelShape(num_layers=2, num_experts=4, top_k=2, embed_dim=3)
+    policy = make(d=1, shape=shape)
+    first_two = np.array([0.6, 0.4, 0, 0], np.float32)
+    layer0 = [first_two] * 4 + [np.array([0, 0.6, 0.4, 0], np.float32), first_two]
+    layer1 = [np.roll(np.array([0.9, 0.1, 0, 0], np.float32), i) for i in range(6)]
+    for rows in zip(layer0, layer1, strict=True):
+        policy.begin_iteration(None)
+        for layer in range(2):
+            policy.observe_layer(layer, rows[layer])
+            policy.record_access(layer, [3], [False])
+        policy.end_iteration()
+    policy.begin_request(2)
+    policy.begin_iteration(None)
+    policy.observe_layer(0, first_two)  # matches map 0, the first of its equals at layer 0: the chain is maps 0–3
+    assert eviction_order(policy, [(0, 3), (0, 2)], current_layer=0) == [(0, 2), (0, 3)]
+
+
 def test_prefetched_but_unused_experts_are_ranked_by_next_use_like_any_other():
     sem = np.array([1, 0, 0], np.float32)
     policy = make(d=1, maps=[ExpertMap(MAP_A, sem, 0)])

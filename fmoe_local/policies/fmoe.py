@@ -28,15 +28,16 @@ steps. Per (layer, expert) the next use is predicted at:
   iteration runs next, the current best match's successor (the map stored right after it in its own request, see
   "Successor links"), without one the observed distribution (decode steps partly repeat);
 - else the first later run whose map along the successor chain (the match's successor, that map's successor, …,
-  up to HORIZON runs in all) has the expert in its top-K: a past request that routed like this one goes on
-  routing like the next iterations of this one;
+  up to `chain_horizon(J, K)` runs in all, successor_chain.py) has the expert in its top-K: a past request that
+  routed like this one goes on routing like the next iterations of this one;
 - else, past the runs the chain covers, after the expected wait 1/rate runs, rate = (freq + 1) / (runs + 2) the
   layer's use rate of the expert (freq: its accesses since the policy was built, every request; runs: forward
   passes that ran the layer).
 Only the top-K of a predicted row counts (an expert is in it or not): whether a map holds full softmaxes or
 top-k entries only, that is the map's prediction of which experts run. The paper's (ExpertFlow's) mis-prefetched-
 first rule (experts prefetched for a layer that ran without using them go first) is dropped: with next-use times
-their chance of use is already in the key. Those choices and HORIZON were measured (docs/bench.md, session 3).
+their chance of use is already in the key. Those choices were measured (docs/bench.md, session 3), the horizon's
+dependence on J/K in session 9.
 
 Successor links: when the policy stores a map it names the slot of the request's previous map, and the store links
 that one to the new one (MapStore.successor; kept, renumbered and saved with the maps, rules in map_links.py, so the
@@ -73,8 +74,7 @@ from fmoe_local.maps import ExpertMap, MapStore
 from fmoe_local.policies._common import flat_codes, lowest, normalised, predicted_use, prefetch_set, split_keys
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
 from fmoe_local.policies.blend import MixChoice, blend
-
-HORIZON = 16  # runs of a layer, the next one included, whose use the successor chain predicts (module docstring)
+from fmoe_local.policies.successor_chain import chain_horizon, runs_until_predicted
 
 
 class FMoEPolicy:
@@ -86,6 +86,7 @@ class FMoEPolicy:
     ) -> None:
         config = config or RuntimeConfig()
         self.shape = shape
+        self._horizon = chain_horizon(shape.num_experts, shape.top_k)
         self.prefetch_distance = config.prefetch_distance
         if map_store is None:
             map_store = MapStore.for_config(shape, config)
@@ -256,7 +257,7 @@ class FMoEPolicy:
             return self._chain_head[1], self._chain_head[2]
         maps: list[np.ndarray] = []  # [L, J] each: the match, its successor, the successor's successor, ...
         s = slot
-        while len(maps) <= HORIZON and s >= 0:
+        while len(maps) <= self._horizon and s >= 0:
             maps.append(self.store.probs(s))
             s = self.store.successor(s)
         successor = maps[1] if len(maps) > 1 else None
@@ -273,23 +274,13 @@ class FMoEPolicy:
     def _set_chain(self, chain: np.ndarray) -> None:  # under self._lock
         """chain [m, L, J] bool: predicted use in the current iteration's map (row 0) and the m − 1 after it.
 
-        A layer still to run is next run by this iteration (row 0, which p_est already holds), then by the
-        iterations of rows 1, 2, …; a layer that ran is next run by the iteration of row 1 (p_est), then rows 2, ….
-        Kept per case (still to run, ran): the key of an expert that p_est does not predict, as `_base` (the first
-        later run the chain predicts, else the number of runs it covers) plus `_past` (1 where the chain predicts
-        none, to be scaled by the expected wait at the use rate).
+        Kept per case (still to run, ran; successor_chain.py): the key of an expert that p_est does not predict, as
+        `_base` (the first later run the chain predicts, else the runs it covers) plus `_past` (1 where the chain
+        predicts none, to be scaled by the expected wait at the use rate).
         """
-        L, J = self.shape.num_layers, self.shape.num_experts
-        self._chain = chain[: HORIZON + 1]
-        runs = np.zeros((2, L, J), np.float64)  # [2, L, J] runs after the next one until a predicted use
-        self._past = np.ones((2, L, J), np.float64)  # [2, L, J] 1: the chain predicts no use
-        for case in (0, 1):
-            rows = self._chain[case + 1 : case + HORIZON]  # runs 1 .. HORIZON − 1 after the next
-            if rows.shape[0]:
-                hit = rows.any(0)
-                runs[case] = np.where(hit, rows.argmax(0) + 1, rows.shape[0])
-                self._past[case] = ~hit
-        self._base = self._offset + L * runs
+        self._chain = chain[: self._horizon + 1]
+        runs, self._past = runs_until_predicted(self._chain, self._horizon)
+        self._base = self._offset + self.shape.num_layers * runs
         self._refresh_evict(slice(None), p_changed=False)
 
     def _estimate_next_use(self, layer: int, matched: np.ndarray, successor: np.ndarray | None) -> None:
