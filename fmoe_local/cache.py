@@ -10,12 +10,12 @@ hard ceiling, in prefill too (experts.py computes a layer in chunks of at most `
 Complete: once every expert of the model is resident (possible only with L·J slots) nothing can miss or be evicted
 again, and acquire takes a short path (no loads, waits or stall clock).
 
-Threads (the Offload's rule, offload.py, which alone owns the cache): the forward thread calls acquire/release; the prefetcher thread calls try_prefetch and copies its own
-prefetches; the forward pass's on-demand loads run on the loader thread (copier.py) while the forward thread waits
-for them. One lock guards the residency tables; copies run outside it, in chunks, and a prefetch gives way to a
-running on-demand load between chunks (`_give_way`). On CUDA a landing means the copy is issued: the forward
-thread never waits for a copy on the host, the compute stream waits for its event (`before_use`). Host copies
-are permanent, so eviction only frees a slot.
+Threads (the Offload's rule, offload.py, which alone owns the cache): the forward thread calls acquire/release; the
+prefetcher thread calls try_prefetch and copies its own prefetches; the forward pass's on-demand loads run on the
+loader thread (copier.py) while the forward thread waits for them. One lock guards the residency tables; copies run
+outside it, in chunks, and a prefetch gives way to a running on-demand load between chunks (`_give_way`). On CUDA a
+landing means the copy is issued: the forward thread never waits for a copy on the host, the compute stream waits
+for its event (`before_use`). Host copies are permanent, so eviction only frees a slot.
 
 Failures and waits: a load that fails releases its slot and raises (to the forward pass, or to the prefetcher,
 which reports it to the request); every wait has a deadline (`load_timeout_s`) and gives up at once when
@@ -37,27 +37,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fmoe_local.cache_budget import check_capacity
 from fmoe_local.copier import Copier, Interrupted, Landing, Loader, LoadTimeout
 from fmoe_local.host import HostStore
 from fmoe_local.policies.base import ExpertKey, Policy
 from fmoe_local.stats import LayerCounters
 
-GIB = 1024**3
 OnHost = Callable[[list[int]], Sequence[bool]]  # an access's missing experts → computed on the host, each?
-
-
-def slots_for_budget(cache_gb: float, expert_bytes: int) -> int:
-    return int(cache_gb * GIB // expert_bytes)
-
-
-def check_capacity(capacity: int, expert_bytes: int) -> None:
-    """Refuse a cache with no slot, in a sentence that gives the size of one expert."""
-    if capacity < 1:
-        unit, scale = next(
-            (u, f) for u, f in (("GB", GIB), ("MB", 1024**2), ("KB", 1024), ("bytes", 1)) if expert_bytes >= f
-        )
-        size = f"{expert_bytes / scale:.3g} {unit}"
-        raise ValueError(f"The expert cache must hold at least one expert ({size} for this model). Give it more room.")
 
 
 @dataclass

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from fmoe_local import cpu_experts, hardware, miss_cost
-from fmoe_local.cache import ExpertCache, check_capacity, slots_for_budget
+from fmoe_local.cache import ExpertCache
+from fmoe_local.cache_budget import check_capacity, slots_for_budget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.cpu_experts import Kernel
 from fmoe_local.experts import OffloadedExperts

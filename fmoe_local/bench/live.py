@@ -119,7 +119,7 @@ def _fresh_cache(runtime: object, policy: str, capacity: int, miss_handling: str
 
 def capacity_of(settings: LiveSettings, info: object) -> int:
     """Cache slots from --cache-experts, --cache-gb or --cache-fraction (default 0.25 of every expert)."""
-    from fmoe_local.cache import slots_for_budget
+    from fmoe_local.cache_budget import slots_for_budget
 
     total = info.num_layers * info.num_experts
     if settings.cache_experts is not None:
