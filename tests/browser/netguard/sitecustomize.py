@@ -53,3 +53,6 @@ def getaddrinfo(host, *args, **kwargs):
 socket.socket.connect = _guarded(_connect)
 socket.socket.connect_ex = _guarded(_connect_ex)
 socket.getaddrinfo = getaddrinfo
+
+if os.environ.get("FMOE_TEST_TOKEN_DELAY_S"):
+    import slow_tokens  # noqa: F401 - patches token sampling on import
