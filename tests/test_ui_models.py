@@ -108,9 +108,9 @@ def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog
     assert pick.fn(gr.SelectData(None, {"index": [0, 0], "value": "x"}))[0] == CATALOG[0].repo_id
     assert "load-format" not in [demo.blocks[o._id].elem_id for o in pick.outputs]
     follow = handler["follow"].fn  # picking a model under "Your models"
-    fmt, note = follow(mixtral)
-    assert fmt == "int8" and "Mixtral 8x7B Instruct" in note
-    fmt, note = follow(other)
+    fmt, note, target = follow(mixtral)
+    assert fmt == "int8" and "Mixtral 8x7B Instruct" in note and target == mixtral
+    fmt, note, _ = follow(other)
     assert fmt == best[olmoe.repo_id] and note.startswith("For OLMoE 1B-7B Instruct: Load uses")
     # The user's own choice for a model is what that model brings back, whatever was loaded since.
     tiny = ui_session.models_dir / "acme--tiny"
@@ -120,10 +120,35 @@ def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog
     *_, (status, _) = load_steps(ui_session, str(tiny), "int8")
     assert status.startswith("Loaded acme--tiny") and ui_session.runtime.info.expert_format == "int8"
     assert follow(mixtral)[0] == "int8" and follow(other)[0] == best[olmoe.repo_id]
-    fmt, note = follow(str(tiny))
+    fmt, note, _ = follow(str(tiny))
     assert fmt == "int8" and note == "For acme--tiny: Load uses 8-bit (int8)."
     ui_session.store.settings.set(**ui_session.store.settings.format_choice(mixtral, "nf4"))
     assert follow(mixtral)[0] == "nf4" and follow(str(tiny))[0] == "int8"
+
+
+def test_a_typed_folder_takes_the_format_choice_and_its_note_and_each_button_loads_its_own(ui_session, tiny_model_dir):
+    ui_session._machine = DESKTOP
+    mixtral = _downloaded(ui_session, MIXTRAL)
+    typed = str(tiny_model_dir("mixtral"))
+    name = Path(typed).name
+    demo = build(ui_session)
+    handler = {f.name: f for f in demo.fns.values()}
+    follow, follow_typed = handler["follow"].fn, handler["follow_typed"].fn
+    assert follow(mixtral)[:2] == ("int8", model_formats.choice_note(ui_session, "int8", mixtral))
+    # Typing a folder: the note names it, not the model still picked in the list; a folder with no format of its
+    # own keeps the one chosen (the user may have picked it for this folder first).
+    fmt, note, target = follow_typed(f" {typed} ", mixtral, "nf4")
+    assert (fmt, note, target) == ("nf4", f"For {name}: Load uses 4-bit (nf4).", typed)
+    assert follow_typed("", mixtral, "nf4")[0::2] == ("int8", mixtral)  # an emptied box: back to the list's model
+    # Each button loads its own model; the shown format goes with the model the note names. "Load" for the list's
+    # model while the note names the typed folder loads Mixtral in its own format, not the folder's.
+    load_ui = handler["load_ui"].fn
+    *_, (status, _, header) = load_ui(typed, "nf4", typed)
+    assert "experts in 4-bit (nf4)" in status and ui_session.runtime.info.expert_format == "nf4"
+    other = tiny_model_dir("mixtral", seed=1)
+    *_, (status, _, _) = load_ui(str(other), "nf4", typed)  # the note named `typed`, not this folder
+    assert status.startswith(f"Loaded {other.name}") and "nf4" not in status
+    assert ui_session.store.settings.model_format(str(other)) == "auto"
 
 
 def test_load_uses_the_chosen_format_and_shows_how_far_the_copy_got(ui_session, tiny_model_dir, monkeypatch):

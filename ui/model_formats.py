@@ -94,21 +94,24 @@ def entry_of(session: Session, folder: str | None) -> tuple[CatalogEntry | None,
     return entry, entry is not None
 
 
-def format_for(session: Session, folder: str | None) -> str:
-    """The format Load offers for the model in `folder`: the user's own choice for it, else the one recommended for a
-    catalog model on this machine, else the app's default. Load settings belong to the model, not the last load."""
-    saved = session.store.settings.load()
-    if not folder:
-        return saved.expert_format
+def own_format(session: Session, folder: str) -> str | None:
+    """The format the model in `folder` brings: the user's own choice for it, else the one recommended for a catalog
+    model on this machine; None for a folder with neither."""
     chosen = session.store.settings.model_format(folder)
     if chosen is not None:
         return chosen
     entry, downloaded = entry_of(session, folder)
     if entry is not None:
-        best = next((f.choice for f in format_fits(entry, session.machine(), downloaded) if f.recommended), None)
-        if best is not None:
-            return best
-    return RuntimeConfig.expert_format
+        return next((f.choice for f in format_fits(entry, session.machine(), downloaded) if f.recommended), None)
+    return None
+
+
+def format_for(session: Session, folder: str | None) -> str:
+    """The format Load offers for the model in `folder`: its own (`own_format`), else the app's default. Load
+    settings belong to the model, not the last load."""
+    if not folder:
+        return session.store.settings.load().expert_format
+    return own_format(session, folder) or RuntimeConfig.expert_format
 
 
 def choice_note(session: Session, choice: str, folder: str | None) -> str:

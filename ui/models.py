@@ -48,6 +48,7 @@ class ModelsTab:
     load_folder: gr.Button
     status: gr.Markdown
     load_progress: gr.HTML
+    format_target: gr.State  # the folder the format choice and its note are for: the model picked or typed last
 
 
 def catalog_rows(session: Session) -> list[list[str]]:
@@ -171,7 +172,7 @@ def build(session: Session) -> ModelsTab:
     load_progress = gr.HTML("", elem_id="load-progress")
     return ModelsTab(
         machine, refresh_machine, catalog, fit_detail, repo_id, token, download, cancel, progress, downloaded,
-        expert_format, format_note, load, delete, folder, load_folder, status, load_progress,
+        expert_format, format_note, load, delete, folder, load_folder, status, load_progress, gr.State(None),
     )  # fmt: skip
 
 
@@ -222,9 +223,19 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
         return entry.repo_id, model_formats.detail(entry, fits)
 
     def follow(folder):
-        # The model picked for Load brings its own format (its last choice, else its recommendation).
+        # The model picked for Load, in the list or typed as a folder, brings its own format (its last choice, else
+        # its recommendation), and the note names that model.
+        folder = (folder or "").strip() or None
         fmt = model_formats.format_for(session, folder)
-        return fmt, model_formats.choice_note(session, fmt, folder)
+        return fmt, model_formats.choice_note(session, fmt, folder), folder
+
+    def follow_typed(typed, picked, current):
+        typed = (typed or "").strip()
+        if not typed:
+            return follow(picked)  # an emptied box hands the choice back to the model picked in the list
+        # A folder with no format of its own keeps the one chosen now: the user may have picked it for this folder.
+        fmt = model_formats.own_format(session, typed) or current
+        return fmt, model_formats.choice_note(session, fmt, typed), typed
 
     def start(repo_id, token):
         # The button: a refusal is a sentence in the progress line under it, like every other problem on the page.
@@ -284,8 +295,10 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             for m in list_downloaded(session.models_dir)
         ]
 
-    def load_ui(path, fmt):
-        for status, bar in load_steps(session, path, fmt):
+    def load_ui(path, fmt, target):
+        # The format shown is for the model its note names; the other button loads its model in that one's own.
+        same = bool(path) and bool(target) and str(path).strip() == target
+        for status, bar in load_steps(session, path, fmt if same else ""):
             yield status, bar, page_header.header(session)
 
     def note(choice, folder):
@@ -295,15 +308,16 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
     demo.load(on_load, None, [tab.machine, tab.catalog, tab.downloaded, tab.expert_format], **private)
     tab.refresh_machine.click(recheck, None, [tab.machine, tab.catalog], **private)
     tab.catalog.select(pick, None, [tab.repo_id, tab.fit_detail], **private)
-    tab.downloaded.change(follow, [tab.downloaded], [tab.expert_format, tab.format_note], queue=False, **private)
-    tab.expert_format.change(note, [tab.expert_format, tab.downloaded], [tab.format_note], queue=False, **private)
+    followed = [tab.expert_format, tab.format_note, tab.format_target]
+    tab.downloaded.change(follow, [tab.downloaded], followed, queue=False, **private)
+    tab.folder.change(follow_typed, [tab.folder, tab.downloaded, tab.expert_format], followed, queue=False, **private)
+    tab.expert_format.change(note, [tab.expert_format, tab.format_target], [tab.format_note], queue=False, **private)
     tab.download.click(start, [tab.repo_id, tab.token], [tab.progress, tab.downloaded], **private)
     tab.cancel.click(cancel, None, [tab.status], api_name="cancel_download", concurrency_limit=None)
     outputs = [tab.status, tab.load_progress, top]
-    loaded = tab.load.click(load_ui, [tab.downloaded, tab.expert_format], outputs, concurrency_id="runtime", **private)
-    loaded_folder = tab.load_folder.click(
-        load_ui, [tab.folder, tab.expert_format], outputs, concurrency_id="runtime", **private
-    )
+    chosen = [tab.expert_format, tab.format_target]
+    loaded = tab.load.click(load_ui, [tab.downloaded, *chosen], outputs, concurrency_id="runtime", **private)
+    loaded_folder = tab.load_folder.click(load_ui, [tab.folder, *chosen], outputs, concurrency_id="runtime", **private)
     deleted = tab.delete.click(
         delete, [tab.downloaded], [tab.status, tab.downloaded], api_name="delete_model", concurrency_id="runtime"
     )

@@ -222,9 +222,13 @@ def test_chat_stop_switch_restart_and_settings(env):
         assert "4-bit (nf4)" in page.locator("#fit-detail").inner_text()  # one row per format, each labelled
         assert "slightly different answers" in page.locator("#fit-detail").inner_text()
         page.screenshot(path=SHOTS / "models-formats.png", full_page=True)
-        # Pick 4-bit and load the running model's folder in it: the header then says which format is in use.
-        page.locator("#load-format").get_by_text("4-bit: ~4× smaller, slightly different answers").click()
+        # Type the running model's folder, pick 4-bit and load it: the note under the formats names the typed
+        # folder's model (not the one picked in the list), and the header then says which format is in use.
+        name = env["model"].name
         page.get_by_label("…or load a model folder from disk").fill(str(env["model"]))
+        page.locator("#format-note").get_by_text(f"For {name}: Load uses Auto.").wait_for()  # its own last choice
+        page.locator("#load-format").get_by_text("4-bit: ~4× smaller, slightly different answers").click()
+        page.locator("#format-note").get_by_text(f"For {name}: Load uses 4-bit (nf4).").wait_for()
         page.locator("#load-folder").click()
         page.locator("#models-status").get_by_text("experts in 4-bit (nf4)").wait_for(timeout=120_000)
         page.locator("#app-title").get_by_text("experts in 4-bit (nf4)").wait_for(timeout=30_000)
