@@ -1,9 +1,12 @@
 """The page header during a load: Load redraws it at once with the model loading (the previous one is already gone),
-then names the model loaded; a failed load leaves it naming what is loaded (none) with the failure's sentence."""
+then names the model loaded; a failed load leaves it naming what is loaded (none) with the failure's sentence. Every
+other open tab's header follows on its timer."""
 
 from __future__ import annotations
 
 import threading
+
+import gradio as gr
 
 from fmoe_local.quant_cache import QuantCache
 from ui import build
@@ -23,15 +26,21 @@ def test_load_says_which_model_is_loading_then_the_one_loaded_or_why_none(
         real_write(self, layer, tensors)
 
     monkeypatch.setattr(QuantCache, "_write", held)
-    steps = load(str(tiny_model_dir("mixtral")), "nf4")
+    follow = next(f for f in demo.fns.values() if f.name == "follow_header").fn  # another tab's timer
+    other_tab = follow("")
+    assert "qwen3" in other_tab and follow(other_tab) == gr.skip()  # unchanged: nothing is sent
+    mixtral = str(tiny_model_dir("mixtral"))
+    steps = load(mixtral, "nf4", mixtral)
     _, _, top = next(steps)
     assert "**Loading mixtral" in top and "4-bit (nf4)" in top and "qwen3" not in top
+    assert follow(other_tab) == top  # the other tab stops naming a model that is gone
     release.set()
     *_, (status, _, top) = steps
+    assert follow(other_tab) == top
     assert status.startswith("Loaded mixtral") and top.startswith("# fmoe-local\n**mixtral") and "Loading" not in top
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # a folder that looks like a model and is not one
-    *_, (status, _, top) = load(str(broken), "auto")
+    *_, (status, _, top) = load(str(broken), "auto", str(broken))
     assert status.startswith("⚠️ Could not load broken") and ui_session.runtime is None
     assert "**No model loaded.** ⚠️ Could not load broken" in top and "mixtral" not in top

@@ -16,6 +16,8 @@ from ui.session import Session
 
 __all__ = ["TITLE", "build", "header"]
 
+HEADER_REFRESH_S = 2.0
+
 
 def build(session: Session) -> gr.Blocks:
     with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as demo:
@@ -44,7 +46,7 @@ def build(session: Session) -> gr.Blocks:
             # The Models tab's format choice is the picked model's: Settings may have just chosen it for the loaded one.
             event.success(
                 lambda folder: (header(session), *stats.draw(session), model_formats.format_for(session, folder)),
-                [models_tab.downloaded],
+                [models_tab.format_target],
                 [top, *stats.outputs(stats_tab), models_tab.expert_format],
                 api_visibility="private",
             )
@@ -58,4 +60,14 @@ def build(session: Session) -> gr.Blocks:
             api_visibility="private",
         )
         demo.load(lambda: header(session), None, [top], api_visibility="private")
+
+        def follow_header(shown):
+            now = header(session)
+            return gr.skip() if now == shown else now
+
+        # Another tab or an API client may load a model or change the cache: every open tab's header follows within
+        # seconds, not only the one whose Load button redraws it as it goes.
+        gr.Timer(HEADER_REFRESH_S).tick(
+            follow_header, [top], [top], queue=False, show_progress="hidden", api_visibility="private"
+        )
     return demo

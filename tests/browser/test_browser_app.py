@@ -225,6 +225,7 @@ def test_chat_stop_switch_restart_and_settings(env):
         # Type the running model's folder, pick 4-bit and load it: the note under the formats names the typed
         # folder's model (not the one picked in the list), and the header then says which format is in use.
         name = env["model"].name
+        other_tab = open_page(browser, app.url, seen)  # open before the load: its header must follow on its own
         page.get_by_label("…or load a model folder from disk").fill(str(env["model"]))
         page.locator("#format-note").get_by_text(f"For {name}: Load uses Auto.").wait_for()  # its own last choice
         page.locator("#load-format").get_by_text("4-bit: ~4× smaller, slightly different answers").click()
@@ -232,6 +233,8 @@ def test_chat_stop_switch_restart_and_settings(env):
         page.locator("#load-folder").click()
         page.locator("#models-status").get_by_text("experts in 4-bit (nf4)").wait_for(timeout=120_000)
         page.locator("#app-title").get_by_text("experts in 4-bit (nf4)").wait_for(timeout=30_000)
+        other_tab.locator("#app-title").get_by_text("experts in 4-bit (nf4)").wait_for(timeout=30_000)
+        other_tab.close()
         assert page.locator("#models-status .error, #load-format .error").count() == 0
         page.screenshot(path=SHOTS / "models-loaded-nf4.png", full_page=True)
         page.close()
