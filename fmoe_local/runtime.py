@@ -4,7 +4,9 @@
 final `Finished` with the request's statistics; `stop()` ends the generation within one token; `reconfigure()`
 changes cache size, prefetch distance, policy, store capacity or miss handling without reloading the model;
 `reset_cache()` empties the expert cache so the next request starts cold (benchmarks); `close()` stops every
-thread. One worker thread owns the model; each request has its own response queue and its own stop flag.
+thread. One worker thread owns the model; each request has its own response queue and its own stop flag. Callers
+wait on the worker only through `_wait` (bounded: it notices a worker that has ended); after close() the worker
+ends whatever is still queued with the sentence CLOSED instead of running it under a model being closed.
 
 It does NOT persist anything (the app passes a MapPersistence from store/, and may save `miss_costs`), nor probe
 hardware beyond resolving "auto" device/dtype and measuring the miss costs once at load (miss_cost.py).
@@ -37,6 +39,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 # Failures whose message is already a sentence for the user.
 _SENTENCES = (ContextTooLong, ExpertLoadError, LoadTimeout, PrefetcherFailed)
+CLOSED = (
+    "The model was unloaded before this request ran (another model was loaded, or the app is closing). Send it again."
+)
+_POLL_S = 0.5  # how often a caller waiting on the worker checks that the worker still runs
 
 
 @dataclass(frozen=True)
@@ -168,7 +174,9 @@ class Runtime:
         self._jobs.put(request)
         try:
             while True:
-                item = request.out.get()
+                item = self._wait(request.out)
+                if isinstance(item, BaseException):  # the worker ended without serving this request
+                    item = Finished("", [], RequestStats(finish_reason="error"), "error", error=CLOSED)
                 yield item
                 if isinstance(item, Finished):
                     return
@@ -228,10 +236,24 @@ class Runtime:
         """Run fn on the worker thread between two requests and hand back its result or its exception."""
         done: queue.Queue = queue.Queue()
         self._jobs.put((fn, done))
-        result = done.get()
+        result = self._wait(done)
         if isinstance(result, BaseException):
             raise result
         return result
+
+    def _wait(self, answers: queue.Queue) -> object:
+        """The worker's next answer on `answers`; a RuntimeError (CLOSED) instead once the worker has ended without
+        giving one (a job queued behind close()'s sentinel), so no caller waits for ever. Each answer is bounded by
+        the job: a token, a request's end, or a reconfiguration between requests."""
+        while True:
+            try:
+                return answers.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self._worker.is_alive():
+                    try:
+                        return answers.get_nowait()  # given just before the worker ended
+                    except queue.Empty:
+                        return RuntimeError(CLOSED)
 
     def clear_maps(self) -> None:
         """Forget every expert map of this model (in memory and, through its persistence, on disk). Waits for the
@@ -261,6 +283,12 @@ class Runtime:
             if job is _SENTINEL:
                 self._engine.finish_recording()  # the recorder belongs to this thread: it writes the last part
                 return
+            if self._closed:  # queued before close(): ended at once, not run while the model is being closed
+                if isinstance(job, tuple):
+                    job[1].put(RuntimeError(CLOSED))
+                else:
+                    job.out.put(Finished("", [], RequestStats(finish_reason="error"), "error", error=CLOSED))
+                continue
             if isinstance(job, tuple):
                 fn, done = job
                 try:

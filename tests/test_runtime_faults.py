@@ -14,7 +14,7 @@ import time
 import pytest
 
 from fmoe_local.config import RuntimeConfig, Sampling
-from fmoe_local.runtime import Finished, Runtime
+from fmoe_local.runtime import CLOSED, Finished, Runtime
 
 PROMPT = [{"role": "user", "content": "Tell me about the ocean and the waves."}]
 GREEDY = Sampling(greedy=True, max_new_tokens=6)
@@ -210,3 +210,45 @@ def test_stop_reaches_a_prefill_at_the_next_moe_layer(tiny_model_dir):
             handle.remove()
         assert final.reason == "cancelled" and final.token_ids == []  # not even the prefill's token
         _works(runtime)
+
+
+def test_close_ends_requests_still_waiting_for_their_turn_with_a_sentence(tiny_model_dir):
+    runtime = Runtime.load(tiny_model_dir("mixtral"), _config(policy="on_demand"))
+    host = runtime.engine.host
+    real_read = host.read
+    entered, release = threading.Event(), threading.Event()
+
+    def read(layer, expert):  # holds the first request inside the model while the second queues behind it
+        if not release.is_set():
+            entered.set()
+            release.wait(30)
+        return real_read(layer, expert)
+
+    host.read = read
+    first, second = queue.Queue(), queue.Queue()
+    for events in (first, second):
+        threading.Thread(target=lambda q=events: [q.put(e) for e in runtime.stream(PROMPT)], daemon=True).start()
+        if events is first:
+            assert entered.wait(10), "the first request never reached the host store"
+    time.sleep(0.2)  # the second is queued
+    t0 = time.perf_counter()
+    closing = threading.Thread(target=runtime.close, daemon=True)
+    closing.start()
+    assert first.get(timeout=5).reason == "cancelled"
+    queued = second.get(timeout=5)  # before the fix it ran in full while the model was being closed under it
+    assert queued.reason == "error" and queued.error == CLOSED and queued.text == ""
+    release.set()
+    closing.join(10)
+    assert not closing.is_alive() and time.perf_counter() - t0 < 5
+
+
+def test_a_request_that_slips_in_after_close_ends_instead_of_waiting_for_ever(tiny_model_dir):
+    runtime = Runtime.load(tiny_model_dir("mixtral"), _config())
+    runtime.close()
+    runtime._closed = False  # the caller checked `closed` just before close() ran: its request lands after the end
+    t0 = time.perf_counter()
+    events = list(runtime.stream(PROMPT))
+    assert len(events) == 1 and events[0].reason == "error" and events[0].error == CLOSED
+    with pytest.raises(RuntimeError, match="unloaded before this request ran"):
+        runtime.reset_cache()  # a job between requests, too
+    assert time.perf_counter() - t0 < 5
