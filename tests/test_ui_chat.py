@@ -189,3 +189,32 @@ def test_editing_an_earlier_message_drops_what_followed_and_replies_again(chat):
     assert session.runtime.seen == [[{"role": "user", "content": "Tell me a poem."}]]
     with pytest.raises(chat_flow.Problem, match="Only your own messages"):
         next(chat_flow.edit(session, conv_id, 1, "x", "", Sampling()))  # index 1 is the reply
+
+
+def test_a_reply_whose_page_went_away_is_kept_as_stopped_and_the_model_stops(chat):
+    from fmoe_local.config import Sampling
+    from fmoe_local.runtime import TextDelta
+    from ui import chat_flow
+
+    session, conv_id = chat
+    closed = []
+
+    class EndlessRuntime:
+        def stream(self, messages, sampling):
+            try:
+                while True:
+                    yield TextDelta(" and on", 7)
+            finally:
+                closed.append(True)  # the real Runtime.stream sets the request's stop flag here
+
+    session.runtime = EndlessRuntime()
+    session.store.chats.append(conv_id, "user", "Go on.")
+    replies = chat_flow.reply(session, conv_id, "", Sampling())
+    for _ in range(3):
+        next(replies)
+    replies.close()  # what the server does when the page reloads or the tab closes mid-reply
+    assert closed == [True]
+    last = session.store.chats.messages(conv_id)[-1]
+    assert last.role == "assistant" and last.content == " and on and on and on"
+    assert last.stats == {"finish_reason": "cancelled", "tokens": 3}
+    assert stats_line(last.stats) == "stopped"

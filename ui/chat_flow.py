@@ -47,22 +47,33 @@ def stream_reply(
     continued); `save(text, stats)` stores it (even a stopped one). Yields Chatbot message lists."""
     from fmoe_local.runtime import Finished, TextDelta
 
-    text = ""
-    for event in runtime_of(session).stream(messages, sampling):
-        if isinstance(event, TextDelta):
-            text += event.text
-            yield shown + [{"role": "assistant", "content": safe_markdown(prefix + text)}]
-        elif isinstance(event, Finished):
-            if event.reason == "error":
-                # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
-                if event.text.strip():
-                    save(event.text, event.stats)
-                notice = {"role": "assistant", "content": warning(event.error)}
-                yield display(session.store.chats.messages(conv_id)) + [notice]
-                return
-            session.record(event.stats)
-            save(event.text, event.stats)
-            yield display(session.store.chats.messages(conv_id))
+    text, tokens, finished = "", 0, False
+    events = runtime_of(session).stream(messages, sampling)
+    try:
+        for event in events:
+            if isinstance(event, TextDelta):
+                text += event.text
+                tokens += 1
+                yield shown + [{"role": "assistant", "content": safe_markdown(prefix + text)}]
+            elif isinstance(event, Finished):
+                finished = True
+                if event.reason == "error":
+                    # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
+                    if event.text.strip():
+                        save(event.text, event.stats)
+                    notice = {"role": "assistant", "content": warning(event.error)}
+                    yield display(session.store.chats.messages(conv_id)) + [notice]
+                    return
+                session.record(event.stats)
+                save(event.text, event.stats)
+                yield display(session.store.chats.messages(conv_id))
+    finally:
+        if not finished:
+            # The page went away mid-reply (a reload, a closed tab: the server closes this generator at a yield).
+            # End the model's work now and keep what it wrote, as a stopped reply, instead of losing it.
+            events.close()
+            if text.strip():
+                save(text, {"finish_reason": "cancelled", "tokens": tokens})
 
 
 def reply(session: Session, conv_id: int, system: str, sampling: Sampling) -> Iterator[list[dict]]:
