@@ -316,36 +316,42 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     send_outputs = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.notice]
     slot = dict(concurrency_limit=1, concurrency_id="runtime")
 
-    # While a reply streams, Send says so and cannot be pressed; `.then` re-enables it however the reply ended.
+    # While a reply streams, Send says so and cannot be pressed; `.then` re-enables it however the reply ended. The
+    # stream redraws its own conversation to the end, so opening, starting or deleting another one waits too (else
+    # the view would show one conversation while the next message or an edit went to another).
     def busy():
-        return gr.Button(value="Generating…", interactive=False)
+        return gr.Button(value="Generating…", interactive=False), *switching(False)
 
     def idle():
-        return gr.Button(value="Send", interactive=True)
+        return gr.Button(value="Send", interactive=True), *switching(True)
+
+    def switching(allowed: bool):
+        return gr.Button(interactive=allowed), gr.Radio(interactive=allowed), gr.Button(interactive=allowed)
 
     def on(event, fn, inputs, outputs, **kwargs):  # noqa: ANN001, ANN202
         return event(guarded(fn, len(outputs)), inputs, outputs, **kwargs)
 
     quick = dict(queue=False, api_visibility="private")
-    sent = t.send.click(busy, None, [t.send], **quick)
+    held = [t.send, t.new_chat, t.conv_list, t.delete]
+    sent = t.send.click(busy, None, held, **quick)
     sent = on(sent.then, send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_name="send", **slot)
-    submitted = t.textbox.submit(busy, None, [t.send], **quick)
+    submitted = t.textbox.submit(busy, None, held, **quick)
     submitted = on(
         submitted.then, send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_visibility="private", **slot
     )
-    regen = t.regenerate.click(busy, None, [t.send], **quick)
+    regen = t.regenerate.click(busy, None, held, **quick)
     regen = on(regen.then, regenerate, [t.conv_id, *gen_inputs], [t.chatbot, t.notice], api_name="regenerate", **slot)
-    cont = t.continue_reply.click(busy, None, [t.send], **quick)
+    cont = t.continue_reply.click(busy, None, held, **quick)
     cont = on(cont.then, continue_reply, [t.conv_id, *gen_inputs], [t.chatbot, t.notice], api_name="continue", **slot)
     # Editing a question ends the reply being generated (it would answer the old text), then answers the new one.
-    edited = t.chatbot.edit(take_edit, None, [t.pending_edit], **quick).then(busy, None, [t.send], **quick)
+    edited = t.chatbot.edit(take_edit, None, [t.pending_edit], **quick).then(busy, None, held, **quick)
     edit_inputs = [t.pending_edit, t.conv_id, *gen_inputs]
     edited = on(edited.then, edit, edit_inputs, [t.chatbot, t.notice], api_visibility="private", **slot)
     replies = [sent, submitted, regen, cont, edited]
     ctrl = [t.continue_reply, t.alt_prev, t.alt_label, t.alt_next]
     for event in replies:
         # One step: when Send is back, Continue and "< 1/2 >" already match the reply that just ended.
-        event.then(lambda conv_id: (idle(), *controls(conv_id)), [t.conv_id], [t.send, *ctrl], **quick)
+        event.then(lambda conv_id: (*idle(), *controls(conv_id)), [t.conv_id], [*held, *ctrl], **quick)
     t.stop.click(stop, None, None, api_name="stop", concurrency_limit=None)
     for button, step in ((t.alt_prev, -1), (t.alt_next, 1)):
         flipped = on(button.click, flip(step), [t.conv_id], [t.chatbot, t.notice], api_visibility="private")

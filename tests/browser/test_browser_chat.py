@@ -1,6 +1,7 @@
 """Real browser, the chat as LM Studio / Open WebUI users expect it: the stats line of a reply cut inside a code
 block still renders as a stats line (not raw HTML inside the code), generation settings survive a page reload,
-and Send shows that a reply is streaming."""
+Send shows that a reply is streaming (and the conversation cannot be switched under it), and a reply whose page
+was reloaded mid-stream is kept as a stopped reply."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
         store.chats.append(conv.id, "assistant", "Here:\n```python\nprint('unfinished", stats)
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", port=7905)
+        # 50 ms a token: a 300-token reply streams for 15 s, long enough to act on it while it runs
+        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", port=7905, token_delay_s=0.05)
         try:
             page = open_page(browser, app.url, [])
             chat = page.locator("#chatbot")
@@ -49,11 +51,29 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
             button = page.locator("#send")
             page.wait_for_function("() => document.querySelector('#send').disabled === true", timeout=30_000)
             assert "Generating" in button.inner_text()
+            assert page.locator("#new-chat").is_disabled() and page.locator("#conv-list input").first.is_disabled()
             page.locator("#stop").click()
             page.wait_for_function(
                 "() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS
             )
             assert button.inner_text().strip() == "Send"
+            assert page.locator("#new-chat").is_enabled() and page.locator("#conv-list input").first.is_enabled()
+
+            # A reload in the middle of a reply: the text written so far is kept, marked stopped.
+            send(page, "Keep going.")
+            page.wait_for_function(
+                "() => document.querySelector('#chatbot').innerText.split('Keep going.')[1]?.trim().length > 6",
+                timeout=STREAM_TIMEOUT_MS,
+            )
+            for _ in range(30):  # the server notices the closed page at its next token, then saves
+                page.reload()
+                page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
+                stats = page.locator("#chatbot .reply-stats")
+                if stats.count() == 2 and stats.last.inner_text().strip() == "stopped":
+                    break
+                page.wait_for_timeout(1000)
+            assert stats.count() == 2 and stats.last.inner_text().strip() == "stopped"
+            page.screenshot(path=SHOTS / "chat-kept-after-reload.png", full_page=True)
 
             page.reload()  # the saved generation settings come back, not the start-up ones
             page.get_by_role("tab", name="Chat").wait_for()
