@@ -44,6 +44,23 @@ def test_deleting_the_demo_is_refused_with_a_sentence_and_leaves_it_loaded(ui_se
     assert ui_session.runtime is not None and (demo_model_dir() / "model.safetensors").is_file()
 
 
+def test_delete_refuses_a_folder_the_app_did_not_download_and_unloads_nothing(ui_session, tiny_model_dir):
+    mine = ui_session.models_dir / "my-llama"  # the user's own folder, which happens to sit in the models folder
+    shutil.copytree(tiny_model_dir("mixtral"), mine)
+    ui_session.load(mine)
+    demo = build(ui_session)
+    delete = next(f for f in demo.fns.values() if f.api_name == "delete_model")
+    status, _ = delete.fn(str(mine))
+    assert status == (
+        "⚠️ my-llama was not downloaded by this app, so it is not deleted here. Delete it in your file manager if you "
+        "no longer want it."
+    )
+    assert (mine / "config.json").is_file() and ui_session.runtime is not None  # still there, still loaded
+    write_marker(mine, {"repo_id": "acme/my-llama"})  # one of ours: deleted, after unloading it
+    status, _ = delete.fn(str(mine))
+    assert status == "Deleted my-llama." and not mine.exists() and ui_session.runtime is None
+
+
 def test_each_catalog_row_shows_every_format_with_its_verdict_and_one_recommended(ui_session):
     ui_session._machine = DESKTOP
     rows = catalog_rows(ui_session)

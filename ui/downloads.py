@@ -77,12 +77,23 @@ def list_downloaded(models_dir: Path) -> list[LocalModel]:
     return [m for _, m in sorted(out, key=lambda t: -t[0])]
 
 
-def delete_downloaded(models_dir: Path, path: Path) -> None:
-    """Remove a downloaded model folder; refuses anything outside `models_dir`."""
+def check_deletable(models_dir: Path, path: Path) -> Path:
+    """The folder to delete, resolved; a sentence (ValueError) for one the app did not download: only our own
+    downloads are ours to delete (a folder of the user's that happens to sit in the models folder is not)."""
     path = Path(path).resolve()
     if path.parent != Path(models_dir).resolve():
         raise ValueError("Only models inside the app's models folder can be deleted here.")
-    shutil.rmtree(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise ValueError(
+            f"{path.name} was not downloaded by this app, so it is not deleted here. Delete it in your file manager "
+            "if you no longer want it."
+        )
+    return path
+
+
+def delete_downloaded(models_dir: Path, path: Path) -> None:
+    """Remove a model folder the app downloaded; refuses any other folder with a sentence (check_deletable)."""
+    shutil.rmtree(check_deletable(models_dir, path))
 
 
 def _causes(error: BaseException) -> list[BaseException]:

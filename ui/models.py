@@ -21,7 +21,7 @@ import gradio as gr
 from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find
 from fmoe_local.hardware import format_fits
 from ui import model_formats, page_header
-from ui.downloads import Download, delete_downloaded, list_downloaded
+from ui.downloads import Download, check_deletable, delete_downloaded, list_downloaded
 from ui.session import DEMO_LABEL, ModelLoadError, Session, demo_dir
 
 POLL_S = 0.5
@@ -283,6 +283,10 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             return "⚠️ Pick a downloaded model to delete.", gr.skip()
         if demo_dir() is not None and Path(path).resolve() == demo_dir():
             return "⚠️ The demo model is part of the app and cannot be deleted.", gr.skip()
+        try:
+            check_deletable(session.models_dir, Path(path))  # before unloading it: a refusal changes nothing
+        except ValueError as exc:
+            return f"⚠️ {exc}", gr.skip()
         if session.model_dir is not None and Path(path).resolve() == session.model_dir.resolve():
             session.unload()
         delete_downloaded(session.models_dir, Path(path))
