@@ -19,6 +19,7 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import argparse  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -169,6 +170,19 @@ def serve(args: argparse.Namespace):
     return server, session, url
 
 
+def stop_on_signals() -> None:
+    """Closing the launcher's terminal (SIGHUP) or a system shutdown (SIGTERM) ends the app the way Ctrl+C does:
+    through main's `finally`, which saves what is in flight (a streaming reply, queued expert maps) and closes the
+    database. Without a handler either signal ends the process at once. Call from the main thread."""
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):  # Windows has no SIGHUP
+            signal.signal(getattr(signal, name), leave)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SUBCOMMANDS:
@@ -176,15 +190,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli.main(argv, persistence_factory=persistence_factory)
     args = build_parser().parse_args(argv)
+    stop_on_signals()  # before serving: "serving on" may be the last line a terminal shows before it is closed
     server, session, _ = serve(args)
     try:
         server.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         server.close()
         session.close()
         session.store.close()
+        print("fmoe-local: stopped (chats and expert maps saved).", flush=True)
     return 0
 
 

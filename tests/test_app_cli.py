@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +102,25 @@ def test_a_first_quantised_load_at_start_up_says_how_far_its_copy_got_every_tent
     assert len(lines) == 11  # 0 %, each tenth, and the end: not one line per expert
     assert lines[0] == "fmoe-local: making the 4-bit (nf4) copy of the experts: 0 of 256 (first load only)"
     assert lines[-1].endswith(": 256 of 256 (first load only)")
+
+
+@pytest.mark.parametrize("signame", [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)])
+def test_a_closed_terminal_or_a_shutdown_stops_the_app_through_its_cleanup(signame, tmp_path):
+    """SIGHUP (the launcher's terminal closed) and SIGTERM end the app like Ctrl+C: saved and closed, exit 0."""
+    root = Path(app.__file__).resolve().parent
+    args = [sys.executable, str(root / "app.py"), "--no-browser", "--data-dir", str(tmp_path), "--port", "7961"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+    try:
+        lines = []
+        for line in proc.stdout:  # the demo model loads, then the server starts
+            lines.append(line)
+            if "serving on" in line:
+                break
+        assert any("serving on" in line for line in lines), "".join(lines)
+        proc.send_signal(getattr(signal, signame))
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out  # without the handler: -15 / -1, killed before any cleanup
+    assert "fmoe-local: stopped (chats and expert maps saved)." in out
