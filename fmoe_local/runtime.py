@@ -168,8 +168,9 @@ class Runtime:
         """Queue a request; yields its TextDelta events, then one Finished. `stop`: the request's own stop flag, for
         a caller that must end this request from another thread (a server whose client went away) — setting it
         ends the request within a token, or at once if it is still waiting for its turn."""
-        if self._closed:
-            raise RuntimeError("This model was closed. Load it again to chat.")
+        if self._closed:  # a caller holding a runtime that another thread just closed (a model being swapped)
+            yield Finished("", [], RequestStats(finish_reason="error"), "error", error=CLOSED)
+            return
         request = _Request(list(messages), sampling or self.config.sampling, queue.Queue(), stop or threading.Event())
         self._jobs.put(request)
         try:

@@ -123,3 +123,23 @@ def test_a_client_that_disconnects_stops_its_generation(served):
         time.sleep(0.05)
     reason, tokens = recent[-1]
     assert reason == "cancelled" and tokens < 400
+
+
+def test_a_request_that_meets_a_model_being_unloaded_gets_the_sentence(served, tiny_model_dir):
+    from fmoe_local.config import RuntimeConfig
+    from fmoe_local.runtime import CLOSED, Runtime
+
+    _, session, client = served
+    closing = Runtime.load(tiny_model_dir("qwen2_moe"), RuntimeConfig(device="cpu"))
+    closing.close()  # Load was pressed: the old runtime is closed, and the session still holds it for a moment
+    current, session.runtime = session.runtime, closing
+    try:
+        with pytest.raises(openai.InternalServerError) as plain:  # was: a bare "Internal Server Error"
+            client.chat.completions.create(model="x", messages=PROMPT, max_tokens=4)
+        assert CLOSED in str(plain.value)
+        with pytest.raises(openai.APIError, match="unloaded before this request ran"):  # was: a stream cut short
+            list(client.chat.completions.create(model="x", messages=PROMPT, max_tokens=4, stream=True))
+    finally:
+        session.runtime = current
+    after = client.chat.completions.create(model="x", messages=PROMPT, max_tokens=2)  # the loaded model answers
+    assert after.choices[0].finish_reason in ("length", "stop") and after.usage.completion_tokens > 0

@@ -178,6 +178,12 @@ def _events(runtime, messages: list[dict], sampling: Sampling, stop: threading.E
             for event in runtime.stream(messages, sampling, stop=stop):
                 final = event
                 out.put(event)
+        except Exception as exc:  # noqa: BLE001 - the client gets the sentence instead of a bare 500 or a cut stream
+            from fmoe_local.runtime import Finished
+            from fmoe_local.stats import RequestStats
+
+            final = Finished("", [], RequestStats(finish_reason="error"), "error", error=str(exc))
+            out.put(final)
         finally:
             if final is not None and hasattr(final, "reason"):
                 finished.append((final.reason, len(final.token_ids)))

@@ -280,9 +280,10 @@ class Session:
 
     def unload(self) -> None:
         if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None
-            self.model_dir = None
+            # Unpublished first: a request arriving during the close (up to the worker's 30 s join) finds no model
+            # and says so, instead of taking the one being closed.
+            runtime, self.runtime, self.model_dir = self.runtime, None, None
+            runtime.close()
         self._close_persistence()
 
     def _close_persistence(self) -> None:
