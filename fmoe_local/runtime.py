@@ -189,10 +189,13 @@ class Runtime:
         events = list(self.stream(messages, sampling))
         return events[-1]
 
-    def stop(self) -> None:
-        """End the running request within a token, or at once if it is waiting for an expert to load."""
+    def stop(self, request: threading.Event | None = None) -> None:
+        """End the running request within a token, or at once if it is waiting for an expert to load. `request`:
+        end only the request streamed with that stop flag (running or still queued), not whichever one runs."""
+        if request is not None:
+            request.set()
         current = self._current
-        if current is not None:
+        if current is not None and (request is None or current.stop is request):
             current.stop.set()
             self._engine.interrupt.set()
 

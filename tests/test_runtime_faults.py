@@ -252,3 +252,26 @@ def test_a_request_that_slips_in_after_close_ends_instead_of_waiting_for_ever(ti
     with pytest.raises(RuntimeError, match="unloaded before this request ran"):
         runtime.reset_cache()  # a job between requests, too
     assert time.perf_counter() - t0 < 5
+
+
+def test_stop_with_a_request_s_flag_ends_that_request_only(tiny_model_dir):
+    with Runtime.load(tiny_model_dir("mixtral"), _config(policy="on_demand")) as runtime:
+        long = Sampling(greedy=True, max_new_tokens=40)
+        mine, theirs = threading.Event(), threading.Event()
+        started = threading.Event()
+        first: queue.Queue = queue.Queue()
+
+        def run_theirs():
+            for event in runtime.stream(PROMPT, long, stop=theirs):
+                started.set()
+                first.put(event)
+
+        threading.Thread(target=run_theirs, daemon=True).start()
+        assert started.wait(30)
+        runtime.stop(mine)  # mine is not running: the running request goes on
+        events = []
+        while not events or not isinstance(events[-1], Finished):
+            events.append(first.get(timeout=30))
+        assert events[-1].reason in ("length", "stop") and len(events[-1].token_ids) > 1
+        # A request whose flag was already set (stopped while it waited for its turn) ends at once.
+        assert [e.reason for e in runtime.stream(PROMPT, long, stop=mine) if isinstance(e, Finished)] == ["cancelled"]

@@ -38,7 +38,7 @@ def test_a_failed_reply_shows_its_sentence_inline_and_keeps_the_partial_text(tmp
     sentence = "Could not load expert 3 of MoE layer 1: disk error. Download the model again."
 
     class FailingRuntime:
-        def stream(self, messages, sampling):
+        def stream(self, messages, sampling, stop=None):
             yield TextDelta("The sea", 5)
             yield Finished("The sea", [5], RequestStats(finish_reason="error"), "error", error=sentence)
 
@@ -113,7 +113,7 @@ class ScriptedRuntime:
         self.replies = list(replies)  # (text, finish reason)
         self.seen: list[list[dict]] = []
 
-    def stream(self, messages, sampling):
+    def stream(self, messages, sampling, stop=None):
         from fmoe_local.runtime import Finished, TextDelta
         from fmoe_local.stats import RequestStats
 
@@ -200,7 +200,7 @@ def test_a_reply_whose_page_went_away_is_kept_as_stopped_and_the_model_stops(cha
     closed = []
 
     class EndlessRuntime:
-        def stream(self, messages, sampling):
+        def stream(self, messages, sampling, stop=None):
             try:
                 while True:
                     yield TextDelta(" and on", 7)

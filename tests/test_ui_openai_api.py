@@ -143,3 +143,33 @@ def test_a_request_that_meets_a_model_being_unloaded_gets_the_sentence(served, t
         session.runtime = current
     after = client.chat.completions.create(model="x", messages=PROMPT, max_tokens=2)  # the loaded model answers
     assert after.choices[0].finish_reason in ("length", "stop") and after.usage.completion_tokens > 0
+
+
+def _long_stream(client):
+    return client.chat.completions.create(model="x", messages=PROMPT, max_tokens=300, temperature=0, stream=True)
+
+
+def test_the_chat_s_stop_leaves_an_api_client_s_reply_alone(served):
+    from ui import build
+
+    server, session, client = served
+    chat_stop = next(f for f in build(session).fns.values() if f.api_name == "stop").fn  # the chat tab's Stop
+    session.chat_stop = None  # no chat reply: Stop has nothing of its own to end
+    chunks = iter(_long_stream(client))
+    assert next(chunks).choices[0].delta.role == "assistant"
+    chat_stop()  # before the fix: ended whatever ran, and the client saw a short reply reported as complete
+    rest = list(chunks)
+    assert [c.choices[0].finish_reason for c in rest if c.choices][-1] in ("length", "stop")
+    assert server.api.finished[-1][0] != "cancelled"  # the runtime's own reason: it ran to its end
+
+
+def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
+    from ui.openai_api import INTERRUPTED
+
+    _, session, client = served
+    chunks = iter(_long_stream(client))
+    next(chunks)
+    session.runtime.stop()  # what closing the runtime does to the request it is running
+    with pytest.raises(openai.APIError, match="interrupted because the model was unloaded"):
+        list(chunks)
+    assert INTERRUPTED.startswith("The reply was interrupted")

@@ -8,6 +8,7 @@ generation ends as an inline notice bubble under the text generated so far.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 from fmoe_local.config import Sampling
@@ -48,7 +49,8 @@ def stream_reply(
     from fmoe_local.runtime import Finished, TextDelta
 
     text, tokens, finished = "", 0, False
-    events = runtime_of(session).stream(messages, sampling)
+    session.chat_stop = stop = threading.Event()  # the chat's Stop ends this reply, not an API client's request
+    events = runtime_of(session).stream(messages, sampling, stop=stop)
     try:
         for event in events:
             if isinstance(event, TextDelta):

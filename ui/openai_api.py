@@ -30,6 +30,8 @@ from fmoe_local.config import Sampling
 from ui.session import Session
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+# A request ended by someone other than its client (a model unloaded under it): not a complete reply.
+INTERRUPTED = "The reply was interrupted because the model was unloaded or reloaded in the app. Send the request again."
 _POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 
 
@@ -224,6 +226,8 @@ async def _complete(events, gen, ident, created, model, request, stop) -> JSONRe
         watcher.cancel()
     if final.reason == "error":
         return ApiError(500, final.error).response()
+    if final.reason == "cancelled" and not gen.stopped:
+        return ApiError(500, INTERRUPTED).response()
     reason = "stop" if gen.stopped else _FINISH.get(final.reason, "stop")
     message = {"role": "assistant", "content": gen.text}
     choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
@@ -250,8 +254,9 @@ async def _sse(events, gen, ident, created, model, usage, stop) -> AsyncIterator
             stop.set()
         if text:
             yield chunk({"content": text})
-    if final.reason == "error":
-        yield f"data: {json.dumps({'error': {'message': final.error, 'type': 'server_error'}})}\n\n"
+    if final.reason == "error" or (final.reason == "cancelled" and not gen.stopped):
+        message = final.error if final.reason == "error" else INTERRUPTED
+        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
         yield "data: [DONE]\n\n"
         return
     rest = gen.flush()

@@ -141,6 +141,10 @@ class Session:
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # RequestStats of recent replies
     download: object | None = None  # ui.downloads.Download in progress
     loading: LoadJob | None = None  # the latest start_load's job (the header says "Loading …" until it finishes)
+    # The stop flag of the chat's reply being generated: set by chat_flow for each reply (one at a time: the
+    # chat's replies share the runtime slot), read by the chat's Stop from any thread. Stop ends that reply only,
+    # never an API client's request.
+    chat_stop: threading.Event | None = None
     _machine: Machine | None = None
     _persistence: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
