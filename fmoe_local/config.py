@@ -66,7 +66,8 @@ class RuntimeConfig:
     # `quant_cache_dir` (None = the user data folder's quantized/), so only the first load quantises.
     expert_format: str = "auto"
     quant_cache_dir: str | None = None
-    # Host RAM for expert weights; None = all of them. What does not fit is read from the checkpoint per use.
+    # Host RAM for expert weights; None = what the RAM available at load holds, less the fit verdicts' headroom
+    # (hardware.host_ram_budget_gb). What does not fit is read from the checkpoint per use.
     host_ram_gb: float | None = None
     # On a GPU, how much of that RAM to page-lock ("pin") so that copies go straight from it to the device at the
     # link's full rate, with no staging copy on the host. None = up to half of the machine's RAM (pinned memory

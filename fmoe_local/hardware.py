@@ -108,6 +108,17 @@ def ram_bytes() -> tuple[int, int]:
     return 0, 0
 
 
+def host_ram_budget_gb(reserve_bytes: int = 0) -> float | None:
+    """RAM the host store may fill with experts now: what is available less the headroom the fit verdicts keep
+    (RAM_HEADROOM_BYTES) and `reserve_bytes` still to be allocated; None when the platform does not say (then
+    every expert is held). The verdicts' "Runs, slowly: … read from disk" is this budget at work: a model whose
+    experts exceed it reads the rest from its files on each use instead of being killed for want of memory."""
+    total, available = ram_bytes()
+    if total <= 0:
+        return None
+    return max(0, available - RAM_HEADROOM_BYTES - reserve_bytes) / GIB
+
+
 def disk_free_bytes(path: str | os.PathLike) -> int:
     """Free bytes on the volume holding `path` (its nearest existing parent when it does not exist yet)."""
     p = Path(path).absolute()

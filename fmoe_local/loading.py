@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fmoe_local import bnb_checkpoint, hf_internals
+from fmoe_local import bnb_checkpoint, hardware, hf_internals
 from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.host import CheckpointFiles, CheckpointHostStore, TieredHostStore
@@ -58,7 +58,8 @@ def load_model(
 ) -> LoadedModel:
     """Load `model_dir` (a Hugging Face checkpoint directory in safetensors) for expert offloading.
 
-    `dtype=None` keeps the checkpoint's dtype. Host RAM for experts follows `config.host_ram_gb` (None = all).
+    `dtype=None` keeps the checkpoint's dtype. Host RAM for experts follows `config.host_ram_gb` (None = what
+    the available RAM holds, hardware.host_ram_budget_gb).
     `progress(done, total)` is called per expert while an int8/nf4 copy is made (quant_cache.py), only then.
     """
     model_dir = Path(model_dir)
@@ -122,6 +123,11 @@ def _build(
     num_experts = arch.num_experts(hf_config)
     sources = [[arch.expert_sources(ref.layer_index, e, files) for e in range(num_experts)] for ref in moe_layers]
     fmt = resolve_format(config.expert_format, sources, files)
+    if config.host_ram_gb is None:
+        # Measured now, with the resident weights loaded; on the CPU the expert cache's slots come out of RAM too.
+        on_host = device.type == "cpu" and config.cache_experts is None
+        budget = hardware.host_ram_budget_gb(int(config.cache_gb * hardware.GIB) if on_host else 0)
+        config = replace(config, host_ram_gb=budget)
     if fmt == "bf16":
         host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
     else:

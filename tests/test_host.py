@@ -198,3 +198,26 @@ def test_only_the_ram_tier_is_pinned(tiny_model_dir):
     store, _, _ = _store(tiny_model_dir("mixtral"), host_ram_gb=0)
     locks = _Locks()
     assert store.pin(10 * GIB, locks.register, locks.unregister) == 0 and locks.blocks == []
+
+
+def test_by_default_the_host_holds_what_available_ram_allows_and_reads_the_rest_from_disk(tiny_model_dir, monkeypatch):
+    from fmoe_local import hardware
+    from fmoe_local.config import RuntimeConfig
+    from fmoe_local.loading import load_model
+
+    d = tiny_model_dir("qwen3_moe")
+    full = load_model(d, RuntimeConfig(device="cpu", cache_experts=2))  # this machine's RAM holds every expert
+    every = full.host.num_layers * full.host.num_experts
+    assert full.host.ram_experts == every
+    # A machine with 7 experts' worth of RAM above the headroom: 7 in RAM, the rest read per use, same tensors.
+    room = 7 * full.host.expert_bytes + hardware.RAM_HEADROOM_BYTES
+    monkeypatch.setattr(hardware, "ram_bytes", lambda: (64 * hardware.GIB, room))
+    tight = load_model(d, RuntimeConfig(device="cpu", cache_experts=2))
+    assert tight.host.ram_experts == 7 and not tight.host.in_ram(full.host.num_layers - 1, 0)
+    for layer, expert in ((0, 0), (full.host.num_layers - 1, full.host.num_experts - 1)):
+        a, b = full.host.read(layer, expert), tight.host.read(layer, expert)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # On the CPU the expert cache comes out of the same RAM: a 1 GB cache leaves nothing of that room for experts.
+    assert load_model(d, RuntimeConfig(device="cpu", cache_gb=1.0)).host.ram_experts == 0
+    monkeypatch.setattr(hardware, "ram_bytes", lambda: (0, 0))  # a platform that does not say: every expert
+    assert load_model(d, RuntimeConfig(device="cpu", cache_experts=2)).host.ram_experts == every
