@@ -97,6 +97,9 @@ class Runtime:
         self._engine = engine
         self._jobs: queue.Queue = queue.Queue()
         self._current: _Request | None = None
+        # Held while stop() reads `_current` and sets the engine's interrupt, and while the worker changes `_current`
+        # and clears the interrupt for the next request: a stop aimed at one request never lands on the next.
+        self._turn = threading.Lock()
         self._request_ids = itertools.count(1)
         self._closed = False
         self._worker = threading.Thread(target=self._serve, name="fmoe-runtime", daemon=True)
@@ -194,10 +197,11 @@ class Runtime:
         end only the request streamed with that stop flag (running or still queued), not whichever one runs."""
         if request is not None:
             request.set()
-        current = self._current
-        if current is not None and (request is None or current.stop is request):
-            current.stop.set()
-            self._engine.interrupt.set()
+        with self._turn:
+            current = self._current
+            if current is not None and (request is None or current.stop is request):
+                current.stop.set()
+                self._engine.interrupt.set()
 
     def reconfigure(
         self,
@@ -300,17 +304,19 @@ class Runtime:
                 except Exception as exc:  # noqa: BLE001 - handed back to the caller's thread
                     done.put(exc)
                 continue
-            self._current = job
+            with self._turn:
+                self._current = job
+                self._engine.interrupt.clear()  # a stop for the previous request must not end this one
             try:
                 self._run(job)
             except Exception as exc:  # noqa: BLE001 - a failed request must end its stream, not the worker
                 job.out.put(Finished("", [], RequestStats(finish_reason="error"), "error", error=str(exc)))
             finally:
-                self._current = None
+                with self._turn:
+                    self._current = None
 
     def _run(self, request: _Request) -> None:
         e = self._engine
-        e.interrupt.clear()
         try:
             prompt_ids = e.encode_chat(request.messages)
         except ContextTooLong as exc:

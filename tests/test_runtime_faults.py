@@ -275,3 +275,42 @@ def test_stop_with_a_request_s_flag_ends_that_request_only(tiny_model_dir):
         assert events[-1].reason in ("length", "stop") and len(events[-1].token_ids) > 1
         # A request whose flag was already set (stopped while it waited for its turn) ends at once.
         assert [e.reason for e in runtime.stream(PROMPT, long, stop=mine) if isinstance(e, Finished)] == ["cancelled"]
+
+
+def test_a_stop_for_a_request_that_just_ended_never_lands_on_the_next(tiny_model_dir):
+    with Runtime.load(tiny_model_dir("mixtral"), _config(policy="on_demand")) as runtime:
+        host = runtime.engine.host
+        real_read = host.read
+        b_waits, release = threading.Event(), threading.Event()
+
+        def read(layer, expert):  # B's first expert load waits here, interruptible like any load
+            b_waits.set()
+            release.wait(30)
+            return real_read(layer, expert)
+
+        class SlowFlag(threading.Event):
+            """A's stop flag: setting it through the running request (after stop() read `_current`) is slow, as a
+            stop thread descheduled there while A ends and B begins would be."""
+
+            calls = 0
+
+            def set(self) -> None:
+                self.calls += 1
+                if self.calls == 2:
+                    b_waits.wait(3)
+                super().set()
+
+        a_flag = SlowFlag()
+        a_request = type("A", (), {"stop": a_flag})()
+        with runtime._turn:  # noqa: SLF001 - A is the request running when stop() looks
+            runtime._current = a_request  # noqa: SLF001
+        stopper = threading.Thread(target=runtime.stop, args=(a_flag,), daemon=True)
+        stopper.start()
+        time.sleep(0.1)  # stop() has read `_current` and is inside A's slow set()
+        runtime._current = None  # noqa: SLF001 - A ends (unlocked, as the worker's finally would race)
+        host.read = read
+        results: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: results.put(list(runtime.stream(PROMPT, GREEDY))[-1]), daemon=True).start()
+        stopper.join(10)
+        release.set()
+        assert results.get(timeout=30).reason in ("length", "stop")  # before the fix: "cancelled"
