@@ -22,6 +22,7 @@ import argparse  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 SUBCOMMANDS = ("run", "bench")
@@ -170,17 +171,20 @@ def serve(args: argparse.Namespace):
     return server, session, url
 
 
-def stop_on_signals() -> None:
+def stop_on_signals() -> threading.Event:
     """Closing the launcher's terminal (SIGHUP) or a system shutdown (SIGTERM) ends the app the way Ctrl+C does:
     through main's `finally`, which saves what is in flight (a streaming reply, queued expert maps) and closes the
-    database. Without a handler either signal ends the process at once. Call from the main thread."""
+    database. Without a handler either signal ends the process at once. The handler only sets the returned event
+    (main's wait looks at it), so a signal during start-up is acted on once start-up is done. Main thread only."""
+    stopping = threading.Event()
 
     def leave(signum: int, frame: object) -> None:
-        raise SystemExit(0)
+        stopping.set()
 
     for name in ("SIGTERM", "SIGHUP"):
         if hasattr(signal, name):  # Windows has no SIGHUP
             signal.signal(getattr(signal, name), leave)
+    return stopping
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,11 +194,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli.main(argv, persistence_factory=persistence_factory)
     args = build_parser().parse_args(argv)
-    stop_on_signals()  # before serving: "serving on" may be the last line a terminal shows before it is closed
+    stopping = stop_on_signals()  # before serving: "serving on" may be the last line a terminal shows before it closes
     server, session, _ = serve(args)
     try:
-        server.wait()
-    except (KeyboardInterrupt, SystemExit):
+        server.wait(until=stopping)
+    except KeyboardInterrupt:
         pass
     finally:
         server.close()

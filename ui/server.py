@@ -61,9 +61,9 @@ class Server:
             time.sleep(0.05)
         return self.url
 
-    def wait(self) -> None:
-        """Block until the server stops (Ctrl+C raises KeyboardInterrupt here)."""
-        while self._thread.is_alive():
+    def wait(self, until: threading.Event | None = None) -> None:
+        """Block until the server stops or `until` is set (Ctrl+C raises KeyboardInterrupt here)."""
+        while self._thread.is_alive() and not (until is not None and until.is_set()):
             self._thread.join(0.5)
 
     def close(self) -> None:
