@@ -31,6 +31,7 @@ from fmoe_local.offload import Offload
 from fmoe_local.policies import make_policy
 from fmoe_local.policies.base import ModelShape, Policy
 from fmoe_local.prefetch_distance import distance_for
+from fmoe_local.prefetcher import PrefetcherFailed
 from fmoe_local.quant_cache import Progress
 from fmoe_local.stats import LayerCounters, RequestStats
 from fmoe_local.traces import DECODE, PREFILL, TraceRecorder
@@ -237,6 +238,13 @@ class Engine:
                 if late_error is not None:
                     raise late_error
                 self.offload.raise_if_failed()
+            else:
+                # The request already ends with its own error (or was stopped): a background failure it did not
+                # report must not end the next, unrelated request; the policy is rebuilt as after a reported one.
+                try:
+                    self.offload.raise_if_failed()
+                except PrefetcherFailed:
+                    self.recover_policy()
 
     def end_iteration(self) -> None:
         self.offload.end_iteration()

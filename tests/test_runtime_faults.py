@@ -314,3 +314,17 @@ def test_a_stop_for_a_request_that_just_ended_never_lands_on_the_next(tiny_model
         stopper.join(10)
         release.set()
         assert results.get(timeout=30).reason in ("length", "stop")  # before the fix: "cancelled"
+
+
+def test_a_background_failure_in_a_stopped_request_does_not_end_the_next(tiny_model_dir):
+    with Runtime.load(tiny_model_dir("mixtral"), _config(policy="fmoe")) as runtime:
+        expected = _works(runtime).token_ids
+
+        def broken(*args, **kwargs):
+            runtime.stop()  # the user presses Stop just as prediction fails in the background
+            raise IndexError("index 7 is out of bounds")
+
+        runtime.engine.policy.observe_layer = broken
+        assert runtime.generate(PROMPT).reason in ("cancelled", "error")
+        # Before the fix the next request ran on the failed policy, and the stored failure was waiting for it.
+        assert _works(runtime).token_ids == expected
