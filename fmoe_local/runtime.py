@@ -226,10 +226,13 @@ class Runtime:
         }
         if cache_experts is not None or cache_gb is not None:
             changes["cache_experts"] = cache_experts  # an explicit GB value replaces an earlier slot count
-        new = self.config.with_changes(**changes)
-        new.validate()
+        self.config.with_changes(**changes).validate()  # refused at once, on the caller's thread
 
         def apply() -> RuntimeConfig:
+            # Built from the config in force when it applies, not when it was asked for: a request that ran in
+            # between (its adaptive prefetch distance) or another caller's change must not be undone.
+            new = self._engine.config.with_changes(**changes)
+            new.validate()
             self._engine.reconfigure(new)
             return self._engine.config
 

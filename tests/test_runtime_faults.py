@@ -328,3 +328,33 @@ def test_a_background_failure_in_a_stopped_request_does_not_end_the_next(tiny_mo
         assert runtime.generate(PROMPT).reason in ("cancelled", "error")
         # Before the fix the next request ran on the failed policy, and the stored failure was waiting for it.
         assert _works(runtime).token_ids == expected
+
+
+def test_changes_asked_for_during_a_reply_are_all_applied_none_undoes_another(tiny_model_dir):
+    with Runtime.load(tiny_model_dir("mixtral"), _config(policy="fmoe", prefetch_distance=1)) as runtime:
+        host = runtime.engine.host
+        real_read = host.read
+        entered, release = threading.Event(), threading.Event()
+
+        def read(layer, expert):  # holds the reply while two settings changes queue behind it
+            entered.set()
+            release.wait(30)
+            return real_read(layer, expert)
+
+        host.read = read
+        reply = threading.Thread(target=lambda: runtime.generate(PROMPT), daemon=True)
+        reply.start()
+        assert entered.wait(10)
+        first = threading.Thread(target=lambda: runtime.reconfigure(prefetch_distance=2), daemon=True)
+        first.start()
+        time.sleep(0.2)  # queued first
+        second = threading.Thread(target=lambda: runtime.reconfigure(policy="lru"), daemon=True)
+        second.start()
+        time.sleep(0.2)
+        host.read = real_read
+        release.set()
+        for t in (reply, first, second):
+            t.join(30)
+        # Before the fix the second change was built from the settings before the first, and undid it.
+        assert (runtime.config.prefetch_distance, runtime.config.policy) == (2, "lru")
+        _works(runtime)
