@@ -49,7 +49,8 @@ class Machine:
         if self.has_gpu:
             parts.append(f"{self.gpu_name}: {_gb(self.vram_free)} of {_gb(self.vram_total)} VRAM free")
         elif self.device == "mps":
-            parts.append("Apple GPU (shares system memory)")
+            # The runtime computes on CUDA or the CPU (engine.resolve_device): the Apple GPU is not used yet.
+            parts.append("Apple Silicon: models run on the CPU (the Apple GPU is not used yet)")
         else:
             parts.append("No CUDA GPU found: models run on the CPU (slow)")
         parts.append(f"RAM {_gb(self.ram_available)} free of {_gb(self.ram_total)}")
@@ -222,7 +223,7 @@ def _fit(entry: CatalogEntry, machine: Machine, downloaded: bool, fmt: str) -> F
         )
     cache = min(ram_free - entry.resident_bytes, experts_bytes)
     where = "all experts fit in RAM" if entry.resident_bytes + experts_bytes <= ram_free else "experts spill to disk"
-    gpu = "on the Apple GPU" if machine.device == "mps" else "on the CPU, without a CUDA GPU"
+    gpu = "on the CPU (the Apple GPU is not used yet)" if machine.device == "mps" else "on the CPU, without a CUDA GPU"
     return FitVerdict("slow", (f"Runs, slowly: {gpu}; {where}.",), cache / GIB)
 
 

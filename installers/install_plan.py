@@ -108,7 +108,14 @@ def choose_torch(system: str, machine: str, nvidia_smi: str | None) -> TorchPlan
                 "builds for Intel Macs after 2.2, so fmoe-local needs an Apple Silicon Mac (M1 or newer) and the "
                 "Apple Silicon or universal2 Python from https://www.python.org/downloads/macos/."
             )
-        return TorchPlan("mps", None, "Apple Silicon Mac: the standard PyTorch build, which runs on the GPU via MPS.")
+        return TorchPlan(
+            "mps",
+            None,
+            (
+                "Apple Silicon Mac: the standard PyTorch build; fmoe-local runs models on the CPU there (its GPU path is "
+                "CUDA only for now)."
+            ),
+        )
     if nvidia_smi is None:
         return TorchPlan(
             "cpu", f"{PYTORCH_INDEX}/cpu", "No NVIDIA GPU found (no nvidia-smi): the CPU build of PyTorch."

@@ -147,3 +147,11 @@ def test_a_format_that_does_not_fit_names_one_that_does():
     hopeless = Machine("cuda", "GT 1030", 2 * GB, int(1.5 * GB), 64 * GB, 60 * GB, 500 * GB)
     assert "neither does any other format" in instead(format_fits(MIXTRAL, hopeless), "nf4")
     assert not any(f.recommended for f in format_fits(MIXTRAL, hopeless))  # nothing to recommend where nothing fits
+
+
+def test_an_apple_silicon_mac_is_told_models_run_on_its_cpu():
+    # The runtime computes on CUDA or the CPU (engine.resolve_device): promising the Apple GPU would be untrue.
+    mac = Machine("mps", "", 0, 0, 32 * GB, 20 * GB, 500 * GB)
+    assert "models run on the CPU (the Apple GPU is not used yet)" in mac.summary()
+    verdict = fit(find("allenai/OLMoE-1B-7B-0924-Instruct"), mac)
+    assert verdict.reasons[0].startswith("Runs, slowly: on the CPU (the Apple GPU is not used yet)")
