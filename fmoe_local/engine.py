@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from fmoe_local import cpu_experts, hardware, miss_cost
+from fmoe_local import cache_budget, cpu_experts, hardware, miss_cost
 from fmoe_local.cache import ExpertCache
-from fmoe_local.cache_budget import check_capacity, slots_for_budget
+from fmoe_local.cache_budget import check_capacity, fitted_slots, slots_for_budget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.cpu_experts import Kernel
 from fmoe_local.experts import OffloadedExperts
@@ -105,8 +105,14 @@ class Engine:
             self.map_store.load_from()  # the user's earlier maps: why prediction improves over time
         policy = make_policy(config.policy, self.shape, config, self.map_store)
         self.interrupt = threading.Event()
-        capacity = self._capacity(config)
+        # Sized after the resident weights took their share of the device: a cache the GPU cannot hold gets what
+        # fits, and the load says so (cache_notice), instead of failing with the allocator's out-of-memory error.
+        capacity, self.cache_notice = fitted_slots(
+            self._capacity(config), self.host.expert_bytes, cache_budget.device_room_bytes(self.device)
+        )
         check_capacity(capacity, self.host.expert_bytes)
+        if self.cache_notice:
+            self.config = config = config.with_changes(cache_experts=capacity)
         self.miss_costs, kernel = self._measure_misses(saved_costs)
         self.offload = Offload(
             self.host,

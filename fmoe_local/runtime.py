@@ -161,6 +161,11 @@ class Runtime:
         return self._engine.offload.explain_misses()
 
     @property
+    def load_notice(self) -> str:
+        """A sentence about the load a user should see with it ("" when none): e.g. a cache cut to what fits."""
+        return self._engine.cache_notice
+
+    @property
     def engine(self) -> Engine:
         """The offloading machinery, for tests and benchmarks that inspect the cache or the policy."""
         return self._engine

@@ -358,3 +358,17 @@ def test_changes_asked_for_during_a_reply_are_all_applied_none_undoes_another(ti
         # Before the fix the second change was built from the settings before the first, and undid it.
         assert (runtime.config.prefetch_distance, runtime.config.policy) == (2, "lru")
         _works(runtime)
+
+
+def test_a_cache_larger_than_the_gpu_holds_is_cut_to_what_fits_and_the_load_says_so(tiny_model_dir, monkeypatch):
+    from fmoe_local import cache_budget
+
+    model = tiny_model_dir("mixtral")
+    with Runtime.load(model, _config(cache_experts=None, cache_gb=4.0)) as roomy:
+        expert_bytes, expected = roomy.engine.host.expert_bytes, _works(roomy).token_ids
+        assert roomy.load_notice == ""
+    # A fake GPU with room for 5 experts beside the resident part (the CUDA path's arithmetic, on the CPU).
+    monkeypatch.setattr(cache_budget, "device_room_bytes", lambda device: 5 * expert_bytes)
+    with Runtime.load(model, _config(cache_experts=None, cache_gb=4.0)) as tight:
+        assert tight.info.cache_experts == 5 and "so it holds 5 experts" in tight.load_notice
+        assert _works(tight).token_ids == expected  # a smaller cache, the same reply

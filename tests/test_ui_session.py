@@ -9,7 +9,7 @@ from fmoe_local.config import RuntimeConfig
 from fmoe_local.demo import demo_model_dir
 from store import open_store
 from store.settings import AppSettings
-from ui.session import Session
+from ui.session import ModelLoadError, Session
 
 
 @pytest.fixture
@@ -116,3 +116,14 @@ def test_unreadable_saved_miss_costs_are_measured_again(store):
         assert str(demo_model_dir()) in store.settings.load().miss_costs
     finally:
         session.close()
+
+
+def test_the_load_message_says_when_the_cache_was_cut_to_what_the_gpu_holds(ui_session, tiny_model_dir, monkeypatch):
+    from fmoe_local import cache_budget
+
+    monkeypatch.setattr(cache_budget, "device_room_bytes", lambda device: 1)  # a fake GPU without room for one
+    with pytest.raises(ModelLoadError, match="less than one expert"):
+        ui_session.load(tiny_model_dir("mixtral"))
+    monkeypatch.setattr(cache_budget, "device_room_bytes", lambda device: 4 * 24 * 1024)  # four tiny experts
+    said = ui_session.load(tiny_model_dir("mixtral"))
+    assert said.endswith("so it holds 4 experts (Settings shows what fits).") and "cache 0.09 MB (4 experts)" in said

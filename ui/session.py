@@ -235,7 +235,7 @@ class Session:
             return (
                 f"Loaded {model_label(model_dir, info.name)} on {info.device}, experts in {format_in_use(info.expert_format, info.dtype)}: "
                 f"{info.num_layers} MoE layers × {info.num_experts} experts, "
-                f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{notice}"
+                f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{self.runtime.load_notice}{notice}"
             )
 
     def _saved_config(self) -> RuntimeConfig:
