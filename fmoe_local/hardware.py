@@ -12,7 +12,7 @@ import os
 import platform
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fmoe_local.catalog import GB, CatalogEntry
@@ -43,6 +43,15 @@ class Machine:
     @property
     def has_gpu(self) -> bool:
         return self.device == "cuda" and self.vram_total > 0
+
+    def with_freed(self, vram_bytes: int, ram_bytes: int) -> Machine:
+        """This machine as it would be with `vram_bytes` of GPU memory and `ram_bytes` of RAM given back (the app's
+        own loaded model, which a Load unloads first)."""
+        return replace(
+            self,
+            vram_free=min(self.vram_total, self.vram_free + vram_bytes),
+            ram_available=min(self.ram_total, self.ram_available + ram_bytes) if self.ram_total else self.ram_available,
+        )
 
     def summary(self) -> str:
         parts = []

@@ -223,8 +223,10 @@ class TieredHostStore:
         return len(self._ram)
 
     def ram_bytes(self) -> int:
-        """Bytes of expert weights held in RAM."""
-        return sum(t.numel() * t.element_size() for rows in self._ram.values() for t in rows.values())
+        """Bytes of expert weights held in RAM (which experts is decided at load, so counted once)."""
+        if getattr(self, "_ram_bytes", None) is None:
+            self._ram_bytes = sum(t.numel() * t.element_size() for rows in self._ram.values() for t in rows.values())
+        return self._ram_bytes
 
     def in_ram(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._ram

@@ -78,6 +78,7 @@ class ModelInfo:
     prefetch_distance: int
     store_capacity: int
     miss_handling: str = "copy"  # in force: the setting, or the one the policy forces (cpu_moe: cpu)
+    host_ram_bytes: int = 0  # expert weights held in RAM (the rest are read from disk per use)
     expert_format: str = "bf16"  # how experts are stored in RAM and the cache (auto resolved: expert_formats.py)
 
 
@@ -143,6 +144,7 @@ class Runtime:
             dtype=str(e.dtype).replace("torch.", ""),
             cache_experts=e.cache.capacity,
             cache_gb=e.cache.budget_bytes / 1024**3,
+            host_ram_bytes=e.host.ram_bytes(),
             policy=e.config.policy,
             miss_handling=e.offload.miss_handling,
             expert_format=e.host.expert_format,

@@ -112,8 +112,10 @@ def test_a_format_that_does_not_fit_is_said_under_the_choice_with_one_that_does(
     assert demo == f"For {DEMO_LABEL}: Load uses 4-bit (nf4)."
 
 
-def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog_row(ui_session, tiny_model_dir):
-    ui_session._machine = DESKTOP
+def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog_row(
+    ui_session, tiny_model_dir, monkeypatch
+):
+    monkeypatch.setattr("ui.session.probe", lambda _: DESKTOP)  # probed again after each load
     olmoe = find("allenai/OLMoE-1B-7B-0924-Instruct")
     mixtral, other = _downloaded(ui_session, MIXTRAL), _downloaded(ui_session, olmoe)
     best = {e.repo_id: next(f.choice for f in format_fits(e, DESKTOP, True) if f.recommended) for e in (MIXTRAL, olmoe)}
@@ -143,8 +145,10 @@ def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog
     assert follow(mixtral)[0] == "nf4" and follow(str(tiny))[0] == "int8"
 
 
-def test_a_typed_folder_takes_the_format_choice_and_its_note_and_each_button_loads_its_own(ui_session, tiny_model_dir):
-    ui_session._machine = DESKTOP
+def test_a_typed_folder_takes_the_format_choice_and_its_note_and_each_button_loads_its_own(
+    ui_session, tiny_model_dir, monkeypatch
+):
+    monkeypatch.setattr("ui.session.probe", lambda _: DESKTOP)
     mixtral = _downloaded(ui_session, MIXTRAL)
     typed = str(tiny_model_dir("mixtral"))
     name = Path(typed).name

@@ -127,3 +127,35 @@ def test_the_load_message_says_when_the_cache_was_cut_to_what_the_gpu_holds(ui_s
     monkeypatch.setattr(cache_budget, "device_room_bytes", lambda device: 4 * 24 * 1024)  # four tiny experts
     said = ui_session.load(tiny_model_dir("mixtral"))
     assert said.endswith("so it holds 4 experts (Settings shows what fits).") and "cache 0.09 MB (4 experts)" in said
+
+
+def test_what_fits_is_judged_with_the_app_s_own_model_counted_as_free(ui_session, tiny_model_dir, monkeypatch):
+    from fmoe_local.catalog import GB
+    from fmoe_local.hardware import Machine
+
+    probes = []
+
+    def probe(_):
+        probes.append(1)
+        return Machine("cpu", "", 0, 0, 16 * GB, 6 * GB, 200 * GB)  # what a probe sees with our model in RAM
+
+    monkeypatch.setattr("ui.session.probe", probe)
+    assert ui_session.machine().ram_available == 6 * GB and ui_session.footprint() == (0, 0)
+    ui_session.load(tiny_model_dir("mixtral"))
+    _, ram = ui_session.footprint()
+    info = ui_session.runtime.info
+    assert ram == info.resident_bytes + int(info.cache_gb * 1024**3) + info.host_ram_bytes > 0
+    assert ui_session.machine().ram_available == 6 * GB + ram  # probed again after the load, ours added back
+    assert len(probes) == 2
+    ui_session.unload()
+    assert ui_session.footprint() == (0, 0) and ui_session.machine().ram_available == 6 * GB and len(probes) == 3
+
+
+def test_a_gpu_model_s_memory_is_given_back_to_the_verdicts():
+    from fmoe_local.catalog import GB
+    from fmoe_local.hardware import Machine
+
+    card = Machine("cuda", "RTX 4060", 8 * GB, int(2.3 * GB), 32 * GB, 20 * GB, 500 * GB)  # OLMoE loaded: 2.3 free
+    freed = card.with_freed(int(5.2 * GB), 2 * GB)
+    assert (freed.vram_free, freed.ram_available) == (int(7.5 * GB), 22 * GB)
+    assert card.with_freed(20 * GB, 40 * GB).vram_free == 8 * GB  # never more than the card has

@@ -154,9 +154,22 @@ class Session:
         return Path(self.store.models_dir)
 
     def machine(self, refresh: bool = False) -> Machine:
+        """This computer as a model to load finds it: the probe (taken again after every load and unload), with
+        what the app's own loaded model holds counted as free, since Load unloads it first. Without that, the
+        loaded model's GPU memory and RAM made every other model (and itself) look as if it did not fit."""
         if self._machine is None or refresh:
             self._machine = probe(self.models_dir.parent)
-        return self._machine
+        vram, ram = self.footprint()
+        return self._machine.with_freed(vram, ram)
+
+    def footprint(self) -> tuple[int, int]:
+        """(GPU bytes, RAM bytes) the loaded model holds: resident weights and expert cache where it computes, its
+        RAM-held experts in RAM; (0, 0) with none loaded."""
+        if self.runtime is None:
+            return 0, 0
+        i = self.runtime.info
+        on_device = i.resident_bytes + int(i.cache_gb * 1024**3)
+        return (on_device, i.host_ram_bytes) if i.device.startswith("cuda") else (0, on_device + i.host_ram_bytes)
 
     @property
     def model_id(self) -> str:
@@ -228,6 +241,7 @@ class Session:
                 raise ModelLoadError(self.load_error) from exc
             self.model_dir = model_dir
             self.load_error = ""
+            self._machine = None  # probed again with this model in memory (machine() adds it back as free)
             self.history.clear()
             self.store.settings.set(last_model=str(model_dir))
             self._save_miss_costs(model_dir)
@@ -288,6 +302,7 @@ class Session:
             # and says so, instead of taking the one being closed.
             runtime, self.runtime, self.model_dir = self.runtime, None, None
             runtime.close()
+            self._machine = None
         self._close_persistence()
 
     def _close_persistence(self) -> None:

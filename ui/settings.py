@@ -64,8 +64,10 @@ def cache_bounds(session: Session) -> tuple[float, float]:
     if session.runtime is None:
         return max(0.5, cache_gb_limit(machine, 0)), session.store.settings.load().cache_gb
     info = session.runtime.info
-    # The live probe already counts the loaded model (resident part and current cache) as used.
-    limit = cache_gb_limit(machine, 0, current_cache_gb=info.cache_gb)
+    # session.machine() counts the loaded model as free: what else it holds besides the cache stays taken.
+    vram, ram = session.footprint()
+    cache_bytes = int(info.cache_gb * 1024**3)
+    limit = cache_gb_limit(machine, (vram if machine.has_gpu else ram) - cache_bytes)
     return max(limit, info.cache_gb, 0.1), info.cache_gb
 
 
