@@ -80,7 +80,12 @@ class Log:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
-            path.replace(path.with_name(path.stem + ".previous.log"))
+            try:
+                path.replace(path.with_name(path.stem + ".previous.log"))
+            except OSError:
+                # Windows refuses to rename a file another launcher still has open (a second double-click while
+                # the app runs): this launcher writes a log of its own instead of stopping with a traceback.
+                path = path.with_name(f"{path.stem}.{os.getpid()}.log")
         self.path = path
         self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the launcher
 
