@@ -65,7 +65,11 @@ def probe(where: Path) -> Probes:
 
 
 def reachable(url: str, timeout: float = 3.0) -> bool:
-    """Can we open a TCP connection to the index host? Avoids pip's slow retries against an unreachable index."""
+    """Can we open a TCP connection to the index host? Avoids pip's slow retries against an unreachable index.
+    Behind a proxy (HTTPS_PROXY and the like) a direct connection fails although pip, which uses the proxy, gets
+    through: then the index is taken as reachable rather than silently swapped for a CPU-only PyTorch."""
+    if urllib.request.getproxies().get("https"):
+        return True
     host = re.sub(r"^https?://", "", url).split("/", 1)[0]
     try:
         socket.create_connection((host, 443), timeout=timeout).close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def test_gpu_with_an_old_driver_falls_back_to_cpu_and_says_to_update():
 def test_macos_apple_silicon_takes_the_default_wheel_with_mps():
     chosen = plan.choose_torch("Darwin", "arm64", None)
     assert (chosen.build, chosen.index_url) == ("mps", None)
-    assert "MPS" in chosen.reason
+    assert "runs models on the CPU" in chosen.reason  # the runtime does not use the Apple GPU (yet)
 
 
 def test_intel_mac_is_refused_with_a_reason():
@@ -317,3 +318,30 @@ def test_torch_that_cannot_be_installed_leaves_no_stamp_and_says_what_to_do(
     assert not (venv / "lib/left-over-from-a-broken-install").exists()  # an install (and --repair) starts clean
     # So the next start knows the install did not finish.
     assert plan.decide(probes(), project, None, True, False, tmp_path).why.startswith("the last install did not")
+
+
+def test_a_second_launcher_logs_on_its_own_when_the_first_log_cannot_be_moved(home: Path, monkeypatch):
+    first = bootstrap.Log(home / "logs/launcher.log")
+    first.say("the first launcher runs the app")
+
+    def held_open(self, target):  # Windows: renaming a file another process has open fails
+        raise PermissionError(32, "The process cannot access the file because it is being used by another process")
+
+    monkeypatch.setattr(Path, "replace", held_open)
+    second = bootstrap.Log(home / "logs/launcher.log")  # before: PermissionError, a traceback, no launcher
+    second.say("a second double-click")
+    assert second.path.name == f"launcher.{os.getpid()}.log" and "a second double-click" in second.path.read_text()
+    assert "the first launcher runs the app" in (home / "logs/launcher.log").read_text()
+
+
+def test_behind_a_proxy_the_pytorch_index_counts_as_reachable(monkeypatch):
+    def no_direct_route(*args, **kwargs):
+        raise OSError(101, "Network is unreachable")  # a corporate network: only the proxy gets out
+
+    monkeypatch.setattr(bootstrap.socket, "create_connection", no_direct_route)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert not bootstrap.reachable("https://download.pytorch.org/whl/cu128")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    # pip goes through the proxy: before, the CUDA index was dropped and an NVIDIA user got a CPU-only PyTorch
+    assert bootstrap.reachable("https://download.pytorch.org/whl/cu128")
