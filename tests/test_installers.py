@@ -71,6 +71,8 @@ def test_windows_launcher_uses_py_launcher_keeps_crlf_and_the_same_message():
     assert raw.count(b"\r\n") == raw.count(b"\n")  # cmd.exe misparses LF-only batch files
     text = raw.decode()
     assert "py -%%V" in text and "(3.11 3.12 3.13 3.10)" in text
+    # then any newer Python the py launcher knows (python.org's installer leaves "Add to PATH" unticked)
+    assert text.index('set "PY=python"') < text.index('set "PY=py -3"') < text.index("goto :nopython")
     assert '"BOOTSTRAP=%~dp0..\\bootstrap.py"' in text and '%PY% "%BOOTSTRAP%" %*' in text
     assert PYTHON_HELP["Windows"] in text
 

@@ -16,6 +16,10 @@ for %%V in (3.11 3.12 3.13 3.10) do (
 if not defined PY (
   python -c "import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)" >nul 2>&1 && set "PY=python"
 )
+rem Any newer Python the py launcher knows (a 3.14-only machine, "Add to PATH" left unticked by the installer).
+if not defined PY (
+  py -3 -c "import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)" >nul 2>&1 && set "PY=py -3"
+)
 if not defined PY goto :nopython
 
 %PY% "%BOOTSTRAP%" %*
