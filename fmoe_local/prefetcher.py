@@ -199,8 +199,12 @@ class Prefetcher:
             self._events.clear()
         for event in events:
             self._handle(event)
-        # One copy at a time, so that new router outputs are matched promptly between copies.
-        self._pop_and_copy()
+        # One copy at a time, so that new router outputs are matched promptly between copies. Not while an on-demand
+        # load runs: try_prefetch would refuse the popped entry and it would be lost (the router hook publishes a
+        # layer just before the forward pass waits on that layer's misses, which is when its events arrive); the
+        # loop above waits for the demand to end and the entry is copied then.
+        if not self.cache.on_demand_active:
+            self._pop_and_copy()
         return True
 
     def _handle(self, event: _Event) -> None:

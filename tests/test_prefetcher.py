@@ -142,3 +142,58 @@ def test_no_lookahead_router_runs_during_a_complete_pass(tiny_model_dir):
             handle.remove()
     assert cold == 2 * 4
     assert len(calls) == tokens == 4
+
+
+def test_a_prefetch_predicted_while_a_demand_load_runs_is_copied_after_it_not_lost():
+    import time
+    from types import SimpleNamespace
+
+    from fmoe_local.prefetcher import Prefetcher
+
+    class Cache:
+        """The cache's side of the prefetcher: it refuses prefetches while an on-demand load runs, as the real one."""
+
+        def __init__(self) -> None:
+            self.host = SimpleNamespace(num_layers=4, num_experts=8)
+            self.current_layer, self.complete, self.demand, self.copied = -1, False, False, []
+
+        @property
+        def on_demand_active(self) -> bool:
+            return self.demand
+
+        def claimed_mask(self):
+            return np.zeros((4, 8), dtype=bool)
+
+        def unhold(self) -> None:
+            pass
+
+        def try_prefetch(self, layer: int, expert: int) -> bool:
+            if self.demand:
+                return False  # refused: before the fix the popped entry was dropped here
+            self.copied.append((layer, expert))
+            return True
+
+    class Policy(LRUPolicy):
+        def __init__(self) -> None:
+            pass
+
+        needs_lookahead = False
+
+        def observe_layer(self, layer, probs, lookahead=None):
+            return [Prefetch(layer + 2, 5, 1.0)]
+
+    cache = Cache()
+    prefetcher = Prefetcher(cache, Policy())
+    try:
+        prefetcher.publish("begin_iteration", value=np.zeros(4, dtype=np.float32))
+        cache.demand = True  # the forward pass waits on layer 0's misses as its router event arrives
+        prefetcher.publish("layer", 0, np.full(8, 1 / 8, dtype=np.float32))
+        time.sleep(0.3)  # the worker has handled the event meanwhile
+        assert cache.copied == []
+        cache.demand = False  # the demand load ended
+        deadline = time.monotonic() + 5
+        while not cache.copied and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cache.copied == [(2, 5)]
+    finally:
+        prefetcher.close()
