@@ -116,6 +116,12 @@ def console_progress(what: str, out=print):
     return report
 
 
+def announce(job) -> None:  # noqa: ANN001 - a ui.session.LoadJob
+    """Print the start-up load's outcome on the console when it ends (tests and scripts wait for this line)."""
+    job.finished.wait()
+    print(f"fmoe-local: {job.error or job.message}", flush=True)
+
+
 def serve(args: argparse.Namespace):
     """Open the store, load the model, build and serve the UI. Returns (server, session, url); does not block."""
     from store import StoreError, open_store
@@ -133,7 +139,7 @@ def serve(args: argparse.Namespace):
         print(f"fmoe-local: the database was damaged; it was moved to {store.recovered_from} and a new one started.")
     from fmoe_local.config import RuntimeConfig
     from ui import build
-    from ui.session import ModelLoadError, Session, format_name
+    from ui.session import Session, format_name
     from ui.theme import CSS, theme
 
     # Quantised copies of experts live beside the models, in the same data folder (also under --data-dir).
@@ -141,12 +147,13 @@ def serve(args: argparse.Namespace):
     session = Session(store=store, config=RuntimeConfig(quant_cache_dir=str(quantized)))
     model_dir, note = resolve_model(args.model, session.models_dir, store.settings.load().last_model)
     if model_dir is not None:
-        try:
-            what = format_name(store.settings.load().expert_format)
-            print(f"fmoe-local: {session.load(model_dir, progress=console_progress(what))}", flush=True)
-        except ModelLoadError as exc:
-            session.load_error = str(exc)
-            print(f"fmoe-local: {exc}", flush=True)
+        # On a thread of its own, so that the page opens at once: reading a big model takes minutes, which a silent
+        # terminal makes look hung. The page's header says "Loading …" (and how far a first int8/nf4 copy got);
+        # the console says so too, and prints the outcome (Loaded … / Could not load …) when it ends.
+        what = format_name(store.settings.load().expert_format)
+        print(f"fmoe-local: loading {model_dir.name} ({what}); the page says when it is ready.", flush=True)
+        job = session.start_load(model_dir, progress=console_progress(what))
+        threading.Thread(target=announce, args=(job,), name="fmoe-announce", daemon=True).start()
     else:
         session.load_error = note
         print(f"fmoe-local: {note}", flush=True)

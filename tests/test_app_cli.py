@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,35 @@ def test_a_closed_terminal_or_a_shutdown_stops_the_app_through_its_cleanup(signa
             proc.kill()
     assert proc.returncode == 0, out  # without the handler: -15 / -1, killed before any cleanup
     assert "fmoe-local: stopped (chats and expert maps saved)." in out, "".join(lines) + out
+
+
+def test_the_app_serves_while_its_start_up_model_loads_and_says_so(tmp_path, tiny_model_dir, monkeypatch):
+    """The page opens at once: the model loads on a thread of its own, and a request meanwhile hears why it waits."""
+    from fmoe_local.quant_cache import QuantCache
+    from ui import chat_flow
+
+    real_write, release = QuantCache._write, threading.Event()
+
+    def held(self, layer, tensors):  # a first 4-bit load, held mid-copy: minutes on a real model
+        release.wait(120)
+        real_write(self, layer, tensors)
+
+    monkeypatch.setattr(QuantCache, "_write", held)
+    from store import open_store
+
+    with open_store(tmp_path) as store:
+        store.settings.set(expert_format="nf4")
+    args = ["--no-browser", "--data-dir", str(tmp_path), "--port", "7963", "--model", str(tiny_model_dir("mixtral"))]
+    server, session, url = app.serve(app.build_parser().parse_args(args))
+    try:
+        assert url and session.runtime is None and not session.loading.finished.is_set()  # serving, still loading
+        with pytest.raises(chat_flow.Problem, match="is still loading \\(the page's header says how far\\)"):
+            chat_flow.runtime_of(session)
+        release.set()
+        assert session.loading.finished.wait(120) and session.runtime is not None
+        assert session.runtime.info.expert_format == "nf4" and session.still_loading == ""
+    finally:
+        release.set()
+        server.close()
+        session.close()
+        session.store.close()

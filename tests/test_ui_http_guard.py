@@ -51,6 +51,7 @@ def served(tmp_path_factory):
     server, session, url = app.serve(
         app.build_parser().parse_args(["--no-browser", "--data-dir", str(data), "--port", str(PORT)])
     )
+    assert session.loading is None or session.loading.finished.wait(120)  # the start-up load runs on its own thread
     session.store.chats.append(session.store.chats.create("my secret plans").id, "user", "the secret itself")
     yield int(url.rstrip("/").rsplit(":", 1)[1])
     server.close()

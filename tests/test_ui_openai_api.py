@@ -24,6 +24,7 @@ def served(tiny_model_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("api-data")
     args = ["--no-browser", "--data-dir", str(data), "--port", "7931", "--model", str(tiny_model_dir("mixtral"))]
     server, session, url = app.serve(app.build_parser().parse_args(args))
+    assert session.loading.finished.wait(120) and session.runtime is not None  # loaded on a thread of its own
     client = openai.OpenAI(base_url=f"{url}v1", api_key="anything", max_retries=0, timeout=120)
     yield server, session, client
     server.close()

@@ -54,7 +54,7 @@ def build(session: Session) -> gr.Blocks:
             event.then(lambda: stats.draw(session), None, stats.outputs(stats_tab), api_visibility="private")
         # Without a model the chat cannot answer: open the wizard first.
         demo.load(
-            lambda: gr.Tabs(selected="chat" if session.runtime is not None else "models"),
+            lambda: gr.Tabs(selected="chat" if session.runtime is not None or session.still_loading else "models"),
             None,
             [tabs],
             api_visibility="private",
@@ -63,11 +63,13 @@ def build(session: Session) -> gr.Blocks:
 
         def follow_header(shown):
             now = header(session)
-            return gr.skip() if now == shown else now
+            if now == shown:
+                return tuple(gr.skip() for _ in after_load_outputs)
+            return after_load()  # a load began or ended elsewhere: Settings and Stats describe the model too
 
-        # Another tab or an API client may load a model or change the cache: every open tab's header follows within
-        # seconds, not only the one whose Load button redraws it as it goes.
+        # Another tab, an API client or the start-up load may load a model: every open tab's header (and its
+        # Settings and Stats) follows within seconds, not only the tab whose Load button redraws it as it goes.
         gr.Timer(HEADER_REFRESH_S).tick(
-            follow_header, [top], [top], queue=False, show_progress="hidden", api_visibility="private"
+            follow_header, [top], after_load_outputs, queue=False, show_progress="hidden", api_visibility="private"
         )
     return demo

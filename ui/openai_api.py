@@ -130,7 +130,10 @@ def build_router(session: Session) -> APIRouter:
 
     def runtime_or_error():
         if session.runtime is None:
-            raise ApiError(503, session.load_error or "No model is loaded. Load one in the app's Models tab.")
+            raise ApiError(
+                503,
+                session.still_loading or session.load_error or "No model is loaded. Load one in the app's Models tab.",
+            )
         return session.runtime
 
     def model_id() -> str:

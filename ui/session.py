@@ -21,6 +21,7 @@ from fmoe_local.miss_cost import MissCosts
 from fmoe_local.stats import RequestStats
 
 HISTORY = 200  # replies kept for the Stats tab's time series
+CLOSE_WAIT_S = 30.0  # how long closing waits for a load under way (the start-up one, when the app is quit early)
 
 
 def fmt_gb(gib: float) -> str:
@@ -172,6 +173,14 @@ class Session:
         return (on_device, i.host_ram_bytes) if i.device.startswith("cuda") else (0, on_device + i.host_ram_bytes)
 
     @property
+    def still_loading(self) -> str:
+        """ "" unless a load is under way; then a sentence for a request that came too early."""
+        job = self.loading
+        if job is None or job.finished.is_set():
+            return ""
+        return f"{model_label(job.model_dir)} is still loading (the page's header says how far). Send again when it has loaded."
+
+    @property
     def model_id(self) -> str:
         """The loaded model's id for clients ("" when none is loaded)."""
         return model_id(self.model_dir, self.runtime.info.name) if self.runtime is not None else ""
@@ -183,13 +192,19 @@ class Session:
     def record(self, stats: RequestStats) -> None:
         self.history.append(stats)
 
-    def start_load(self, model_dir: str | Path) -> LoadJob:
-        """`load` on a thread of its own; the job says how far it got and, when finished, what happened."""
+    def start_load(self, model_dir: str | Path, progress: Callable[[int, int], None] | None = None) -> LoadJob:
+        """`load` on a thread of its own; the job says how far it got and, when finished, what happened.
+        `progress`: told too, as the job is (the console at start-up)."""
         job = LoadJob(Path(model_dir).expanduser(), self.store.settings.load().expert_format)
+
+        def report(done: int, total: int) -> None:
+            job.report(done, total)
+            if progress is not None:
+                progress(done, total)
 
         def run() -> None:
             try:
-                job.message = self.load(job.model_dir, progress=job.report)
+                job.message = self.load(job.model_dir, progress=report)
             except ModelLoadError as exc:
                 job.error = str(exc)
             except Exception as exc:  # noqa: BLE001 - the page must hear of it rather than wait forever
@@ -313,4 +328,8 @@ class Session:
     def close(self) -> None:
         if self.download is not None:
             self.download.cancel()
+        if self.loading is not None:
+            # A load cannot be interrupted; one about to finish is let finish (it holds the store), a long one is
+            # left to end with the process (its thread is a daemon).
+            self.loading.finished.wait(CLOSE_WAIT_S)
         self.unload()

@@ -21,12 +21,14 @@ proc = subprocess.Popen(
     text=True,
     env=env,
 )
-url = ""
+url, loaded = "", False
 for line in proc.stdout:
     print(line, end="")
     if "serving on" in line:
         url = line.split("serving on", 1)[1].strip()
-        break
+    loaded = loaded or line.startswith(("fmoe-local: Loaded ", "fmoe-local: Could not load "))
+    if url and loaded:
+        break  # the start-up load runs on its own thread: its outcome may come before or after the server
 try:
     with sync_playwright() as pw:
         b = pw.chromium.launch(

@@ -64,10 +64,14 @@ class App:
         ready = threading.Event()
 
         def read() -> None:
+            loaded = False
             for line in self.proc.stdout:
                 self.lines.append(line)
                 if "serving on" in line:
                     self.url = line.split("serving on", 1)[1].strip()
+                # The start-up load runs on a thread of its own: its outcome may come before or after the server.
+                loaded = loaded or line.startswith(("fmoe-local: Loaded ", "fmoe-local: Could not load "))
+                if self.url and loaded:
                     ready.set()
             ready.set()
 
