@@ -116,6 +116,9 @@ def console_progress(what: str, out=print):
     return report
 
 
+RUNNING_URL = "running-url.txt"  # in the data folder: the address of the instance that holds it
+
+
 def announce(job) -> None:  # noqa: ANN001 - a ui.session.LoadJob
     """Print the start-up load's outcome on the console when it ends (tests and scripts wait for this line)."""
     job.finished.wait()
@@ -124,7 +127,7 @@ def announce(job) -> None:  # noqa: ANN001 - a ui.session.LoadJob
 
 def serve(args: argparse.Namespace):
     """Open the store, load the model, build and serve the UI. Returns (server, session, url); does not block."""
-    from store import StoreError, open_store
+    from store import StoreError, StoreInUseError, open_store
 
     data_dir = None
     if args.data_dir:
@@ -133,7 +136,19 @@ def serve(args: argparse.Namespace):
         data_dir.mkdir(parents=True, exist_ok=True)
     try:
         store = open_store(data_dir)
-    except StoreError as exc:  # in use by another instance, too new, unwritable: each a sentence
+    except StoreInUseError as exc:
+        running = exc.db_path.parent / RUNNING_URL
+        url = running.read_text(encoding="utf-8").strip() if running.is_file() else ""
+        if not url:
+            raise SystemExit(f"fmoe-local: {exc}") from exc
+        # A second double-click while the app runs: show the running one instead of failing.
+        print(f"fmoe-local is already running at {url}; opening it in your browser.", flush=True)
+        if not args.no_browser:
+            import webbrowser
+
+            webbrowser.open(url)
+        raise SystemExit(0) from exc
+    except StoreError as exc:  # too new, unwritable: each a sentence
         raise SystemExit(f"fmoe-local: {exc}") from exc
     if store.recovered_from is not None:
         print(f"fmoe-local: the database was damaged; it was moved to {store.recovered_from} and a new one started.")
@@ -169,6 +184,8 @@ def serve(args: argparse.Namespace):
     api = build_router(session)
     server = Server(demo, host, port, args.listen, api, theme=theme(), css=CSS, ssr_mode=False, footer_links=[])
     url = server.start()
+    # For a second start on the same data, which finds it in use: it opens this address instead of failing.
+    (Path(store.models_dir).parent / RUNNING_URL).write_text(url, encoding="utf-8")
     session.api_base = f"{url}v1"
     print(f"fmoe-local: serving on {url}", flush=True)
     if not args.no_browser:

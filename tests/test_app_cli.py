@@ -151,6 +151,7 @@ def test_the_app_serves_while_its_start_up_model_loads_and_says_so(tmp_path, tin
     server, session, url = app.serve(app.build_parser().parse_args(args))
     try:
         assert url and session.runtime is None and not session.loading.finished.is_set()  # serving, still loading
+        assert (tmp_path / app.RUNNING_URL).read_text() == url  # where a second start on this data sends the user
         with pytest.raises(chat_flow.Problem, match="is still loading \\(the page's header says how far\\)"):
             chat_flow.runtime_of(session)
         release.set()
@@ -161,3 +162,18 @@ def test_the_app_serves_while_its_start_up_model_loads_and_says_so(tmp_path, tin
         server.close()
         session.close()
         session.store.close()
+
+
+def test_a_second_start_on_data_in_use_opens_the_running_app_instead_of_failing(tmp_path, monkeypatch):
+    from store import open_store
+
+    opened = []
+    monkeypatch.setattr("webbrowser.open", opened.append)
+    args = app.build_parser().parse_args(["--data-dir", str(tmp_path)])
+    with open_store(tmp_path):  # the first instance holds the data
+        with pytest.raises(SystemExit, match="already in use"):  # it has not said where it serves: the sentence
+            app.serve(args)
+        (tmp_path / app.RUNNING_URL).write_text("http://127.0.0.1:7862/")
+        with pytest.raises(SystemExit) as second:  # a second double-click while it runs
+            app.serve(args)
+    assert second.value.code == 0 and opened == ["http://127.0.0.1:7862/"]
