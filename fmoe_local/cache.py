@@ -167,6 +167,8 @@ class ExpertCache:
                 for s, landing in pinned:
                     if self._slots[s].ready is landing:  # a failed load already released its slot
                         self._slots[s].pins -= 1
+                        if self._slots[s].pins == 0 and not landing.is_set():
+                            landing.abandoned = True  # nobody waits for it now: skipped if not started
             raise
         finally:
             with self._lock:
@@ -336,12 +338,29 @@ class ExpertCache:
         self._slot_of[key] = s
         return s
 
+    def _release_locked(self, s: int, key: ExpertKey, landing: Landing, error: BaseException) -> None:
+        """A load that will not land: the claim is released (the expert is simply not resident) and its waiters
+        hear `error`."""
+        slot = self._slots[s]
+        if slot.ready is landing:
+            del self._slot_of[key]
+            slot.key, slot.pins, slot.by_prefetch = None, 0, False
+            slot.ready = Landing()
+            self._free.append(s)
+        landing.set(error)
+        self._lock.notify_all()
+
     def _load(
         self, s: int, key: ExpertKey, landing: Landing, pause: Callable[[], None] | None = None
     ) -> ExpertLoadError | None:
         """Copy `key` into slot `s` and settle `landing`. Never raises: a failure releases the slot and is
         returned (and handed to every waiter through the landing)."""
         slot = self._slots[s]
+        with self._lock:
+            if landing.abandoned and slot.ready is landing and slot.pins == 0:
+                # Everyone who wanted it stopped before it started: give the slot back unread.
+                self._release_locked(s, key, landing, Interrupted("Stopped before this expert was loaded."))
+                return None
         try:
             self._copier.copy(slot, self.tensors, s, self.host.read(*key), pause)
         except Exception as exc:  # noqa: BLE001 - any read/copy failure becomes the waiters' error
@@ -351,13 +370,7 @@ class ExpertCache:
             )
             error.__cause__ = exc
             with self._lock:
-                if slot.ready is landing:  # release the claim: the expert is simply not resident
-                    del self._slot_of[key]
-                    slot.key, slot.pins, slot.by_prefetch = None, 0, False
-                    slot.ready = Landing()
-                    self._free.append(s)
-                landing.set(error)
-                self._lock.notify_all()
+                self._release_locked(s, key, landing, error)
             return error
         with self._lock:
             self.counters.bytes_moved += self.expert_bytes

@@ -42,6 +42,9 @@ class Landing:
     def __init__(self) -> None:
         self._done = threading.Event()
         self.error: BaseException | None = None
+        # Set (under the cache's lock) when every access waiting for this load gave up (Stop): a load not started
+        # yet is then skipped, so a stopped request's leftover reads do not hold up the next request's.
+        self.abandoned = False
 
     def is_set(self) -> bool:
         return self._done.is_set()

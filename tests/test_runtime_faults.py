@@ -372,3 +372,34 @@ def test_a_cache_larger_than_the_gpu_holds_is_cut_to_what_fits_and_the_load_says
     with Runtime.load(model, _config(cache_experts=None, cache_gb=4.0)) as tight:
         assert tight.info.cache_experts == 5 and "so it holds 5 experts" in tight.load_notice
         assert _works(tight).token_ids == expected  # a smaller cache, the same reply
+
+
+def test_stop_drops_the_loads_its_request_left_queued(tiny_model_dir):
+    with Runtime.load(tiny_model_dir("mixtral"), _config(policy="on_demand", cache_experts=8)) as runtime:
+        host = runtime.engine.host
+        real_read = host.read
+        reads, entered, release = [], threading.Event(), threading.Event()
+
+        def read(layer, expert):  # a slow disk: the first read of the request holds the loader
+            reads.append((layer, expert))
+            if not entered.is_set():
+                entered.set()
+                release.wait(30)
+            return real_read(layer, expert)
+
+        host.read = read
+        events: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [events.put(e) for e in runtime.stream(PROMPT)], daemon=True).start()
+        assert entered.wait(10)
+        runtime.stop()
+        final = events.get(timeout=5)
+        while not isinstance(final, Finished):
+            final = events.get(timeout=5)
+        assert final.reason == "cancelled"
+        queued = reads[:]  # the prefill's layer 0 asked for several experts; one read was under way
+        release.set()
+        runtime.engine.offload.wait_idle(5)
+        time.sleep(0.3)
+        assert reads == queued and len(queued) == 1  # before the fix every queued load still read after the Stop
+        host.read = real_read
+        _works(runtime)
