@@ -19,7 +19,8 @@ for its event (`before_use`). Host copies are permanent, so eviction only frees 
 
 Failures and waits: a load that fails releases its slot and raises (to the forward pass, or to the prefetcher,
 which reports it to the request); every wait has a deadline (`load_timeout_s`) and gives up at once when
-`interrupt` is set (Stop, close), so no wait here is unbounded.
+`interrupt` is set (Stop, close; loads nobody waits for any more are then dropped unless started), so no wait here
+is unbounded.
 
 Counting (the one definition, DESIGN.md "Hits, late and misses"): an access is a hit when its expert is resident
 and copied, late when a prefetch of it is still copying, a miss when it is not in the cache at all — loaded on
