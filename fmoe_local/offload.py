@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from fmoe_local.cache import ExpertCache
+from fmoe_local.cache import ExpertCache, ExpertLoadError
 from fmoe_local.copier import Interrupted
 from fmoe_local.cpu_experts import HostExperts, Kernel, expert_forward
 from fmoe_local.host import HostStore
@@ -98,6 +98,7 @@ class Offload:
         self._host_experts = HostExperts(host, kernel)
         self._mode = miss_handling
         self._planner = self._new_planner()
+        self._broken = ""  # set when a resize could not allocate its cache: every access says so until one can
         self._tell_capacity()
 
     def _new_cache(self, capacity: int) -> ExpertCache:
@@ -152,6 +153,8 @@ class Offload:
         (`host_expert`) once this returns: the other misses' copies are under way by then, so the CPU's share and the
         link's run at once — what the miss planner plans the layer's misses for. `tokens(expert)`: how many tokens
         the expert computes, what the planner weighs (None: one each)."""
+        if self._broken:
+            raise ExpertLoadError(self._broken)
         if self.interrupt.is_set():
             # Stop reaches a long prefill at the next MoE layer instead of after the whole forward pass.
             raise Interrupted("Stopped.")
@@ -248,7 +251,14 @@ class Offload:
         self.cache.tensors.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.cache = self._new_cache(capacity)
+        try:
+            self.cache = self._new_cache(capacity)
+        except BaseException:
+            # The old cache is gone: no request may use it (a hit would read freed slots, a miss wait on a closed
+            # loader until its deadline). Each says this sentence until a resize succeeds.
+            self._broken = "The expert cache could not be set up again. Load the model again (Models tab)."
+            raise
+        self._broken = ""
         self._prefetcher.cache = self.cache
         self._tell_capacity()
 

@@ -403,3 +403,25 @@ def test_stop_drops_the_loads_its_request_left_queued(tiny_model_dir):
         assert reads == queued and len(queued) == 1  # before the fix every queued load still read after the Stop
         host.read = real_read
         _works(runtime)
+
+
+def test_a_cache_that_cannot_be_set_up_again_is_a_sentence_not_a_crash_or_a_hang(tiny_model_dir, monkeypatch):
+    with Runtime.load(tiny_model_dir("mixtral"), _config(policy="lru")) as runtime:
+        offload = runtime.engine.offload
+        real_new = offload._new_cache
+
+        def no_memory(capacity):
+            raise RuntimeError("CUDA out of memory")
+
+        monkeypatch.setattr(offload, "_new_cache", no_memory)  # the new size and the old one both fail
+        with pytest.raises(RuntimeError):
+            runtime.reconfigure(cache_experts=6)
+        t0 = time.perf_counter()
+        final = runtime.generate(PROMPT)  # before: KeyError on a hit, or a 60 s wait on a closed loader
+        assert final.reason == "error" and final.error == (
+            "The expert cache could not be set up again. Load the model again (Models tab)."
+        )
+        assert time.perf_counter() - t0 < 5
+        monkeypatch.setattr(offload, "_new_cache", real_new)
+        runtime.reset_cache()  # a resize that works brings the runtime back
+        _works(runtime)
