@@ -184,9 +184,21 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: st
     return FitVerdict(verdict.level, (*verdict.reasons, why), verdict.max_cache_gb)
 
 
+def cpu_widening(entry: CatalogEntry, fmt: str, machine: Machine) -> int:
+    """How many times larger than on disk the model's bf16 weights are in RAM here: 2 without a CUDA GPU, where the
+    runtime computes in float32 (engine.resolve_dtype: half precision is slow or missing on CPUs), else 1. Packed
+    formats (int8, nf4, MXFP4) stay packed either way."""
+    stored = entry.native_format if fmt == "auto" else fmt
+    return 2 if not machine.has_gpu and stored == "bf16" else 1
+
+
 def _fit(entry: CatalogEntry, machine: Machine, downloaded: bool, fmt: str) -> FitVerdict:
     reasons: list[str] = []
     expert_bytes, experts_bytes = entry.expert_bytes_for(fmt), entry.experts_bytes_for(fmt)
+    if not machine.has_gpu:  # float32 on the CPU: the resident part always, bf16 experts too
+        expert_bytes *= cpu_widening(entry, fmt, machine)
+        experts_bytes *= cpu_widening(entry, fmt, machine)
+        entry = replace(entry, resident_bytes=2 * entry.resident_bytes)
     min_cache = min_cache_bytes(entry.top_k, expert_bytes)
     disk_needed = 0 if downloaded else entry.download_bytes + DISK_MARGIN_BYTES
     if disk_needed and machine.disk_free < disk_needed:
@@ -277,14 +289,14 @@ def format_fits(entry: CatalogEntry, machine: Machine, downloaded: bool = False)
     best = recommend_format(verdicts)
     out = []
     for fmt, verdict in verdicts.items():
-        experts = entry.experts_bytes_for(fmt)
+        experts = entry.experts_bytes_for(fmt) * cpu_widening(entry, fmt, machine)
         gpu = entry.resident_bytes + int(verdict.max_cache_gb * GIB) if machine.has_gpu and verdict.max_cache_gb else 0
         out.append(
             FormatFit(
                 fmt,
                 "auto" if fmt == entry.native_format and fmt != "bf16" else fmt,
                 entry.download_bytes + copy_bytes(entry, fmt),
-                experts + (0 if machine.has_gpu else entry.resident_bytes),
+                experts + (0 if machine.has_gpu else 2 * entry.resident_bytes),  # float32 on the CPU
                 gpu,
                 verdict,
                 fmt == best and verdict.level != "no",  # nothing is recommended where nothing fits

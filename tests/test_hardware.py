@@ -111,8 +111,13 @@ def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
     assert fits["nf4"].disk_bytes == MIXTRAL.download_bytes + MIXTRAL.experts_bytes_for("nf4")
     assert fits["int8"].ram_bytes == MIXTRAL.experts_bytes_for("int8") == MIXTRAL.experts_bytes // 2
     assert fits["nf4"].gpu_bytes == MIXTRAL.resident_bytes + int(fits["nf4"].verdict.max_cache_gb * GIB)
+    # Without a CUDA GPU the runtime computes in float32: the resident part takes twice its bf16 size, and so do
+    # bf16 experts; packed experts stay packed.
     cpu = {f.fmt: f for f in format_fits(OLMOE, OFFICE)}
-    assert cpu["nf4"].gpu_bytes == 0 and cpu["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + OLMOE.resident_bytes
+    assert (
+        cpu["nf4"].gpu_bytes == 0 and cpu["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + 2 * OLMOE.resident_bytes
+    )
+    assert cpu["bf16"].ram_bytes == 2 * (OLMOE.experts_bytes + OLMOE.resident_bytes)
     gpt_oss = format_fits(find("openai/gpt-oss-20b"), desktop)
     assert (gpt_oss[0].fmt, gpt_oss[0].choice) == ("mxfp4", "auto")
     assert gpt_oss[0].disk_bytes == find("openai/gpt-oss-20b").download_bytes  # its own form: no copy
@@ -132,8 +137,14 @@ def test_a_format_that_does_not_fit_names_one_that_does():
 
     small_ram = Machine("cpu", "", 0, 0, 16 * GB, 11 * GB, 500 * GB)
     fits = format_fits(MIXTRAL, small_ram)
-    assert [f.verdict.level for f in fits] == ["slow", "slow", "slow"]  # spills to disk, but runs
-    assert instead(fits, "bf16") == ""
+    # In float32 on the CPU, Mixtral's resident part (6.4 GB) and four bf16 experts of cache (2.8 GB) exceed the
+    # 8 GB left after the headroom; 8-bit and 4-bit experts spill to disk, but run.
+    assert [f.verdict.level for f in fits] == ["no", "slow", "slow"]
+    assert instead(fits, "bf16").startswith(
+        "bf16 does not fit here: Not enough memory: the model needs at least 9.2 GB"
+    )
+    assert instead(fits, "bf16").endswith("Choose 4-bit instead (runs, slowly).")  # the recommended one
+    assert instead(fits, "int8") == ""
     tiny_gpu = Machine("cuda", "RTX 3050", 6 * GB, int(5.5 * GB), 64 * GB, 60 * GB, 500 * GB)
     fits = format_fits(MIXTRAL, tiny_gpu)  # a minimal bf16 cache (4 experts × 352 MB) does not fit next to 3.2 GB
     assert [f.verdict.level for f in fits] == ["no", "good", "good"]
