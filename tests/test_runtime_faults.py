@@ -31,6 +31,28 @@ def _works(runtime: Runtime) -> Finished:
     return final
 
 
+class HeldReads:
+    """The host store's reads held, as on a stuck disk: every read (or only the first, `first_only`) waits for
+    `release`; `entered` says one is waiting, `reads` lists them all. `restore()` puts the real read back."""
+
+    def __init__(self, runtime: Runtime, first_only: bool = False) -> None:
+        self.host, self.first_only = runtime.engine.host, first_only
+        self.real = self.host.read
+        self.reads: list[tuple[int, int]] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.host.read = self._read
+
+    def _read(self, layer: int, expert: int):
+        self.reads.append((layer, expert))
+        if not (self.entered.is_set() if self.first_only else self.release.is_set()):
+            self.entered.set()
+            self.release.wait(30)
+        return self.real(layer, expert)
+
+    def restore(self) -> None:
+        self.host.read = self.real
+
+
 def test_a_policy_that_raises_in_the_worker_ends_the_request_with_a_sentence(tiny_model_dir):
     with Runtime.load(tiny_model_dir("mixtral"), _config(policy="fmoe")) as runtime:
         expected = _works(runtime).token_ids
@@ -85,28 +107,18 @@ def test_a_host_read_that_raises_releases_its_slot_and_the_next_request_works(ti
 
 def test_stop_ends_a_request_stuck_in_a_blocked_host_read(tiny_model_dir):
     with Runtime.load(tiny_model_dir("mixtral"), _config(policy="on_demand")) as runtime:
-        host = runtime.engine.host
-        real_read = host.read
-        entered, release = threading.Event(), threading.Event()
-
-        def read(layer, expert):
-            if not release.is_set():
-                entered.set()
-                release.wait(30)
-            return real_read(layer, expert)
-
-        host.read = read
+        held = HeldReads(runtime)
         events: queue.Queue = queue.Queue()
         consumer = threading.Thread(target=lambda: [events.put(e) for e in runtime.stream(PROMPT)], daemon=True)
         consumer.start()
-        assert entered.wait(10), "the request never reached the host store"
+        assert held.entered.wait(10), "the request never reached the host store"
         t0 = time.perf_counter()
         runtime.stop()
         final = events.get(timeout=5)
         took = time.perf_counter() - t0
         assert isinstance(final, Finished) and final.reason == "cancelled"
         assert took < 1.0, f"Stop took {took:.2f} s to end a request stuck in a read"
-        release.set()
+        held.release.set()
         _works(runtime)
 
 
@@ -214,22 +226,12 @@ def test_stop_reaches_a_prefill_at_the_next_moe_layer(tiny_model_dir):
 
 def test_close_ends_requests_still_waiting_for_their_turn_with_a_sentence(tiny_model_dir):
     runtime = Runtime.load(tiny_model_dir("mixtral"), _config(policy="on_demand"))
-    host = runtime.engine.host
-    real_read = host.read
-    entered, release = threading.Event(), threading.Event()
-
-    def read(layer, expert):  # holds the first request inside the model while the second queues behind it
-        if not release.is_set():
-            entered.set()
-            release.wait(30)
-        return real_read(layer, expert)
-
-    host.read = read
+    held = HeldReads(runtime)  # holds the first request inside the model while the second queues behind it
     first, second = queue.Queue(), queue.Queue()
     for events in (first, second):
         threading.Thread(target=lambda q=events: [q.put(e) for e in runtime.stream(PROMPT)], daemon=True).start()
         if events is first:
-            assert entered.wait(10), "the first request never reached the host store"
+            assert held.entered.wait(10), "the first request never reached the host store"
     time.sleep(0.2)  # the second is queued
     t0 = time.perf_counter()
     closing = threading.Thread(target=runtime.close, daemon=True)
@@ -237,7 +239,7 @@ def test_close_ends_requests_still_waiting_for_their_turn_with_a_sentence(tiny_m
     assert first.get(timeout=5).reason == "cancelled"
     queued = second.get(timeout=5)  # before the fix it ran in full while the model was being closed under it
     assert queued.reason == "error" and queued.error == CLOSED and queued.text == ""
-    release.set()
+    held.release.set()
     closing.join(10)
     assert not closing.is_alive() and time.perf_counter() - t0 < 5
 
@@ -279,14 +281,7 @@ def test_stop_with_a_request_s_flag_ends_that_request_only(tiny_model_dir):
 
 def test_a_stop_for_a_request_that_just_ended_never_lands_on_the_next(tiny_model_dir):
     with Runtime.load(tiny_model_dir("mixtral"), _config(policy="on_demand")) as runtime:
-        host = runtime.engine.host
-        real_read = host.read
-        b_waits, release = threading.Event(), threading.Event()
-
-        def read(layer, expert):  # B's first expert load waits here, interruptible like any load
-            b_waits.set()
-            release.wait(30)
-            return real_read(layer, expert)
+        held = HeldReads(runtime)  # B's first expert load waits here, interruptible like any load
 
         class SlowFlag(threading.Event):
             """A's stop flag: setting it through the running request (after stop() read `_current`) is slow, as a
@@ -297,7 +292,7 @@ def test_a_stop_for_a_request_that_just_ended_never_lands_on_the_next(tiny_model
             def set(self) -> None:
                 self.calls += 1
                 if self.calls == 2:
-                    b_waits.wait(3)
+                    held.entered.wait(3)
                 super().set()
 
         a_flag = SlowFlag()
@@ -308,11 +303,10 @@ def test_a_stop_for_a_request_that_just_ended_never_lands_on_the_next(tiny_model
         stopper.start()
         time.sleep(0.1)  # stop() has read `_current` and is inside A's slow set()
         runtime._current = None  # noqa: SLF001 - A ends (unlocked, as the worker's finally would race)
-        host.read = read
         results: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: results.put(list(runtime.stream(PROMPT, GREEDY))[-1]), daemon=True).start()
         stopper.join(10)
-        release.set()
+        held.release.set()
         assert results.get(timeout=30).reason in ("length", "stop")  # before the fix: "cancelled"
 
 
@@ -332,27 +326,18 @@ def test_a_background_failure_in_a_stopped_request_does_not_end_the_next(tiny_mo
 
 def test_changes_asked_for_during_a_reply_are_all_applied_none_undoes_another(tiny_model_dir):
     with Runtime.load(tiny_model_dir("mixtral"), _config(policy="fmoe", prefetch_distance=1)) as runtime:
-        host = runtime.engine.host
-        real_read = host.read
-        entered, release = threading.Event(), threading.Event()
-
-        def read(layer, expert):  # holds the reply while two settings changes queue behind it
-            entered.set()
-            release.wait(30)
-            return real_read(layer, expert)
-
-        host.read = read
+        held = HeldReads(runtime)  # holds the reply while two settings changes queue behind it
         reply = threading.Thread(target=lambda: runtime.generate(PROMPT), daemon=True)
         reply.start()
-        assert entered.wait(10)
+        assert held.entered.wait(10)
         first = threading.Thread(target=lambda: runtime.reconfigure(prefetch_distance=2), daemon=True)
         first.start()
         time.sleep(0.2)  # queued first
         second = threading.Thread(target=lambda: runtime.reconfigure(policy="lru"), daemon=True)
         second.start()
         time.sleep(0.2)
-        host.read = real_read
-        release.set()
+        held.restore()
+        held.release.set()
         for t in (reply, first, second):
             t.join(30)
         # Before the fix the second change was built from the settings before the first, and undid it.
@@ -376,32 +361,21 @@ def test_a_cache_larger_than_the_gpu_holds_is_cut_to_what_fits_and_the_load_says
 
 def test_stop_drops_the_loads_its_request_left_queued(tiny_model_dir):
     with Runtime.load(tiny_model_dir("mixtral"), _config(policy="on_demand", cache_experts=8)) as runtime:
-        host = runtime.engine.host
-        real_read = host.read
-        reads, entered, release = [], threading.Event(), threading.Event()
-
-        def read(layer, expert):  # a slow disk: the first read of the request holds the loader
-            reads.append((layer, expert))
-            if not entered.is_set():
-                entered.set()
-                release.wait(30)
-            return real_read(layer, expert)
-
-        host.read = read
+        held = HeldReads(runtime, first_only=True)  # a slow disk: the request's first read holds the loader
         events: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [events.put(e) for e in runtime.stream(PROMPT)], daemon=True).start()
-        assert entered.wait(10)
+        assert held.entered.wait(10)
         runtime.stop()
         final = events.get(timeout=5)
         while not isinstance(final, Finished):
             final = events.get(timeout=5)
         assert final.reason == "cancelled"
-        queued = reads[:]  # the prefill's layer 0 asked for several experts; one read was under way
-        release.set()
+        queued = held.reads[:]  # the prefill's layer 0 asked for several experts; one read was under way
+        held.release.set()
         runtime.engine.offload.wait_idle(5)
         time.sleep(0.3)
-        assert reads == queued and len(queued) == 1  # before the fix every queued load still read after the Stop
-        host.read = real_read
+        assert held.reads == queued and len(queued) == 1  # before the fix every queued load still read after the Stop
+        held.restore()
         _works(runtime)
 
 
