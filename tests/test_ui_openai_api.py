@@ -165,12 +165,28 @@ def test_the_chat_s_stop_leaves_an_api_client_s_reply_alone(served):
 
 
 def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
+    from fmoe_local.runtime import Finished, TextDelta
+    from fmoe_local.stats import RequestStats
     from ui.openai_api import INTERRUPTED
 
     _, session, client = served
-    chunks = iter(_long_stream(client))
-    next(chunks)
-    session.runtime.stop()  # what closing the runtime does to the request it is running
-    with pytest.raises(openai.APIError, match="interrupted because the model was unloaded"):
-        list(chunks)
-    assert INTERRUPTED.startswith("The reply was interrupted")
+
+    class UnloadedMidReply:
+        """A reply that a model unload ended after its first words (a stop the client did not ask for)."""
+
+        info = session.runtime.info
+
+        def stream(self, messages, sampling, stop=None):
+            yield TextDelta("Once upon", 7)
+            yield Finished("Once upon", [7], RequestStats(finish_reason="cancelled"), "cancelled")
+
+    loaded, session.runtime = session.runtime, UnloadedMidReply()
+    try:
+        chunks = client.chat.completions.create(model="x", messages=PROMPT, max_tokens=300, stream=True)
+        with pytest.raises(openai.APIError, match="interrupted because the model was unloaded"):
+            list(chunks)  # before: a normal end, finish_reason "stop", as if the reply were complete
+        with pytest.raises(openai.InternalServerError) as plain:
+            client.chat.completions.create(model="x", messages=PROMPT, max_tokens=300)
+        assert INTERRUPTED in str(plain.value)
+    finally:
+        session.runtime = loaded
