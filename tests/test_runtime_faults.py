@@ -274,7 +274,7 @@ def test_stop_with_a_request_s_flag_ends_that_request_only(tiny_model_dir):
         events = []
         while not events or not isinstance(events[-1], Finished):
             events.append(first.get(timeout=30))
-        assert events[-1].reason in ("length", "stop") and len(events[-1].token_ids) > 1
+        assert events[-1].reason in ("length", "stop")  # it ran to its own end
         # A request whose flag was already set (stopped while it waited for its turn) ends at once.
         assert [e.reason for e in runtime.stream(PROMPT, long, stop=mine) if isinstance(e, Finished)] == ["cancelled"]
 
