@@ -278,7 +278,7 @@ class Engine:
         new.validate()
         capacity = self._capacity(new)
         check_capacity(capacity, self.host.expert_bytes)
-        self.offload.wait_idle(old.load_timeout_s)
+        self._check_idle(old.load_timeout_s)
         if capacity != self._capacity(old):
             try:
                 self.offload.resize(capacity)
@@ -310,7 +310,17 @@ class Engine:
 
     def reset_cache(self) -> None:
         """A new, cold cache of the configured size (between requests only): every expert back to RAM only."""
+        self._check_idle(self.config.load_timeout_s)
         self.offload.resize(self._capacity(self.config))
+
+    def _check_idle(self, timeout_s: float) -> None:
+        """Refuse a change while a prefetch copy is still stuck in a read: the new cache would be swapped in under
+        it (its copy then fails, and the next request with it). Nothing has changed when this raises."""
+        if not self.offload.wait_idle(timeout_s):
+            raise ValueError(
+                "A copy of an expert is still stuck reading the model files, so nothing was changed. Try again in a "
+                "moment; if this repeats, check the disk or download the model again."
+            )
 
     def finish_recording(self) -> None:
         """Write what the trace recorder holds and has not saved yet (forward thread, after the last request)."""

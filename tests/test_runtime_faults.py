@@ -399,3 +399,18 @@ def test_a_cache_that_cannot_be_set_up_again_is_a_sentence_not_a_crash_or_a_hang
         monkeypatch.setattr(offload, "_new_cache", real_new)
         runtime.reset_cache()  # a resize that works brings the runtime back
         _works(runtime)
+
+
+def test_a_change_while_a_prefetch_is_stuck_in_a_read_is_refused_and_changes_nothing(tiny_model_dir, monkeypatch):
+    with Runtime.load(tiny_model_dir("mixtral"), _config(policy="fmoe")) as runtime:
+        offload, before = runtime.engine.offload, runtime.config
+        cache = offload.cache
+        monkeypatch.setattr(offload, "wait_idle", lambda timeout_s: False)  # a prefetch read that did not return
+        for change in (lambda: runtime.reconfigure(cache_experts=5), runtime.reset_cache):
+            with pytest.raises(ValueError, match="still stuck reading the model files, so nothing was changed"):
+                change()  # before: the cache was swapped under the stuck copy anyway
+            assert runtime.config == before and offload.cache is cache
+        monkeypatch.undo()
+        runtime.reconfigure(cache_experts=5)
+        assert runtime.info.cache_experts == 5
+        _works(runtime)
