@@ -133,7 +133,7 @@ def chat(tmp_path):
     from store import open_store
 
     store = open_store(tmp_path)
-    session = SimpleNamespace(store=store, runtime=None, load_error="", record=lambda stats: None)
+    session = SimpleNamespace(store=store, runtime=None, load_error="", still_loading="", record=lambda stats: None)
     conv = store.chats.create("story")
     store.chats.append(conv.id, "user", "Tell me a story.")
     store.chats.append(conv.id, "assistant", "Once upon", {"finish_reason": "length", "tokens": 2})

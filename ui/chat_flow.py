@@ -25,7 +25,7 @@ class Problem(ValueError):
 
 def runtime_of(session: Session):  # noqa: ANN201 - a fmoe_local.runtime.Runtime
     if session.runtime is None:
-        raise Problem(getattr(session, "still_loading", "") or session.load_error or NO_MODEL)
+        raise Problem(session.still_loading or session.load_error or NO_MODEL)
     return session.runtime
 
 
