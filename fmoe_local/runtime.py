@@ -59,6 +59,11 @@ class Finished:
     reason: str  # "stop" (end of sequence), "length", "cancelled", "error"
     error: str = ""
 
+    @classmethod
+    def failed(cls, error: str) -> Finished:
+        """A request that ended before any text with `error`, a sentence for the user."""
+        return cls("", [], RequestStats(finish_reason="error"), "error", error=error)
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -179,7 +184,7 @@ class Runtime:
         a caller that must end this request from another thread (a server whose client went away) — setting it
         ends the request within a token, or at once if it is still waiting for its turn."""
         if self._closed:  # a caller holding a runtime that another thread just closed (a model being swapped)
-            yield Finished("", [], RequestStats(finish_reason="error"), "error", error=CLOSED)
+            yield Finished.failed(CLOSED)
             return
         request = _Request(list(messages), sampling or self.config.sampling, queue.Queue(), stop or threading.Event())
         self._jobs.put(request)
@@ -187,7 +192,7 @@ class Runtime:
             while True:
                 item = self._wait(request.out)
                 if isinstance(item, BaseException):  # the worker ended without serving this request
-                    item = Finished("", [], RequestStats(finish_reason="error"), "error", error=CLOSED)
+                    item = Finished.failed(CLOSED)
                 yield item
                 if isinstance(item, Finished):
                     return
@@ -305,7 +310,7 @@ class Runtime:
                 if isinstance(job, tuple):
                     job[1].put(RuntimeError(CLOSED))
                 else:
-                    job.out.put(Finished("", [], RequestStats(finish_reason="error"), "error", error=CLOSED))
+                    job.out.put(Finished.failed(CLOSED))
                 continue
             if isinstance(job, tuple):
                 fn, done = job
@@ -320,7 +325,7 @@ class Runtime:
             try:
                 self._run(job)
             except Exception as exc:  # noqa: BLE001 - a failed request must end its stream, not the worker
-                job.out.put(Finished("", [], RequestStats(finish_reason="error"), "error", error=str(exc)))
+                job.out.put(Finished.failed(str(exc)))
             finally:
                 with self._turn:
                     self._current = None
@@ -330,7 +335,7 @@ class Runtime:
         try:
             prompt_ids = e.encode_chat(request.messages)
         except ContextTooLong as exc:
-            request.out.put(Finished("", [], RequestStats(finish_reason="error"), "error", error=str(exc)))
+            request.out.put(Finished.failed(str(exc)))
             return
         stats = RequestStats(prompt_tokens=int(prompt_ids.shape[1]))
         sampling = request.sampling

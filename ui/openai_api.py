@@ -185,9 +185,8 @@ def _events(runtime, messages: list[dict], sampling: Sampling, stop: threading.E
                 out.put(event)
         except Exception as exc:  # noqa: BLE001 - the client gets the sentence instead of a bare 500 or a cut stream
             from fmoe_local.runtime import Finished
-            from fmoe_local.stats import RequestStats
 
-            final = Finished("", [], RequestStats(finish_reason="error"), "error", error=str(exc))
+            final = Finished.failed(str(exc))
             out.put(final)
         finally:
             if final is not None and hasattr(final, "reason"):
