@@ -8,6 +8,7 @@ generation ends as an inline notice bubble under the text generated so far.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterator
 
@@ -16,6 +17,7 @@ from ui.chat_view import display, warning
 from ui.render import safe_markdown
 from ui.session import Session
 
+_RELAY_POLL_S = 0.5  # how often the page's relay checks that the reply's thread still runs
 NO_MODEL = "No model is loaded yet. Open the Models tab to download one or load a model folder."
 
 
@@ -48,34 +50,59 @@ def stream_reply(
     continued); `save(text, stats)` stores it (even a stopped one). Yields Chatbot message lists."""
     from fmoe_local.runtime import Finished, TextDelta
 
-    text, tokens, finished = "", 0, False
+    runtime = runtime_of(session)
     session.chat_stop = stop = threading.Event()  # the chat's Stop ends this reply, not an API client's request
-    events = runtime_of(session).stream(messages, sampling, stop=stop)
-    try:
-        for event in events:
-            if isinstance(event, TextDelta):
-                text += event.text
-                tokens += 1
-                yield shown + [{"role": "assistant", "content": safe_markdown(prefix + text)}]
-            elif isinstance(event, Finished):
-                finished = True
-                if event.reason == "error":
-                    # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
-                    if event.text.strip():
+    updates: queue.Queue = queue.Queue()
+
+    def produce() -> None:
+        # The reply is generated and saved on this thread, whatever becomes of the page that asked for it: a reload
+        # or a closed tab cannot lose it. (gradio closes the relay below at a yield when the page goes away, which
+        # stops the model and this saves what it wrote as a stopped reply; when it cannot close it, because the
+        # relay is waiting for a token, the reply runs to its end and is saved whole.)
+        text = ""
+        try:
+            for event in runtime.stream(messages, sampling, stop=stop):
+                if isinstance(event, TextDelta):
+                    text += event.text
+                    updates.put(prefix + text)
+                elif isinstance(event, Finished):
+                    if event.reason != "error":
+                        session.record(event.stats)
+                    if event.reason != "error" or event.text.strip():  # a failure keeps what was written before it
                         save(event.text, event.stats)
-                    notice = {"role": "assistant", "content": warning(event.error)}
-                    yield display(session.store.chats.messages(conv_id)) + [notice]
-                    return
-                session.record(event.stats)
-                save(event.text, event.stats)
-                yield display(session.store.chats.messages(conv_id))
+                    updates.put(event)
+        except Exception as exc:  # noqa: BLE001 - handed to the relay, which raises it for the page
+            updates.put(exc)
+
+    worker = threading.Thread(target=produce, name="fmoe-chat-reply", daemon=True)
+    worker.start()
+    finished = False
+    try:
+        while True:
+            try:
+                item = updates.get(timeout=_RELAY_POLL_S)
+            except queue.Empty:
+                if worker.is_alive():
+                    continue
+                try:
+                    item = updates.get_nowait()  # put just before the thread ended
+                except queue.Empty:
+                    raise RuntimeError("The reply stopped unexpectedly. Send the message again.") from None
+            if isinstance(item, str):
+                yield shown + [{"role": "assistant", "content": safe_markdown(item)}]
+                continue
+            finished = True
+            if isinstance(item, BaseException):
+                raise item
+            shown_now = display(session.store.chats.messages(conv_id))
+            if item.reason == "error":
+                # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
+                shown_now = shown_now + [{"role": "assistant", "content": warning(item.error)}]
+            yield shown_now
+            return
     finally:
         if not finished:
-            # The page went away mid-reply (a reload, a closed tab: the server closes this generator at a yield).
-            # End the model's work now and keep what it wrote, as a stopped reply, instead of losing it.
-            events.close()
-            if text.strip():
-                save(text, {"finish_reason": "cancelled", "tokens": tokens})
+            stop.set()  # the page went away: the model stops at its next token, and `produce` saves what it wrote
 
 
 def reply(session: Session, conv_id: int, system: str, sampling: Sampling) -> Iterator[list[dict]]:
