@@ -64,10 +64,10 @@ def cache_bounds(session: Session) -> tuple[float, float]:
     if session.runtime is None:
         return max(0.5, cache_gb_limit(machine, 0)), session.store.settings.load().cache_gb
     info = session.runtime.info
-    # session.machine() counts the loaded model as free: what else it holds besides the cache stays taken.
+    # session.machine() counts the loaded model as free: all it holds stays taken, except its current cache, which
+    # a resize releases (cache_gb_limit's current_cache_gb).
     vram, ram = session.footprint()
-    cache_bytes = int(info.cache_gb * 1024**3)
-    limit = cache_gb_limit(machine, (vram if machine.has_gpu else ram) - cache_bytes)
+    limit = cache_gb_limit(machine, vram if machine.has_gpu else ram, current_cache_gb=info.cache_gb)
     return max(limit, info.cache_gb, 0.1), info.cache_gb
 
 
