@@ -13,10 +13,8 @@ from ui.session import Session
 def stats_line(stats: dict | None) -> str:
     if not stats:
         return ""
-    parts = []
-    if "tokens_per_s" in stats:  # a reply kept when its page went away has no measured figures
-        parts = [f"{stats['tokens_per_s']:.1f} tok/s", f"TTFT {1000 * stats.get('ttft_s', 0):.0f} ms"]
-        parts.append(f"expert hit rate {100 * stats.get('hit_rate', 0):.0f}%")
+    parts = [f"{stats.get('tokens_per_s', 0):.1f} tok/s", f"TTFT {1000 * stats.get('ttft_s', 0):.0f} ms"]
+    parts.append(f"expert hit rate {100 * stats.get('hit_rate', 0):.0f}%")
     if stats.get("finish_reason") == "cancelled":
         parts.append("stopped")
     elif stats.get("finish_reason") == "length":
