@@ -76,7 +76,7 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
                 page.wait_for_timeout(1000)
             assert stats.count() == 2, "a reply cut by a reload was not kept"
             ending = stats.last.inner_text().strip()
-            assert ending == "stopped" or "tok/s" in ending, ending
+            assert "tok/s" in ending, ending  # a stats line: the reply was saved (stopped, or finished)
             page.screenshot(path=SHOTS / "chat-kept-after-reload.png", full_page=True)
 
             page.reload()  # the saved generation settings come back, not the start-up ones
