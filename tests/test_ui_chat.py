@@ -46,7 +46,9 @@ def test_a_failed_reply_shows_its_sentence_inline_and_keeps_the_partial_text(tmp
     try:
         conv = store.chats.create("sea")
         store.chats.append(conv.id, "user", "Tell me about the sea.")
-        session = SimpleNamespace(store=store, runtime=FailingRuntime(), record=lambda stats: None)
+        session = SimpleNamespace(
+            store=store, runtime=FailingRuntime(), record=lambda stats: None, chat_reply=lambda stop, running: None
+        )
         *_, shown = list(reply(session, conv.id, "", Sampling()))
         assert shown[-1] == {"role": "assistant", "content": f"⚠️ {sentence}"}  # a bubble, not an exception
         assert shown[-2]["content"].startswith("The sea")
@@ -128,12 +130,12 @@ class ScriptedRuntime:
 @pytest.fixture
 def chat(tmp_path):
     """A session on a real store with a scripted runtime; one conversation with a question and a cut reply."""
-    from types import SimpleNamespace
-
+    from fmoe_local.config import RuntimeConfig
     from store import open_store
+    from ui.session import Session
 
     store = open_store(tmp_path)
-    session = SimpleNamespace(store=store, runtime=None, load_error="", still_loading="", record=lambda stats: None)
+    session = Session(store=store, config=RuntimeConfig())
     conv = store.chats.create("story")
     store.chats.append(conv.id, "user", "Tell me a story.")
     store.chats.append(conv.id, "assistant", "Once upon", {"finish_reason": "length", "tokens": 2})
@@ -191,40 +193,46 @@ def test_editing_an_earlier_message_drops_what_followed_and_replies_again(chat):
         next(chat_flow.edit(session, conv_id, 1, "x", "", Sampling()))  # index 1 is the reply
 
 
-def test_a_reply_whose_page_went_away_is_kept_whether_or_not_the_page_s_stream_is_closed(chat):
-    import threading
+class SlowRuntime:
+    """Tokens every 10 ms until its request's stop flag is set, or 40 of them, like the real runtime."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+
+    def stream(self, messages, sampling, stop=None):
+        from fmoe_local.runtime import Finished, TextDelta
+        from fmoe_local.stats import RequestStats
+
+        text = ""
+        for n in range(1, 41):
+            if stop.is_set():
+                yield Finished(text, [7] * (n - 1), RequestStats(tokens=n - 1, finish_reason="cancelled"), "cancelled")
+                return
+            self.release.wait(0.01)
+            text += " on"
+            yield TextDelta(" on", 7)
+        yield Finished(text, [7] * 40, RequestStats(tokens=40, finish_reason="length"), "length")
+
+    def stop(self, request=None) -> None:
+        request.set()
+
+
+def _saved_reply(session, conv_id: int, count: int):
     import time
 
+    deadline = time.monotonic() + 10
+    while len(session.store.chats.messages(conv_id)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return session.store.chats.messages(conv_id)[-1]
+
+
+def test_a_reply_whose_page_went_away_is_kept_whether_or_not_the_page_s_stream_is_closed(chat):
     from fmoe_local.config import Sampling
-    from fmoe_local.runtime import Finished, TextDelta
-    from fmoe_local.stats import RequestStats
     from ui import chat_flow
 
     session, conv_id = chat
-    release = threading.Event()
-
-    class SlowRuntime:
-        """Tokens every 10 ms until its request's stop flag is set, or 40 of them, like the real runtime."""
-
-        def stream(self, messages, sampling, stop=None):
-            text = ""
-            for n in range(1, 41):
-                if stop.is_set():
-                    yield Finished(
-                        text, [7] * (n - 1), RequestStats(tokens=n - 1, finish_reason="cancelled"), "cancelled"
-                    )
-                    return
-                release.wait(0.01)
-                text += " on"
-                yield TextDelta(" on", 7)
-            yield Finished(text, [7] * 40, RequestStats(tokens=40, finish_reason="length"), "length")
-
-    def saved_reply(count: int):
-        deadline = time.monotonic() + 10
-        while len(session.store.chats.messages(conv_id)) < count and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return session.store.chats.messages(conv_id)[-1]
-
     session.runtime = SlowRuntime()
     # The server closes the page's stream at a yield (a reload, a closed tab): the model stops, the text is kept.
     session.store.chats.append(conv_id, "user", "Go on.")
@@ -232,7 +240,7 @@ def test_a_reply_whose_page_went_away_is_kept_whether_or_not_the_page_s_stream_i
     for _ in range(3):
         next(replies)
     replies.close()
-    last = saved_reply(4)
+    last = _saved_reply(session, conv_id, 4)
     assert last.role == "assistant" and last.content.startswith(" on on on") and last.content.count(" on") < 40
     assert last.stats["finish_reason"] == "cancelled" and stats_line(last.stats).endswith("stopped")
     # The server cannot close it (it was waiting for a token) and simply stops reading: the reply runs to its end
@@ -240,5 +248,28 @@ def test_a_reply_whose_page_went_away_is_kept_whether_or_not_the_page_s_stream_i
     session.store.chats.append(conv_id, "user", "Again.")
     abandoned = chat_flow.reply(session, conv_id, "", Sampling())
     next(abandoned)
-    last = saved_reply(6)
+    last = _saved_reply(session, conv_id, 6)
     assert last.content == " on" * 40 and last.stats["finish_reason"] == "length"
+    assert not session.chat_replies  # a saved reply leaves nothing for Stop to reach
+
+
+def test_the_chat_s_stop_also_ends_a_reply_whose_page_was_reloaded(chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    session.runtime = runtime = SlowRuntime()
+    runtime.release.clear()
+    # A reload left this reply writing on its own; the new page sends a message to another chat, which waits.
+    session.store.chats.append(conv_id, "user", "Go on.")
+    abandoned = chat_flow.reply(session, conv_id, "", Sampling())
+    next(abandoned)
+    other = session.store.chats.create("Other")
+    session.store.chats.append(other.id, "user", "Hello?")
+    newest = chat_flow.reply(session, other.id, "", Sampling())
+    next(newest)
+    session.stop_chat()  # before: only the newest reply's flag was reachable, the reloaded one ran to 40 tokens
+    list(newest)
+    for conv, count in ((conv_id, 2), (other.id, 2)):
+        last = _saved_reply(session, conv, count)
+        assert last.role == "assistant" and last.stats["finish_reason"] == "cancelled", (conv, last.content)

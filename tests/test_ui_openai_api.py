@@ -155,7 +155,7 @@ def test_the_chat_s_stop_leaves_an_api_client_s_reply_alone(served):
 
     server, session, client = served
     chat_stop = next(f for f in build(session).fns.values() if f.api_name == "stop").fn  # the chat tab's Stop
-    session.chat_stop = None  # no chat reply: Stop has nothing of its own to end
+    assert not session.chat_replies  # no chat reply: Stop has nothing of its own to end
     chunks = iter(_long_stream(client))
     assert next(chunks).choices[0].delta.role == "assistant"
     chat_stop()  # before the fix: ended whatever ran, and the client saw a short reply reported as complete

@@ -244,9 +244,7 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         return gr.Button(visible=cut), alt, gr.Button(value=label, visible=bool(label)), alt
 
     def stop():
-        flag = session.chat_stop
-        if session.runtime is not None and flag is not None:
-            session.runtime.stop(flag)
+        session.stop_chat()
 
     def new_chat():
         return None, [], gr.Radio(choices=conversation_choices(session), value=None), "", notice()

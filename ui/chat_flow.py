@@ -51,7 +51,8 @@ def stream_reply(
     from fmoe_local.runtime import Finished, TextDelta
 
     runtime = runtime_of(session)
-    session.chat_stop = stop = threading.Event()  # the chat's Stop ends this reply, not an API client's request
+    stop = threading.Event()  # the chat's Stop ends this reply (and any other chat reply), not an API request
+    session.chat_reply(stop, running=True)
     updates: queue.Queue = queue.Queue()
 
     def produce() -> None:
@@ -73,6 +74,8 @@ def stream_reply(
                     updates.put(event)
         except Exception as exc:  # noqa: BLE001 - handed to the relay, which raises it for the page
             updates.put(exc)
+        finally:
+            session.chat_reply(stop, running=False)
 
     worker = threading.Thread(target=produce, name="fmoe-chat-reply", daemon=True)
     worker.start()

@@ -142,13 +142,34 @@ class Session:
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # RequestStats of recent replies
     download: object | None = None  # ui.downloads.Download in progress
     loading: LoadJob | None = None  # the latest start_load's job (the header says "Loading …" until it finishes)
-    # The stop flag of the chat's reply being generated: set by chat_flow for each reply (one at a time: the
-    # chat's replies share the runtime slot), read by the chat's Stop from any thread. Stop ends that reply only,
-    # never an API client's request.
-    chat_stop: threading.Event | None = None
+    # The stop flags of the chat's replies still being generated: chat_flow adds one per reply and drops it when
+    # the reply is saved, the chat's Stop sets them all, from any thread, under `_replies_lock`
+    # (not `_lock`, which a load holds for minutes). All, because a reply whose
+    # page was reloaded goes on writing (and is saved) while the new page's next reply waits behind it; Stop ends
+    # the chat's replies only, never an API client's request.
+    chat_replies: set = field(default_factory=set)
     _machine: Machine | None = None
     _persistence: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _replies_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def chat_reply(self, stop: threading.Event, running: bool) -> None:
+        """A chat reply with stop flag `stop` starts (`running`) or has been saved (not `running`)."""
+        with self._replies_lock:
+            if running:
+                self.chat_replies.add(stop)
+            else:
+                self.chat_replies.discard(stop)
+
+    def stop_chat(self) -> None:
+        """The chat's Stop: end every chat reply still being written (module comment at `chat_replies`)."""
+        with self._replies_lock:
+            flags = list(self.chat_replies)
+        runtime = self.runtime
+        for flag in flags:
+            flag.set()  # a reply still queued behind another ends as soon as it starts
+            if runtime is not None:
+                runtime.stop(flag)
 
     @property
     def models_dir(self) -> Path:
