@@ -38,6 +38,7 @@ from install_plan import (  # noqa: E402
     Decision,
     Probes,
     Project,
+    cpu_instead_of_cuda,
     data_dir,
     decide,
     read_project,
@@ -191,8 +192,51 @@ def install(venv: Path, decision: Decision, project: Project, log: Log) -> None:
     log.say("Installing fmoe-local and its libraries.")
     constraints = ["-c", str(project.root / "constraints.txt")] if (project.root / "constraints.txt").is_file() else []
     log.run(pip + ["-e", str(project.root)] + constraints, progress=pip_progress)
-    (venv / STAMP_NAME).write_text(json.dumps(decision.stamp, indent=2), encoding="utf-8")
+    write_stamp(venv, decision, log)
     log.say(f"Installed in {time.monotonic() - started:.0f} s.")
+
+
+def installed_torch_cuda(venv: Path) -> str | None:
+    """The CUDA version the environment's PyTorch was built for ("" for a CPU-only build; None if it cannot say)."""
+    code = "import sys, torch; sys.stdout.write(torch.version.cuda or '')"
+    try:
+        done = subprocess.run([str(venv_python(venv)), "-c", code], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def write_stamp(venv: Path, decision: Decision, log: Log) -> None:
+    """Record the install, with the PyTorch build pip really installed: where the CUDA index could not be reached
+    pip may fall back to a CPU-only wheel, and the next start must know to try the CUDA build again."""
+    stamp = dict(decision.stamp, torch_cuda=installed_torch_cuda(venv))
+    if cpu_instead_of_cuda(decision.torch, stamp):
+        log.say(
+            f"PyTorch was installed without GPU support (the {decision.torch.build} build could not be downloaded): "
+            "fmoe-local runs on the CPU for now, and the next start tries the GPU build again."
+        )
+    (venv / STAMP_NAME).write_text(json.dumps(stamp, indent=2), encoding="utf-8")
+
+
+def retry_cuda(venv: Path, decision: Decision, project: Project, log: Log) -> None:
+    """Swap a CPU-only PyTorch for the planned CUDA build when its index answers; on any failure keep the working
+    CPU environment (pip restores what it uninstalled) and say so."""
+    plan = decision.torch
+    if not (plan.index_url and project.torch_pin and "==" in project.torch_pin and reachable(plan.index_url)):
+        log.say(
+            f"Starting on the CPU: {plan.index_url or 'the PyTorch index'} cannot be reached for the GPU build. The "
+            "next start tries again, or run the launcher with --repair when online."
+        )
+        return
+    log.say(f"Installing the {plan.build} build of PyTorch so that the NVIDIA GPU is used. This can take minutes.")
+    cmd = [str(venv_python(venv)), "-m", "pip", "install", "--progress-bar", "off", "--disable-pip-version-check"]
+    cmd += [f"{project.torch_pin}+{plan.build}", "--extra-index-url", plan.index_url]
+    try:
+        log.run(cmd, progress=pip_progress)
+    except BootstrapError as err:
+        log.say(f"{err} Starting on the CPU build; the next start tries again.")
+        return
+    write_stamp(venv, decision, log)
 
 
 def app_env() -> dict:
@@ -293,6 +337,9 @@ def main(argv: list | None = None) -> int:
         if decision.install:
             with install_lock(where / "install.lock"):
                 install(venv, decision, project, log)
+        elif decision.retry_cuda:
+            with install_lock(where / "install.lock"):
+                retry_cuda(venv, decision, project, log)
             template = REPO / "installers" / "linux" / "fmoe-local.desktop"
             if probes.system == "Linux" and not args.smoke and template.is_file():
                 apps = data_dir("Linux", dict(os.environ), Path.home()).parent / "applications"

@@ -69,6 +69,9 @@ class Decision:
     why: str
     torch: TorchPlan
     stamp: dict
+    # The environment is up to date but holds a CPU-only PyTorch where a CUDA build was planned (its index could not
+    # be reached when it was installed): the launcher tries the CUDA build again when the index answers.
+    retry_cuda: bool = False
 
 
 # ---- decisions (pure: probes in, verdict out) ----
@@ -164,6 +167,12 @@ def wanted_stamp(project: Project, plan: TorchPlan, python: tuple) -> dict:
     }
 
 
+def cpu_instead_of_cuda(plan: TorchPlan, stamp: dict) -> bool:
+    """A CUDA build was planned but the install recorded PyTorch without CUDA (`torch_cuda` "": pip fell back to a
+    CPU wheel). Stamps from before this key existed say nothing, and are taken as they are."""
+    return plan.build.startswith("cu") and stamp.get("torch_cuda") == ""
+
+
 def decide(probes: Probes, project: Project, stamp: dict | None, venv_ok: bool, repair: bool, where: Path) -> Decision:
     """Whether to (re)install and why; raises BootstrapError when it cannot go on."""
     problem = python_problem(probes.python, probes.system)
@@ -183,13 +192,22 @@ def decide(probes: Probes, project: Project, stamp: dict | None, venv_ok: bool, 
         why = "first run: creating the environment."
     elif stamp is None:
         why = "the last install did not finish: installing again."
-    elif stamp != wanted:
+    elif any(stamp.get(k) != wanted[k] for k in wanted):
         changed = sorted(k for k in wanted if stamp.get(k) != wanted[k])
         why = (
             "installed copy is out of date (" + ", ".join(f"{k}: {stamp.get(k)} -> {wanted[k]}" for k in changed) + ")."
         )
+    elif cpu_instead_of_cuda(plan, stamp):
+        return Decision(
+            False,
+            f"up to date (version {project.version}), but PyTorch is the CPU build: the {plan.build} build could not "
+            "be downloaded when it was installed, so the NVIDIA GPU is not used yet.",
+            plan,
+            stamp,
+            retry_cuda=True,
+        )
     else:
-        return Decision(False, f"up to date (version {project.version}, torch build {plan.build}).", plan, wanted)
+        return Decision(False, f"up to date (version {project.version}, torch build {plan.build}).", plan, stamp)
     problem = disk_problem(probes.free_bytes, plan, where)
     if problem:
         raise BootstrapError(problem)

@@ -186,6 +186,65 @@ def test_a_new_gpu_changes_the_wanted_build(project: plan.Project, tmp_path: Pat
     assert decision.install and "torch_build: cpu -> cu128" in decision.why
 
 
+def test_a_cpu_only_torch_where_cuda_was_planned_is_retried_without_reinstalling(project: plan.Project, tmp_path: Path):
+    gpu = probes(nvidia_smi=SMI.format(cuda="12.8"))
+    wanted = plan.decide(gpu, project, None, False, False, tmp_path).stamp
+    fell_back = plan.decide(gpu, project, dict(wanted, torch_cuda=""), True, False, tmp_path)
+    assert not fell_back.install and fell_back.retry_cuda and "GPU is not used yet" in fell_back.why
+    got_cuda = plan.decide(gpu, project, dict(wanted, torch_cuda="12.8"), True, False, tmp_path)
+    assert not got_cuda.install and not got_cuda.retry_cuda and "up to date" in got_cuda.why
+    # A stamp from before the key existed is taken as it is; a CPU machine never retries.
+    assert not plan.decide(gpu, project, wanted, True, False, tmp_path).retry_cuda
+    cpu = plan.decide(probes(), project, None, False, False, tmp_path).stamp
+    assert not plan.decide(probes(), project, dict(cpu, torch_cuda=""), True, False, tmp_path).retry_cuda
+
+
+def _fake_venv(venv: Path, cuda: str) -> None:
+    """A venv whose python answers the PyTorch build probe with `cuda` and records pip commands."""
+    python = bootstrap.venv_python(venv)
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text(
+        f"#!/bin/sh\necho \"$*\" >> '{venv}/calls'\n"
+        f'case "$*" in *torch.version.cuda*) printf "%s" "$(cat \'{venv}/cuda\')";; esac\n'
+        f"case \"$*\" in *'pip install'*) [ -e '{venv}/offline' ] && exit 1;; esac\nexit 0\n"
+    )
+    python.chmod(0o755)
+    (venv / "cuda").write_text(cuda)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the fake interpreter is a shell script")
+def test_the_stamp_records_the_build_pip_installed_and_a_later_start_swaps_in_cuda(
+    project: plan.Project, home: Path, monkeypatch: pytest.MonkeyPatch
+):
+    gpu = probes(nvidia_smi=SMI.format(cuda="12.8"))
+    venv = home / "venv"
+    _fake_venv(venv, "")  # pip fell back to a CPU-only wheel
+    log = bootstrap.Log(home / "logs/launcher.log")
+    decision = plan.decide(gpu, project, None, False, False, home)
+    bootstrap.write_stamp(venv, decision, log)
+    stamp = json.loads((venv / bootstrap.STAMP_NAME).read_text())
+    assert stamp["torch_cuda"] == "" and "without GPU support" in log.path.read_text()
+    # The next start: the CUDA index still cannot be reached, so the CPU environment starts as it is.
+    later = plan.decide(gpu, project, stamp, True, False, home)
+    monkeypatch.setattr(bootstrap, "reachable", lambda url, timeout=3.0: False)
+    bootstrap.retry_cuda(venv, later, project, log)
+    assert "pip install" not in (venv / "calls").read_text() and "cannot be reached" in log.path.read_text()
+    # It answers but the download fails: pip restores what it removed, the start goes on, on the CPU.
+    monkeypatch.setattr(bootstrap, "reachable", lambda url, timeout=3.0: True)
+    (venv / "offline").write_text("")
+    bootstrap.retry_cuda(venv, later, project, log)
+    assert "Starting on the CPU build; the next start tries again" in log.path.read_text()
+    assert json.loads((venv / bootstrap.STAMP_NAME).read_text())["torch_cuda"] == ""
+    # Once it downloads: only torch is swapped for the planned build, and the stamp says what is there now.
+    (venv / "offline").unlink()
+    (venv / "cuda").write_text("12.8")
+    bootstrap.retry_cuda(venv, later, project, log)
+    pip = [c for c in (venv / "calls").read_text().splitlines() if "pip install" in c]
+    assert pip and "torch==2.13.0+cu128 --extra-index-url https://download.pytorch.org/whl/cu128" in pip[-1]
+    stamp = json.loads((venv / bootstrap.STAMP_NAME).read_text())
+    assert stamp["torch_cuda"] == "12.8" and not plan.decide(gpu, project, stamp, True, False, home).retry_cuda
+
+
 def test_first_run_unfinished_install_and_repair_all_install(project: plan.Project, tmp_path: Path):
     stamp = plan.wanted_stamp(project, plan.choose_torch("Linux", "x86_64", None), (3, 11, 7))
     assert "first run" in plan.decide(probes(), project, None, False, False, tmp_path).why
