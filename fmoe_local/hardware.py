@@ -39,6 +39,8 @@ class Machine:
     ram_available: int
     disk_free: int  # on the volume that holds the data directory
     os_name: str = field(default_factory=platform.system)
+    # Why an NVIDIA GPU that is present is not used ("" when none is, or it is used): a sentence saying what to do.
+    unused_gpu: str = ""
 
     @property
     def has_gpu(self) -> bool:
@@ -60,6 +62,8 @@ class Machine:
         elif self.device == "mps":
             # The runtime computes on CUDA or the CPU (engine.resolve_device): the Apple GPU is not used yet.
             parts.append("Apple Silicon: models run on the CPU (the Apple GPU is not used yet)")
+        elif self.unused_gpu:
+            parts.append(f"{self.unused_gpu} Until then models run on the CPU (slow)")
         else:
             parts.append("No CUDA GPU found: models run on the CPU (slow)")
         parts.append(f"RAM {_gb(self.ram_available)} free of {_gb(self.ram_total)}")
@@ -149,7 +153,25 @@ def probe(data_dir: str | os.PathLike = ".") -> Machine:
     elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         device = "mps"
     ram_total, ram_avail = ram_bytes()
-    return Machine(device, name, int(total), int(free), ram_total, ram_avail, disk_free_bytes(data_dir))
+    unused = unused_gpu_reason(torch.version.cuda) if device == "cpu" else ""
+    return Machine(
+        device, name, int(total), int(free), ram_total, ram_avail, disk_free_bytes(data_dir), unused_gpu=unused
+    )
+
+
+def unused_gpu_reason(torch_cuda: str | None) -> str:
+    """Why PyTorch sees no CUDA GPU on a machine whose NVIDIA driver tool is installed; "" without that tool."""
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    if not torch_cuda:
+        return (
+            "An NVIDIA GPU is present but this PyTorch is the CPU-only build: start fmoe-local with its launcher "
+            "(it installs the GPU build), or install PyTorch's CUDA build yourself."
+        )
+    return (
+        f"An NVIDIA GPU is present but PyTorch (built for CUDA {torch_cuda}) cannot use it: update the NVIDIA driver "
+        "(or restart after installing one), then start fmoe-local again."
+    )
 
 
 def min_cache_bytes(top_k: int, expert_bytes: int) -> int:

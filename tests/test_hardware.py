@@ -166,3 +166,24 @@ def test_an_apple_silicon_mac_is_told_models_run_on_its_cpu():
     assert "models run on the CPU (the Apple GPU is not used yet)" in mac.summary()
     verdict = fit(find("allenai/OLMoE-1B-7B-0924-Instruct"), mac)
     assert verdict.reasons[0].startswith("Runs, slowly: on the CPU (the Apple GPU is not used yet)")
+
+
+def test_an_nvidia_gpu_torch_cannot_use_is_named_with_what_to_do(tmp_path, monkeypatch):
+    import torch
+
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    cpu_build = probe(tmp_path)
+    assert cpu_build.device == "cpu" and "this PyTorch is the CPU-only build" in cpu_build.unused_gpu
+    assert (
+        "start fmoe-local with its launcher" in cpu_build.summary() and "No CUDA GPU found" not in cpu_build.summary()
+    )
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert "update the NVIDIA driver" in probe(tmp_path).unused_gpu  # a CUDA build the driver cannot run
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    no_gpu = probe(tmp_path)  # no NVIDIA driver tool: nothing to say but that there is no GPU
+    assert no_gpu.unused_gpu == "" and "No CUDA GPU found" in no_gpu.summary()
