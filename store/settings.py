@@ -94,15 +94,20 @@ class SettingsStore:
         """Stored values over the defaults; a value that no longer fits its field falls back to the default."""
         with self._s.lock:
             rows = self._s.db.execute("SELECT key, value_json FROM settings").fetchall()
-        values = {}
+        settings = AppSettings()
         for key, value_json in rows:
             if key not in _TYPES:
                 continue  # written by a newer version, or retired
             try:
-                values[key] = _coerce(key, json.loads(value_json))
+                # A value of the right type may still be one this version refuses (a policy renamed since, a
+                # value a newer version allows): it must not make every later `set` (each Send) fail.
+                candidate = replace(settings, **{key: _coerce(key, json.loads(value_json))})
+                candidate.validate()
             except (TypeError, ValueError):
                 log.warning("ignoring stored setting %s=%s", key, value_json)
-        return AppSettings(**values)
+                continue
+            settings = candidate
+        return settings
 
     def get(self, key: str) -> Any:
         _check_key(key)

@@ -72,6 +72,23 @@ def test_a_stored_value_of_the_wrong_type_falls_back_to_the_default(tmp_path):
     assert got.cache_gb == RuntimeConfig().cache_gb and got.policy == "lfu"
 
 
+def test_a_stored_value_this_version_refuses_falls_back_and_does_not_block_saving(tmp_path):
+    # Right type, wrong value: a policy renamed by an upgrade, a miss handling a newer version added, a zero cache.
+    stored = {"policy": '"lru-legacy"', "miss_handling": '"gpu-direct"', "cache_gb": "0", "temperature": "0.3"}
+    with open_store(tmp_path) as s:
+        s.db.db["settings"].upsert_all([{"key": k, "value_json": v} for k, v in stored.items()], pk="key")
+        got = s.settings.load()
+        defaults = AppSettings()
+        assert (got.policy, got.miss_handling, got.cache_gb) == (
+            defaults.policy,
+            defaults.miss_handling,
+            defaults.cache_gb,
+        )
+        assert got.temperature == 0.3  # the valid ones are kept
+        s.settings.set(max_new_tokens=64)  # before: every save (each Send) failed with "Unknown policy 'lru-legacy'"
+        assert s.settings.load().max_new_tokens == 64
+
+
 def test_apply_to_builds_the_runtime_config(tmp_path):
     with open_store(tmp_path) as s:
         settings = s.settings.set(cache_gb=1.5, store_capacity=64, temperature=0.2, max_new_tokens=32)
