@@ -125,6 +125,26 @@ def announce(job) -> None:  # noqa: ANN001 - a ui.session.LoadJob
     print(f"fmoe-local: {job.error or job.message}", flush=True)
 
 
+def answers(url: str, timeout_s: float = 3.0) -> bool:
+    """Does something serve HTTP at `url` (any status counts)?"""
+    import urllib.error
+    import urllib.request
+
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own address: never via a proxy
+    try:
+        with direct.open(url, timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def running_url_file(store) -> Path:  # noqa: ANN001 - a store.Store
+    """Where the instance holding this data says where it serves (a second start opens that address)."""
+    return Path(store.models_dir).parent / RUNNING_URL
+
+
 def serve(args: argparse.Namespace):
     """Open the store, load the model, build and serve the UI. Returns (server, session, url); does not block."""
     from store import StoreError, StoreInUseError, open_store
@@ -133,7 +153,13 @@ def serve(args: argparse.Namespace):
     if args.data_dir:
         # A folder, always: the store would take a path that does not exist yet for a database file name.
         data_dir = Path(args.data_dir).expanduser()
-        data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(
+                f"fmoe-local: cannot use {data_dir} as the data folder ({exc.strerror or exc}). Give --data-dir a "
+                "folder you can write to (it is created if missing)."
+            ) from exc
     try:
         store = open_store(data_dir)
     except StoreInUseError as exc:
@@ -141,6 +167,11 @@ def serve(args: argparse.Namespace):
         url = running.read_text(encoding="utf-8").strip() if running.is_file() else ""
         if not url:
             raise SystemExit(f"fmoe-local: {exc}") from exc
+        if not answers(url):  # the holder is starting, stopping, or a command that does not serve a page
+            raise SystemExit(
+                f"fmoe-local: {exc} (It does not answer at {url}: it may still be starting or be stopping; wait a "
+                "moment and start again.)"
+            ) from exc
         # A second double-click while the app runs: show the running one instead of failing.
         print(f"fmoe-local is already running at {url}; opening it in your browser.", flush=True)
         if not args.no_browser:
@@ -185,7 +216,7 @@ def serve(args: argparse.Namespace):
     server = Server(demo, host, port, args.listen, api, theme=theme(), css=CSS, ssr_mode=False, footer_links=[])
     url = server.start()
     # For a second start on the same data, which finds it in use: it opens this address instead of failing.
-    (Path(store.models_dir).parent / RUNNING_URL).write_text(url, encoding="utf-8")
+    running_url_file(store).write_text(url, encoding="utf-8")
     session.api_base = f"{url}v1"
     print(f"fmoe-local: serving on {url}", flush=True)
     if not args.no_browser:
@@ -225,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        running_url_file(session.store).unlink(missing_ok=True)  # a later start must not send anyone there
         server.close()
         session.close()
         session.store.close()

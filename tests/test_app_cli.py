@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -81,6 +82,14 @@ def test_data_dir_that_does_not_exist_yet_becomes_a_folder(tmp_path, monkeypatch
     assert opened == [target] and target.is_dir()
 
 
+def test_a_data_dir_that_cannot_be_a_folder_is_a_sentence_not_a_traceback(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    with pytest.raises(SystemExit, match=r"cannot use .*a-file/data as the data folder \(.*\)\. Give --data-dir a folder"):
+        app.serve(app.build_parser().parse_args(["--no-browser", "--data-dir", str(taken / "data")]))
+    assert taken.read_text() == "not a folder"
+
+
 def test_without_a_last_model_the_demo_model_is_next(tmp_path):
     from fmoe_local import demo
 
@@ -129,6 +138,8 @@ def test_a_closed_terminal_or_a_shutdown_stops_the_app_through_its_cleanup(signa
             proc.kill()
     assert proc.returncode == 0, out  # without the handler: -15 / -1, killed before any cleanup
     assert "fmoe-local: stopped (chats and expert maps saved)." in out, "".join(lines) + out
+    if after == "serving on":  # the address it served at goes with it: a later start must not send anyone there
+        assert not (tmp_path / app.RUNNING_URL).exists()
 
 
 def test_the_app_serves_while_its_start_up_model_loads_and_says_so(tmp_path, tiny_model_dir, monkeypatch):
@@ -173,7 +184,26 @@ def test_a_second_start_on_data_in_use_opens_the_running_app_instead_of_failing(
     with open_store(tmp_path):  # the first instance holds the data
         with pytest.raises(SystemExit, match="already in use"):  # it has not said where it serves: the sentence
             app.serve(args)
-        (tmp_path / app.RUNNING_URL).write_text("http://127.0.0.1:7862/")
-        with pytest.raises(SystemExit) as second:  # a second double-click while it runs
+        with _answering_server() as url:
+            (tmp_path / app.RUNNING_URL).write_text(url)
+            with pytest.raises(SystemExit) as second:  # a second double-click while it runs
+                app.serve(args)
+        assert second.value.code == 0 and opened == [url]
+        # Its address no longer answers (it is stopping, or the holder serves no page): said, not opened.
+        with pytest.raises(SystemExit, match="already in use.*does not answer at .*wait a moment"):
             app.serve(args)
-    assert second.value.code == 0 and opened == ["http://127.0.0.1:7862/"]
+    assert opened == [url]
+
+
+@contextlib.contextmanager
+def _answering_server():
+    import http.server
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
