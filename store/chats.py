@@ -238,13 +238,19 @@ class ChatStore:
                 self._s.db["messages"].update(last.id, changes)
         return self._get_message(last.id)
 
-    def truncate(self, conversation_id: int, keep: int) -> None:
-        """Keep only the first `keep` messages (editing an earlier message drops the replies after it)."""
+    def edit(self, conversation_id: int, position: int, content: str) -> Message:
+        """The user's message at `position` becomes `content` and every message after it goes (an edited question
+        is answered again). One transaction: a failure or a crash half-way keeps the conversation as it was."""
+        now = time.time()
         with self._s.writing():
-            self._touch(conversation_id, time.time())
+            self._touch(conversation_id, now)
             self._s.db.execute(
-                "DELETE FROM messages WHERE conversation_id = ? AND position >= ?", [conversation_id, keep]
+                "DELETE FROM messages WHERE conversation_id = ? AND position >= ?", [conversation_id, position]
             )
+            row = {"conversation_id": conversation_id, "position": position, "role": "user", "content": content}
+            row.update(stats_json=_stats_json(None), created=now)
+            mid = self._s.db["messages"].insert(row).last_pk
+        return self._get_message(mid)
 
     # --- search and export ------------------------------------------------------------------------------------
 

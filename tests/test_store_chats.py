@@ -62,8 +62,7 @@ def test_regenerate_and_edit(store):
     store.chats.append(c.id, "assistant", "first answer", stats={"tokens": 2})
     updated = store.chats.update_last(c.id, "better answer", stats={"tokens": 3})
     assert (updated.position, updated.content, updated.stats) == (1, "better answer", {"tokens": 3})
-    store.chats.truncate(c.id, keep=0)  # the user edits the first question: everything after it goes
-    store.chats.append(c.id, "user", "edited question")
+    store.chats.edit(c.id, 0, "edited question")  # the user edits the first question: everything after it goes
     assert [(m.position, m.content) for m in store.chats.messages(c.id)] == [(0, "edited question")]
     empty = store.chats.create()
     with pytest.raises(ValueError, match="no message"):
@@ -149,12 +148,32 @@ def test_a_reply_whose_question_was_edited_away_is_not_stored_alone(tmp_path):
     with open_store(tmp_path) as store:
         conv = store.chats.create("q")
         asked = store.chats.append(conv.id, "user", "first question")
-        store.chats.truncate(conv.id, keep=asked.position)  # Edit last, while the reply was generating
-        assert store.chats.append(conv.id, "assistant", "the reply", after=asked.position) is None
-        assert store.chats.messages(conv.id) == []
-        again = store.chats.append(conv.id, "user", "edited question")
+        store.chats.append(conv.id, "user", "second question")
+        store.chats.edit(conv.id, asked.position, "edited question")  # Edit the first, while the reply generated
+        assert store.chats.append(conv.id, "assistant", "the reply", after=asked.position + 1) is None
+        assert [m.content for m in store.chats.messages(conv.id)] == ["edited question"]
+        again = store.chats.messages(conv.id)[-1]
         assert store.chats.append(conv.id, "assistant", "its reply", after=again.position) is not None
         assert [m.content for m in store.chats.messages(conv.id)] == ["edited question", "its reply"]
+
+
+def test_an_edit_that_fails_half_way_keeps_the_conversation_as_it_was(tmp_path, monkeypatch):
+    from store import chats as chats_module
+    from store import open_store
+
+    with open_store(tmp_path) as store:
+        conv = store.chats.create("q")
+        store.chats.append(conv.id, "user", "first question")
+        store.chats.append(conv.id, "assistant", "first answer")
+
+        def full_disk(stats):
+            raise OSError("database or disk is full")
+
+        monkeypatch.setattr(chats_module, "_stats_json", full_disk)  # the new message cannot be written
+        with pytest.raises(OSError):
+            store.chats.edit(conv.id, 0, "edited question")
+        # before: the question and its answer were deleted in a transaction of their own, and nothing replaced them
+        assert [m.content for m in store.chats.messages(conv.id)] == ["first question", "first answer"]
 
 
 def test_regenerated_replies_are_kept_as_alternatives_and_the_chosen_one_survives_a_reopen(tmp_path):

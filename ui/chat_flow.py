@@ -177,8 +177,7 @@ def edit(
     if not isinstance(index, int) or not 0 <= index < len(shown) or shown[index].role != "user":
         raise Problem("Only your own messages can be edited. Use Regenerate for another reply.")
     runtime_of(session)
-    chats.truncate(conv_id, keep=shown[index].position)
-    chats.append(conv_id, "user", text)
+    chats.edit(conv_id, shown[index].position, text)
     yield from reply(session, conv_id, system, sampling)
 
 
