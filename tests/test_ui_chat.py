@@ -273,3 +273,24 @@ def test_the_chat_s_stop_also_ends_a_reply_whose_page_was_reloaded(chat):
     for conv, count in ((conv_id, 2), (other.id, 2)):
         last = _saved_reply(session, conv, count)
         assert last.role == "assistant" and last.stats["finish_reason"] == "cancelled", (conv, last.content)
+
+
+def test_a_reply_the_database_cannot_store_stays_on_the_page_with_what_to_do(chat, monkeypatch):
+    import sqlite3
+
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    session.runtime = ScriptedRuntime(("The whole reply.", "stop"))
+    session.store.chats.append(conv_id, "user", "Again?")
+
+    def disk_full(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(session.store.chats, "append", disk_full)
+    *_, shown = list(chat_flow.reply(session, conv_id, "", Sampling()))  # before: raised, the text was gone
+    assert shown[-2]["content"].startswith("The whole reply.")
+    assert "could not be saved (database or disk is full)" in shown[-1]["content"]
+    assert "free some space" in shown[-1]["content"]
+    assert not session.chat_replies

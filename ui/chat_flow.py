@@ -8,21 +8,46 @@ generation ends as an inline notice bubble under the text generated so far.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from fmoe_local.config import Sampling
 from ui.chat_view import display, warning
 from ui.render import safe_markdown
 from ui.session import Session
 
+log = logging.getLogger(__name__)
 _RELAY_POLL_S = 0.5  # how often the page's relay checks that the reply's thread still runs
 NO_MODEL = "No model is loaded yet. Open the Models tab to download one or load a model folder."
 
 
 class Problem(ValueError):
     """Something the user asked cannot be done now; the message is a sentence saying what to do instead."""
+
+
+@dataclass(frozen=True)
+class Unsaved:
+    """A reply generated whole but not stored (the database refused the write): shown with `sentence` under it."""
+
+    text: str
+    sentence: str
+
+
+def unsaved_sentence(exc: Exception) -> str:
+    """Why a finished reply was not stored, and what to do: the text then lives only on the page."""
+    said = str(exc).lower()
+    if "full" in said:
+        what = "The disk is full: free some space, then Regenerate for a reply that is kept."
+    elif "readonly" in said or "read-only" in said:
+        what = "The database file cannot be written (its owner or permissions changed): fix that, then restart the app."
+    elif "locked" in said or "busy" in said:
+        what = "The database stayed busy: Regenerate to try again."
+    else:
+        what = "Regenerate to try again; if it repeats, restart the app."
+    return f"This reply could not be saved ({exc}), so it is only on this page: copy what you need. {what}"
 
 
 def runtime_of(session: Session):  # noqa: ANN201 - a fmoe_local.runtime.Runtime
@@ -70,7 +95,12 @@ def stream_reply(
                     if event.reason != "error":
                         session.record(event.stats)
                     if event.reason != "error" or event.text.strip():  # a failure keeps what was written before it
-                        save(event.text, event.stats)
+                        try:
+                            save(event.text, event.stats)
+                        except Exception as exc:  # noqa: BLE001 - the text must stay on the page, with why
+                            log.exception("a finished reply could not be saved")
+                            updates.put(Unsaved(prefix + event.text, unsaved_sentence(exc)))
+                            return
                     updates.put(event)
         except Exception as exc:  # noqa: BLE001 - handed to the relay, which raises it for the page
             updates.put(exc)
@@ -97,6 +127,12 @@ def stream_reply(
             finished = True
             if isinstance(item, BaseException):
                 raise item
+            if isinstance(item, Unsaved):
+                yield shown + [
+                    {"role": "assistant", "content": safe_markdown(item.text)},
+                    {"role": "assistant", "content": warning(item.sentence)},
+                ]
+                return
             shown_now = display(session.store.chats.messages(conv_id))
             if item.reason == "error":
                 # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
