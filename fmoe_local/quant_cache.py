@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,23 @@ def fingerprint(model_dir: Path) -> str:
             st = path.stat()
             h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return h.hexdigest()[:24]
+
+
+def remove_copies(root: str | Path | None, model_dir: Path) -> int:
+    """Delete every quantised copy of the checkpoint in `model_dir` (any format; call before the checkpoint goes:
+    the name comes from its files); returns the bytes freed. Only `<fingerprint>-…` folders inside `root`, which
+    this module made, are touched. Why: a copy is gigabytes, and a re-downloaded checkpoint (new file times) never
+    reads it again."""
+    base = Path(root) if root is not None else default_root()
+    if not base.is_dir():
+        return 0
+    freed = 0
+    prefix = f"{fingerprint(model_dir)}-"
+    for copy in base.iterdir():
+        if copy.is_dir() and not copy.is_symlink() and copy.name.startswith(prefix):
+            freed += sum(f.stat().st_size for f in copy.rglob("*") if f.is_file())
+            shutil.rmtree(copy)
+    return freed
 
 
 class QuantCache:

@@ -61,6 +61,27 @@ def test_delete_refuses_a_folder_the_app_did_not_download_and_unloads_nothing(ui
     assert status == "Deleted my-llama." and not mine.exists() and ui_session.runtime is None
 
 
+def test_deleting_a_model_also_deletes_its_quantised_copies_and_no_other(ui_session, tiny_model_dir):
+    import torch
+
+    root = Path(ui_session.config.quant_cache_dir)
+    mine, other = ui_session.models_dir / "acme--tiny", ui_session.models_dir / "acme--other"
+    shutil.copytree(tiny_model_dir("mixtral"), mine)
+    shutil.copytree(tiny_model_dir("qwen2_moe"), other)
+    write_marker(mine, {"repo_id": "acme/tiny"})
+    copies = [QuantCache(root, mine, fmt, torch.float32, 2).dir for fmt in ("int8", "nf4")]
+    kept = QuantCache(root, other, "nf4", torch.float32, 2).dir
+    for folder in (*copies, kept):
+        folder.mkdir(parents=True)
+        with open(folder / "layer-0000.safetensors", "wb") as f:
+            f.truncate(300_000_000 if folder == copies[0] else 10)  # sparse: its size without writing it
+    delete = next(f for f in build(ui_session).fns.values() if f.api_name == "delete_model")
+    status, _ = delete.fn(str(mine))
+    # before: gigabytes of copies stayed behind, and a model downloaded again (new file times) never reads them
+    assert status == "Deleted acme--tiny and its quantised copy (0.3 GB)."
+    assert not any(c.exists() for c in copies) and kept.is_dir()
+
+
 def test_each_catalog_row_shows_every_format_with_its_verdict_and_one_recommended(ui_session):
     ui_session._machine = DESKTOP
     rows = catalog_rows(ui_session)

@@ -20,6 +20,7 @@ import gradio as gr
 
 from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find
 from fmoe_local.hardware import format_fits
+from fmoe_local.quant_cache import remove_copies
 from ui import model_formats, page_header
 from ui.downloads import Download, check_deletable, delete_downloaded, list_downloaded
 from ui.session import DEMO_LABEL, ModelLoadError, Session, demo_dir
@@ -289,8 +290,10 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             return f"⚠️ {exc}", gr.skip()
         if session.model_dir is not None and Path(path).resolve() == session.model_dir.resolve():
             session.unload()
+        freed = remove_copies(session.config.quant_cache_dir, Path(path))  # named by its files: before they go
         delete_downloaded(session.models_dir, Path(path))
-        return f"Deleted {Path(path).name}.", gr.Dropdown(choices=downloaded_choices(session), value=None)
+        also = f" and its quantised copy ({freed / GB:.1f} GB)" if freed else ""
+        return f"Deleted {Path(path).name}{also}.", gr.Dropdown(choices=downloaded_choices(session), value=None)
 
     def list_models() -> list[dict]:
         return [
