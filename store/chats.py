@@ -300,6 +300,29 @@ class ChatStore:
         }
         return json.dumps(doc, indent=2, ensure_ascii=False)
 
+    def export_all_json(self) -> str:
+        """Every conversation with its messages (alternatives included), read in one snapshot: a backup."""
+        with self._s.writing():  # one transaction: a reply saved meanwhile is in it whole or not at all
+            convs = [
+                _conversation(r) for r in self._s.db.execute(f"SELECT {_CONV_COLS} FROM conversations ORDER BY id")
+            ]
+            rows = self._s.db.execute(f"SELECT {_MSG_COLS} FROM messages ORDER BY conversation_id, position").fetchall()
+        by_conv: dict[int, list] = {}
+        for m in map(_message, rows):
+            by_conv.setdefault(m.conversation_id, []).append({**asdict(m), "created_iso": _iso(m.created)})
+        doc = {
+            "format": EXPORT_FORMAT + "s",
+            "version": 1,
+            "conversations": [
+                {
+                    "conversation": {**asdict(c), "created_iso": _iso(c.created), "updated_iso": _iso(c.updated)},
+                    "messages": by_conv.get(c.id, []),
+                }
+                for c in convs
+            ],
+        }
+        return json.dumps(doc, indent=2, ensure_ascii=False)
+
     def export_markdown(self, conversation_id: int) -> str:
         conv = self.get(conversation_id)
         lines = [f"# {conv.title}", ""]

@@ -206,3 +206,23 @@ def test_continuing_a_reply_appends_to_the_same_message(store):
     done = store.chats.extend_last(c.id, cut.position, " a time.", stats={"finish_reason": "stop"})
     assert (done.id, done.content, done.stats) == (cut.id, "Once upon a time.", {"finish_reason": "stop"})
     assert len(store.chats.messages(c.id)) == 2
+
+
+def test_export_all_is_every_conversation_with_its_messages_and_their_versions(tmp_path):
+    from store import open_store
+
+    with open_store(tmp_path) as s:
+        a, b = s.chats.create("sea"), s.chats.create("hills")
+        s.chats.create("nothing yet")
+        s.chats.append(a.id, "user", "Tell me about the sea.")
+        first = s.chats.append(a.id, "assistant", "Waves.", stats={"tokens": 1})
+        s.chats.add_alternative(a.id, first.position, "Salt water.", stats={"tokens": 2})
+        s.chats.append(b.id, "user", "And hills? ünïcode ✓")
+        doc = json.loads(s.chats.export_all_json())
+    assert doc["format"] == "fmoe-local-chats" and doc["version"] == 1
+    by_title = {c["conversation"]["title"]: c["messages"] for c in doc["conversations"]}
+    assert set(by_title) == {"sea", "hills", "nothing yet"} and by_title["nothing yet"] == []
+    sea = by_title["sea"]
+    assert [m["content"] for m in sea] == ["Tell me about the sea.", "Salt water."]
+    assert [a["content"] for a in sea[1]["alternatives"]] == ["Waves.", "Salt water."]
+    assert by_title["hills"][0]["content"] == "And hills? ünïcode ✓"

@@ -108,6 +108,20 @@ def test_deleting_a_chat_asks_first_and_keep_it_deletes_nothing(app):
     assert session.store.chats.list() == []
 
 
+def test_export_all_chats_gives_one_json_file_of_every_conversation(app):
+    import json
+
+    session, conv, fn = app
+    session.store.chats.create("empty one")
+    file, said = fn("export_all_chats")()
+    path = file.value["path"] if isinstance(file.value, dict) else file.value  # gradio keeps a FileData dict
+    assert file.visible and path.endswith(".json") and _notice_text(said) == ""
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    titles = {c["conversation"]["title"]: [m["content"] for m in c["messages"]] for c in doc["conversations"]}
+    assert titles == {"about the sea": ["Tell me about the sea."], "empty one": []}
+
+
 class ScriptedRuntime:
     """Streams the given replies in turn (each as two deltas) and records what the model was asked to read."""
 

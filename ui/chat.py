@@ -15,6 +15,7 @@ import functools
 import inspect
 import logging
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class ChatTab:
     pending_delete: gr.State
     pending_edit: gr.State
     export: gr.Button
+    export_all: gr.Button
     export_file: gr.File
     chatbot: gr.Chatbot
     notice: gr.Markdown
@@ -81,7 +83,9 @@ def build(session: Session) -> ChatTab:
                 keep_chat = gr.Button("Keep it", size="sm", visible=False, elem_id="keep-chat")
                 pending_delete = gr.State(None)
                 pending_edit = gr.State(None)  # (shown index, new text) of an edit, from the event to its reply
-                export = gr.Button("Export as Markdown", size="sm", elem_id="export-chat")
+                with gr.Row():
+                    export = gr.Button("Export as Markdown", size="sm", elem_id="export-chat")
+                    export_all = gr.Button("Export all chats (JSON)", size="sm", elem_id="export-all")
                 export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file")
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(
@@ -129,7 +133,7 @@ def build(session: Session) -> ChatTab:
     return ChatTab(
         conv_id, search, conv_list, new_chat, rename_box, rename, delete, confirm_delete, keep_chat, pending_delete,
         pending_edit,
-        export, export_file, chatbot, notice, textbox, send, stop,
+        export, export_all, export_file, chatbot, notice, textbox, send, stop,
         regenerate, continue_reply, alt_prev, alt_label, alt_next, system, temperature, top_p, max_tokens,
     )  # fmt: skip
 
@@ -297,6 +301,12 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         path.write_text(chats.export_markdown(conv_id), encoding="utf-8")
         return gr.File(value=str(path), visible=True), notice()
 
+    def export_all():
+        stamp = time.strftime("%Y-%m-%d")
+        path = Path(tempfile.mkdtemp(prefix="fmoe-export-")) / f"fmoe-local-chats-{stamp}.json"
+        path.write_text(chats.export_all_json(), encoding="utf-8")
+        return gr.File(value=str(path), visible=True), notice()
+
     def on_load():
         # The saved generation settings, read per page: a reload shows what the last Send saved, not the values
         # the app started with (which the next Send would have written back).
@@ -376,6 +386,7 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     deleted.then(controls, [t.conv_id], ctrl, **quick)
     t.keep_chat.click(keep_chat, None, [t.pending_delete, *question], api_visibility="private")
     on(t.export.click, export, [t.conv_id], [t.export_file, t.notice], api_name="export_chat")
+    on(t.export_all.click, export_all, None, [t.export_file, t.notice], api_name="export_all_chats")
     loaded = demo.load(on_load, None, [t.conv_id, t.chatbot, t.conv_list, *gen_inputs], api_visibility="private")
     loaded.then(controls, [t.conv_id], ctrl, **quick)
     return replies
