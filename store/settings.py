@@ -92,9 +92,16 @@ class SettingsStore:
 
     def load(self) -> AppSettings:
         """Stored values over the defaults; a value that no longer fits its field falls back to the default."""
+        return self._read()[0]
+
+    def refused(self) -> dict[str, str]:
+        """The stored values this version refuses (name → why): `load` uses the defaults for them instead."""
+        return self._read()[1]
+
+    def _read(self) -> tuple[AppSettings, dict[str, str]]:
         with self._s.lock:
             rows = self._s.db.execute("SELECT key, value_json FROM settings").fetchall()
-        settings = AppSettings()
+        settings, refused = AppSettings(), {}
         for key, value_json in rows:
             if key not in _TYPES:
                 continue  # written by a newer version, or retired
@@ -103,11 +110,12 @@ class SettingsStore:
                 # value a newer version allows): it must not make every later `set` (each Send) fail.
                 candidate = replace(settings, **{key: _coerce(key, json.loads(value_json))})
                 candidate.validate()
-            except (TypeError, ValueError):
+            except (TypeError, ValueError) as exc:
                 log.warning("ignoring stored setting %s=%s", key, value_json)
+                refused[key] = str(exc)
                 continue
             settings = candidate
-        return settings
+        return settings, refused
 
     def get(self, key: str) -> Any:
         _check_key(key)

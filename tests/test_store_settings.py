@@ -85,6 +85,8 @@ def test_a_stored_value_this_version_refuses_falls_back_and_does_not_block_savin
             defaults.cache_gb,
         )
         assert got.temperature == 0.3  # the valid ones are kept
+        assert set(s.settings.refused()) == {"policy", "miss_handling", "cache_gb"}  # for the load to say so
+        assert "Unknown policy 'lru-legacy'" in s.settings.refused()["policy"]
         s.settings.set(max_new_tokens=64)  # before: every save (each Send) failed with "Unknown policy 'lru-legacy'"
         assert s.settings.load().max_new_tokens == 64
 

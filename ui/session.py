@@ -254,6 +254,13 @@ class Session:
         with self._lock:
             self.unload()
             notice = ""
+            refused = self.store.settings.refused()
+            if refused:  # the defaults stand in for them (settings.load): said once, and put right on disk
+                self.store.settings.reset_fields(sorted(refused))
+                notice = (
+                    f" Your saved settings could not be used ({'; '.join(refused.values())}); "
+                    f"{', '.join(sorted(refused))} reset to defaults."
+                )
             try:
                 shape = shape_of(model_dir)
                 self._persistence = self.store.map_persistence(model_dir, shape)
@@ -267,7 +274,7 @@ class Session:
                     reset = self._reset_runtime_settings()
                     if not reset:
                         raise
-                    notice = f" Your saved settings could not be used ({exc}); {', '.join(reset)} reset to defaults."
+                    notice += f" Your saved settings could not be used ({exc}); {', '.join(reset)} reset to defaults."
                     self.runtime = Runtime.load(
                         model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir), progress
                     )
