@@ -22,6 +22,7 @@ from pathlib import Path
 
 import sqlite_utils
 
+from store import access
 from store.errors import StoreError
 from store.lock import InstanceLock
 from store.migrations import check_not_newer, migrate
@@ -97,7 +98,7 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
     """Open (or create) the database at `path`, holding the one-instance lock.
 
     Raises StoreInUseError when another app holds it, StoreTooNewError for a newer schema, StoreError when the
-    folder cannot be written. Only a corrupt file (the integrity check fails, or it is not a database) is moved to
+    folder, the lock file or the database cannot be written (the last proven at open, not found at the first Send). Only a corrupt file (the integrity check fails, or it is not a database) is moved to
     `<name>.corrupt-<timestamp>` and a fresh one created; `recovered_from` then names the moved file. Any other
     failure — a full disk, a read-only file, an I/O error — leaves the file where it is and says what to do.
     `named_by_user` (a file path from --store, not our own name in a data folder): the file must not exist yet or
@@ -114,12 +115,13 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
         raise StoreError(
             f"Cannot create the data folder {path.parent} ({exc.strerror}). Choose another with --data-dir."
         ) from exc
+    instance_lock = InstanceLock(path)
     try:
-        instance_lock = InstanceLock(path).acquire()
+        instance_lock.acquire()
     except OSError as exc:
-        raise StoreError(
-            f"Cannot write in {path.parent} ({exc.strerror}). Choose a folder you can write to with --data-dir."
-        ) from exc
+        if instance_lock.path.exists():  # the folder may be writable: only the lock file is not
+            raise StoreError(access.unopenable_lock(path, instance_lock.path, exc.strerror)) from exc
+        raise StoreError(access.unwritable_folder(path.parent, exc.strerror)) from exc
     try:
         recovered_from = None
         try:
@@ -129,6 +131,8 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
                 raise StoreError(
                     f"The database {path} stayed busy for {BUSY_TIMEOUT_MS // 1000} s. Try again."
                 ) from exc
+            if _is_read_only(exc):
+                raise StoreError(access.unwritable_database(path)) from exc
             if not _is_corruption(exc):
                 raise StoreError(
                     f"Could not open the database {path} ({exc}). It was left as it is. If the disk is full, free "
@@ -162,10 +166,30 @@ def _open_checked(path: Path, check: bool) -> sqlite_utils.Database:
         migrate(db)
         if db.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
             db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        _prove_writable(db)
     except BaseException:
         db.conn.close()
         raise
     return db
+
+
+def _prove_writable(db: sqlite_utils.Database) -> None:
+    """Raise SQLITE_READONLY now rather than at the first Send: a current file needs no write to open, so a file
+    the user cannot write (left root's by one sudo run, chmod 444) would open and then lose every reply.
+    BEGIN IMMEDIATE alone proves nothing (SQLite turns it into a read transaction on a read-only file); a write of
+    the value already there does, and the rollback leaves the file as it was."""
+    conn = db.conn
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(f"PRAGMA user_version = {conn.execute('PRAGMA user_version').fetchone()[0]}")
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+
+
+def _is_read_only(exc: sqlite3.DatabaseError) -> bool:
+    name = getattr(exc, "sqlite_errorname", "")
+    return name.startswith("SQLITE_READONLY") if name else "readonly" in str(exc).lower()
 
 
 def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
