@@ -24,8 +24,9 @@ import sqlite_utils
 
 from store import access
 from store.errors import StoreError
+from store.header import SQLITE_MAGIC, read_header
 from store.lock import InstanceLock
-from store.migrations import check_not_newer, migrate
+from store.migrations import SCHEMA_VERSION, check_not_newer, migrate, too_new
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ BUSY_TIMEOUT_MS = 5000
 MMAP_BYTES = 1 << 30
 # PRAGMA application_id of our files ("fmoe"): how a file we did not name ourselves is recognised as ours.
 APPLICATION_ID = 0x666D6F65
-_SQLITE_MAGIC = b"SQLite format 3\x00"
 _OUR_TABLES = {"models", "maps", "conversations", "messages", "settings"}
 
 
@@ -107,6 +107,7 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
     hit later, mid-chat.
     """
     path = Path(path).expanduser()
+    _refuse_if_newer(path, named_by_user)
     if named_by_user:
         _refuse_if_not_ours(path)
     try:
@@ -203,6 +204,17 @@ def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
     return "malformed" in text or "not a database" in text
 
 
+def _refuse_if_newer(path: Path, named_by_user: bool) -> None:
+    """A newer app's file is refused from its header, before any connection (store/header.py says why), the lock
+    file and the folder included: nothing at all is written. A file the user named is judged by its header only
+    when it carries our application id; any other is for `_refuse_if_not_ours` to refuse."""
+    header = read_header(path)
+    if header is None or header.user_version <= SCHEMA_VERSION:
+        return
+    if header.application_id == APPLICATION_ID or not named_by_user:
+        raise too_new(header.user_version)
+
+
 def _refuse_if_not_ours(path: Path) -> None:
     """A path the user named must be new, or a database of ours; read-only look, nothing is written."""
     if not path.exists() and not path.is_symlink():
@@ -216,7 +228,7 @@ def _refuse_if_not_ours(path: Path) -> None:
         head = f.read(16)
     if not head:
         return  # an empty file holds nothing to destroy (SQLite itself creates one on a plain connect)
-    if head != _SQLITE_MAGIC:
+    if head != SQLITE_MAGIC:
         raise refusal
     try:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
