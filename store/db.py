@@ -1,7 +1,8 @@
 """Opening the fmoe-local database safely: one instance, WAL, busy timeout, migrations, corrupt-file recovery.
 
 Scope: `open_database(path) -> StoreDb`, the connection settings every connection shares, and moving a corrupt
-or unreadable file aside. It does NOT know the tables' meaning (chats.py, settings.py, maps.py do).
+or unreadable file aside (salvage.py then copies what it can from it). It does NOT know the tables' meaning
+(chats.py, settings.py, maps.py do).
 
 Threads: `StoreDb.db` is one connection shared by the app's threads, each use under `StoreDb.lock`; a thread that
 writes on its own (the map writer) opens its own connection with `connect()`. WAL lets readers and that writer
@@ -27,6 +28,7 @@ from store.errors import StoreError
 from store.header import SQLITE_MAGIC, read_header
 from store.lock import InstanceLock
 from store.migrations import SCHEMA_VERSION, check_not_newer, migrate, too_new
+from store.salvage import Recovery, salvage
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +64,13 @@ class StoreDb:
     path: Path
     db: sqlite_utils.Database
     instance_lock: InstanceLock
-    # Set when the file found at `path` could not be used and was moved here; the app should tell the user.
-    recovered_from: Path | None = None
+    # Set when the file found at `path` was damaged: where it went and what came back; the app tells the user.
+    recovery: Recovery | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def recovered_from(self) -> Path | None:
+        return self.recovery.moved_to if self.recovery else None
 
     def connect(self) -> sqlite_utils.Database:
         return connect(self.path)
@@ -98,9 +104,11 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
     """Open (or create) the database at `path`, holding the one-instance lock.
 
     Raises StoreInUseError when another app holds it, StoreTooNewError for a newer schema, StoreError when the
-    folder, the lock file or the database cannot be written (the last proven at open, not found at the first Send). Only a corrupt file (the integrity check fails, or it is not a database) is moved to
-    `<name>.corrupt-<timestamp>` and a fresh one created; `recovered_from` then names the moved file. Any other
-    failure — a full disk, a read-only file, an I/O error — leaves the file where it is and says what to do.
+    folder, the lock file or the database cannot be written (the last proven at open, not found at the first
+    Send). Only a corrupt file (the integrity check fails, or it is not a database) is moved to
+    `<name>.corrupt-<timestamp>`, a fresh one created and the chats, messages and settings that can still be read
+    copied into it; `recovery` then says where it went and how much came back. Any other failure — a full disk, a
+    read-only file, an I/O error — leaves the file where it is and says what to do.
     `named_by_user` (a file path from --store, not our own name in a data folder): the file must not exist yet or
     be ours (our application id, or our tables); anything else is refused untouched. `check` runs
     `PRAGMA quick_check` (reads every page: ~0.1 s per 100 MB), which finds damage that a plain open would only
@@ -124,7 +132,7 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
             raise StoreError(access.unopenable_lock(path, instance_lock.path, exc.strerror)) from exc
         raise StoreError(access.unwritable_folder(path.parent, exc.strerror)) from exc
     try:
-        recovered_from = None
+        recovery = None
         try:
             db = _open_checked(path, check)
         except sqlite3.DatabaseError as exc:
@@ -148,7 +156,8 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
                     f"The database {path} was unusable and moved to {recovered_from.name}, but a new one cannot be "
                     f"created there ({again}). Start with --data-dir pointing to a folder you can write to."
                 ) from again
-        return StoreDb(path=path, db=db, instance_lock=instance_lock, recovered_from=recovered_from)
+            recovery = salvage(recovered_from, db.conn)
+        return StoreDb(path=path, db=db, instance_lock=instance_lock, recovery=recovery)
     except BaseException:
         instance_lock.release()
         raise

@@ -66,7 +66,8 @@ def test_damaged_pages_are_found_at_open(tmp_path):
     with open_store(tmp_path) as s:
         assert s.recovered_from is not None
         assert s.db.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert s.chats.list() == []
+        # What could be read came back (tests/test_store_salvage.py); here little can, and nothing else appears.
+        assert all(c.id == 1 for c in s.chats.list())
 
 
 def test_newer_schema_is_refused_and_left_untouched(tmp_path):
