@@ -181,8 +181,11 @@ def serve(args: argparse.Namespace):
         raise SystemExit(0) from exc
     except StoreError as exc:  # too new, unwritable: each a sentence
         raise SystemExit(f"fmoe-local: {exc}") from exc
-    if store.recovered_from is not None:
-        print(f"fmoe-local: the database was damaged; it was moved to {store.recovered_from} and a new one started.")
+    if store.recovery is not None:
+        print(
+            f"fmoe-local: the database was damaged; it was moved to {store.recovery.moved_to}, kept as it was, and "
+            f"{store.recovery.what_came_back()}."
+        )
     from fmoe_local.config import RuntimeConfig
     from ui import build
     from ui.session import Session, format_name

@@ -4,7 +4,7 @@ Scope: `open_store(location) -> Store`, the one object the app and the CLI hold.
 torch; fmoe_local never imports this package (the app hands `Store.map_persistence(...)` to `Runtime.load`).
 
     store = open_store(args.store or args.data_dir)   # None = per-OS user data folder
-    if store.recovered_from: tell the user the old file was damaged and moved there
+    if store.recovery: tell the user the old file was damaged, where it went, and what came back from it
     persistence = store.map_persistence(model_dir, shape)  # MapPersistence for the runtime
     ...
     store.close()                                      # drains the map writers, releases the instance lock
@@ -20,6 +20,7 @@ from store.db import StoreDb, open_database
 from store.errors import StoreError, StoreInUseError, StoreTooNewError
 from store.maps import MapShape, SqliteMapPersistence, clear_model, list_models, model_fingerprint
 from store.paths import MODELS_DIRNAME, default_data_dir, resolve_db_path
+from store.salvage import Recovery
 from store.settings import AppSettings, SettingsStore
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "ChatNotFoundError",
     "Conversation",
     "Message",
+    "Recovery",
     "SearchHit",
     "SqliteMapPersistence",
     "Store",
@@ -63,6 +65,11 @@ class Store:
     def recovered_from(self) -> Path | None:
         """Where a damaged database was moved at open (None when the file was fine)."""
         return self.db.recovered_from
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """Where a damaged database went and how many of its chats came back (None when the file was fine)."""
+        return self.db.recovery
 
     def map_persistence(self, model_dir: str | Path, shape: MapShape, name: str = "") -> SqliteMapPersistence:
         """The MapPersistence of the model in `model_dir` (fingerprinted), for `Runtime.load(map_persistence=)`."""
@@ -102,7 +109,8 @@ def open_store(location: str | Path | None = None, check: bool = True) -> Store:
     """Open the store at a data folder or a database file (None = the per-OS user data folder).
 
     Raises StoreError — StoreInUseError when another instance holds it, StoreTooNewError for a newer file; the
-    message is a sentence for the user. A damaged file is moved aside and `Store.recovered_from` says where.
+    message is a sentence for the user. A damaged file is moved aside, what can be read from it is copied into
+    the new one, and `Store.recovery` says where it went and how much came back.
     """
     path = resolve_db_path(location)
     # A file the user named (not our own file name inside a data folder) must be new or ours.

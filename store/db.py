@@ -1,7 +1,8 @@
 """Opening the fmoe-local database safely: one instance, WAL, busy timeout, migrations, corrupt-file recovery.
 
 Scope: `open_database(path) -> StoreDb`, the connection settings every connection shares, and moving a corrupt
-or unreadable file aside. It does NOT know the tables' meaning (chats.py, settings.py, maps.py do).
+or unreadable file aside (salvage.py then copies what it can from it). It does NOT know the tables' meaning
+(chats.py, settings.py, maps.py do).
 
 Threads: `StoreDb.db` is one connection shared by the app's threads, each use under `StoreDb.lock`; a thread that
 writes on its own (the map writer) opens its own connection with `connect()`. WAL lets readers and that writer
@@ -22,9 +23,12 @@ from pathlib import Path
 
 import sqlite_utils
 
+from store import access
 from store.errors import StoreError
+from store.header import SQLITE_MAGIC, read_header
 from store.lock import InstanceLock
-from store.migrations import check_not_newer, migrate
+from store.migrations import SCHEMA_VERSION, check_not_newer, migrate, too_new
+from store.salvage import Recovery, salvage
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,6 @@ BUSY_TIMEOUT_MS = 5000
 MMAP_BYTES = 1 << 30
 # PRAGMA application_id of our files ("fmoe"): how a file we did not name ourselves is recognised as ours.
 APPLICATION_ID = 0x666D6F65
-_SQLITE_MAGIC = b"SQLite format 3\x00"
 _OUR_TABLES = {"models", "maps", "conversations", "messages", "settings"}
 
 
@@ -61,9 +64,13 @@ class StoreDb:
     path: Path
     db: sqlite_utils.Database
     instance_lock: InstanceLock
-    # Set when the file found at `path` could not be used and was moved here; the app should tell the user.
-    recovered_from: Path | None = None
+    # Set when the file found at `path` was damaged: where it went and what came back; the app tells the user.
+    recovery: Recovery | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def recovered_from(self) -> Path | None:
+        return self.recovery.moved_to if self.recovery else None
 
     def connect(self) -> sqlite_utils.Database:
         return connect(self.path)
@@ -97,15 +104,18 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
     """Open (or create) the database at `path`, holding the one-instance lock.
 
     Raises StoreInUseError when another app holds it, StoreTooNewError for a newer schema, StoreError when the
-    folder cannot be written. Only a corrupt file (the integrity check fails, or it is not a database) is moved to
-    `<name>.corrupt-<timestamp>` and a fresh one created; `recovered_from` then names the moved file. Any other
-    failure — a full disk, a read-only file, an I/O error — leaves the file where it is and says what to do.
+    folder, the lock file or the database cannot be written (the last proven at open, not found at the first
+    Send). Only a corrupt file (the integrity check fails, or it is not a database) is moved to
+    `<name>.corrupt-<timestamp>`, a fresh one created and the chats, messages and settings that can still be read
+    copied into it; `recovery` then says where it went and how much came back. Any other failure — a full disk, a
+    read-only file, an I/O error — leaves the file where it is and says what to do.
     `named_by_user` (a file path from --store, not our own name in a data folder): the file must not exist yet or
     be ours (our application id, or our tables); anything else is refused untouched. `check` runs
     `PRAGMA quick_check` (reads every page: ~0.1 s per 100 MB), which finds damage that a plain open would only
     hit later, mid-chat.
     """
     path = Path(path).expanduser()
+    _refuse_if_newer(path, named_by_user)
     if named_by_user:
         _refuse_if_not_ours(path)
     try:
@@ -114,14 +124,15 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
         raise StoreError(
             f"Cannot create the data folder {path.parent} ({exc.strerror}). Choose another with --data-dir."
         ) from exc
+    instance_lock = InstanceLock(path)
     try:
-        instance_lock = InstanceLock(path).acquire()
+        instance_lock.acquire()
     except OSError as exc:
-        raise StoreError(
-            f"Cannot write in {path.parent} ({exc.strerror}). Choose a folder you can write to with --data-dir."
-        ) from exc
+        if instance_lock.path.exists():  # the folder may be writable: only the lock file is not
+            raise StoreError(access.unopenable_lock(path, instance_lock.path, exc.strerror)) from exc
+        raise StoreError(access.unwritable_folder(path.parent, exc.strerror)) from exc
     try:
-        recovered_from = None
+        recovery = None
         try:
             db = _open_checked(path, check)
         except sqlite3.DatabaseError as exc:
@@ -129,6 +140,8 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
                 raise StoreError(
                     f"The database {path} stayed busy for {BUSY_TIMEOUT_MS // 1000} s. Try again."
                 ) from exc
+            if _is_read_only(exc):
+                raise StoreError(access.unwritable_database(path)) from exc
             if not _is_corruption(exc):
                 raise StoreError(
                     f"Could not open the database {path} ({exc}). It was left as it is. If the disk is full, free "
@@ -143,7 +156,8 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
                     f"The database {path} was unusable and moved to {recovered_from.name}, but a new one cannot be "
                     f"created there ({again}). Start with --data-dir pointing to a folder you can write to."
                 ) from again
-        return StoreDb(path=path, db=db, instance_lock=instance_lock, recovered_from=recovered_from)
+            recovery = salvage(recovered_from, db.conn)
+        return StoreDb(path=path, db=db, instance_lock=instance_lock, recovery=recovery)
     except BaseException:
         instance_lock.release()
         raise
@@ -162,10 +176,30 @@ def _open_checked(path: Path, check: bool) -> sqlite_utils.Database:
         migrate(db)
         if db.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
             db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        _prove_writable(db)
     except BaseException:
         db.conn.close()
         raise
     return db
+
+
+def _prove_writable(db: sqlite_utils.Database) -> None:
+    """Raise SQLITE_READONLY now rather than at the first Send: a current file needs no write to open, so a file
+    the user cannot write (left root's by one sudo run, chmod 444) would open and then lose every reply.
+    BEGIN IMMEDIATE alone proves nothing (SQLite turns it into a read transaction on a read-only file); a write of
+    the value already there does, and the rollback leaves the file as it was."""
+    conn = db.conn
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(f"PRAGMA user_version = {conn.execute('PRAGMA user_version').fetchone()[0]}")
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+
+
+def _is_read_only(exc: sqlite3.DatabaseError) -> bool:
+    name = getattr(exc, "sqlite_errorname", "")
+    return name.startswith("SQLITE_READONLY") if name else "readonly" in str(exc).lower()
 
 
 def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
@@ -177,6 +211,17 @@ def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
         return name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB"))
     text = str(exc).lower()
     return "malformed" in text or "not a database" in text
+
+
+def _refuse_if_newer(path: Path, named_by_user: bool) -> None:
+    """A newer app's file is refused from its header, before any connection (store/header.py says why), the lock
+    file and the folder included: nothing at all is written. A file the user named is judged by its header only
+    when it carries our application id; any other is for `_refuse_if_not_ours` to refuse."""
+    header = read_header(path)
+    if header is None or header.user_version <= SCHEMA_VERSION:
+        return
+    if header.application_id == APPLICATION_ID or not named_by_user:
+        raise too_new(header.user_version)
 
 
 def _refuse_if_not_ours(path: Path) -> None:
@@ -192,7 +237,7 @@ def _refuse_if_not_ours(path: Path) -> None:
         head = f.read(16)
     if not head:
         return  # an empty file holds nothing to destroy (SQLite itself creates one on a plain connect)
-    if head != _SQLITE_MAGIC:
+    if head != SQLITE_MAGIC:
         raise refusal
     try:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)

@@ -104,14 +104,18 @@ def schema_version(db: sqlite_utils.Database) -> int:
     return int(db.execute("PRAGMA user_version").fetchone()[0])
 
 
+def too_new(version: int) -> StoreTooNewError:
+    return StoreTooNewError(
+        f"This data was saved by a newer fmoe-local (schema {version}, this one knows {SCHEMA_VERSION}). "
+        "Update fmoe-local, or start it with --data-dir pointing to a different folder."
+    )
+
+
 def check_not_newer(db: sqlite_utils.Database) -> int:
     """The file's schema version; StoreTooNewError when this fmoe-local is older than the file."""
     current = schema_version(db)
     if current > SCHEMA_VERSION:
-        raise StoreTooNewError(
-            f"This data was saved by a newer fmoe-local (schema {current}, this one knows {SCHEMA_VERSION}). "
-            "Update fmoe-local, or start it with --data-dir pointing to a different folder."
-        )
+        raise too_new(current)
     return current
 
 

@@ -66,7 +66,8 @@ def test_damaged_pages_are_found_at_open(tmp_path):
     with open_store(tmp_path) as s:
         assert s.recovered_from is not None
         assert s.db.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert s.chats.list() == []
+        # What could be read came back (tests/test_store_salvage.py); here little can, and nothing else appears.
+        assert all(c.id == 1 for c in s.chats.list())
 
 
 def test_newer_schema_is_refused_and_left_untouched(tmp_path):
@@ -127,10 +128,14 @@ def test_a_folder_that_cannot_be_created_is_told_as_a_sentence(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "failure",
-    ["database or disk is full", "attempt to write a readonly database", "disk I/O error"],
+    ("failure", "said"),
+    [
+        ("database or disk is full", r"It was left as it is\. If the disk is full, free some space"),
+        ("attempt to write a readonly database", r"cannot be saved to.*It was left as it is\."),
+        ("disk I/O error", r"It was left as it is\. If the disk is full, free some space"),
+    ],
 )
-def test_a_healthy_file_that_cannot_be_upgraded_stays_where_it_is(tmp_path, monkeypatch, failure):
+def test_a_healthy_file_that_cannot_be_upgraded_stays_where_it_is(tmp_path, monkeypatch, failure, said):
     import sqlite3
 
     import store.db as db_module
@@ -144,7 +149,7 @@ def test_a_healthy_file_that_cannot_be_upgraded_stays_where_it_is(tmp_path, monk
         raise sqlite3.OperationalError(failure)
 
     monkeypatch.setattr(db_module, "migrate", failing_migrate)
-    with pytest.raises(StoreError, match=r"It was left as it is\. If the disk is full, free some space"):
+    with pytest.raises(StoreError, match=said):
         open_store(tmp_path)
     assert path.read_bytes() == before  # today: renamed to fmoe-local.db.corrupt-… and an empty app
     assert not list(tmp_path.glob("*.corrupt-*"))
@@ -252,3 +257,137 @@ def test_a_commit_by_another_connection_between_a_read_and_a_write_does_not_fail
         other.conn.close()
     finally:
         store.close()
+
+
+def _open_read_only(monkeypatch):
+    """What SQLite does with a file this user cannot write (root's after one sudo run, chmod 444): it opens it
+    read-only. Forced here with mode=ro, since root (who runs the tests) may write any file whatever its mode."""
+    import store.db as db_module
+
+    real_connect = db_module.connect
+
+    def read_only(path):
+        db = real_connect(path)
+        db.conn.close()
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+        return type(db)(conn, execute_plugins=False)
+
+    monkeypatch.setattr(db_module, "connect", read_only)
+
+
+def test_a_database_that_cannot_be_written_is_refused_at_open_not_at_the_first_send(tmp_path, monkeypatch):
+    """Before: a current file needs no write to open, so it opened, and every Send then failed with "attempt to
+    write a readonly database": replies lost."""
+    path = tmp_path / "fmoe-local.db"
+    with open_store(tmp_path) as store:
+        store.chats.create("keep me")
+    before = path.read_bytes()
+    _open_read_only(monkeypatch)
+    with pytest.raises(StoreError) as info:
+        open_store(tmp_path)
+    said = str(info.value)
+    assert f"The database {path} cannot be saved to" in said and "--data-dir" in said
+    assert path.read_bytes() == before and not list(tmp_path.glob("*.corrupt-*"))
+    monkeypatch.undo()
+    with open_store(tmp_path) as store:  # the refusal released the instance lock
+        assert [c.title for c in store.chats.list()] == ["keep me"]
+
+
+def test_a_database_left_to_another_user_names_them_and_the_command(tmp_path, monkeypatch):
+    pwd = pytest.importorskip("pwd")
+    import store.access as access
+
+    path = tmp_path / "fmoe-local.db"
+    with open_store(tmp_path):
+        pass
+    owner = pwd.getpwuid(path.stat().st_uid).pw_name
+    _open_read_only(monkeypatch)
+    monkeypatch.setattr(access, "_current_uid", lambda: path.stat().st_uid + 1)  # we are someone else
+    with pytest.raises(StoreError) as info:
+        open_store(tmp_path)
+    said = str(info.value)
+    assert f"belong to {owner}, not to you" in said
+    command = said.split("sudo chown $USER ")[1].split(" — ")[0].split()
+    assert command[0] == str(path) and f"{path}.lock" in command  # every file of the store, in one command
+
+
+def test_a_lock_file_that_cannot_be_opened_is_named_not_its_writable_folder(tmp_path, monkeypatch):
+    """Before: "Cannot write in <folder>" when only the lock file (root's after a sudo run) could not be opened."""
+    pwd = pytest.importorskip("pwd")
+    import errno
+
+    import store.access as access
+    from store.lock import InstanceLock
+
+    with open_store(tmp_path):
+        pass
+    lock = tmp_path / "fmoe-local.db.lock"
+    uid = lock.stat().st_uid
+    owner = pwd.getpwuid(uid).pw_name
+
+    def denied(self):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self.path))
+
+    monkeypatch.setattr(InstanceLock, "acquire", denied)
+    monkeypatch.setattr(access, "_current_uid", lambda: uid + 1)
+    with pytest.raises(StoreError) as info:
+        open_store(tmp_path)
+    said = str(info.value)
+    assert f"Cannot open the lock file {lock} (Permission denied)" in said and "Cannot write in" not in said
+    assert f"belong to {owner}" in said and str(lock) in said.split("sudo chown $USER")[1]
+    monkeypatch.setattr(access, "_current_uid", lambda: uid)
+    with pytest.raises(StoreError, match=rf"Cannot open the lock file .*chmod u\+w {lock}"):
+        open_store(tmp_path)
+    lock.unlink()  # no lock file: then it is the folder that cannot be written
+    with pytest.raises(StoreError, match=rf"Cannot write in {tmp_path} \(Permission denied\)"):
+        open_store(tmp_path)
+
+
+def _newer_with_a_schema_this_sqlite_cannot_parse(conn):
+    """What a newer fmoe-local could leave: a higher schema version and a table in syntax this SQLite predates."""
+    conn.execute("PRAGMA writable_schema = ON")
+    conn.execute(
+        "INSERT INTO sqlite_master (type, name, tbl_name, rootpage, sql) "
+        "VALUES ('table', 'future', 'future', 0, 'CREATE TABLE future (x) WITH FUTURE OPTIONS')"
+    )
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.commit()
+
+
+def test_a_newer_schema_this_sqlite_cannot_parse_is_refused_not_moved_aside(tmp_path):
+    """Before: connect()'s first statement failed as "malformed database schema", which counted as corruption: the
+    newer app's file was moved aside and the app started empty."""
+    path = tmp_path / "fmoe-local.db"
+    with open_store(tmp_path) as store:
+        store.chats.create("saved by the newer app")
+    conn = sqlite3.connect(path)
+    _newer_with_a_schema_this_sqlite_cannot_parse(conn)
+    conn.close()
+    before = path.read_bytes()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    for location in (tmp_path, path):  # a data folder, and the file named with --store
+        with pytest.raises(StoreTooNewError, match=f"newer fmoe-local \\(schema {SCHEMA_VERSION + 1}"):
+            open_store(location)
+        assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == files
+
+
+def test_a_newer_schema_still_only_in_the_wal_is_refused_too(tmp_path):
+    """A newer app killed before its checkpoint: its schema and version are in the -wal, page 1 on disk is old."""
+    made = tmp_path / "made"
+    made.mkdir()
+    with open_store(made) as store:
+        store.chats.create("x")
+    conn = sqlite3.connect(made / "fmoe-local.db")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")
+    _newer_with_a_schema_this_sqlite_cannot_parse(conn)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name in ("fmoe-local.db", "fmoe-local.db-wal"):  # copied while the writer is alive: as a kill leaves them
+        (kept / name).write_bytes((made / name).read_bytes())
+    conn.close()
+    with open(kept / "fmoe-local.db", "rb") as f:
+        assert int.from_bytes(f.read(64)[60:64], "big") == SCHEMA_VERSION  # the file itself says the old version
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    with pytest.raises(StoreTooNewError, match="newer fmoe-local"):
+        open_store(kept)
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before

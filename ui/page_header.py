@@ -29,10 +29,10 @@ def header(session: Session) -> str:
         model = f"**No model loaded.** ⚠️ {session.load_error} Load another model in the Models tab, or try again."
     else:
         model = "**No model loaded** — open the Models tab to download one or load a folder."
-    recovered = getattr(session.store, "recovered_from", None)
-    if recovered is not None:
+    recovery = getattr(session.store, "recovery", None)
+    if recovery is not None:
         model += (
-            f"\n\n⚠️ **Your database was damaged and could not be read.** It was moved to `{recovered}` (your earlier "
-            "chats are in that file) and a new, empty one was started."
+            f"\n\n⚠️ **Your database was damaged.** It was moved to `{recovery.moved_to}`, kept as it was, and "
+            f"{recovery.what_came_back()}."
         )
     return f"# {TITLE}\n{model}"
