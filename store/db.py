@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 5000
 MMAP_BYTES = 1 << 30
+WAL_LIMIT_BYTES = 64 << 20  # what a checkpoint truncates the WAL file to, at most
 # PRAGMA application_id of our files ("fmoe"): how a file we did not name ourselves is recognised as ours.
 APPLICATION_ID = 0x666D6F65
 _OUR_TABLES = {"models", "maps", "conversations", "messages", "settings"}
@@ -53,6 +54,9 @@ def connect(path: Path) -> sqlite_utils.Database:
         # Blobs of expert maps are read through the OS page cache without read() copies: 32K maps of a
         # Qwen1.5-MoE shape fetch ~3x faster (store.bench). Address space only, not memory.
         conn.execute(f"PRAGMA mmap_size = {MMAP_BYTES}")
+        # A big write (a store of maps replaced, a salvage) grows the WAL; without a limit the file keeps that size
+        # until the app closes. Per connection, not stored in the file.
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")
     except BaseException:
         conn.close()
         raise

@@ -28,6 +28,22 @@ def test_new_database_is_wal_with_busy_timeout_at_current_schema(tmp_path):
         assert {"models", "maps", "conversations", "messages", "settings"} <= set(db.table_names())
 
 
+def test_the_wal_file_shrinks_back_after_a_big_write(tmp_path, monkeypatch):
+    monkeypatch.setattr("store.db.WAL_LIMIT_BYTES", 1 << 20)
+    with open_store(tmp_path) as s:
+        db = s.db.db
+        with s.db.writing():
+            db.execute("CREATE TABLE scratch (b BLOB)")
+            for _ in range(64):
+                db.execute("INSERT INTO scratch VALUES (zeroblob(131072))")  # 8 MB through the WAL
+        wal = tmp_path / "fmoe-local.db-wal"
+        assert wal.stat().st_size > 8 << 20
+        db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        with s.db.writing():  # the next write restarts the WAL, and cuts the file down to the limit
+            db.execute("INSERT INTO scratch VALUES (1)")
+        assert wal.stat().st_size <= 1 << 20  # before: it stayed at 8 MB until the app closed
+
+
 def test_data_survives_reopen(tmp_path):
     with open_store(tmp_path) as s:
         cid = s.chats.create("kept").id
