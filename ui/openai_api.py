@@ -8,15 +8,16 @@ request: the loaded model answers, listed under its short id (`Session.model_id`
 queue requests itself (the runtime's worker runs one request at a time; others wait in its queue) or store API
 chats in the user's chat list.
 
-Threads: each request's runtime stream is consumed on a worker thread (the runtime blocks); a client that goes
-away sets that request's own stop flag, which ends it within a token or at once if it is still queued.
+Threads: each request's runtime stream is consumed on a pump thread of its own (the runtime blocks), which posts
+the events into the event loop (`_Events`): a request waiting its turn holds no executor thread, so any number of
+them cannot freeze the reply being generated. A client that goes away sets that request's own stop flag, which
+ends it within a token or at once if it is still queued.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import threading
 import time
 import uuid
@@ -32,7 +33,8 @@ from ui.session import Session
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 # A request ended by someone other than its client (a model unloaded under it): not a complete reply.
 INTERRUPTED = "The reply was interrupted because the model was unloaded or reloaded in the app. Send the request again."
-_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+LOST = "The request's worker thread ended without an answer. Send the request again."
+_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there (and a wait, its pump)
 
 
 class ApiError(Exception):
@@ -172,38 +174,74 @@ def build_router(session: Session) -> APIRouter:
     return router
 
 
-def _events(runtime, messages: list[dict], sampling: Sampling, stop: threading.Event, finished: deque) -> queue.Queue:  # noqa: ANN001
+def _events(runtime, messages: list[dict], sampling: Sampling, stop: threading.Event, finished: deque) -> _Events:  # noqa: ANN001
     """Run the request on a pump thread that always reads the runtime's stream to its end (so its finish is
-    recorded even after the client left); the async side reads the queue. None marks the end."""
-    out: queue.Queue = queue.Queue()
+    recorded even after the client left) and posts each event to the async side. None marks the end."""
+    events = _Events(asyncio.get_running_loop())
 
     def pump() -> None:
         final = None
         try:
             for event in runtime.stream(messages, sampling, stop=stop):
                 final = event
-                out.put(event)
+                events.post(event)
         except Exception as exc:  # noqa: BLE001 - the client gets the sentence instead of a bare 500 or a cut stream
             from fmoe_local.runtime import Finished
 
             final = Finished.failed(str(exc))
-            out.put(final)
+            events.post(final)
         finally:
             if final is not None and hasattr(final, "reason"):
                 finished.append((final.reason, len(final.token_ids)))
-            out.put(None)
+            events.post(None)
 
-    threading.Thread(target=pump, name="fmoe-api-request", daemon=True).start()
-    return out
+    events.thread = threading.Thread(target=pump, name="fmoe-api-request", daemon=True)
+    events.thread.start()
+    return events
+
+
+class _Events:
+    """One request's events, from its pump thread to the async side through the event loop (call_soon_threadsafe
+    into an asyncio.Queue): a request waiting for its turn holds no thread of the loop's executor, so however many
+    wait, the one generating keeps streaming (with asyncio.to_thread, each waiting request held one of the
+    executor's few threads and the running reply froze once they were all taken)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.queue, self.thread, self.ended = loop, asyncio.Queue(), None, False
+
+    def post(self, item: object) -> None:
+        """Called on the pump thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed (the server stopped): nobody reads these any more
+            pass
+
+    async def next(self):  # noqa: ANN201 - a TextDelta, a Finished, or None at the end
+        """The next event. Bounded: every runtime wait is (Runtime._wait), the pump always posts None at its end,
+        and a pump thread that ended without it anyway is noticed within _POLL_S and ends the request with an
+        error rather than a wait for ever."""
+        while True:
+            if not self.queue.empty():
+                return self.queue.get_nowait()
+            try:
+                return await asyncio.wait_for(self.queue.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                if self.thread.is_alive():
+                    continue
+                await asyncio.sleep(0)  # its last posts were on the loop before it ended: let them land
+                if not self.queue.empty():
+                    continue
+                if self.ended:
+                    return None
+                from fmoe_local.runtime import Finished
+
+                self.ended = True
+                return Finished.failed(LOST)
 
 
 def _usage(final) -> dict:  # noqa: ANN001 - a Finished
     prompt, completion = final.stats.prompt_tokens, len(final.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-async def _next(events: queue.Queue):
-    return await asyncio.to_thread(events.get)
 
 
 async def _complete(events, gen, ident, created, model, request, stop) -> JSONResponse:  # noqa: ANN001
@@ -217,7 +255,7 @@ async def _complete(events, gen, ident, created, model, request, stop) -> JSONRe
     watcher = asyncio.create_task(watch())
     try:
         final = None
-        while (event := await _next(events)) is not None:
+        while (event := await events.next()) is not None:
             if hasattr(event, "reason"):
                 final = event
             elif not gen.stopped:
@@ -245,7 +283,7 @@ async def _sse(events, gen, ident, created, model, usage, stop) -> AsyncIterator
 
     yield chunk({"role": "assistant", "content": ""})
     final = None
-    while (event := await _next(events)) is not None:
+    while (event := await events.next()) is not None:
         if hasattr(event, "reason"):
             final = event
             continue
