@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fmoe_local.config import Sampling
+from ui.openai_request import ApiError, parse_chat
 from ui.session import Session
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -35,71 +36,6 @@ _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 INTERRUPTED = "The reply was interrupted because the model was unloaded or reloaded in the app. Send the request again."
 LOST = "The request's worker thread ended without an answer. Send the request again."
 _POLL_S = 0.2  # how often a non-streaming request checks that its client is still there (and a wait, its pump)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-def _sampling(body: dict, default_max: int) -> Sampling:
-    def number(name: str, default: float, low: float, high: float) -> float:
-        value = body.get(name, default)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise ApiError(400, f"'{name}' must be a number from {low} to {high}.", name)
-        return float(value)
-
-    if body.get("n", 1) not in (1, None):
-        raise ApiError(400, "Only n=1 is supported: this app generates one reply at a time.", "n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = default_max
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ApiError(400, "'max_tokens' must be a whole number of at least 1.", "max_tokens")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, "'seed' must be a whole number.", "seed")
-    temperature = number("temperature", 1.0, 0.0, 2.0)
-    return Sampling(
-        max_new_tokens=max_tokens,
-        temperature=temperature,
-        top_p=number("top_p", 1.0, 1e-9, 1.0),
-        greedy=temperature == 0.0,
-        seed=seed,
-    )
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content}.", "messages")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise ApiError(400, "Each message needs a role: system, user or assistant.", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: the text ones are what a text model reads
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise ApiError(400, "Each message's content must be text.", "messages")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    return out
-
-
-def _stops(body: dict) -> list[str]:
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings.", "stop")
-    return stops
 
 
 class _Generation:
@@ -158,18 +94,16 @@ def build_router(session: Session) -> APIRouter:
             if not isinstance(body, dict):
                 raise ApiError(400, "The request body must be a JSON object.")
             runtime = runtime_or_error()
-            sampling = _sampling(body, session.store.settings.load().max_new_tokens)
-            messages, stops = _messages(body), _stops(body)
+            chat = parse_chat(body, session.store.settings.load().max_new_tokens)
         except ApiError as exc:
             return exc.response()
         stop = threading.Event()
         ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        events = _events(runtime, messages, sampling, stop, router.finished)
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            chunks = _sse(events, _Generation(stops), ident, created, model_id(), usage, stop)
+        events = _events(runtime, chat.messages, chat.sampling, stop, router.finished)
+        if chat.stream:
+            chunks = _sse(events, _Generation(chat.stops), ident, created, model_id(), chat.include_usage, stop)
             return StreamingResponse(_watch(chunks, request, stop), media_type="text/event-stream")
-        return await _complete(events, _Generation(stops), ident, created, model_id(), request, stop)
+        return await _complete(events, _Generation(chat.stops), ident, created, model_id(), request, stop)
 
     return router
 
