@@ -178,6 +178,9 @@ def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
 
         info = session.runtime.info
 
+        def check(self, messages):
+            return None
+
         def stream(self, messages, sampling, stop=None):
             yield TextDelta("Once upon", 7)
             yield Finished("Once upon", [7], RequestStats(finish_reason="cancelled"), "cancelled")
@@ -201,6 +204,9 @@ class _OneAtATime:
     def __init__(self, info) -> None:  # noqa: ANN001
         self.info, self.turn, self.words = info, threading.Lock(), queue.Queue()
         self.waiting, self._count = 0, threading.Lock()
+
+    def check(self, messages) -> None:  # noqa: ANN001
+        return None
 
     def stream(self, messages, sampling, stop=None):  # noqa: ANN001, ANN201
         from fmoe_local.runtime import Finished, TextDelta

@@ -95,6 +95,7 @@ def build_router(session: Session) -> APIRouter:
                 raise ApiError(400, "The request body must be a JSON object.")
             runtime = runtime_or_error()
             chat = parse_chat(body, session.store.settings.load().max_new_tokens)
+            await _check_prompt(runtime, chat.messages)
         except ApiError as exc:
             return exc.response()
         stop = threading.Event()
@@ -106,6 +107,18 @@ def build_router(session: Session) -> APIRouter:
         return await _complete(events, _Generation(chat.stops), ident, created, model_id(), request, stop)
 
     return router
+
+
+async def _check_prompt(runtime, messages: list[dict]) -> None:  # noqa: ANN001
+    """A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
+    that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it."""
+    from fmoe_local.engine import ContextTooLong, PromptRefused
+
+    try:
+        await asyncio.to_thread(runtime.check, messages)  # tokenizing takes milliseconds; no turn is awaited
+    except PromptRefused as exc:
+        code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else None
+        raise ApiError(400, str(exc), "messages", code) from exc
 
 
 def _events(runtime, messages: list[dict], sampling: Sampling, stop: threading.Event, finished: deque) -> _Events:  # noqa: ANN001

@@ -85,6 +85,11 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise ApiError(400, "Each message's content must be text.", "messages")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    # Clients send a system prompt and then a developer or RAG message; many chat templates (Mixtral's) take one
+    # system message only and refuse a second. The leading ones become one, in their order.
+    lead = next((i for i, m in enumerate(out) if m["role"] != "system"), len(out))
+    if lead > 1:
+        out[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in out[:lead])}]
     return out
 
 

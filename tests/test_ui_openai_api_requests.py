@@ -1,0 +1,85 @@
+"""The /v1 API's answers to requests it cannot serve as asked: a prompt the model cannot take is a 400 (before a
+stream's 200), never a 500 that OpenAI's client retries. Served by the real app (`app.serve`) on a tiny Mixtral
+whose chat template is Mixtral-Instruct's strict one (roles alternate after one optional system message)."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+import app
+
+openai = pytest.importorskip("openai")
+
+PROMPT = [{"role": "user", "content": "Tell me about the sea and the ships."}]
+# Mixtral-8x7B-Instruct-v0.1's rule (a catalog model): roles must alternate after one optional system message.
+STRICT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set loop_messages = messages[1:] %}{%- else %}"
+    "{%- set loop_messages = messages %}{%- endif %}{{ bos_token }}{%- for m in loop_messages %}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('After the optional system "
+    "message, conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "[INST]{{ m['content'] }}[/INST]{%- endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    model = tmp_path_factory.mktemp("strict-model") / "mixtral-strict"
+    shutil.copytree(tiny_model_dir("mixtral"), model)
+    (model / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    data = tmp_path_factory.mktemp("api-requests-data")
+    args = ["--no-browser", "--data-dir", str(data), "--port", "7933", "--model", str(model)]
+    server, session, url = app.serve(app.build_parser().parse_args(args))
+    assert session.loading.finished.wait(120) and session.runtime is not None
+    client = openai.OpenAI(base_url=f"{url}v1", api_key="anything", max_retries=0, timeout=120)
+    yield server, session, client
+    server.close()
+    session.close()
+    session.store.close()
+
+
+def _post(server, **body) -> httpx.Response:
+    body = {"model": "x", "messages": PROMPT, "max_tokens": 2} | body
+    return httpx.post(f"{server.url}v1/chat/completions", json=body, timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_longer_than_the_context_is_a_400_before_anything_runs(served, stream):
+    server, _, client = served
+    before = len(server.api.finished)
+    too_long = [{"role": "user", "content": "sea ships " * 3000}]
+    with pytest.raises(openai.BadRequestError) as caught:  # was: 500 server_error, which the client retries twice
+        client.chat.completions.create(model="x", messages=too_long, max_tokens=2, stream=stream)
+    assert caught.value.status_code == 400 and caught.value.code == "context_length_exceeded"
+    assert caught.value.body["param"] == "messages" and "tokens long, but" in caught.value.body["message"]
+    assert len(server.api.finished) == before  # refused before it was queued: nothing ran
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_the_chat_template_refuses_are_a_400(served, stream):
+    server, _, _ = served
+    twice = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+    r = _post(server, messages=twice, stream=stream)  # streaming too: a 400 status, not a 200 and an error event
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+    assert "must alternate" in error["message"]
+
+
+def test_a_system_prompt_and_a_developer_message_become_one_system_message(served):
+    from ui.openai_request import parse_chat
+
+    _, _, client = served
+    both = [
+        {"role": "system", "content": "You are brief."},
+        {"role": "developer", "content": "Context: ships float."},
+        *PROMPT,
+    ]
+    assert parse_chat({"messages": both}, 8).messages == [
+        {"role": "system", "content": "You are brief.\n\nContext: ships float."},
+        *PROMPT,
+    ]
+    reply = client.chat.completions.create(model="x", messages=both, max_tokens=2)  # the strict template takes it
+    assert reply.choices[0].finish_reason in ("length", "stop")
