@@ -83,3 +83,44 @@ def test_a_system_prompt_and_a_developer_message_become_one_system_message(serve
     ]
     reply = client.chat.completions.create(model="x", messages=both, max_tokens=2)  # the strict template takes it
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [TOOL]}, "tools"),  # tool_choice "auto" by default: the model could never call it
+        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tool_choice"),
+        ({"functions": [TOOL["function"]]}, "functions"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [*PROMPT, {"role": "tool", "tool_call_id": "1", "content": "sunny"}]}, "messages"),
+    ],
+)
+def test_what_the_app_cannot_do_is_refused_by_name_not_ignored(served, extra, param):
+    server, _, _ = served
+    before = len(server.api.finished)
+    r = _post(server, **extra)  # was: a 200 that silently ignored it
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    assert len(server.api.finished) == before
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "text"}},
+        {"logprobs": False},
+        {"tools": [TOOL], "tool_choice": "none"},  # "none" promises a text reply: that is what it gets
+        {"tool_choice": "auto"},
+    ],
+)
+def test_what_asks_for_nothing_the_app_lacks_is_served(served, extra):
+    server, _, _ = served
+    r = _post(server, **extra)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text

@@ -1,7 +1,8 @@
 """The body of a /v1/chat/completions request, parsed and checked: what the API passes to the runtime, or an
 ApiError in OpenAI's shape (a 4xx names the field, `param`, that is wrong).
 
-Scope: messages, sampling (max_tokens, temperature, top_p, seed, n), stop, stream and stream_options. It does NOT
+Scope: messages, sampling (max_tokens, temperature, top_p, seed, n), stop, stream and stream_options, and the
+refusal of what the app cannot do (response_format other than text, logprobs, tool calls). It does NOT
 talk to the runtime or the session (ui/openai_api.py does), so every check here runs before a request is queued.
 """
 
@@ -25,10 +26,45 @@ class ChatRequest:
 
 def parse_chat(body: dict, default_max: int) -> ChatRequest:
     """`default_max`: the reply length when the request names none (the app's Settings)."""
+    _refuse_unsupported(body)
     sampling, messages, stops = _sampling(body, default_max), _messages(body), _stops(body)
     stream = bool(body.get("stream"))
     include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
     return ChatRequest(messages, sampling, stops, stream, include_usage)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """What this app cannot do is refused by name (a 400 with `param`), never ignored: a client that is told can
+    fall back (ask for JSON in the prompt, Open WebUI's default function calling), while one that is ignored takes
+    a reply that never followed its rules for one that did. Tools included: accepted with tool_choice "auto", the
+    model would never see them, and an agent (LangChain's bind_tools) would read its text as "no tool needed".
+    Only tool_choice "none", which promises a text reply, takes tools (and leaves them out)."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise ApiError(
+            400,
+            'Only response_format {"type": "text"} is supported: this app cannot hold a reply to JSON or a schema. '
+            "Ask for JSON in the messages instead.",
+            "response_format",
+        )
+    if body.get("logprobs") not in (None, False):
+        raise ApiError(400, "'logprobs' is not supported: this app does not return token probabilities.", "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise ApiError(
+            400, "'top_logprobs' is not supported: this app does not return token probabilities.", "top_logprobs"
+        )
+    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        if body.get(choice) not in (None, "none", "auto"):  # "required" or a named function: a call is demanded
+            raise ApiError(
+                400, f'\'{choice}\' can only be "none" or "auto": this app\'s models do not call tools.', choice
+            )
+        if body.get(tools) and body.get(choice) != "none":
+            raise ApiError(
+                400,
+                f"Tool calling is not supported: this app's models answer in text only. Send the request without "
+                f'\'{tools}\' (in Open WebUI: Function Calling "Default", not "Native").',
+                tools,
+            )
 
 
 class ApiError(Exception):
@@ -77,6 +113,8 @@ def _messages(body: dict) -> list[dict]:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content}.", "messages")
     out = []
     for m in messages:
+        if isinstance(m, dict) and m.get("role") in ("tool", "function"):
+            raise ApiError(400, "Tool results cannot be sent: this app's models do not call tools.", "messages")
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
             raise ApiError(400, "Each message needs a role: system, user or assistant.", "messages")
         content = m.get("content")
