@@ -124,3 +124,27 @@ def test_what_asks_for_nothing_the_app_lacks_is_served(served, extra):
     server, _, _ = served
     r = _post(server, **extra)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        "a bare string",
+    ],
+)
+def test_a_part_the_model_cannot_read_is_refused_not_dropped(served, part):
+    server, _, _ = served
+    parts = [{"type": "text", "text": "What is in this picture?"}, part]
+    r = _post(server, messages=[{"role": "user", "content": parts}])  # was: answered as if the text were all
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "reads text only" in r.json()["error"]["message"]
+
+
+def test_text_parts_are_joined_by_a_line_break():
+    from ui.openai_request import parse_chat
+
+    parts = [{"type": "text", "text": "First line."}, {"type": "text", "text": "Second line."}]
+    got = parse_chat({"messages": [{"role": "user", "content": parts}]}, 8).messages
+    assert got == [{"role": "user", "content": "First line.\nSecond line."}]  # was: "First line.Second line."

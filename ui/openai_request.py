@@ -118,8 +118,8 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
             raise ApiError(400, "Each message needs a role: system, user or assistant.", "messages")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: the text ones are what a text model reads
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if isinstance(content, list):
+            content = _text_of(content)
         if not isinstance(content, str):
             raise ApiError(400, "Each message's content must be text.", "messages")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
@@ -129,6 +129,22 @@ def _messages(body: dict) -> list[dict]:
     if lead > 1:
         out[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in out[:lead])}]
     return out
+
+
+def _text_of(parts: list) -> str:
+    """A message's content parts as one text, joined by "\n" as vLLM's and TensorRT-LLM's OpenAI servers join them
+    (OpenAI does not document it). A part the model cannot read (image_url, input_audio, file…) is refused: answered
+    without it, the reply would be about something the model never saw."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "refusal"):  # a refusal: an earlier assistant turn's text, in OpenAI's history
+            what = f"a '{kind}' part" if isinstance(kind, str) else "a content part without a type"
+            raise ApiError(
+                400, f"This model reads text only, and a message has {what}. Send text parts only.", "messages"
+            )
+        texts.append(part.get(kind, ""))
+    return "\n".join(texts)
 
 
 def _stops(body: dict) -> list[str]:
