@@ -148,3 +148,27 @@ def test_text_parts_are_joined_by_a_line_break():
     parts = [{"type": "text", "text": "First line."}, {"type": "text", "text": "Second line."}]
     got = parse_chat({"messages": [{"role": "user", "content": parts}]}, 8).messages
     assert got == [{"role": "user", "content": "First line.\nSecond line."}]  # was: "First line.Second line."
+
+
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(served):
+    server, _, _ = served
+    r = _post(server, max_completion_tokens=None, max_tokens=2, temperature=0)  # clients send unset fields as null
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text  # was: Settings' 512
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),  # was: reported as 'max_tokens'
+        ({"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens"),
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"temperature": 7}, "temperature"),
+        ({"top_p": 2}, "top_p"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_a_value_out_of_range_names_its_own_field(served, extra, param):
+    server, _, _ = served
+    r = _post(server, **extra)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert f"'{param}'" in r.json()["error"]["message"]

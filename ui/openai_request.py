@@ -89,11 +89,14 @@ def _sampling(body: dict, default_max: int) -> Sampling:
 
     if body.get("n", 1) not in (1, None):
         raise ApiError(400, "Only n=1 is supported: this app generates one reply at a time.", "n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    # max_completion_tokens is OpenAI's newer name; null means "not given" (clients send their unset fields as
+    # null), so it must not hide a max_tokens beside it.
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(param)
     if max_tokens is None:
         max_tokens = default_max
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ApiError(400, "'max_tokens' must be a whole number of at least 1.", "max_tokens")
+        raise ApiError(400, f"'{param}' must be a whole number of at least 1.", param)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, "'seed' must be a whole number.", "seed")
