@@ -172,3 +172,21 @@ def test_a_value_out_of_range_names_its_own_field(served, extra, param):
     r = _post(server, **extra)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert f"'{param}'" in r.json()["error"]["message"]
+
+
+def test_more_than_four_stop_strings_are_taken_up_to_sixteen(served):
+    server, _, _ = served
+    r = _post(server, stop=[f"stop{i}" for i in range(16)])  # was: a 400 past 4 (Continue sends its whole list)
+    assert r.status_code == 200, r.text
+    r = _post(server, stop=[f"stop{i}" for i in range(17)])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop" and "16" in r.json()["error"]["message"]
+
+
+def test_top_p_zero_is_taken_as_greedy(served):
+    from ui.openai_request import parse_chat
+
+    server, _, _ = served
+    assert parse_chat({"messages": PROMPT, "top_p": 0}, 8).sampling.greedy
+    greedy = _post(server, temperature=0, max_tokens=6).json()["choices"][0]["message"]["content"]
+    r = _post(server, top_p=0, temperature=1.5, max_tokens=6)  # was: a 400 (OpenAI's range is 0 to 1)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy, r.text

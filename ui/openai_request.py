@@ -14,6 +14,11 @@ from fastapi.responses import JSONResponse
 
 from fmoe_local.config import Sampling
 
+# OpenAI caps `stop` at 4, but local servers (LM Studio, Ollama, vLLM) take more and editors send more (Continue
+# sends its whole list): refusing them refuses the editor. Each stop string is searched for after every token, so
+# a bound stays, well above what clients send.
+MAX_STOPS = 16
+
 
 @dataclass(frozen=True)
 class ChatRequest:
@@ -101,11 +106,12 @@ def _sampling(body: dict, default_max: int) -> Sampling:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, "'seed' must be a whole number.", "seed")
     temperature = number("temperature", 1.0, 0.0, 2.0)
+    top_p = number("top_p", 1.0, 0.0, 1.0)  # OpenAI's range; 0 keeps only the likeliest token: greedy
     return Sampling(
         max_new_tokens=max_tokens,
         temperature=temperature,
-        top_p=number("top_p", 1.0, 1e-9, 1.0),
-        greedy=temperature == 0.0,
+        top_p=top_p,
+        greedy=temperature == 0.0 or top_p == 0.0,
         seed=seed,
     )
 
@@ -153,6 +159,6 @@ def _text_of(parts: list) -> str:
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings.", "stop")
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise ApiError(400, f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings.", "stop")
     return stops
