@@ -190,3 +190,20 @@ def test_top_p_zero_is_taken_as_greedy(served):
     greedy = _post(server, temperature=0, max_tokens=6).json()["choices"][0]["message"]["content"]
     r = _post(server, top_p=0, temperature=1.5, max_tokens=6)  # was: a 400 (OpenAI's range is 0 to 1)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy, r.text
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+        ({"stream": True, "stream_options": True}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({"stream": "yes"}, "stream"),
+    ],
+)
+def test_a_malformed_field_is_an_openai_shaped_400_not_a_bare_500(served, extra, param):
+    server, _, _ = served
+    r = _post(server, **extra)  # was: "Internal Server Error" as text/plain
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", (r.status_code, r.text[:80])
+    assert r.json()["error"]["param"] == param

@@ -33,9 +33,12 @@ def parse_chat(body: dict, default_max: int) -> ChatRequest:
     """`default_max`: the reply length when the request names none (the app's Settings)."""
     _refuse_unsupported(body)
     sampling, messages, stops = _sampling(body, default_max), _messages(body), _stops(body)
-    stream = bool(body.get("stream"))
-    include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
-    return ChatRequest(messages, sampling, stops, stream, include_usage)
+    stream, options = body.get("stream") or False, body.get("stream_options") or {}
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false.", "stream")
+    if not isinstance(options, dict) or options.get("include_usage") not in (None, True, False):
+        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}.", "stream_options")
+    return ChatRequest(messages, sampling, stops, stream, stream and bool(options.get("include_usage")))
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -152,7 +155,10 @@ def _text_of(parts: list) -> str:
             raise ApiError(
                 400, f"This model reads text only, and a message has {what}. Send text parts only.", "messages"
             )
-        texts.append(part.get(kind, ""))
+        text = part.get(kind)
+        if not isinstance(text, str):
+            raise ApiError(400, f"A '{kind}' content part needs '{kind}', a string.", "messages")
+        texts.append(text)
     return "\n".join(texts)
 
 
