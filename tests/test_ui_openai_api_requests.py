@@ -207,3 +207,35 @@ def test_a_malformed_field_is_an_openai_shaped_400_not_a_bare_500(served, extra,
     r = _post(server, **extra)  # was: "Internal Server Error" as text/plain
     assert r.status_code == 400 and r.headers["content-type"] == "application/json", (r.status_code, r.text[:80])
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("POST", "completions", 404), ("POST", "embeddings", 404), ("GET", "chat/completions", 405), ("GET", "", 404)],
+)
+def test_an_unknown_v1_route_is_an_openai_shaped_error_naming_the_served_ones(served, method, path, status):
+    server, _, _ = served
+    r = httpx.request(method, f"{server.url}v1/{path}", json={"model": "x", "prompt": "hi"}, timeout=30)
+    assert r.status_code == status, r.text  # was: FastAPI's {"detail": "Not Found"}
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and f"{method} /v1/{path} is not served" in error["message"]
+    assert "GET /v1/models and POST /v1/chat/completions" in error["message"]
+
+
+def test_a_503_while_a_model_loads_says_when_to_ask_again(served):
+    from pathlib import Path
+
+    from ui.session import LoadJob
+
+    server, session, _ = served
+    loaded, job = session.runtime, session.loading
+    session.runtime, session.loading = None, LoadJob(Path("mixtral-strict"), "auto")
+    try:
+        r = _post(server)
+        assert r.status_code == 503 and "still loading" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "5"  # was: none, so clients retried at once or not at all
+        session.loading.finished.set()  # the load ended without a model: asking again soon would not help
+        r = _post(server)
+        assert r.status_code == 503 and "retry-after" not in r.headers
+    finally:
+        session.runtime, session.loading = loaded, job

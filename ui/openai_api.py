@@ -35,6 +35,8 @@ _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 # A request ended by someone other than its client (a model unloaded under it): not a complete reply.
 INTERRUPTED = "The reply was interrupted because the model was unloaded or reloaded in the app. Send the request again."
 LOST = "The request's worker thread ended without an answer. Send the request again."
+ROUTES = ("GET /v1/models", "POST /v1/chat/completions")  # what /v1 serves; any other request: a 404 naming them
+RETRY_AFTER_S = 5  # what a 503 during a model load asks a client to wait before it asks again
 _POLL_S = 0.2  # how often a non-streaming request checks that its client is still there (and a wait, its pump)
 
 
@@ -68,10 +70,9 @@ def build_router(session: Session) -> APIRouter:
 
     def runtime_or_error():
         if session.runtime is None:
-            raise ApiError(
-                503,
-                session.still_loading or session.load_error or "No model is loaded. Load one in the app's Models tab.",
-            )
+            if session.still_loading:  # worth asking again soon: clients that honour Retry-After wait, then retry
+                raise ApiError(503, session.still_loading, headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ApiError(503, session.load_error or "No model is loaded. Load one in the app's Models tab.")
         return session.runtime
 
     def model_id() -> str:
@@ -105,6 +106,14 @@ def build_router(session: Session) -> APIRouter:
             chunks = _sse(events, _Generation(chat.stops), ident, created, model_id(), chat.include_usage, stop)
             return StreamingResponse(_watch(chunks, request, stop), media_type="text/event-stream")
         return await _complete(events, _Generation(chat.stops), ident, created, model_id(), request, stop)
+
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
+    async def elsewhere(path: str, request: Request) -> JSONResponse:
+        """Any other /v1 path, or a served one with another method: an OpenAI-shaped error naming what is served
+        (instead of FastAPI's {"detail": "Not Found"}, which clients show as an unexplained failure)."""
+        known = any(route.split()[1] == f"/v1/{path}" for route in ROUTES)
+        message = f"{request.method} /v1/{path} is not served here: this app serves {' and '.join(ROUTES)}."
+        return ApiError(405 if known else 404, message).response()
 
     return router
 
