@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 import app
+from fmoe_local.config import Sampling
 
 openai = pytest.importorskip("openai")
 
@@ -77,7 +78,7 @@ def test_a_system_prompt_and_a_developer_message_become_one_system_message(serve
         {"role": "developer", "content": "Context: ships float."},
         *PROMPT,
     ]
-    assert parse_chat({"messages": both}, 8).messages == [
+    assert parse_chat({"messages": both}, Sampling(max_new_tokens=8)).messages == [
         {"role": "system", "content": "You are brief.\n\nContext: ships float."},
         *PROMPT,
     ]
@@ -146,7 +147,7 @@ def test_text_parts_are_joined_by_a_line_break():
     from ui.openai_request import parse_chat
 
     parts = [{"type": "text", "text": "First line."}, {"type": "text", "text": "Second line."}]
-    got = parse_chat({"messages": [{"role": "user", "content": parts}]}, 8).messages
+    got = parse_chat({"messages": [{"role": "user", "content": parts}]}, Sampling(max_new_tokens=8)).messages
     assert got == [{"role": "user", "content": "First line.\nSecond line."}]  # was: "First line.Second line."
 
 
@@ -186,7 +187,7 @@ def test_top_p_zero_is_taken_as_greedy(served):
     from ui.openai_request import parse_chat
 
     server, _, _ = served
-    assert parse_chat({"messages": PROMPT, "top_p": 0}, 8).sampling.greedy
+    assert parse_chat({"messages": PROMPT, "top_p": 0}, Sampling(max_new_tokens=8)).sampling.greedy
     greedy = _post(server, temperature=0, max_tokens=6).json()["choices"][0]["message"]["content"]
     r = _post(server, top_p=0, temperature=1.5, max_tokens=6)  # was: a 400 (OpenAI's range is 0 to 1)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy, r.text
@@ -239,3 +240,22 @@ def test_a_503_while_a_model_loads_says_when_to_ask_again(served):
         assert r.status_code == 503 and "retry-after" not in r.headers
     finally:
         session.runtime, session.loading = loaded, job
+
+
+def test_what_a_request_leaves_out_takes_the_app_s_settings(served):
+    from ui.openai_request import parse_chat
+
+    server, session, _ = served
+    settings = Sampling(max_new_tokens=5, temperature=0.3, top_p=0.4)
+    assert parse_chat({"messages": PROMPT, "top_p": None}, settings).sampling == settings  # was: 1.0 and 1.0
+    greedy = _post(server, temperature=0, max_tokens=3, seed=1).json()
+    before = session.store.settings.load()
+    session.store.settings.set(temperature=0.0, top_p=0.5, max_new_tokens=3)
+    try:
+        reply = _post(server, max_tokens=None, seed=1).json()  # no temperature, no top_p, a null max_tokens
+        assert reply["usage"] == greedy["usage"]  # Settings' max_new_tokens
+        assert reply["choices"][0]["message"] == greedy["choices"][0]["message"]  # Settings' temperature 0: was 1.0
+    finally:
+        session.store.settings.set(
+            temperature=before.temperature, top_p=before.top_p, max_new_tokens=before.max_new_tokens
+        )

@@ -2,11 +2,12 @@
 
 Scope: `GET /v1/models` and `POST /v1/chat/completions` (plain, and `stream: true` as server-sent events ending
 with `data: [DONE]`, with `stream_options.include_usage`), translating to `Runtime.stream` and back: max_tokens,
-temperature (0 = greedy), top_p, seed, stop, finish_reason, usage, errors in OpenAI's shape. Any bearer token is
-accepted (a local app has one user; the HTTP guard decides who may call at all), and so is any `model` in a
-request: the loaded model answers, listed under its short id (`Session.model_id`, "demo" for the built-in one). It does NOT hold model logic,
-queue requests itself (the runtime's worker runs one request at a time; others wait in its queue) or store API
-chats in the user's chat list.
+temperature (0 = greedy) and top_p (left out: the app's Settings values), seed, stop, finish_reason, usage, errors
+in OpenAI's shape (the body is parsed and checked in openai_request.py). Any bearer token is accepted (a local app
+has one user; the HTTP guard decides who may call at all), and so is any `model` in a request: the loaded model
+answers, listed under its short id (`Session.model_id`, "demo" for the built-in one). It does NOT hold model
+logic, queue requests itself (the runtime's worker runs one request at a time; others wait in its queue) or store
+API chats in the user's chat list.
 
 Threads: each request's runtime stream is consumed on a pump thread of its own (the runtime blocks), which posts
 the events into the event loop (`_Events`): a request waiting its turn holds no executor thread, so any number of
@@ -95,7 +96,11 @@ def build_router(session: Session) -> APIRouter:
             if not isinstance(body, dict):
                 raise ApiError(400, "The request body must be a JSON object.")
             runtime = runtime_or_error()
-            chat = parse_chat(body, session.store.settings.load().max_new_tokens)
+            settings = session.store.settings.load()
+            defaults = Sampling(
+                max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p
+            )
+            chat = parse_chat(body, defaults)
             await _check_prompt(runtime, chat.messages)
         except ApiError as exc:
             return exc.response()

@@ -29,10 +29,11 @@ class ChatRequest:
     include_usage: bool
 
 
-def parse_chat(body: dict, default_max: int) -> ChatRequest:
-    """`default_max`: the reply length when the request names none (the app's Settings)."""
+def parse_chat(body: dict, defaults: Sampling) -> ChatRequest:
+    """`defaults`: the app's Settings (temperature, top_p, max_new_tokens), for what the request leaves out or
+    sends as null, so an API client gets the replies the app's chat gets."""
     _refuse_unsupported(body)
-    sampling, messages, stops = _sampling(body, default_max), _messages(body), _stops(body)
+    sampling, messages, stops = _sampling(body, defaults), _messages(body), _stops(body)
     stream, options = body.get("stream") or False, body.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false.", "stream")
@@ -93,7 +94,7 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-def _sampling(body: dict, default_max: int) -> Sampling:
+def _sampling(body: dict, defaults: Sampling) -> Sampling:
     def number(name: str, default: float, low: float, high: float) -> float:
         value = body.get(name, default)
         if value is None:
@@ -109,14 +110,14 @@ def _sampling(body: dict, default_max: int) -> Sampling:
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(param)
     if max_tokens is None:
-        max_tokens = default_max
+        max_tokens = defaults.max_new_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ApiError(400, f"'{param}' must be a whole number of at least 1.", param)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, "'seed' must be a whole number.", "seed")
-    temperature = number("temperature", 1.0, 0.0, 2.0)
-    top_p = number("top_p", 1.0, 0.0, 1.0)  # OpenAI's range; 0 keeps only the likeliest token: greedy
+    temperature = number("temperature", defaults.temperature, 0.0, 2.0)
+    top_p = number("top_p", defaults.top_p, 0.0, 1.0)  # OpenAI's range; 0 keeps only the likeliest token: greedy
     return Sampling(
         max_new_tokens=max_tokens,
         temperature=temperature,
