@@ -5,7 +5,8 @@ thread for requests (runtime.py does), run the token loop (generate.py), or touc
 the policy's calls except through the Offload (offload.py).
 
 Threads: everything here runs on the runtime's worker thread, except `interrupt.set()` (any thread: Stop, close),
-which ends every wait of the Offload within a fraction of a second.
+which ends every wait of the Offload within a fraction of a second, and `tokenize_chat`, which Runtime.check also
+calls on its caller's thread: encodings run one at a time (`_encoding`), and the worker otherwise only decodes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
 from fmoe_local import cache_budget, cpu_experts, hardware, miss_cost
 from fmoe_local.cache import ExpertCache
@@ -37,8 +39,17 @@ from fmoe_local.stats import LayerCounters, RequestStats
 from fmoe_local.traces import DECODE, PREFILL, TraceRecorder
 
 
-class ContextTooLong(ValueError):
+class PromptRefused(ValueError):
+    """The messages cannot be a prompt for this model; the message is a sentence that says why. The request's
+    fault, not the server's: an API answers it 400, not 500."""
+
+
+class ContextTooLong(PromptRefused):
     """The prompt does not fit the model's context; the message says by how much and what to do."""
+
+
+class TemplateRefused(PromptRefused):
+    """The model's chat template rejects this sequence of messages (e.g. roles that do not alternate)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,6 +98,7 @@ class Engine:
         self.device = resolve_device(config.device)
         loaded = load_model(model_dir, config, self.device, resolve_dtype(config.dtype, self.device), progress)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
+        self._encoding = threading.Lock()  # tokenize_chat: the worker's and Runtime.check's callers'
         self.moe_layers = loaded.moe_layers
         self.dtype = next(p.dtype for p in self.model.parameters() if p.device.type != "meta")
         cfg = self.model.config
@@ -193,22 +205,40 @@ class Engine:
         return int(value) if value else None
 
     def encode_chat(self, messages: list[dict]) -> torch.Tensor:
-        """Prompt ids [1, T] from the tokenizer's own chat template (plain concatenation when it has none); a final
-        assistant message is continued, not answered. Raises
+        """Prompt ids [1, T] on the device: `tokenize_chat` (which may raise PromptRefused) as a tensor."""
+        return torch.tensor([self.tokenize_chat(messages)], device=self.device)
+
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """Prompt ids from the tokenizer's own chat template (plain concatenation when it has none); a final
+        assistant message is continued, not answered. Touches no device: Runtime.check calls it on its caller's
+        thread. Raises
         ContextTooLong (a sentence) when the prompt leaves no room for a reply: refused before any compute, so an
-        over-long paste cannot occupy the model for minutes."""
+        over-long paste cannot occupy the model for minutes; TemplateRefused (a sentence) when the model's chat
+        template rejects the messages (its raise_exception: e.g. roles that do not alternate)."""
         tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill): the
-            # prompt ends inside it, where the model left off, instead of opening a new turn after it.
-            cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
-            ids = tok.apply_chat_template(
-                messages, add_generation_prompt=not cont, continue_final_message=cont, tokenize=True, return_dict=False
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-        else:
-            ids = tok("\n".join(m["content"] for m in messages))["input_ids"]
+        with self._encoding:
+            if getattr(tok, "chat_template", None):
+                # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill):
+                # the prompt ends inside it, where the model left off, instead of opening a new turn after it.
+                cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
+                try:
+                    ids = tok.apply_chat_template(
+                        messages,
+                        add_generation_prompt=not cont,
+                        continue_final_message=cont,
+                        tokenize=True,
+                        return_dict=False,
+                    )
+                except TemplateSyntaxError:
+                    raise  # the template itself is broken: not these messages' fault
+                except TemplateError as exc:
+                    raise TemplateRefused(
+                        f"{self.model_dir.name}'s chat template refuses these messages: {exc}"
+                    ) from exc
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+            else:
+                ids = tok("\n".join(m["content"] for m in messages))["input_ids"]
         if ids and isinstance(ids[0], list):
             ids = ids[0]
         limit = self.context_length
@@ -217,7 +247,7 @@ class Engine:
                 f"This conversation is {len(ids):,} tokens long, but {self.model_dir.name} reads at most {limit:,}. "
                 "Start a new chat, or shorten the message."
             )
-        return torch.tensor([ids], device=self.device)
+        return list(ids)
 
     @contextmanager
     def request(self, request_id: int, stats: RequestStats, text: str = "") -> Iterator[None]:

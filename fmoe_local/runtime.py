@@ -3,8 +3,9 @@
 `Runtime.load(model_dir, config)` builds the offloaded model; `stream(messages)` yields `TextDelta` events and one
 final `Finished` with the request's statistics; `stop()` ends the generation within one token; `reconfigure()`
 changes cache size, prefetch distance, policy, store capacity or miss handling without reloading the model;
-`reset_cache()` empties the expert cache so the next request starts cold (benchmarks); `close()` stops every
-thread. One worker thread owns the model; each request has its own response queue and its own stop flag. Callers
+`reset_cache()` empties the expert cache so the next request starts cold (benchmarks); `check(messages)` says
+before queueing whether the messages can be a prompt at all (engine.PromptRefused); `close()` stops every thread.
+One worker thread owns the model; each request has its own response queue and its own stop flag. Callers
 wait on the worker only through `_wait` (bounded: it notices a worker that has ended); after close() the worker
 ends whatever is still queued with the sentence CLOSED instead of running it under a model being closed.
 
@@ -27,7 +28,7 @@ from typing import TypeVar
 from fmoe_local.cache import ExpertLoadError
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.copier import Interrupted, LoadTimeout
-from fmoe_local.engine import ContextTooLong, Engine
+from fmoe_local.engine import Engine, PromptRefused
 from fmoe_local.generate import Detokenizer, generate_ids
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.prefetch_distance import decode_layer_s
@@ -38,7 +39,7 @@ from fmoe_local.stats import RequestStats
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 # Failures whose message is already a sentence for the user.
-_SENTENCES = (ContextTooLong, ExpertLoadError, LoadTimeout, PrefetcherFailed)
+_SENTENCES = (PromptRefused, ExpertLoadError, LoadTimeout, PrefetcherFailed)
 CLOSED = (
     "The model was unloaded before this request ran (another model was loaded, or the app is closing). Send it again."
 )
@@ -200,6 +201,22 @@ class Runtime:
             # A consumer that walks away (closed tab, broken pipe) must not leave the model generating.
             request.stop.set()
 
+    def check(self, messages: list[dict]) -> int | None:
+        """The prompt's length in tokens. Raises PromptRefused (ContextTooLong, TemplateRefused: a sentence) when
+        these messages cannot be a prompt for this model: the request's own fault, told before it is queued (a
+        server answers it 400 before its reply starts). Runs on the caller's thread, without waiting for the
+        worker; the worker encodes again when the request runs. None when it cannot tell (the runtime is closed,
+        or the tokenizer failed otherwise): `stream` then gives the verdict."""
+        if self._closed:
+            return None
+        try:
+            return len(self._engine.tokenize_chat(list(messages)))
+        except PromptRefused:
+            raise
+        except Exception:  # noqa: BLE001 - not the messages' fault: the worker's own encode decides and reports it
+            log.debug("prompt check skipped", exc_info=True)
+            return None
+
     def generate(self, messages: list[dict], sampling: Sampling | None = None) -> Finished:
         events = list(self.stream(messages, sampling))
         return events[-1]
@@ -334,7 +351,7 @@ class Runtime:
         e = self._engine
         try:
             prompt_ids = e.encode_chat(request.messages)
-        except ContextTooLong as exc:
+        except PromptRefused as exc:  # too long, or the chat template's own refusal: a sentence, not a crash
             request.out.put(Finished.failed(str(exc)))
             return
         stats = RequestStats(prompt_tokens=int(prompt_ids.shape[1]))

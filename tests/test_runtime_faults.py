@@ -14,6 +14,7 @@ import time
 import pytest
 
 from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.engine import ContextTooLong
 from fmoe_local.runtime import Finished, Runtime
 
 PROMPT = [{"role": "user", "content": "Tell me about the ocean and the waves."}]
@@ -172,6 +173,9 @@ def test_an_over_long_prompt_is_refused_before_any_compute(tiny_model_dir):
         assert "tokens long, but" in final.error and "reads at most 512" in final.error
         assert "Start a new chat, or shorten the message." in final.error
         assert runtime.engine.counters.misses.sum() + runtime.engine.counters.hits.sum() == 0  # nothing ran
+        with pytest.raises(ContextTooLong, match="reads at most 512"):  # told before queueing (the API's 400)
+            runtime.check(pasted)
+        assert 0 < runtime.check([{"role": "user", "content": "the sea"}]) < 512
         _works(runtime)
 
 

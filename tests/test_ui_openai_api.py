@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import queue
 import socket
 import threading
 import time
@@ -176,6 +178,9 @@ def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
 
         info = session.runtime.info
 
+        def check(self, messages):
+            return None
+
         def stream(self, messages, sampling, stop=None):
             yield TextDelta("Once upon", 7)
             yield Finished("Once upon", [7], RequestStats(finish_reason="cancelled"), "cancelled")
@@ -189,4 +194,78 @@ def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
             client.chat.completions.create(model="x", messages=PROMPT, max_tokens=300)
         assert INTERRUPTED in str(plain.value)
     finally:
+        session.runtime = loaded
+
+
+class _OneAtATime:
+    """A runtime that serves one request at a time, like the real one: the first request holds the turn and writes
+    each word only when the test hands it one; the others wait for the turn, counted in `waiting`."""
+
+    def __init__(self, info) -> None:  # noqa: ANN001
+        self.info, self.turn, self.words = info, threading.Lock(), queue.Queue()
+        self.waiting, self._count = 0, threading.Lock()
+
+    def check(self, messages) -> None:  # noqa: ANN001
+        return None
+
+    def stream(self, messages, sampling, stop=None):  # noqa: ANN001, ANN201
+        from fmoe_local.runtime import Finished, TextDelta
+        from fmoe_local.stats import RequestStats
+
+        first = self.turn.acquire(blocking=False)
+        if not first:
+            with self._count:
+                self.waiting += 1
+            if not self.turn.acquire(timeout=60):
+                yield Finished.failed("no turn")
+                return
+        try:
+            words = iter(lambda: self.words.get(timeout=60), None) if first else iter(["ok"])
+            text, ids = "", []
+            for word in words:
+                text, ids = text + word, [*ids, len(ids)]
+                yield TextDelta(word, ids[-1])
+            yield Finished(text, ids, RequestStats(prompt_tokens=3, finish_reason="stop"), "stop")
+        finally:
+            self.turn.release()
+
+
+def test_a_reply_keeps_streaming_while_many_requests_wait_their_turn(served):
+    """Before the fix each waiting request held one of the event loop's executor threads (asyncio.to_thread on its
+    queue); with them all taken, the reply being generated found no thread to read its next word and froze (for
+    good here, since the others wait for it). More waiting requests than the executor has threads shows it."""
+    import httpx
+
+    server, session, _ = served
+    url = f"{server.url}v1/chat/completions"
+    fake = _OneAtATime(session.runtime.info)
+    waiters = min(32, (os.cpu_count() or 1) + 4) + 2  # ThreadPoolExecutor's default size, and more
+    answers = []
+
+    def wait_for_turn() -> None:
+        answers.append(httpx.post(url, json={"model": "x", "messages": PROMPT}, timeout=120).status_code)
+
+    loaded, session.runtime = session.runtime, fake
+    others = [threading.Thread(target=wait_for_turn) for _ in range(waiters)]
+    try:
+        body = {"model": "x", "messages": PROMPT, "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=httpx.Timeout(120, read=20)) as r:
+            lines = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+            assert next(lines)["choices"][0]["delta"]["role"] == "assistant"
+            for t in others:
+                t.start()
+            deadline = time.monotonic() + 60
+            while fake.waiting < waiters and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert fake.waiting == waiters
+            for i in range(4):  # each word reaches the client while all the others wait
+                fake.words.put(f"w{i} ")
+                assert next(lines)["choices"][0]["delta"]["content"] == f"w{i} "
+            fake.words.put(None)
+            assert [c["choices"][0]["finish_reason"] for c in lines] == ["stop"]
+        for t in others:
+            t.join(120)
+        assert answers == [200] * waiters  # and then each got its turn
+    finally:
+        fake.words.put(None)
         session.runtime = loaded

@@ -2,21 +2,23 @@
 
 Scope: `GET /v1/models` and `POST /v1/chat/completions` (plain, and `stream: true` as server-sent events ending
 with `data: [DONE]`, with `stream_options.include_usage`), translating to `Runtime.stream` and back: max_tokens,
-temperature (0 = greedy), top_p, seed, stop, finish_reason, usage, errors in OpenAI's shape. Any bearer token is
-accepted (a local app has one user; the HTTP guard decides who may call at all), and so is any `model` in a
-request: the loaded model answers, listed under its short id (`Session.model_id`, "demo" for the built-in one). It does NOT hold model logic,
-queue requests itself (the runtime's worker runs one request at a time; others wait in its queue) or store API
-chats in the user's chat list.
+temperature (0 = greedy) and top_p (left out: the app's Settings values), seed, stop, finish_reason, usage, errors
+in OpenAI's shape (the body is parsed and checked in openai_request.py). Any bearer token is accepted (a local app
+has one user; the HTTP guard decides who may call at all), and so is any `model` in a request: the loaded model
+answers, listed under its short id (`Session.model_id`, "demo" for the built-in one). It does NOT hold model
+logic, queue requests itself (the runtime's worker runs one request at a time; others wait in its queue) or store
+API chats in the user's chat list.
 
-Threads: each request's runtime stream is consumed on a worker thread (the runtime blocks); a client that goes
-away sets that request's own stop flag, which ends it within a token or at once if it is still queued.
+Threads: each request's runtime stream is consumed on a pump thread of its own (the runtime blocks), which posts
+the events into the event loop (`_Events`): a request waiting its turn holds no executor thread, so any number of
+them cannot freeze the reply being generated. A client that goes away sets that request's own stop flag, which
+ends it within a token or at once if it is still queued.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import threading
 import time
 import uuid
@@ -27,77 +29,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fmoe_local.config import Sampling
+from ui.openai_request import ApiError, parse_chat
 from ui.session import Session
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 # A request ended by someone other than its client (a model unloaded under it): not a complete reply.
 INTERRUPTED = "The reply was interrupted because the model was unloaded or reloaded in the app. Send the request again."
-_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-def _sampling(body: dict, default_max: int) -> Sampling:
-    def number(name: str, default: float, low: float, high: float) -> float:
-        value = body.get(name, default)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise ApiError(400, f"'{name}' must be a number from {low} to {high}.", name)
-        return float(value)
-
-    if body.get("n", 1) not in (1, None):
-        raise ApiError(400, "Only n=1 is supported: this app generates one reply at a time.", "n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = default_max
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ApiError(400, "'max_tokens' must be a whole number of at least 1.", "max_tokens")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, "'seed' must be a whole number.", "seed")
-    temperature = number("temperature", 1.0, 0.0, 2.0)
-    return Sampling(
-        max_new_tokens=max_tokens,
-        temperature=temperature,
-        top_p=number("top_p", 1.0, 1e-9, 1.0),
-        greedy=temperature == 0.0,
-        seed=seed,
-    )
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content}.", "messages")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise ApiError(400, "Each message needs a role: system, user or assistant.", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: the text ones are what a text model reads
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise ApiError(400, "Each message's content must be text.", "messages")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    return out
-
-
-def _stops(body: dict) -> list[str]:
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings.", "stop")
-    return stops
+LOST = "The request's worker thread ended without an answer. Send the request again."
+ROUTES = ("GET /v1/models", "POST /v1/chat/completions")  # what /v1 serves; any other request: a 404 naming them
+RETRY_AFTER_S = 5  # what a 503 during a model load asks a client to wait before it asks again
+_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there (and a wait, its pump)
 
 
 class _Generation:
@@ -130,10 +71,9 @@ def build_router(session: Session) -> APIRouter:
 
     def runtime_or_error():
         if session.runtime is None:
-            raise ApiError(
-                503,
-                session.still_loading or session.load_error or "No model is loaded. Load one in the app's Models tab.",
-            )
+            if session.still_loading:  # worth asking again soon: clients that honour Retry-After wait, then retry
+                raise ApiError(503, session.still_loading, headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ApiError(503, session.load_error or "No model is loaded. Load one in the app's Models tab.")
         return session.runtime
 
     def model_id() -> str:
@@ -156,54 +96,113 @@ def build_router(session: Session) -> APIRouter:
             if not isinstance(body, dict):
                 raise ApiError(400, "The request body must be a JSON object.")
             runtime = runtime_or_error()
-            sampling = _sampling(body, session.store.settings.load().max_new_tokens)
-            messages, stops = _messages(body), _stops(body)
+            settings = session.store.settings.load()
+            defaults = Sampling(
+                max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p
+            )
+            chat = parse_chat(body, defaults)
+            await _check_prompt(runtime, chat.messages)
         except ApiError as exc:
             return exc.response()
         stop = threading.Event()
         ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        events = _events(runtime, messages, sampling, stop, router.finished)
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            chunks = _sse(events, _Generation(stops), ident, created, model_id(), usage, stop)
+        events = _events(runtime, chat.messages, chat.sampling, stop, router.finished)
+        if chat.stream:
+            chunks = _sse(events, _Generation(chat.stops), ident, created, model_id(), chat.include_usage, stop)
             return StreamingResponse(_watch(chunks, request, stop), media_type="text/event-stream")
-        return await _complete(events, _Generation(stops), ident, created, model_id(), request, stop)
+        return await _complete(events, _Generation(chat.stops), ident, created, model_id(), request, stop)
+
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
+    async def elsewhere(path: str, request: Request) -> JSONResponse:
+        """Any other /v1 path, or a served one with another method: an OpenAI-shaped error naming what is served
+        (instead of FastAPI's {"detail": "Not Found"}, which clients show as an unexplained failure)."""
+        known = any(route.split()[1] == f"/v1/{path}" for route in ROUTES)
+        message = f"{request.method} /v1/{path} is not served here: this app serves {' and '.join(ROUTES)}."
+        return ApiError(405 if known else 404, message).response()
 
     return router
 
 
-def _events(runtime, messages: list[dict], sampling: Sampling, stop: threading.Event, finished: deque) -> queue.Queue:  # noqa: ANN001
+async def _check_prompt(runtime, messages: list[dict]) -> None:  # noqa: ANN001
+    """A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
+    that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it."""
+    from fmoe_local.engine import ContextTooLong, PromptRefused
+
+    try:
+        await asyncio.to_thread(runtime.check, messages)  # tokenizing takes milliseconds; no turn is awaited
+    except PromptRefused as exc:
+        code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else None
+        raise ApiError(400, str(exc), "messages", code) from exc
+
+
+def _events(runtime, messages: list[dict], sampling: Sampling, stop: threading.Event, finished: deque) -> _Events:  # noqa: ANN001
     """Run the request on a pump thread that always reads the runtime's stream to its end (so its finish is
-    recorded even after the client left); the async side reads the queue. None marks the end."""
-    out: queue.Queue = queue.Queue()
+    recorded even after the client left) and posts each event to the async side. None marks the end."""
+    events = _Events(asyncio.get_running_loop())
 
     def pump() -> None:
         final = None
         try:
             for event in runtime.stream(messages, sampling, stop=stop):
                 final = event
-                out.put(event)
+                events.post(event)
         except Exception as exc:  # noqa: BLE001 - the client gets the sentence instead of a bare 500 or a cut stream
             from fmoe_local.runtime import Finished
 
             final = Finished.failed(str(exc))
-            out.put(final)
+            events.post(final)
         finally:
             if final is not None and hasattr(final, "reason"):
                 finished.append((final.reason, len(final.token_ids)))
-            out.put(None)
+            events.post(None)
 
-    threading.Thread(target=pump, name="fmoe-api-request", daemon=True).start()
-    return out
+    events.thread = threading.Thread(target=pump, name="fmoe-api-request", daemon=True)
+    events.thread.start()
+    return events
+
+
+class _Events:
+    """One request's events, from its pump thread to the async side through the event loop (call_soon_threadsafe
+    into an asyncio.Queue): a request waiting for its turn holds no thread of the loop's executor, so however many
+    wait, the one generating keeps streaming (with asyncio.to_thread, each waiting request held one of the
+    executor's few threads and the running reply froze once they were all taken)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.queue, self.thread, self.ended = loop, asyncio.Queue(), None, False
+
+    def post(self, item: object) -> None:
+        """Called on the pump thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed (the server stopped): nobody reads these any more
+            pass
+
+    async def next(self):  # noqa: ANN201 - a TextDelta, a Finished, or None at the end
+        """The next event. Bounded: every runtime wait is (Runtime._wait), the pump always posts None at its end,
+        and a pump thread that ended without it anyway is noticed within _POLL_S and ends the request with an
+        error rather than a wait for ever."""
+        while True:
+            if not self.queue.empty():
+                return self.queue.get_nowait()
+            try:
+                return await asyncio.wait_for(self.queue.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                if self.thread.is_alive():
+                    continue
+                await asyncio.sleep(0)  # its last posts were on the loop before it ended: let them land
+                if not self.queue.empty():
+                    continue
+                if self.ended:
+                    return None
+                from fmoe_local.runtime import Finished
+
+                self.ended = True
+                return Finished.failed(LOST)
 
 
 def _usage(final) -> dict:  # noqa: ANN001 - a Finished
     prompt, completion = final.stats.prompt_tokens, len(final.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-async def _next(events: queue.Queue):
-    return await asyncio.to_thread(events.get)
 
 
 async def _complete(events, gen, ident, created, model, request, stop) -> JSONResponse:  # noqa: ANN001
@@ -217,7 +216,7 @@ async def _complete(events, gen, ident, created, model, request, stop) -> JSONRe
     watcher = asyncio.create_task(watch())
     try:
         final = None
-        while (event := await _next(events)) is not None:
+        while (event := await events.next()) is not None:
             if hasattr(event, "reason"):
                 final = event
             elif not gen.stopped:
@@ -245,7 +244,7 @@ async def _sse(events, gen, ident, created, model, usage, stop) -> AsyncIterator
 
     yield chunk({"role": "assistant", "content": ""})
     final = None
-    while (event := await _next(events)) is not None:
+    while (event := await events.next()) is not None:
         if hasattr(event, "reason"):
             final = event
             continue

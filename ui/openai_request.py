@@ -1,0 +1,178 @@
+"""The body of a /v1/chat/completions request, parsed and checked: what the API passes to the runtime, or an
+ApiError in OpenAI's shape (a 4xx names the field, `param`, that is wrong).
+
+Scope: messages, sampling (max_tokens, temperature, top_p, seed, n), stop, stream and stream_options, and the
+refusal of what the app cannot do (response_format other than text, logprobs, tool calls). It does NOT
+talk to the runtime or the session (ui/openai_api.py does), so every check here runs before a request is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+
+from fmoe_local.config import Sampling
+
+# OpenAI caps `stop` at 4, but local servers (LM Studio, Ollama, vLLM) take more and editors send more (Continue
+# sends its whole list): refusing them refuses the editor. Each stop string is searched for after every token, so
+# a bound stays, well above what clients send.
+MAX_STOPS = 16
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict]
+    sampling: Sampling
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat(body: dict, defaults: Sampling) -> ChatRequest:
+    """`defaults`: the app's Settings (temperature, top_p, max_new_tokens), for what the request leaves out or
+    sends as null, so an API client gets the replies the app's chat gets."""
+    _refuse_unsupported(body)
+    sampling, messages, stops = _sampling(body, defaults), _messages(body), _stops(body)
+    stream, options = body.get("stream") or False, body.get("stream_options") or {}
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false.", "stream")
+    if not isinstance(options, dict) or options.get("include_usage") not in (None, True, False):
+        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}.", "stream_options")
+    return ChatRequest(messages, sampling, stops, stream, stream and bool(options.get("include_usage")))
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """What this app cannot do is refused by name (a 400 with `param`), never ignored: a client that is told can
+    fall back (ask for JSON in the prompt, Open WebUI's default function calling), while one that is ignored takes
+    a reply that never followed its rules for one that did. Tools included: accepted with tool_choice "auto", the
+    model would never see them, and an agent (LangChain's bind_tools) would read its text as "no tool needed".
+    Only tool_choice "none", which promises a text reply, takes tools (and leaves them out)."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise ApiError(
+            400,
+            'Only response_format {"type": "text"} is supported: this app cannot hold a reply to JSON or a schema. '
+            "Ask for JSON in the messages instead.",
+            "response_format",
+        )
+    if body.get("logprobs") not in (None, False):
+        raise ApiError(400, "'logprobs' is not supported: this app does not return token probabilities.", "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise ApiError(
+            400, "'top_logprobs' is not supported: this app does not return token probabilities.", "top_logprobs"
+        )
+    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        if body.get(choice) not in (None, "none", "auto"):  # "required" or a named function: a call is demanded
+            raise ApiError(
+                400, f'\'{choice}\' can only be "none" or "auto": this app\'s models do not call tools.', choice
+            )
+        if body.get(tools) and body.get(choice) != "none":
+            raise ApiError(
+                400,
+                f"Tool calling is not supported: this app's models answer in text only. Send the request without "
+                f'\'{tools}\' (in Open WebUI: Function Calling "Default", not "Native").',
+                tools,
+            )
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _sampling(body: dict, defaults: Sampling) -> Sampling:
+    def number(name: str, default: float, low: float, high: float) -> float:
+        value = body.get(name, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ApiError(400, f"'{name}' must be a number from {low} to {high}.", name)
+        return float(value)
+
+    if body.get("n", 1) not in (1, None):
+        raise ApiError(400, "Only n=1 is supported: this app generates one reply at a time.", "n")
+    # max_completion_tokens is OpenAI's newer name; null means "not given" (clients send their unset fields as
+    # null), so it must not hide a max_tokens beside it.
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(param)
+    if max_tokens is None:
+        max_tokens = defaults.max_new_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ApiError(400, f"'{param}' must be a whole number of at least 1.", param)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, "'seed' must be a whole number.", "seed")
+    temperature = number("temperature", defaults.temperature, 0.0, 2.0)
+    top_p = number("top_p", defaults.top_p, 0.0, 1.0)  # OpenAI's range; 0 keeps only the likeliest token: greedy
+    return Sampling(
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        greedy=temperature == 0.0 or top_p == 0.0,
+        seed=seed,
+    )
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content}.", "messages")
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") in ("tool", "function"):
+            raise ApiError(400, "Tool results cannot be sent: this app's models do not call tools.", "messages")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise ApiError(400, "Each message needs a role: system, user or assistant.", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            content = _text_of(content)
+        if not isinstance(content, str):
+            raise ApiError(400, "Each message's content must be text.", "messages")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    # Clients send a system prompt and then a developer or RAG message; many chat templates (Mixtral's) take one
+    # system message only and refuse a second. The leading ones become one, in their order.
+    lead = next((i for i, m in enumerate(out) if m["role"] != "system"), len(out))
+    if lead > 1:
+        out[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in out[:lead])}]
+    return out
+
+
+def _text_of(parts: list) -> str:
+    """A message's content parts as one text, joined by "\n" as vLLM's and TensorRT-LLM's OpenAI servers join them
+    (OpenAI does not document it). A part the model cannot read (image_url, input_audio, file…) is refused: answered
+    without it, the reply would be about something the model never saw."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "refusal"):  # a refusal: an earlier assistant turn's text, in OpenAI's history
+            what = f"a '{kind}' part" if isinstance(kind, str) else "a content part without a type"
+            raise ApiError(
+                400, f"This model reads text only, and a message has {what}. Send text parts only.", "messages"
+            )
+        text = part.get(kind)
+        if not isinstance(text, str):
+            raise ApiError(400, f"A '{kind}' content part needs '{kind}', a string.", "messages")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise ApiError(400, f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings.", "stop")
+    return stops
