@@ -85,7 +85,9 @@ def test_data_dir_that_does_not_exist_yet_becomes_a_folder(tmp_path, monkeypatch
 def test_a_data_dir_that_cannot_be_a_folder_is_a_sentence_not_a_traceback(tmp_path):
     taken = tmp_path / "a-file"
     taken.write_text("not a folder")
-    with pytest.raises(SystemExit, match=r"cannot use .*a-file/data as the data folder \(.*\)\. Give --data-dir a folder"):
+    with pytest.raises(
+        SystemExit, match=r"cannot use .*a-file/data as the data folder \(.*\)\. Give --data-dir a folder"
+    ):
         app.serve(app.build_parser().parse_args(["--no-browser", "--data-dir", str(taken / "data")]))
     assert taken.read_text() == "not a folder"
 
