@@ -1,6 +1,6 @@
 """fmoe-local entry point: `python app.py` (or `fmoe-local` with no sub-command) starts the chat app.
 
-    python app.py [--model DIR|REPO_ID] [--port N] [--no-browser] [--data-dir DIR] [--listen]
+    python app.py [--model DIR|REPO_ID] [--port N] [--no-browser] [--data-dir DIR] [--listen] [--allow-origin ORIGIN]
 
 Scope: command line → store + Session (+ the model to load) → ui.build() → ui.server (guarded, on 127.0.0.1; the
 next free port when the asked one is taken; `--listen` opts in to the local network). Sub-commands (`run`, `bench`) go to
@@ -44,7 +44,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--listen", action="store_true", help="serve on the local network too (anyone on it can use the app)"
     )
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        type=api_origin,
+        metavar="ORIGIN",
+        help="let a browser-based app at ORIGIN (e.g. app://obsidian.md, http://localhost:3000) call the /v1 API; "
+        "repeat for more",
+    )
     return p
+
+
+def api_origin(text: str) -> str:
+    """An origin exactly as a browser sends it (scheme://host[:port], nothing after); never every origin."""
+    from urllib.parse import urlsplit
+
+    origin = text.strip().rstrip("/")
+    parts = urlsplit(origin)
+    if origin in ("*", "null") or not parts.scheme or not parts.netloc or parts.path or parts.query:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not an origin: write it as the app's page sends it, scheme://host[:port] with nothing "
+            "after (e.g. http://localhost:3000 or app://obsidian.md); '*' and 'null' are never granted."
+        )
+    return origin
 
 
 def bind_host(listen: bool) -> str:
@@ -216,7 +239,12 @@ def serve(args: argparse.Namespace):
     from ui.server import Server
 
     api = build_router(session)
-    server = Server(demo, host, port, args.listen, api, theme=theme(), css=CSS, ssr_mode=False, footer_links=[])
+    origins = tuple(args.allow_origin)
+    if origins:
+        print(f"fmoe-local: the /v1 API also answers browser pages from {', '.join(origins)}.", flush=True)
+    server = Server(
+        demo, host, port, args.listen, api, origins, theme=theme(), css=CSS, ssr_mode=False, footer_links=[]
+    )
     url = server.start()
     # For a second start on the same data, which finds it in use: it opens this address instead of failing.
     running_url_file(store).write_text(url, encoding="utf-8")

@@ -189,3 +189,88 @@ def test_the_file_route_serves_neither_the_chats_nor_any_other_file(served, tmp_
     for path in (database, "/etc/passwd", "app.py"):
         status, _, text = _request(port, "GET", f"/gradio_api/file={path}", local)
         assert status == 403 and b"not allowed" in text, path
+
+
+def _through_guard(method: str, path: str, headers: dict, api_origins=("app://obsidian.md",)):
+    """One request through LocalOnlyGuard around an app that answers 200 "ok": (status, headers, reached app?)."""
+    import asyncio
+
+    from ui.http_guard import LocalOnlyGuard
+
+    reached = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    asyncio.run(LocalOnlyGuard(inner, api_origins=api_origins)(scope, receive, send))
+    start, body = sent[0], sent[1]["body"].decode()
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]} | {"body": body}, bool(reached)
+
+
+def test_an_origin_the_user_allowed_may_call_the_api_and_nothing_else():
+    mine = {"Host": "127.0.0.1:7860", "Origin": "app://obsidian.md"}
+    preflight = mine | {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    status, headers, reached = _through_guard("OPTIONS", "/v1/chat/completions", preflight)
+    assert (status, reached) == (204, False) and headers["access-control-allow-origin"] == "app://obsidian.md"
+    status, headers, reached = _through_guard("POST", "/v1/chat/completions", mine | {"Sec-Fetch-Site": "cross-site"})
+    assert (status, reached) == (200, True) and headers["access-control-allow-origin"] == "app://obsidian.md"
+    assert "content-security-policy" in headers
+    # Never the UI; never another origin; never a rebinding Host; never a header clients do not need.
+    for method, path, headers in (
+        ("GET", "/gradio_api/info", mine),
+        ("POST", "/v1/chat/completions", mine | {"Origin": "https://evil.example"}),
+        ("POST", "/v1/chat/completions", mine | {"Host": "evil.example:7860"}),
+        ("OPTIONS", "/v1/models", preflight | {"Access-Control-Request-Headers": "x-evil"}),
+    ):
+        status, headers, reached = _through_guard(method, path, headers)
+        assert (status, reached) == (403, False) and "access-control-allow-origin" not in headers, (path, headers)
+    # Without --allow-origin it is refused, and the refusal says how to allow it.
+    status, headers, reached = _through_guard("POST", "/v1/chat/completions", mine, api_origins=())
+    assert (status, reached) == (403, False)
+    assert "start fmoe-local with --allow-origin app://obsidian.md" in headers["body"]
+
+
+def test_an_allowed_origin_gets_through_the_whole_served_stack(tmp_path):
+    """The inner CORS layer (which grants nothing) must not undo the guard's grant: a real server, a real request."""
+    args = ["--no-browser", "--data-dir", str(tmp_path), "--port", str(PORT + 7), "--allow-origin", "app://obsidian.md"]
+    server, session, url = app.serve(app.build_parser().parse_args(args))
+    try:
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        mine = {"Host": f"127.0.0.1:{port}", "Origin": "app://obsidian.md"}
+        asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        status, headers, _ = _request(port, "OPTIONS", "/v1/chat/completions", mine | asks)
+        assert status == 204 and headers.get("access-control-allow-origin") == "app://obsidian.md", headers
+        status, headers, body = _request(port, "GET", "/v1/models", mine)
+        assert status == 200 and headers.get("access-control-allow-origin") == "app://obsidian.md", headers
+        status, _, _ = _request(port, "GET", "/", mine | {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors"})
+        assert status == 403  # the page and its internal API stay its own
+    finally:
+        server.close()
+        session.close()
+        session.store.close()
+
+
+def test_allow_origin_takes_an_origin_and_refuses_everything_wider():
+    args = app.build_parser().parse_args(
+        ["--allow-origin", "http://localhost:3000/", "--allow-origin", "app://obsidian.md"]
+    )
+    assert args.allow_origin == ["http://localhost:3000", "app://obsidian.md"]
+    for wide in ("*", "null", "localhost:3000", "http://localhost:3000/chat"):
+        with pytest.raises(SystemExit):
+            app.build_parser().parse_args(["--allow-origin", wide])

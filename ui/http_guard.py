@@ -14,6 +14,9 @@ Why: a server on 127.0.0.1 is reachable by every web page the user opens.
 - A browser sends no Origin with a GET for an `<img>`, `<script>` or frame; it does send `Sec-Fetch-Site`. From
   another site only a top-level page load (a link the user follows) is served: a cross-site page may not probe
   our URLs, include them, or frame the app to trick clicks.
+- Opt-in only (`--allow-origin ORIGIN`): a browser-based app the user names (an Electron app's `app://…`, a web
+  client on another port) may call the /v1 API, never the UI: preflights are answered here and its answers carry
+  `Access-Control-Allow-Origin` for that exact origin; the Host rule still applies, and `*` is never granted.
 - Every answer carries a Content-Security-Policy: the page may load images, fonts, styles, scripts and
   connections only from itself, submit forms only to itself and sits in no other site's frame. Whatever a message
   or reply slips past ui/render.py, the browser still fetches nothing from elsewhere.
@@ -31,6 +34,9 @@ REFUSED = (
     "This request was refused: fmoe-local only answers its own pages and programs on this computer. "
     "Open the address the app printed (http://127.0.0.1:PORT) in your browser."
 )
+API_PREFIX = "/v1/"
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_HEADERS = "authorization, content-type"  # what OpenAI clients send; a preflight asking for more is not granted
 
 
 def machine_names() -> frozenset[str]:
@@ -96,47 +102,79 @@ def allowed(host_header: str | None, origin: str | None, listen: bool, names: It
     return (o_host, o_port) == (host, port)
 
 
-class LocalOnlyGuard:
-    """ASGI middleware: answers 403 with a sentence (HTTP) or closes (WebSocket) whatever `allowed` refuses."""
+def api_origin_granted(origin: str | None, path: str, granted: frozenset[str]) -> bool:
+    """An origin the user named with --allow-origin, calling the /v1 API (never the UI)."""
+    return origin is not None and origin in granted and path.startswith(API_PREFIX)
 
-    def __init__(self, app, listen: bool = False, names: Iterable[str] = ()) -> None:  # noqa: ANN001 - ASGI app
+
+def cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
+    return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+
+
+class LocalOnlyGuard:
+    """ASGI middleware: answers 403 with a sentence (HTTP) or closes (WebSocket) whatever `allowed` refuses;
+    answers the preflights of the origins granted the API (`api_origins`) itself."""
+
+    def __init__(  # noqa: ANN001 - ASGI app
+        self, app, listen: bool = False, names: Iterable[str] = (), api_origins: Iterable[str] = ()
+    ) -> None:
         self.app = app
         self.listen = listen
         self.names = frozenset(names)
+        self.api_origins = frozenset(api_origins)
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - the ASGI signature
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        origin = headers.get("origin")
+        if scope["type"] == "http" and api_origin_granted(origin, scope.get("path", ""), self.api_origins):
+            host, _ = _split(headers.get("host") or "")
+            if host_allowed(host, self.listen, self.names):
+                await self._granted(scope, receive, send, origin, headers)
+                return
         fetch = (headers.get("sec-fetch-site"), headers.get("sec-fetch-mode"), headers.get("sec-fetch-dest"))
-        if allowed(headers.get("host"), headers.get("origin"), self.listen, self.names) and fetch_allowed(*fetch):
+        if allowed(headers.get("host"), origin, self.listen, self.names) and fetch_allowed(*fetch):
             await self.app(scope, receive, send if scope["type"] == "websocket" else _with_headers(send))
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = REFUSED.encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 403,
-                "headers": [
-                    (b"content-type", b"text/plain; charset=utf-8"),
-                    (b"content-length", str(len(body)).encode()),
-                    *SECURITY_HEADERS,
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        said = REFUSED
+        if origin and scope.get("path", "").startswith(API_PREFIX):
+            said += f" To let the app at {origin} use the API, start fmoe-local with --allow-origin {origin}"
+        await _answer(send, 403, said.encode(), [(b"content-type", b"text/plain; charset=utf-8")])
+
+    async def _granted(self, scope, receive, send, origin: str, headers: dict) -> None:  # noqa: ANN001
+        if scope.get("method") == "OPTIONS":  # the preflight: answered here (the inner CORS layer grants nothing)
+            asked = {h.strip().lower() for h in headers.get("access-control-request-headers", "").split(",")} - {""}
+            ok = asked <= set(CORS_HEADERS.split(", ")) and headers.get("access-control-request-method", "GET") in (
+                "GET",
+                "POST",
+            )
+            extra = [
+                (b"access-control-allow-methods", CORS_METHODS.encode()),
+                (b"access-control-allow-headers", CORS_HEADERS.encode()),
+                (b"access-control-max-age", b"600"),
+            ]
+            await _answer(send, 204 if ok else 403, b"", cors_headers(origin) + extra if ok else [])
+            return
+        await self.app(scope, receive, _with_headers(send, cors_headers(origin)))
 
 
-def _with_headers(send):  # noqa: ANN001, ANN202 - ASGI callables
+async def _answer(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:  # noqa: ANN001
+    length = [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + length + SECURITY_HEADERS})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _with_headers(send, extra: list[tuple[bytes, bytes]] = ()):  # noqa: ANN001, ANN202 - ASGI callables
     async def send_with_headers(message) -> None:  # noqa: ANN001
         if message["type"] == "http.response.start":
-            ours = {name for name, _ in SECURITY_HEADERS}
+            ours = {name for name, _ in SECURITY_HEADERS} | {name for name, _ in extra}
             kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in ours]
-            message = {**message, "headers": kept + SECURITY_HEADERS}
+            message = {**message, "headers": kept + list(extra) + SECURITY_HEADERS}
         await send(message)
 
     return send_with_headers

@@ -34,16 +34,19 @@ class Server:
         port: int,
         listen: bool = False,
         api: APIRouter | None = None,
+        api_origins: tuple[str, ...] = (),
         **ui_options: object,
     ) -> None:
-        """`api`: routes served beside the UI (the /v1 API); `ui_options`: what Blocks.launch would take for the page
-        (theme, css, footer_links, ssr_mode…)."""
+        """`api`: routes served beside the UI (the /v1 API); `api_origins`: browser origins the user granted the API
+        (--allow-origin; http_guard.py); `ui_options`: what Blocks.launch would take for the page (theme, css,
+        footer_links, ssr_mode…)."""
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
         self.api = api
         if api is not None:
             app.include_router(api)  # before the mount at /, which would otherwise take every path
         app.add_middleware(CORSMiddleware, allow_origins=[])  # no origin is ever granted; Gradio's CORS stands down
-        app.add_middleware(LocalOnlyGuard, listen=listen, names=machine_names() if listen else ())  # outermost
+        names = machine_names() if listen else ()
+        app.add_middleware(LocalOnlyGuard, listen=listen, names=names, api_origins=api_origins)  # outermost
         gr.mount_gradio_app(app, demo, path="/", max_file_size=MAX_UPLOAD, show_error=True, **ui_options)
         self.app = app
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '127.0.0.1') else host}:{port}/"
