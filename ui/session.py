@@ -143,10 +143,9 @@ class Session:
     download: object | None = None  # ui.downloads.Download in progress
     loading: LoadJob | None = None  # the latest start_load's job (the header says "Loading …" until it finishes)
     # The stop flags of the chat's replies still being generated: chat_flow adds one per reply and drops it when
-    # the reply is saved, the chat's Stop sets them all, from any thread, under `_replies_lock`
-    # (not `_lock`, which a load holds for minutes). All, because a reply whose
-    # page was reloaded goes on writing (and is saved) while the new page's next reply waits behind it; Stop ends
-    # the chat's replies only, never an API client's request.
+    # the reply is saved; the chat's Stop sets them all, from any thread, under `_replies_lock` (not `_lock`, which
+    # a load holds for minutes). All, because a reply whose page was reloaded goes on writing (and is saved) while
+    # the new page's next reply waits behind it. Stop ends the chat's replies only, never an API client's request.
     chat_replies: set = field(default_factory=set)
     _machine: Machine | None = None
     _persistence: object | None = None
