@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fmoe_local import cpu_experts, hardware
+from fmoe_local import bandwidth, cpu_experts
 from fmoe_local.cpu_experts import NATIVE, Kernel
 
 PROBE_TOKENS = 16  # the second point of cpu_s(tokens): prefill-sized, still quick to time
@@ -150,7 +150,7 @@ def format_of(dtype: torch.dtype) -> str:
 def probe_experts(host: object, max_bytes: int = PROBE_MAX_BYTES) -> list[Mapping[str, torch.Tensor]]:
     """Real experts to time, taken from the RAM tier in (layer, expert) order, spread over the layers: enough bytes
     to exceed the last-level cache (so they come from DRAM, as a miss does), within `max_bytes`."""
-    target = min(max(2 * hardware.llc_bytes(), PROBE_MIN_BYTES), max_bytes)
+    target = min(max(2 * bandwidth.llc_bytes(), PROBE_MIN_BYTES), max_bytes)
     in_ram = getattr(host, "in_ram", lambda layer, expert: True)
     keys = [(e % host.num_layers, e // host.num_layers) for e in range(host.num_layers * host.num_experts)]
     keys = [(layer, (expert + layer) % host.num_experts) for layer, expert in keys]  # every layer, varied ids
@@ -181,7 +181,7 @@ def probe(
     chosen = next(t for t in timings if t.kernel == kernel.name)
     many = cpu_experts.time_kernel(kernel, module, samples[:8], hidden, tokens=PROBE_TOKENS, passes=2)
     if h2d_gbps is None:
-        h2d_gbps = hardware.host_to_device_gbps(H2D_PROBE_MB) if device.type == "cuda" else 0.0
+        h2d_gbps = bandwidth.host_to_device_gbps(H2D_PROBE_MB) if device.type == "cuda" else 0.0
     name = f"{fmt} native" if kernel is NATIVE else kernel.name
     costs = MissCosts(
         device=device.type,

@@ -14,8 +14,8 @@ from fmoe_local.cpu_experts import KERNELS
 @pytest.fixture
 def small(monkeypatch):
     monkeypatch.setattr(bench, "MIN_CYCLE_BYTES", 1)
-    monkeypatch.setattr(bench.hardware, "llc_bytes", lambda: 1)
-    monkeypatch.setattr(bench.hardware, "dram_read_gbps", lambda: 10.0)
+    monkeypatch.setattr(bench.bandwidth, "llc_bytes", lambda: 1)
+    monkeypatch.setattr(bench.bandwidth, "dram_read_gbps", lambda: 10.0)
     monkeypatch.setitem(bench.SHAPES, "tiny-gated", bench.ExpertShape("tiny-gated", "qwen3_moe", 64, 32, "test"))
     monkeypatch.setitem(bench.SHAPES, "tiny-oss", bench.ExpertShape("tiny-oss", "gpt_oss", 64, 32, "test"))
 

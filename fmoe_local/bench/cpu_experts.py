@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fmoe_local import cpu_experts, hardware
+from fmoe_local import bandwidth, cpu_experts
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def measure_shape(
     transposed = hf_internals.is_transposed(module)
     bias = transposed and hf_internals.has_bias(module)
     generator = torch.Generator().manual_seed(0)
-    target = max(4 * hardware.llc_bytes(), MIN_CYCLE_BYTES)
+    target = max(4 * bandwidth.llc_bytes(), MIN_CYCLE_BYTES)
     rows: list[Row] = []
     for fmt in formats:
         try:
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--threads must be 0 (torch's choice) or a positive number.")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dram = hardware.dram_read_gbps()
+    dram = bandwidth.dram_read_gbps()
     rows: list[Row] = []
     for name in shapes:
         rows += measure_shape(SHAPES[name], formats, tokens, dram, int(args.max_gb * 1e9), args.passes)
