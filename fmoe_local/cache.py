@@ -12,10 +12,10 @@ again, and acquire takes a short path (no loads, waits or stall clock).
 
 Threads (the Offload's rule, offload.py, which alone owns the cache): the forward thread calls acquire/release; the
 prefetcher thread calls try_prefetch and copies its own prefetches; the forward pass's on-demand loads run on the
-loader thread (copier.py) while the forward thread waits for them. One lock guards the residency tables; copies run
-outside it, in chunks, and a prefetch gives way to a running on-demand load between chunks (`_give_way`). On CUDA a
-landing means the copy is issued: the forward thread never waits for a copy on the host, the compute stream waits
-for its event (`before_use`). Host copies are permanent, so eviction only frees a slot.
+loader thread (copier.py) while the forward thread waits for them. One lock guards the residency tables (slot_table.py);
+copies run outside it, in chunks, and a prefetch gives way to a running on-demand load between chunks (`_give_way`).
+On CUDA a landing means the copy is issued: the forward thread never waits for a copy on the host, the compute stream
+waits for its event (`before_use`). Host copies are permanent, so eviction only frees a slot.
 
 Failures and waits: a load that fails releases its slot and raises (to the forward pass, or to the prefetcher,
 which reports it to the request); every wait has a deadline (`load_timeout_s`) and gives up at once when
@@ -33,7 +33,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,19 +41,10 @@ from fmoe_local.cache_budget import check_capacity
 from fmoe_local.copier import Copier, Interrupted, Landing, Loader, LoadTimeout
 from fmoe_local.host import HostStore
 from fmoe_local.policies.base import ExpertKey, Policy
+from fmoe_local.slot_table import SlotTable
 from fmoe_local.stats import LayerCounters
 
 OnHost = Callable[[list[int]], Sequence[bool]]  # an access's missing experts → computed on the host, each?
-
-
-@dataclass
-class _Slot:
-    key: ExpertKey | None = None
-    pins: int = 0
-    ready: Landing = field(default_factory=Landing)  # this claim's load; a new one per claim
-    by_prefetch: bool = False  # loaded by the prefetcher and not used yet
-    copy_event: object | None = None  # CUDA: the copy's completion on the copy stream
-    last_use: object | None = None  # CUDA: compute stream event after the last kernel reading this slot
 
 
 class ExpertLoadError(RuntimeError):
@@ -88,9 +78,7 @@ class ExpertCache:
             name: torch.empty((self.capacity, *shape), dtype=dtypes.get(name, host.param_dtype), device=device)
             for name, shape in host.param_shapes.items()
         }
-        self._slots = [_Slot() for _ in range(self.capacity)]
-        self._slot_of: dict[ExpertKey, int] = {}
-        self._free = list(range(self.capacity - 1, -1, -1))
+        self._slots = SlotTable(self.capacity)
         self._lock = threading.Condition()
         self._demand = 0  # on-demand loads in progress: the prefetcher yields to them
         self._slot_waiters = 0  # claims waiting for a slot to become evictable: prefetches must not pause then
@@ -113,7 +101,7 @@ class ExpertCache:
 
     def resident(self) -> list[ExpertKey]:
         with self._lock:
-            return [s.key for s in self._slots if s.key is not None and s.ready.is_set()]
+            return self._slots.resident()
 
     def resident_bytes(self) -> int:
         return len(self.resident()) * self.expert_bytes
@@ -122,7 +110,7 @@ class ExpertCache:
         """[L, J] bool: experts resident or being copied in, i.e. what a prefetch would find already there."""
         mask = np.zeros((self.host.num_layers, self.host.num_experts), bool)
         with self._lock:
-            keys = list(self._slot_of)
+            keys = list(self._slots.slot_of)
         if keys:
             layers, experts = zip(*keys, strict=True)
             mask[list(layers), list(experts)] = True
@@ -151,7 +139,7 @@ class ExpertCache:
             self.current_layer = layer
             if self._complete:
                 # Nothing to load or wait for (every slot is ready): no on-demand bracket, no stall clock.
-                slots = [self._pin_hit_locked(layer, e, self._slot_of[(layer, e)]) for e in experts]
+                slots = [self._pin_hit_locked(layer, e, self._slots.slot_of[(layer, e)]) for e in experts]
                 self.policy.record_access(layer, list(experts), [True] * len(experts))
                 return slots
             self._demand += 1
@@ -194,7 +182,7 @@ class ExpertCache:
         # Pin every resident expert of this access first, so that loading a missing one can never evict
         # another expert the same layer is about to use.
         for e in experts:
-            s = self._slot_of.get((layer, e))
+            s = self._slots.slot_of.get((layer, e))
             hits.append(s is not None)  # what the policy is told, late or not (the replay tells it the same)
             slots.append(-1 if s is None else s)
             if s is None:
@@ -283,9 +271,9 @@ class ExpertCache:
         """Load (layer, expert) if absent and a slot can be freed without touching pinned experts."""
         key = (layer, expert)
         with self._lock:
-            if key in self._slot_of or self._demand:
+            if key in self._slots.slot_of or self._demand:
                 return False
-            if not self._free and not self._evictable_locked():
+            if not self._slots.has_free() and not self._slots.evictable():
                 return False
             s = self._claim_locked(key, current_layer=self.current_layer)
             self._slots[s].by_prefetch = True
@@ -305,14 +293,10 @@ class ExpertCache:
                 self._lock.wait(timeout=0.05)
 
     # ---- internals -----------------------------------------------------------------------------------------------
-    def _evictable_locked(self) -> list[ExpertKey]:
-        return [s.key for s in self._slots if s.key is not None and s.pins == 0 and s.ready.is_set()]
-
     def _claim_locked(self, key: ExpertKey, current_layer: int, deadline: float = math.inf) -> int:
-        if self._free:
-            s = self._free.pop()
-        else:
-            candidates = self._evictable_locked()
+        s = self._slots.take_free()
+        if s is None:
+            candidates = self._slots.evictable()
             self._slot_waiters += 1
             try:
                 while not candidates:
@@ -326,28 +310,20 @@ class ExpertCache:
                         )
                     self._lock.notify_all()  # a paused prefetch sees the waiter and goes on
                     self._lock.wait(timeout=0.05)
-                    candidates = self._evictable_locked()
+                    candidates = self._slots.evictable()
             finally:
                 self._slot_waiters -= 1
             victim = self.policy.choose_victims(candidates, current_layer, 1)[0]
-            s = self._slot_of.pop(victim)
+            s = self._slots.evict(victim)
             if self._slots[s].by_prefetch:
                 self.counters.prefetch_wasted += 1
-        slot = self._slots[s]
-        slot.key, slot.pins, slot.by_prefetch = key, 0, False
-        slot.ready = Landing()
-        self._slot_of[key] = s
+        self._slots.occupy(s, key)
         return s
 
     def _release_locked(self, s: int, key: ExpertKey, landing: Landing, error: BaseException) -> None:
         """A load that will not land: the claim is released (the expert is simply not resident) and its waiters
         hear `error`."""
-        slot = self._slots[s]
-        if slot.ready is landing:
-            del self._slot_of[key]
-            slot.key, slot.pins, slot.by_prefetch = None, 0, False
-            slot.ready = Landing()
-            self._free.append(s)
+        self._slots.vacate(s, key, landing)
         landing.set(error)
         self._lock.notify_all()
 
@@ -376,7 +352,7 @@ class ExpertCache:
         with self._lock:
             self.counters.bytes_moved += self.expert_bytes
             landing.set()
-            if len(self._slot_of) == self._total and all(x.ready.is_set() for x in self._slots):
+            if self._slots.all_loaded(self._total):
                 self._complete = True
             self._lock.notify_all()
         return None
@@ -396,10 +372,6 @@ class ExpertCache:
     def drop_unused_prefetches(self) -> int:
         """Count prefetched experts still unused at the end of a request as wasted (they stay resident)."""
         with self._lock:
-            wasted = 0
-            for slot in self._slots:
-                if slot.by_prefetch:
-                    slot.by_prefetch = False
-                    wasted += 1
+            wasted = self._slots.forget_prefetches()
             self.counters.prefetch_wasted += wasted
             return wasted

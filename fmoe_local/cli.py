@@ -113,7 +113,8 @@ def default_model_dir() -> Path:
 
 
 def run_command(args: argparse.Namespace, persistence_factory: PersistenceFactory | None = None) -> int:
-    from fmoe_local.runtime import Finished, Runtime, TextDelta
+    from fmoe_local.runtime import Runtime
+    from fmoe_local.runtime_types import Finished, TextDelta
 
     config = config_from_args(args)
     model_dir = Path(args.model) if args.model else default_model_dir()

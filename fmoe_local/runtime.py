@@ -1,13 +1,14 @@
 """Runtime: the one API the CLI, the UI and the benchmarks consume (mlx-lm style).
 
 `Runtime.load(model_dir, config)` builds the offloaded model; `stream(messages)` yields `TextDelta` events and one
-final `Finished` with the request's statistics; `stop()` ends the generation within one token; `reconfigure()`
-changes cache size, prefetch distance, policy, store capacity or miss handling without reloading the model;
-`reset_cache()` empties the expert cache so the next request starts cold (benchmarks); `check(messages)` says
-before queueing whether the messages can be a prompt at all (engine.PromptRefused); `close()` stops every thread.
-One worker thread owns the model; each request has its own response queue and its own stop flag. Callers
-wait on the worker only through `_wait` (bounded: it notices a worker that has ended); after close() the worker
-ends whatever is still queued with the sentence CLOSED instead of running it under a model being closed.
+final `Finished` with the request's statistics (both in runtime_types.py, with `ModelInfo`); `stop()` ends the
+generation within one token; `reconfigure()` changes cache size, prefetch distance, policy, store capacity or miss
+handling without reloading the model; `reset_cache()` empties the expert cache so the next request starts cold
+(benchmarks); `check(messages)` says before queueing whether the messages can be a prompt at all
+(engine.PromptRefused); `close()` stops every thread. One worker thread owns the model; each request has its own
+response queue and its own stop flag. Callers wait on the worker only through `_wait` (bounded: it notices a worker
+that has ended); after close() the worker ends whatever is still queued with the sentence CLOSED instead of running
+it under a model being closed.
 
 It does NOT persist anything (the app passes a MapPersistence from store/, and may save `miss_costs`), nor probe
 hardware beyond resolving "auto" device/dtype and measuring the miss costs once at load (miss_cost.py).
@@ -34,6 +35,7 @@ from fmoe_local.miss_cost import MissCosts
 from fmoe_local.prefetch_distance import decode_layer_s
 from fmoe_local.prefetcher import PrefetcherFailed
 from fmoe_local.quant_cache import Progress
+from fmoe_local.runtime_types import Finished, ModelInfo, TextDelta
 from fmoe_local.stats import RequestStats
 
 T = TypeVar("T")
@@ -44,48 +46,6 @@ CLOSED = (
     "The model was unloaded before this request ran (another model was loaded, or the app is closing). Send it again."
 )
 _POLL_S = 0.5  # how often a caller waiting on the worker checks that the worker still runs
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-    token_id: int
-
-
-@dataclass(frozen=True)
-class Finished:
-    text: str
-    token_ids: list[int]
-    stats: RequestStats
-    reason: str  # "stop" (end of sequence), "length", "cancelled", "error"
-    error: str = ""
-
-    @classmethod
-    def failed(cls, error: str) -> Finished:
-        """A request that ended before any text with `error`, a sentence for the user."""
-        return cls("", [], RequestStats(finish_reason="error"), "error", error=error)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    path: str
-    family: str
-    num_layers: int
-    num_experts: int
-    top_k: int
-    expert_bytes: int
-    resident_bytes: int
-    device: str
-    dtype: str
-    cache_experts: int
-    cache_gb: float
-    policy: str
-    prefetch_distance: int
-    store_capacity: int
-    miss_handling: str = "copy"  # in force: the setting, or the one the policy forces (cpu_moe: cpu)
-    host_ram_bytes: int = 0  # expert weights held in RAM (the rest are read from disk per use)
-    expert_format: str = "bf16"  # how experts are stored in RAM and the cache (auto resolved: expert_formats.py)
 
 
 @dataclass

@@ -15,7 +15,8 @@ from fmoe_local.cache import ExpertLoadError
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.cpu_experts import KERNELS, NATIVE, HostExperts, KernelTiming, choose, expert_forward, kernels_for
 from fmoe_local.engine import Engine
-from fmoe_local.runtime import Finished, Runtime
+from fmoe_local.runtime import Runtime
+from fmoe_local.runtime_types import Finished
 
 PROMPT = [{"role": "user", "content": "Tell me about the ocean and the waves."}]
 # Relative error of the whole expert's output against fp32 eager, per format (rounding of weights and activations).

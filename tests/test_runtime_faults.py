@@ -15,7 +15,8 @@ import pytest
 
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.engine import ContextTooLong
-from fmoe_local.runtime import Finished, Runtime
+from fmoe_local.runtime import Runtime
+from fmoe_local.runtime_types import Finished
 
 PROMPT = [{"role": "user", "content": "Tell me about the ocean and the waves."}]
 GREEDY = Sampling(greedy=True, max_new_tokens=6)

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from fmoe_local.config import Sampling
-from fmoe_local.runtime import CLOSED, Finished, Runtime
+from fmoe_local.runtime import CLOSED, Runtime
+from fmoe_local.runtime_types import Finished
 from tests.test_runtime_faults import GREEDY, PROMPT, HeldReads, _config, _works
 
 

@@ -30,7 +30,7 @@ def test_a_failed_reply_shows_its_sentence_inline_and_keeps_the_partial_text(tmp
     from types import SimpleNamespace
 
     from fmoe_local.config import Sampling
-    from fmoe_local.runtime import Finished, TextDelta
+    from fmoe_local.runtime_types import Finished, TextDelta
     from fmoe_local.stats import RequestStats
     from store import open_store
     from ui.chat_flow import reply
@@ -130,7 +130,7 @@ class ScriptedRuntime:
         self.seen: list[list[dict]] = []
 
     def stream(self, messages, sampling, stop=None):
-        from fmoe_local.runtime import Finished, TextDelta
+        from fmoe_local.runtime_types import Finished, TextDelta
         from fmoe_local.stats import RequestStats
 
         self.seen.append(messages)
@@ -216,7 +216,7 @@ class SlowRuntime:
         self.release = threading.Event()
 
     def stream(self, messages, sampling, stop=None):
-        from fmoe_local.runtime import Finished, TextDelta
+        from fmoe_local.runtime_types import Finished, TextDelta
         from fmoe_local.stats import RequestStats
 
         text = ""

@@ -167,7 +167,7 @@ def test_the_chat_s_stop_leaves_an_api_client_s_reply_alone(served):
 
 
 def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
-    from fmoe_local.runtime import Finished, TextDelta
+    from fmoe_local.runtime_types import Finished, TextDelta
     from fmoe_local.stats import RequestStats
     from ui.openai_api import INTERRUPTED
 
@@ -209,7 +209,7 @@ class _OneAtATime:
         return None
 
     def stream(self, messages, sampling, stop=None):  # noqa: ANN001, ANN201
-        from fmoe_local.runtime import Finished, TextDelta
+        from fmoe_local.runtime_types import Finished, TextDelta
         from fmoe_local.stats import RequestStats
 
         first = self.turn.acquire(blocking=False)

@@ -73,7 +73,7 @@ def stream_reply(
 ) -> Iterator[list[dict]]:
     """Stream the model's reply to `messages` under the bubbles `shown` (after `prefix`, the start of a reply being
     continued); `save(text, stats)` stores it (even a stopped one). Yields Chatbot message lists."""
-    from fmoe_local.runtime import Finished, TextDelta
+    from fmoe_local.runtime_types import Finished, TextDelta
 
     runtime = runtime_of(session)
     stop = threading.Event()  # the chat's Stop ends this reply (and any other chat reply), not an API request

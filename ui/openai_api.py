@@ -147,7 +147,7 @@ def _events(runtime, messages: list[dict], sampling: Sampling, stop: threading.E
                 final = event
                 events.post(event)
         except Exception as exc:  # noqa: BLE001 - the client gets the sentence instead of a bare 500 or a cut stream
-            from fmoe_local.runtime import Finished
+            from fmoe_local.runtime_types import Finished
 
             final = Finished.failed(str(exc))
             events.post(final)
@@ -194,7 +194,7 @@ class _Events:
                     continue
                 if self.ended:
                     return None
-                from fmoe_local.runtime import Finished
+                from fmoe_local.runtime_types import Finished
 
                 self.ended = True
                 return Finished.failed(LOST)
