@@ -5,7 +5,7 @@ thread for requests (runtime.py does), run the token loop (generate.py), or touc
 the policy's calls except through the Offload (offload.py).
 
 Threads: everything here runs on the runtime's worker thread, except `interrupt.set()` (any thread: Stop, close),
-which ends every wait of the Offload within a fraction of a second, and `tokenize_chat`, which Runtime.check also
+which ends every wait of the Offload within a fraction of a second, and `tokenize_prompt`, which Runtime.check also
 calls on its caller's thread: encodings run one at a time (`_encoding`), and the worker otherwise only decodes.
 """
 
@@ -98,7 +98,7 @@ class Engine:
         self.device = resolve_device(config.device)
         loaded = load_model(model_dir, config, self.device, resolve_dtype(config.dtype, self.device), progress)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
-        self._encoding = threading.Lock()  # tokenize_chat: the worker's and Runtime.check's callers'
+        self._encoding = threading.Lock()  # tokenize_prompt: the worker's and Runtime.check's callers'
         self.moe_layers = loaded.moe_layers
         self.dtype = next(p.dtype for p in self.model.parameters() if p.device.type != "meta")
         cfg = self.model.config
@@ -204,50 +204,49 @@ class Engine:
         value = getattr(self.model.config, "max_position_embeddings", None)
         return int(value) if value else None
 
-    def encode_chat(self, messages: list[dict]) -> torch.Tensor:
-        """Prompt ids [1, T] on the device: `tokenize_chat` (which may raise PromptRefused) as a tensor."""
-        return torch.tensor([self.tokenize_chat(messages)], device=self.device)
+    def encode_prompt(self, prompt: list[dict] | str) -> torch.Tensor:
+        """Prompt ids [1, T] on the device: `tokenize_prompt` (which may raise PromptRefused) as a tensor."""
+        return torch.tensor([self.tokenize_prompt(prompt)], device=self.device)
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        """Prompt ids from the tokenizer's own chat template (plain concatenation when it has none); a final
-        assistant message is continued, not answered. Touches no device: Runtime.check calls it on its caller's
-        thread. Raises
-        ContextTooLong (a sentence) when the prompt leaves no room for a reply: refused before any compute, so an
-        over-long paste cannot occupy the model for minutes; TemplateRefused (a sentence) when the model's chat
-        template rejects the messages (its raise_exception: e.g. roles that do not alternate)."""
-        tok = self.tokenizer
+    def tokenize_prompt(self, prompt: list[dict] | str) -> list[int]:
+        """Prompt ids of chat messages, from the tokenizer's own chat template (plain concatenation when it has none;
+        a final assistant message is continued, not answered), or of a text to continue as it is (an API client's
+        /v1/completions: the tokenizer's own special tokens, a BOS where the model has one, and no template).
+        Touches no device: Runtime.check calls it on its caller's thread. Raises ContextTooLong (a sentence) when
+        the prompt leaves no room for a reply: refused before any compute, so an over-long paste cannot occupy the
+        model for minutes; TemplateRefused (a sentence) when the model's chat template rejects the messages (its
+        raise_exception: e.g. roles that do not alternate)."""
         with self._encoding:
-            if getattr(tok, "chat_template", None):
-                # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill):
-                # the prompt ends inside it, where the model left off, instead of opening a new turn after it.
-                cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
-                try:
-                    ids = tok.apply_chat_template(
-                        messages,
-                        add_generation_prompt=not cont,
-                        continue_final_message=cont,
-                        tokenize=True,
-                        return_dict=False,
-                    )
-                except TemplateSyntaxError:
-                    raise  # the template itself is broken: not these messages' fault
-                except TemplateError as exc:
-                    raise TemplateRefused(
-                        f"{self.model_dir.name}'s chat template refuses these messages: {exc}"
-                    ) from exc
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                    ids = ids["input_ids"]
-            else:
-                ids = tok("\n".join(m["content"] for m in messages))["input_ids"]
+            ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else self._chat_ids(prompt)
         if ids and isinstance(ids[0], list):
             ids = ids[0]
         limit = self.context_length
         if limit is not None and len(ids) >= limit:
+            what = "prompt" if isinstance(prompt, str) else "conversation"
+            fix = "Shorten the prompt." if isinstance(prompt, str) else "Start a new chat, or shorten the message."
             raise ContextTooLong(
-                f"This conversation is {len(ids):,} tokens long, but {self.model_dir.name} reads at most {limit:,}. "
-                "Start a new chat, or shorten the message."
+                f"This {what} is {len(ids):,} tokens long, but {self.model_dir.name} reads at most {limit:,}. {fix}"
             )
         return list(ids)
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            return tok("\n".join(m["content"] for m in messages))["input_ids"]
+        # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill): the
+        # prompt ends inside it, where the model left off, instead of opening a new turn after it.
+        cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
+        try:
+            ids = tok.apply_chat_template(
+                messages, add_generation_prompt=not cont, continue_final_message=cont, tokenize=True, return_dict=False
+            )
+        except TemplateSyntaxError:
+            raise  # the template itself is broken: not these messages' fault
+        except TemplateError as exc:
+            raise TemplateRefused(f"{self.model_dir.name}'s chat template refuses these messages: {exc}") from exc
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return ids
 
     @contextmanager
     def request(self, request_id: int, stats: RequestStats, text: str = "") -> Iterator[None]:

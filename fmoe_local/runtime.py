@@ -1,10 +1,11 @@
 """Runtime: the one API the CLI, the UI and the benchmarks consume (mlx-lm style).
 
-`Runtime.load(model_dir, config)` builds the offloaded model; `stream(messages)` yields `TextDelta` events and one
+`Runtime.load(model_dir, config)` builds the offloaded model; `stream(prompt)` (chat messages, or a text to continue
+as it is) yields `TextDelta` events and one
 final `Finished` with the request's statistics (both in runtime_types.py, with `ModelInfo`); `stop()` ends the
 generation within one token; `reconfigure()` changes cache size, prefetch distance, policy, store capacity or miss
 handling without reloading the model; `reset_cache()` empties the expert cache so the next request starts cold
-(benchmarks); `check(messages)` says before queueing whether the messages can be a prompt at all
+(benchmarks); `check(prompt)` says before queueing whether the prompt can be one at all
 (engine.PromptRefused); `close()` stops every thread. One worker thread owns the model; each request has its own
 response queue and its own stop flag. Callers wait on the worker only through `_wait` (bounded: it notices a worker
 that has ended); after close() the worker ends whatever is still queued with the sentence CLOSED instead of running
@@ -50,13 +51,20 @@ _POLL_S = 0.5  # how often a caller waiting on the worker checks that the worker
 
 @dataclass
 class _Request:
-    messages: list[dict]
+    prompt: list[dict] | str  # chat messages, or a text the reply continues as it is (Engine.tokenize_prompt)
     sampling: Sampling
     out: queue.Queue
     stop: threading.Event
 
 
 _SENTINEL = object()
+
+
+def _request_text(prompt: list[dict] | str) -> str:
+    """What a recorded trace labels the request with: the text the user last wrote."""
+    if isinstance(prompt, str):
+        return prompt
+    return prompt[-1].get("content", "") if prompt else ""
 
 
 class Runtime:
@@ -139,7 +147,7 @@ class Runtime:
         return self._engine
 
     def stream(
-        self, messages: list[dict], sampling: Sampling | None = None, stop: threading.Event | None = None
+        self, prompt: list[dict] | str, sampling: Sampling | None = None, stop: threading.Event | None = None
     ) -> Iterator[TextDelta | Finished]:
         """Queue a request; yields its TextDelta events, then one Finished. `stop`: the request's own stop flag, for
         a caller that must end this request from another thread (a server whose client went away) — setting it
@@ -147,7 +155,8 @@ class Runtime:
         if self._closed:  # a caller holding a runtime that another thread just closed (a model being swapped)
             yield Finished.failed(CLOSED)
             return
-        request = _Request(list(messages), sampling or self.config.sampling, queue.Queue(), stop or threading.Event())
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        request = _Request(prompt, sampling or self.config.sampling, queue.Queue(), stop or threading.Event())
         self._jobs.put(request)
         try:
             while True:
@@ -161,24 +170,24 @@ class Runtime:
             # A consumer that walks away (closed tab, broken pipe) must not leave the model generating.
             request.stop.set()
 
-    def check(self, messages: list[dict]) -> int | None:
+    def check(self, prompt: list[dict] | str) -> int | None:
         """The prompt's length in tokens. Raises PromptRefused (ContextTooLong, TemplateRefused: a sentence) when
-        these messages cannot be a prompt for this model: the request's own fault, told before it is queued (a
+        this prompt cannot be one for this model: the request's own fault, told before it is queued (a
         server answers it 400 before its reply starts). Runs on the caller's thread, without waiting for the
         worker; the worker encodes again when the request runs. None when it cannot tell (the runtime is closed,
         or the tokenizer failed otherwise): `stream` then gives the verdict."""
         if self._closed:
             return None
         try:
-            return len(self._engine.tokenize_chat(list(messages)))
+            return len(self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt)))
         except PromptRefused:
             raise
-        except Exception:  # noqa: BLE001 - not the messages' fault: the worker's own encode decides and reports it
+        except Exception:  # noqa: BLE001 - not the prompt's fault: the worker's own encode decides and reports it
             log.debug("prompt check skipped", exc_info=True)
             return None
 
-    def generate(self, messages: list[dict], sampling: Sampling | None = None) -> Finished:
-        events = list(self.stream(messages, sampling))
+    def generate(self, prompt: list[dict] | str, sampling: Sampling | None = None) -> Finished:
+        events = list(self.stream(prompt, sampling))
         return events[-1]
 
     def stop(self, request: threading.Event | None = None) -> None:
@@ -310,7 +319,7 @@ class Runtime:
     def _run(self, request: _Request) -> None:
         e = self._engine
         try:
-            prompt_ids = e.encode_chat(request.messages)
+            prompt_ids = e.encode_prompt(request.prompt)
         except PromptRefused as exc:  # too long, or the chat template's own refusal: a sentence, not a crash
             request.out.put(Finished.failed(str(exc)))
             return
@@ -326,7 +335,7 @@ class Runtime:
         t0 = time.perf_counter()
         waited = 0.0  # the forward pass's waits for experts up to the first token (decode's are the rest)
         try:
-            with e.request(request_id, stats, text=request.messages[-1].get("content", "") if request.messages else ""):
+            with e.request(request_id, stats, text=_request_text(request.prompt)):
                 for token in generate_ids(
                     e.model, prompt_ids, sampling, e.eos_ids, request.stop, after_forward=e.end_iteration
                 ):

@@ -90,7 +90,7 @@ def test_bnb_4bit_checkpoint_is_read_packed_per_expert_and_equals_eager(family, 
         down = f"model.layers.{ref.layer_index}.{runtime.engine.arch.ckpt_block}.experts.3."
         down += runtime.engine.arch.down_projs[0] + ".weight"
         assert torch.equal(host.read(0, 3)["down_proj.q"], stored[down].reshape(-1))  # the file's own bytes
-        ids = runtime.engine.encode_chat(PROMPT)
+        ids = runtime.engine.encode_prompt(PROMPT)
         got = {}
         for misses in ("copy", "cpu"):
             runtime.reconfigure(miss_handling=misses)

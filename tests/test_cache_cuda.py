@@ -33,7 +33,7 @@ def test_cuda_copy_stream_is_lossless_and_within_budget(family, policy, tiny_mod
         engine = runtime.engine
         assert engine.cache._copier.stream is not None  # the dedicated copy stream exists
         prompt = [{"role": "user", "content": "Tell me about the ocean."}]
-        ids = engine.encode_chat(prompt)
+        ids = engine.encode_prompt(prompt)
         before = torch.cuda.memory_allocated()
         final = runtime.generate(prompt)
         # Nothing but activations and the KV cache grows: expert weights stay inside the preallocated slots.

@@ -40,7 +40,7 @@ def test_gpt_oss_mxfp4_stays_packed_in_host_ram_and_in_the_slots(tiny_model_dir,
                 assert torch.equal(view["down_proj"], dense[prefix + "down_proj"][e])
         assert cache.tensors["gate_up_proj.blocks"].dtype == torch.uint8
         assert cache.allocated_bytes() == 2 * host.expert_bytes
-        ids = runtime.engine.encode_chat(PROMPT)
+        ids = runtime.engine.encode_prompt(PROMPT)
         got = {}
         for misses in ("copy", "cpu"):
             runtime.reconfigure(miss_handling=misses)

@@ -186,7 +186,7 @@ def test_a_reply_ends_where_the_context_does(tiny_model_dir):
 
         def length(words: list[str]) -> int:
             try:
-                return runtime.engine.encode_chat([{"role": "user", "content": " ".join(words)}]).shape[1]
+                return runtime.engine.encode_prompt([{"role": "user", "content": " ".join(words)}]).shape[1]
             except ContextTooLong:
                 return 10**6
 
@@ -194,7 +194,7 @@ def test_a_reply_ends_where_the_context_does(tiny_model_dir):
         while length(words) > 512 - 6:  # a prompt a few tokens short of the context
             words = words[:-1]
         prompt = [{"role": "user", "content": " ".join(words)}]
-        n = runtime.engine.encode_chat(prompt).shape[1]
+        n = runtime.engine.encode_prompt(prompt).shape[1]
         final = runtime.generate(prompt, Sampling(greedy=True, max_new_tokens=100))
         assert len(final.token_ids) <= 512 - n and final.reason in ("length", "stop")
 

@@ -47,7 +47,7 @@ def test_greedy_tokens_equal_eager_for_every_policy_and_cache_size(family, tiny_
         # up to the first EOS of ours.
         k, total = engine.shape.top_k, engine.shape.num_layers * engine.shape.num_experts
         for prompt in PROMPTS:
-            ids = engine.encode_chat(prompt)
+            ids = engine.encode_prompt(prompt)
             expected = reference_tokens(model_dir, ids, NEW_TOKENS)
             for policy, misses in RUNS:
                 for slots in (k, 3 * k, total):

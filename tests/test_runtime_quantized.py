@@ -60,7 +60,7 @@ def test_quantised_greedy_tokens_equal_eager_on_the_dequantised_weights(family, 
     with Runtime.load(model_dir, config) as runtime:
         engine = runtime.engine
         assert runtime.info.expert_format == fmt
-        ids = engine.encode_chat(PROMPT)
+        ids = engine.encode_prompt(PROMPT)
         expected = dequantised_reference(model_dir, fmt, ids, NEW_TOKENS)
         k, total = engine.shape.top_k, engine.shape.num_layers * engine.shape.num_experts
         for policy in ("fmoe", "on_demand"):

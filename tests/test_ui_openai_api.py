@@ -169,7 +169,7 @@ def test_the_chat_s_stop_leaves_an_api_client_s_reply_alone(served):
 def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
     from fmoe_local.runtime_types import Finished, TextDelta
     from fmoe_local.stats import RequestStats
-    from ui.openai_api import INTERRUPTED
+    from ui.openai_stream import INTERRUPTED
 
     _, session, client = served
 

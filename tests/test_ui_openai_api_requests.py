@@ -78,7 +78,7 @@ def test_a_system_prompt_and_a_developer_message_become_one_system_message(serve
         {"role": "developer", "content": "Context: ships float."},
         *PROMPT,
     ]
-    assert parse_chat({"messages": both}, Sampling(max_new_tokens=8)).messages == [
+    assert parse_chat({"messages": both}, Sampling(max_new_tokens=8)).prompt == [
         {"role": "system", "content": "You are brief.\n\nContext: ships float."},
         *PROMPT,
     ]
@@ -147,7 +147,7 @@ def test_text_parts_are_joined_by_a_line_break():
     from ui.openai_request import parse_chat
 
     parts = [{"type": "text", "text": "First line."}, {"type": "text", "text": "Second line."}]
-    got = parse_chat({"messages": [{"role": "user", "content": parts}]}, Sampling(max_new_tokens=8)).messages
+    got = parse_chat({"messages": [{"role": "user", "content": parts}]}, Sampling(max_new_tokens=8)).prompt
     assert got == [{"role": "user", "content": "First line.\nSecond line."}]  # was: "First line.Second line."
 
 
@@ -212,7 +212,7 @@ def test_a_malformed_field_is_an_openai_shaped_400_not_a_bare_500(served, extra,
 
 @pytest.mark.parametrize(
     "method, path, status",
-    [("POST", "completions", 404), ("POST", "embeddings", 404), ("GET", "chat/completions", 405), ("GET", "", 404)],
+    [("POST", "embeddings", 404), ("GET", "completions", 405), ("GET", "chat/completions", 405), ("GET", "", 404)],
 )
 def test_an_unknown_v1_route_is_an_openai_shaped_error_naming_the_served_ones(served, method, path, status):
     server, _, _ = served
@@ -220,7 +220,7 @@ def test_an_unknown_v1_route_is_an_openai_shaped_error_naming_the_served_ones(se
     assert r.status_code == status, r.text  # was: FastAPI's {"detail": "Not Found"}
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and f"{method} /v1/{path} is not served" in error["message"]
-    assert "GET /v1/models and POST /v1/chat/completions" in error["message"]
+    assert "GET /v1/models, POST /v1/chat/completions, POST /v1/completions" in error["message"]
 
 
 def test_a_503_while_a_model_loads_says_when_to_ask_again(served):

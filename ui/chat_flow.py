@@ -195,7 +195,7 @@ def continue_reply(session: Session, conv_id: int | None, system: str, sampling:
     def save(text: str, stats: object) -> None:
         chats.extend_last(conv_id, last.position, text, stats)
 
-    # The model reads the reply so far as its own unfinished turn (Engine.encode_chat continues a final assistant
+    # The model reads the reply so far as its own unfinished turn (Engine.encode_prompt continues a final assistant
     # message instead of opening a new one).
     messages = model_messages(stored, system)
     yield from stream_reply(session, conv_id, messages, display(stored[:-1]), save, sampling, prefix=last.content)

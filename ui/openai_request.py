@@ -1,9 +1,10 @@
-"""The body of a /v1/chat/completions request, parsed and checked: what the API passes to the runtime, or an
-ApiError in OpenAI's shape (a 4xx names the field, `param`, that is wrong).
+"""The body of a /v1/chat/completions or /v1/completions request, parsed and checked: what the API passes to the
+runtime, or an ApiError in OpenAI's shape (a 4xx names the field, `param`, that is wrong).
 
-Scope: messages, sampling (max_tokens, temperature, top_p, seed, n), stop, stream and stream_options, and the
-refusal of what the app cannot do (response_format other than text, logprobs, tool calls). It does NOT
-talk to the runtime or the session (ui/openai_api.py does), so every check here runs before a request is queued.
+Scope: messages (chat) or prompt and echo (completions), sampling (max_tokens, temperature, top_p, seed, n), stop,
+stream and stream_options, and the refusal of what the app cannot do (response_format other than text, logprobs,
+tool calls, a suffix to fill in, several prompts or token ids). It does NOT talk to the runtime or the session
+(ui/openai_api.py does), so every check here runs before a request is queued.
 """
 
 from __future__ import annotations
@@ -21,25 +22,60 @@ MAX_STOPS = 16
 
 
 @dataclass(frozen=True)
-class ChatRequest:
-    messages: list[dict]
+class ApiRequest:
+    prompt: list[dict] | str  # chat messages, or (/v1/completions) the text the reply continues, as it is
     sampling: Sampling
     stops: list[str]
     stream: bool
     include_usage: bool
+    echo: bool = False  # /v1/completions: the reply's text starts with the prompt
 
 
-def parse_chat(body: dict, defaults: Sampling) -> ChatRequest:
+def parse_chat(body: dict, defaults: Sampling) -> ApiRequest:
     """`defaults`: the app's Settings (temperature, top_p, max_new_tokens), for what the request leaves out or
     sends as null, so an API client gets the replies the app's chat gets."""
     _refuse_unsupported(body)
-    sampling, messages, stops = _sampling(body, defaults), _messages(body), _stops(body)
+    return _request(body, _messages(body), defaults)
+
+
+def parse_completion(body: dict, defaults: Sampling) -> ApiRequest:
+    """A /v1/completions body: the prompt is continued as it is, without the chat template (what editors' code
+    completion and base-model scripts send). Defaults as for `parse_chat`."""
+    if body.get("suffix"):
+        raise ApiError(
+            400, "'suffix' is not supported: this app continues a prompt but does not fill in between.", "suffix"
+        )
+    if body.get("best_of") not in (None, 1):
+        raise ApiError(400, "Only best_of=1 is supported: this app generates one reply at a time.", "best_of")
+    if body.get("logprobs") not in (None, 0, False):
+        raise ApiError(400, "'logprobs' is not supported: this app does not return token probabilities.", "logprobs")
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise ApiError(400, "'echo' must be true or false.", "echo")
+    return _request(body, _prompt(body), defaults, echo)
+
+
+def _request(body: dict, prompt: list[dict] | str, defaults: Sampling, echo: bool = False) -> ApiRequest:
+    sampling, stops = _sampling(body, defaults), _stops(body)
     stream, options = body.get("stream") or False, body.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false.", "stream")
     if not isinstance(options, dict) or options.get("include_usage") not in (None, True, False):
         raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}.", "stream_options")
-    return ChatRequest(messages, sampling, stops, stream, stream and bool(options.get("include_usage")))
+    return ApiRequest(prompt, sampling, stops, stream, stream and bool(options.get("include_usage")), echo)
+
+
+def _prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # one prompt in a list, as the openai client sends a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        raise ApiError(400, "Send one prompt per request: this app generates one reply at a time.", "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
+        raise ApiError(400, "Send the prompt as text: token ids are not supported.", "prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "'prompt' must be a non-empty string.", "prompt")
+    return prompt
 
 
 def _refuse_unsupported(body: dict) -> None:

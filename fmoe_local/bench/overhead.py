@@ -58,7 +58,7 @@ def measure(
     plain_model.eval()
     ours, plain = [], []
     with Runtime.load(model_dir, config) as runtime:
-        ids = runtime.engine.encode_chat(PROMPT)
+        ids = runtime.engine.encode_prompt(PROMPT)
         final = runtime.generate(PROMPT, sampling)  # warm-up: fills the cache, so every later access is a hit
         n = final.stats.tokens
         _time_plain(plain_model, ids, n)

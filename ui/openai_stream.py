@@ -1,0 +1,169 @@
+"""A reply in OpenAI's shapes: one JSON body, or server-sent events ending with `data: [DONE]`, for a chat
+(`chat.completion`, each chunk a `delta`) or a text completion (`text_completion`, each chunk a piece of `text`).
+
+Scope: the text cut at the first stop sequence (`Generation`), the finish reason, usage, the error a failed or
+interrupted request ends with, and stopping the generation once its client has gone or a stop sequence has made
+the rest useless. It does NOT parse requests (openai_request.py) or talk to the runtime (openai_api.py hands it
+the request's events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from ui.openai_request import ApiError
+
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+# A request ended by someone other than its client (a model unloaded under it): not a complete reply.
+INTERRUPTED = "The reply was interrupted because the model was unloaded or reloaded in the app. Send the request again."
+_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+
+
+class Generation:
+    """One request's text as it streams, cut at the first stop sequence (text that may still become one is held
+    back until it cannot)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.text, self.sent, self.stopped = stops, "", 0, False
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def add(self, delta: str) -> str:
+        """New text that may be sent now."""
+        self.text += delta
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+            return self.flush()
+        safe = len(self.text) - self.hold
+        out, self.sent = self.text[self.sent : max(safe, self.sent)], max(safe, self.sent)
+        return out
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the reply looks like: a chat's message, or (`text=True`) a completion's text, which with `echo`
+    starts with the prompt."""
+
+    ident: str
+    created: int
+    model: str
+    text: bool = False
+    echo: str = ""
+
+    def body(self, choices: list[dict], chunk: bool = False) -> dict:
+        kind = "text_completion" if self.text else ("chat.completion.chunk" if chunk else "chat.completion")
+        return {"id": self.ident, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def choice(self, content: str, reason: str | None, chunk: bool = False) -> dict:
+        if self.text:
+            part = {"text": content}
+        elif chunk:
+            part = {"delta": {"content": content} if content or reason is None else {}}
+        else:
+            part = {"message": {"role": "assistant", "content": content}}
+        return {"index": 0, **part, "finish_reason": reason, "logprobs": None}
+
+    def opening(self) -> list[dict]:
+        """The chunks a stream starts with, before any generated text."""
+        if self.text:
+            return [self.choice(self.echo, None, chunk=True)] if self.echo else []
+        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]
+
+
+def usage(final) -> dict:  # noqa: ANN001 - a Finished
+    prompt, completion = final.stats.prompt_tokens, len(final.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _reason(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished
+    return "stop" if gen.stopped else _FINISH.get(final.reason, "stop")
+
+
+def _failure(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished
+    """The sentence a request that did not complete ends with; "" when it completed."""
+    if final.reason == "error":
+        return final.error
+    return INTERRUPTED if final.reason == "cancelled" and not gen.stopped else ""
+
+
+async def complete(events, gen: Generation, shape: Shape, request: Request, stop: threading.Event) -> JSONResponse:  # noqa: ANN001
+    """The whole reply as one body, once it has ended."""
+
+    async def watch() -> None:
+        while not stop.is_set():
+            if await request.is_disconnected():
+                stop.set()
+                return
+            await asyncio.sleep(_POLL_S)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        final = None
+        while (event := await events.next()) is not None:
+            if hasattr(event, "reason"):
+                final = event
+            elif not gen.stopped:
+                gen.add(event.text)
+                if gen.stopped:
+                    stop.set()  # the rest would be thrown away: stop generating it
+    finally:
+        watcher.cancel()
+    if failure := _failure(final, gen):
+        return ApiError(500, failure).response()
+    choice = shape.choice(shape.echo + gen.text, _reason(final, gen))
+    return JSONResponse(shape.body([choice]) | {"usage": usage(final)})
+
+
+async def sse(events, gen: Generation, shape: Shape, include_usage: bool, stop: threading.Event) -> AsyncIterator[str]:  # noqa: ANN001
+    """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it."""
+
+    def chunk(choices: list[dict], **extra: object) -> str:
+        return f"data: {json.dumps(shape.body(choices, chunk=True) | extra)}\n\n"
+
+    for opening in shape.opening():
+        yield chunk([opening])
+    final = None
+    while (event := await events.next()) is not None:
+        if hasattr(event, "reason"):
+            final = event
+            continue
+        if gen.stopped:
+            continue
+        text = gen.add(event.text)
+        if gen.stopped:
+            stop.set()
+        if text:
+            yield chunk([shape.choice(text, None, chunk=True)])
+    if failure := _failure(final, gen):
+        yield f"data: {json.dumps({'error': {'message': failure, 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    rest = gen.flush()
+    if rest:
+        yield chunk([shape.choice(rest, None, chunk=True)])
+    yield chunk([shape.choice("", _reason(final, gen), chunk=True)])
+    if include_usage:
+        yield chunk([], usage=usage(final))
+    yield "data: [DONE]\n\n"
+
+
+async def watch(chunks: AsyncIterator[str], request: Request, stop: threading.Event) -> AsyncIterator[str]:
+    """Pass the chunks on; a client gone away (a cancelled send, or a disconnect noticed) stops its generation."""
+    try:
+        async for c in chunks:
+            if await request.is_disconnected():
+                return
+            yield c
+    finally:
+        stop.set()  # no-op after a normal end; otherwise the runtime stops this request within a token
