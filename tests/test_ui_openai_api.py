@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import app
+from tests.api_server import serving
 
 openai = pytest.importorskip("openai")
 
@@ -23,15 +23,8 @@ PROMPT = [{"role": "user", "content": "Tell me about the sea and the ships."}]
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    data = tmp_path_factory.mktemp("api-data")
-    args = ["--no-browser", "--data-dir", str(data), "--port", "7931", "--model", str(tiny_model_dir("mixtral"))]
-    server, session, url = app.serve(app.build_parser().parse_args(args))
-    assert session.loading.finished.wait(120) and session.runtime is not None  # loaded on a thread of its own
-    client = openai.OpenAI(base_url=f"{url}v1", api_key="anything", max_retries=0, timeout=120)
-    yield server, session, client
-    server.close()
-    session.close()
-    session.store.close()
+    with serving(tiny_model_dir("mixtral"), tmp_path_factory.mktemp("api-data"), 7931) as served:
+        yield served
 
 
 def test_models_lists_the_loaded_model(served):

@@ -4,41 +4,22 @@ whose chat template is Mixtral-Instruct's strict one (roles alternate after one 
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 
-import app
 from fmoe_local.config import Sampling
+from tests.api_server import serving
 
 openai = pytest.importorskip("openai")
 
 PROMPT = [{"role": "user", "content": "Tell me about the sea and the ships."}]
-# Mixtral-8x7B-Instruct-v0.1's rule (a catalog model): roles must alternate after one optional system message.
-STRICT_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}{%- set loop_messages = messages[1:] %}{%- else %}"
-    "{%- set loop_messages = messages %}{%- endif %}{{ bos_token }}{%- for m in loop_messages %}"
-    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('After the optional system "
-    "message, conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
-    "[INST]{{ m['content'] }}[/INST]{%- endfor %}"
-)
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    model = tmp_path_factory.mktemp("strict-model") / "mixtral-strict"
-    shutil.copytree(tiny_model_dir("mixtral"), model)
-    (model / "chat_template.jinja").write_text(STRICT_TEMPLATE)
     data = tmp_path_factory.mktemp("api-requests-data")
-    args = ["--no-browser", "--data-dir", str(data), "--port", "7933", "--model", str(model)]
-    server, session, url = app.serve(app.build_parser().parse_args(args))
-    assert session.loading.finished.wait(120) and session.runtime is not None
-    client = openai.OpenAI(base_url=f"{url}v1", api_key="anything", max_retries=0, timeout=120)
-    yield server, session, client
-    server.close()
-    session.close()
-    session.store.close()
+    with serving(tiny_model_dir("mixtral"), data, 7933, strict_template=True) as served:
+        yield served
 
 
 def _post(server, **body) -> httpx.Response:

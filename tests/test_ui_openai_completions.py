@@ -4,13 +4,10 @@ replies agree; echo; usage; and what it cannot do is a 400 naming the field."""
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 
-import app
-from tests.test_ui_openai_api_requests import STRICT_TEMPLATE
+from tests.api_server import serving
 
 openai = pytest.importorskip("openai")
 
@@ -19,18 +16,9 @@ PROMPT = "The sea and the ships"
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    model = tmp_path_factory.mktemp("completions-model") / "mixtral-strict"
-    shutil.copytree(tiny_model_dir("mixtral"), model)
-    (model / "chat_template.jinja").write_text(STRICT_TEMPLATE)
     data = tmp_path_factory.mktemp("api-completions-data")
-    args = ["--no-browser", "--data-dir", str(data), "--port", "7935", "--model", str(model)]
-    server, session, url = app.serve(app.build_parser().parse_args(args))
-    assert session.loading.finished.wait(120) and session.runtime is not None
-    client = openai.OpenAI(base_url=f"{url}v1", api_key="anything", max_retries=0, timeout=120)
-    yield server, session, client
-    server.close()
-    session.close()
-    session.store.close()
+    with serving(tiny_model_dir("mixtral"), data, 7935, strict_template=True) as served:
+        yield served
 
 
 def test_the_prompt_is_continued_as_it_is_without_the_chat_template(served):

@@ -1,0 +1,41 @@
+"""The real app (`app.serve`) on a tiny model for the /v1 tests: served on a port of the caller's, with a
+Mixtral-Instruct-strict chat template when asked, and an openai client that never retries."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import app
+
+# Mixtral-8x7B-Instruct-v0.1's rule (a catalog model): roles must alternate after one optional system message.
+STRICT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set loop_messages = messages[1:] %}{%- else %}"
+    "{%- set loop_messages = messages %}{%- endif %}{{ bos_token }}{%- for m in loop_messages %}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('After the optional system "
+    "message, conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "[INST]{{ m['content'] }}[/INST]{%- endfor %}"
+)
+
+
+@contextmanager
+def serving(model: Path, data: Path, port: int, strict_template: bool = False) -> Iterator[tuple]:
+    """(server, session, openai client) with `model` loaded; a copy of it gets the strict template."""
+    import openai
+
+    if strict_template:
+        copy = data.parent / f"{data.name}-model" / "mixtral-strict"
+        shutil.copytree(model, copy)
+        (copy / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+        model = copy
+    args = ["--no-browser", "--data-dir", str(data), "--port", str(port), "--model", str(model)]
+    server, session, url = app.serve(app.build_parser().parse_args(args))
+    try:
+        assert session.loading.finished.wait(120) and session.runtime is not None  # loaded on a thread of its own
+        yield server, session, openai.OpenAI(base_url=f"{url}v1", api_key="anything", max_retries=0, timeout=120)
+    finally:
+        server.close()
+        session.close()
+        session.store.close()
