@@ -9,7 +9,8 @@ format (loading.py) or hold experts in RAM (packed_host.py).
 One file per MoE layer (`layer-0003.safetensors`, keys `<expert>.<stored key>`), each written to a temporary name
 and renamed into place only when complete, so a build that is killed or runs out of disk leaves whole layers and no
 half-written one: the next load keeps those layers and quantises the rest (resumes). Leftover temporary files are
-removed then.
+removed then: ours (`.partial`) and the ones safetensors writes through before its own rename (`.tmpXXXXXX`, left
+by a build killed inside `save_file`); only this module writes in a copy's folder.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 VERSION = 1  # of the stored layout: a change makes every earlier copy unused (a new folder name)
 _TMP = ".partial"
+_LEFTOVERS = (f"*{_TMP}", ".tmp*")  # ours, and safetensors' own temporary name (tempfile in the target's folder)
 Fetch = Callable[[int, int], dict[str, torch.Tensor]]
 # (experts in the copy so far, experts in the whole copy), after every expert quantised: a resumed build starts at
 # the experts of the layers it kept, so a user sees it continue rather than start over.
@@ -107,6 +109,7 @@ class QuantCache:
     def build(self, fetch: Fetch, num_experts: int, progress: Progress | None = None) -> None:
         """Quantise the layers not in the copy yet (`fetch(layer, expert)` gives one expert's stored tensors).
         Raises OSError (a sentence) when the copy cannot be written; what was written stays usable."""
+        self._remove_leftovers()
         missing = self.missing_layers()
         if not missing:
             return
@@ -114,8 +117,6 @@ class QuantCache:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise self._unwritable(exc) from exc
-        for stale in self.dir.glob(f"*{_TMP}"):
-            stale.unlink(missing_ok=True)  # a build that was killed mid-file
         t0 = time.perf_counter()
         total = self.num_layers * num_experts
         done = (self.num_layers - len(missing)) * num_experts
@@ -132,6 +133,15 @@ class QuantCache:
             self.quantised_layers += 1
             log.info("quantised MoE layer %d (%d/%d) into %s", layer, step + 1, len(missing), self.dir)
         log.info("quantised %d layers in %.1f s", len(missing), time.perf_counter() - t0)
+
+    def _remove_leftovers(self) -> None:
+        """Delete what a build killed mid-file left (a layer's size each time, never read)."""
+        if not self.dir.is_dir():
+            return
+        for pattern in _LEFTOVERS:
+            for stale in self.dir.glob(pattern):
+                if stale.is_file() and not stale.is_symlink():
+                    stale.unlink(missing_ok=True)
 
     def _write(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
         final = self.layer_path(layer)

@@ -90,6 +90,22 @@ def test_an_interrupted_build_resumes_and_never_reads_a_partial_file(tiny_model_
     clean.host.close()
 
 
+def test_the_temporary_file_safetensors_leaves_when_killed_mid_write_is_removed(tiny_model_dir, tmp_path):
+    # save_file writes through `.tmpXXXXXX` in the target's folder and renames it; a kill -9 inside it leaves that
+    # file, a layer's size, which no later build reads: every interrupted first load used to leak one for good.
+    model_dir = tiny_model_dir("olmoe")
+    _load(model_dir, tmp_path).host.close()
+    (folder,) = tmp_path.iterdir()
+    (folder / "layer-0001.safetensors").unlink()  # the layer being written when the app was killed
+    (folder / ".tmpnssLpl").write_bytes(b"\0" * 4096)
+    again = _load(model_dir, tmp_path)
+    assert again.host.quant_cache.quantised_layers == 1
+    assert sorted(p.name for p in folder.iterdir()) == [
+        f"layer-{n:04d}.safetensors" for n in range(again.host.num_layers)
+    ]
+    again.host.close()
+
+
 def test_runtime_load_reports_each_expert_of_the_first_load_and_nothing_on_the_next(tiny_model_dir, tmp_path):
     config = RuntimeConfig(device="cpu", expert_format="int8", quant_cache_dir=str(tmp_path), cache_experts=2)
     first, again = [], []
