@@ -140,6 +140,17 @@ def disk_free_bytes(path: str | os.PathLike) -> int:
     return shutil.disk_usage(p).free
 
 
+def volume_of(path: str | os.PathLike) -> str:
+    """The drive or mount point holding `path` (its nearest existing parent when it does not exist yet): where a
+    user frees space, named in sentences about it."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
 def probe(data_dir: str | os.PathLike = ".") -> Machine:
     """Look at this machine now. Imports torch lazily so that a CPU-only UI test pays nothing for CUDA."""
     import torch

@@ -22,7 +22,7 @@ from fmoe_local.architectures import ConcatRows, ExpertSource, Mxfp4Row
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.expert_formats import PackedParam, PackedRows
 from fmoe_local.host import CheckpointFiles, TieredHostStore, read_expert
-from fmoe_local.quant_cache import Progress, QuantCache
+from fmoe_local.quant_cache import CopyNotKept, Progress, QuantCache
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class PackedHostStore(TieredHostStore):
         self._fetch_fn = fetch
         self._on_close = on_close
         self.quant_cache: QuantCache | None = None  # where int8/nf4 experts were read from (None: not cached)
+        self.notice = ""  # a sentence for the user about this load (the copy could not be kept), or ""
         stored = expert_formats.stored_shapes(self.params, dtype)
         super().__init__(
             num_layers,
@@ -136,25 +137,35 @@ def build_packed_host(
     progress: Progress | None = None,
 ) -> PackedHostStore:
     """The packed host store of a checkpoint in `fmt`. MXFP4 is read packed from the checkpoint; int8 and nf4 come
-    from the quantise-on-load cache (built on the first load, quant_cache.py) or, when it cannot be written,
-    are quantised in memory for this load only."""
+    from the quantise-on-load cache (built on the first load, quant_cache.py) or, when it cannot be kept (no room
+    on the disk, a folder that refuses it), are quantised in memory for this load only, and the store's `notice`
+    tells the user why and what to do."""
     params = expert_formats.layout(fmt, param_shapes, transposed)
     fetch: Fetch = CheckpointPackedSource(files, sources, params, dtype)
     on_close = files.close
     cache = None
+    notice = ""
     if fmt in ("int8", "nf4") and not (fmt == "nf4" and _bnb_packed(sources[0][0], files)):
         cache = QuantCache(config.quant_cache_dir, files.model_dir, fmt, dtype, len(sources))
+        stored = expert_formats.stored_shapes(params, dtype)
+        expert_bytes = sum(torch.Size(shape).numel() * d.itemsize for shape, d in stored.values())
         try:
-            cache.build(fetch, len(sources[0]), progress)
-        except OSError as exc:
+            cache.build(fetch, len(sources[0]), expert_bytes, progress)
+        except CopyNotKept as exc:
             log.warning("%s Quantising in memory for this load.", exc)
+            notice = (
+                f" {exc.why}. This load quantised the experts in memory instead, and so will every load (minutes "
+                f"each) until you {exc.advice}"
+            )
+            if cache.reported and progress is not None:
+                progress(0, 0)  # no copy counted any more: the bar goes back to the plain "loading…" line
             cache = None
     if cache is not None:
         keys = list(expert_formats.stored_shapes(params, dtype))
         fetch = partial(_read_cached, cache, keys)
         on_close = partial(_close_both, cache, files)
     host = PackedHostStore(fetch, params, fmt, len(sources), len(sources[0]), dtype, config.host_ram_gb, on_close)
-    host.quant_cache = cache
+    host.quant_cache, host.notice = cache, notice
     return host
 
 

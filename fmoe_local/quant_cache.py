@@ -8,15 +8,19 @@ format (loading.py) or hold experts in RAM (packed_host.py).
 
 One file per MoE layer (`layer-0003.safetensors`, keys `<expert>.<stored key>`), each written to a temporary name
 and renamed into place only when complete, so a build that is killed or runs out of disk leaves whole layers and no
-half-written one: the next load keeps those layers and quantises the rest (resumes). Leftover temporary files are
+half-written one: the next load keeps those layers and quantises the rest (resumes) — unless the disk filled up, when
+the finished layers go too, so that a failed first load never leaves the disk full. A build first checks that the
+copy fits with `hardware.DISK_MARGIN_BYTES` to spare, and writes nothing when it does not. Leftover temporary files are
 removed then: ours (`.partial`) and the ones safetensors writes through before its own rename (`.tmpXXXXXX`, left
 by a build killed inside `save_file`); only this module writes in a copy's folder.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+import math
 import os
 import shutil
 import threading
@@ -25,8 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from fmoe_local import hardware
+from fmoe_local.expert_formats import NAMES
 from fmoe_local.safetensors_file import SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -38,6 +45,28 @@ Fetch = Callable[[int, int], dict[str, torch.Tensor]]
 # (experts in the copy so far, experts in the whole copy), after every expert quantised: a resumed build starts at
 # the experts of the layers it kept, so a user sees it continue rather than start over.
 Progress = Callable[[int, int], None]
+_WINDOWS_DISK_FULL = {39, 112}  # ERROR_HANDLE_DISK_FULL, ERROR_DISK_FULL: what Rust reports there for a full disk
+
+
+class CopyNotKept(OSError):
+    """The copy cannot be kept: `why` (a clause) and `advice` (what the user can do: free space on a named drive, or
+    choose bf16), for the caller's sentence about what it did instead."""
+
+    def __init__(self, why: str, advice: str) -> None:
+        super().__init__(f"{why}: {advice}")
+        self.why, self.advice = why, advice
+
+
+def _reason(exc: Exception) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _out_of_space(exc: Exception) -> bool:
+    """A write refused for lack of space. SafetensorError carries no errno, only Rust's "(os error N)" text."""
+    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    if isinstance(exc, OSError):
+        return exc.errno in codes
+    return any(f"(os error {code})" in str(exc) for code in codes | _WINDOWS_DISK_FULL)
 
 
 def default_root() -> Path:
@@ -81,10 +110,12 @@ class QuantCache:
 
     def __init__(self, root: str | Path | None, model_dir: Path, fmt: str, dtype: torch.dtype, num_layers: int) -> None:
         name = f"{fingerprint(model_dir)}-{fmt}-{str(dtype).removeprefix('torch.')}"
+        self.fmt = fmt
         self.dir = Path(root) if root is not None else default_root()
         self.dir = self.dir / name
         self.num_layers = num_layers
         self.quantised_layers = 0  # how many layers this load quantised (0: everything came from the copy)
+        self.reported = False  # progress was reported: a build that stops must say so, or the count just freezes
         self._handles: dict[int, SafetensorsFile] = {}
         self._lock = threading.Lock()
 
@@ -106,13 +137,21 @@ class QuantCache:
                 missing.append(layer)
         return missing
 
-    def build(self, fetch: Fetch, num_experts: int, progress: Progress | None = None) -> None:
-        """Quantise the layers not in the copy yet (`fetch(layer, expert)` gives one expert's stored tensors).
-        Raises OSError (a sentence) when the copy cannot be written; what was written stays usable."""
+    def build(self, fetch: Fetch, num_experts: int, expert_bytes: int, progress: Progress | None = None) -> None:
+        """Quantise the layers not in the copy yet (`fetch(layer, expert)` gives one expert's stored tensors,
+        `expert_bytes` their size). Raises CopyNotKept (an OSError) when the copy does not fit with the margin to
+        spare (nothing is written) or cannot be written."""
         self._remove_leftovers()
         missing = self.missing_layers()
         if not missing:
             return
+        layer_bytes = num_experts * expert_bytes
+        try:
+            free = hardware.disk_free_bytes(self.dir)
+        except OSError as exc:
+            raise self._unwritable(exc) from exc
+        if free < len(missing) * layer_bytes + hardware.DISK_MARGIN_BYTES:
+            raise self._no_room(len(missing) * layer_bytes, free, whole=len(missing) == self.num_layers)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -122,6 +161,7 @@ class QuantCache:
         done = (self.num_layers - len(missing)) * num_experts
         if progress is not None:
             progress(done, total)
+            self.reported = True
         for step, layer in enumerate(missing):
             tensors = {}
             for e in range(num_experts):
@@ -129,7 +169,10 @@ class QuantCache:
                 done += 1
                 if progress is not None:
                     progress(done, total)
-            self._write(layer, tensors)
+            try:
+                self._write(layer, tensors)
+            except (OSError, SafetensorError) as exc:  # safetensors' own type for its I/O errors (disk full)
+                raise self._write_failed(exc, (len(missing) - step) * layer_bytes, layer_bytes) from exc
             self.quantised_layers += 1
             log.info("quantised MoE layer %d (%d/%d) into %s", layer, step + 1, len(missing), self.dir)
         log.info("quantised %d layers in %.1f s", len(missing), time.perf_counter() - t0)
@@ -151,14 +194,45 @@ class QuantCache:
             with open(partial, "rb") as f:
                 os.fsync(f.fileno())  # the rename must never publish bytes still in flight
             os.replace(partial, final)
-        except OSError as exc:
+        except (OSError, SafetensorError):
             partial.unlink(missing_ok=True)
-            raise self._unwritable(exc) from exc
+            raise
 
-    def _unwritable(self, exc: OSError) -> OSError:
-        return OSError(
-            f"Could not write the quantised copy of the experts to {self.dir} ({exc.strerror or exc}). Free some "
-            "disk space and load the model again (finished layers are kept), or choose expert format bf16."
+    def _write_failed(self, exc: Exception, rest_bytes: int, layer_bytes: int) -> CopyNotKept:
+        log.warning("could not write the quantised copy to %s: %s", self.dir, exc)
+        free = hardware.disk_free_bytes(self.dir)
+        if free < hardware.DISK_MARGIN_BYTES:
+            # The disk is full: the finished layers go too. Kept, they would only help a later load once the user
+            # freed space, while a full disk breaks the system and every other program now; quantising them again
+            # costs minutes.
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return self._no_room(self.num_layers * layer_bytes, hardware.disk_free_bytes(self.dir), whole=True)
+        if free < rest_bytes + hardware.DISK_MARGIN_BYTES:
+            return self._no_room(rest_bytes, free, whole=False)  # the finished layers stay: the next load resumes
+        if _out_of_space(exc):  # refused for space while the volume reports room: a quota, or no inodes left
+            volume = hardware.volume_of(self.dir)
+            return CopyNotKept(
+                f"The {NAMES[self.fmt]} copy of the experts could not be kept: {volume} refused more data "
+                f"({_reason(exc)}) with {free / hardware.GB:.1f} GB free",
+                f"free space for this user on {volume}, or choose expert format bf16.",
+            )
+        return self._unwritable(exc)
+
+    def _no_room(self, need: int, free: int, whole: bool) -> CopyNotKept:
+        volume, gb = hardware.volume_of(self.dir), hardware.GB
+        short = max(math.ceil((need + hardware.DISK_MARGIN_BYTES - free) / gb * 10) / 10, 0.1)  # room may come back
+        size = f"{need / gb:.1f} GB" + ("" if whole else " left to write")
+        return CopyNotKept(
+            f"The {NAMES[self.fmt]} copy of the experts ({size}) could not be kept: {volume} has {free / gb:.1f} GB "
+            "free",
+            f"free {short:.1f} GB on {volume} (the copy and {hardware.DISK_MARGIN_BYTES / gb:.0f} GB kept free), "
+            "or choose expert format bf16.",
+        )
+
+    def _unwritable(self, exc: Exception) -> CopyNotKept:
+        return CopyNotKept(
+            f"The {NAMES[self.fmt]} copy of the experts could not be written to {self.dir} ({_reason(exc)})",
+            f"let the app write to {self.dir.parent}, or choose expert format bf16.",
         )
 
     def read(self, layer: int, expert: int, keys: list[str]) -> dict[str, torch.Tensor]:

@@ -138,8 +138,9 @@ class Runtime:
 
     @property
     def load_notice(self) -> str:
-        """A sentence about the load a user should see with it ("" when none): e.g. a cache cut to what fits."""
-        return self._engine.cache_notice
+        """Sentences about the load a user should see with it ("" when none): a quantised copy of the experts that
+        could not be kept on disk (packed_host.py), a cache cut to what fits."""
+        return getattr(self._engine.host, "notice", "") + self._engine.cache_notice  # dense stores have none
 
     @property
     def engine(self) -> Engine:

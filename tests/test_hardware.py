@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fmoe_local import hardware
@@ -180,3 +182,8 @@ def test_an_nvidia_gpu_torch_cannot_use_is_named_with_what_to_do(tmp_path, monke
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     no_gpu = probe(tmp_path)  # no NVIDIA driver tool: nothing to say but that there is no GPU
     assert no_gpu.unused_gpu == "" and "No CUDA GPU found" in no_gpu.summary()
+
+
+def test_volume_of_names_the_mount_point_a_user_frees_space_on(tmp_path):
+    volume = hardware.volume_of(tmp_path / "not" / "made" / "yet")
+    assert os.path.ismount(volume) and str(tmp_path).startswith(volume)

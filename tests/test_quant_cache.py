@@ -8,12 +8,15 @@ import shutil
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
-from fmoe_local import quant_cache
+from fmoe_local import hardware, quant_cache
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.loading import load_model
 from fmoe_local.quant_cache import QuantCache
 from fmoe_local.runtime import Runtime
+
+REAL_SAVE = quant_cache.save_file
 
 
 def _load(model_dir, root, fmt="nf4"):
@@ -140,10 +143,74 @@ def test_a_cache_that_cannot_be_written_falls_back_to_quantising_in_memory(tiny_
     )
     with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
         assert runtime.engine.host.quant_cache is None and runtime.info.expert_format == "nf4"
+        # Said with the load, not only in the log: every load will quantise again until the folder can be written.
+        assert "could not be written to" in runtime.load_notice and "choose expert format bf16" in runtime.load_notice
         cached = RuntimeConfig(device="cpu", expert_format="nf4", quant_cache_dir=str(tmp_path / "q"))
         with Runtime.load(tiny_model_dir("mixtral"), cached.with_changes(cache_experts=2)) as reference:
             prompt = [{"role": "user", "content": "Hello there"}]
             assert runtime.generate(prompt).token_ids == reference.generate(prompt, config.sampling).token_ids
+
+
+def _free_space(monkeypatch, free):
+    """The free-space figure the copy sees: `free[0]` bytes, changed by a test as its disk fills."""
+    monkeypatch.setattr(hardware, "disk_free_bytes", lambda path: free[0])
+
+
+def _disk_full_on_layer(monkeypatch, layer, free, left):
+    # What safetensors raises on a full disk (its own type, not an OSError), once layers before `layer` are written.
+    def save_file(tensors, path, metadata=None):
+        if path.endswith(f"layer-{layer:04d}.safetensors.partial"):
+            free[0] = left
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        REAL_SAVE(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(quant_cache, "save_file", save_file)
+
+
+def test_a_copy_that_does_not_fit_is_not_started_and_the_load_says_what_to_free(tiny_model_dir, tmp_path, monkeypatch):
+    _free_space(monkeypatch, [hardware.DISK_MARGIN_BYTES - 1000])  # less than the margin alone: nothing fits
+    config = RuntimeConfig(device="cpu", expert_format="int8", quant_cache_dir=str(tmp_path / "q"), cache_experts=2)
+    seen = []
+    with Runtime.load(tiny_model_dir("mixtral"), config, progress=lambda *p: seen.append(p)) as runtime:
+        assert runtime.engine.host.quant_cache is None and runtime.info.expert_format == "int8"
+        notice = runtime.load_notice
+    assert not (tmp_path / "q").exists() and seen == []  # nothing written, no copy counted
+    assert "8-bit copy of the experts" in notice and "could not be kept" in notice
+    assert f"free 0.1 GB on {hardware.volume_of(tmp_path)}" in notice and "choose expert format bf16" in notice
+
+
+def test_a_disk_that_fills_up_mid_copy_falls_back_and_leaves_no_layer_behind(tiny_model_dir, tmp_path, monkeypatch):
+    free = [10**13]
+    _free_space(monkeypatch, free)
+    _disk_full_on_layer(monkeypatch, 1, free, left=4096)
+    config = RuntimeConfig(device="cpu", expert_format="nf4", quant_cache_dir=str(tmp_path), cache_experts=2)
+    seen = []
+    with Runtime.load(tiny_model_dir("qwen2_moe"), config, progress=lambda *p: seen.append(p)) as runtime:
+        assert runtime.engine.host.quant_cache is None
+        notice = runtime.load_notice
+    # The finished layer 0 went too: a full disk is worse now than quantising it again later.
+    assert list(tmp_path.iterdir()) == []
+    assert "4-bit copy of the experts" in notice and "in memory" in notice and "choose expert format bf16" in notice
+    assert seen[-1] == (0, 0)  # the count stops said, rather than frozen at layer 1
+
+
+def test_a_copy_that_stops_fitting_keeps_its_whole_layers_when_the_disk_is_not_full(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    free = [10**13]
+    _free_space(monkeypatch, free)
+    _disk_full_on_layer(monkeypatch, 1, free, left=hardware.DISK_MARGIN_BYTES)  # the margin left, not the rest
+    model_dir = tiny_model_dir("qwen2_moe")
+    failed = _load(model_dir, tmp_path)
+    assert failed.host.quant_cache is None and "left to write" in failed.host.notice
+    failed.host.close()
+    (folder,) = tmp_path.iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == ["layer-0000.safetensors"]  # no half-written file
+    monkeypatch.setattr(quant_cache, "save_file", REAL_SAVE)
+    free[0] = 10**13
+    resumed = _load(model_dir, tmp_path)
+    assert resumed.host.quant_cache.quantised_layers == resumed.host.num_layers - 1 and resumed.host.notice == ""
+    resumed.host.close()
 
 
 def test_default_root_is_in_the_user_data_folder(monkeypatch, tmp_path):
