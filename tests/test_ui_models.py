@@ -237,3 +237,40 @@ def test_download_refusals_are_sentences_under_the_button_not_red_pills(ui_sessi
     api = next(f for f in demo.fns.values() if f.api_name == "download").fn  # scripts still hear an error
     with pytest.raises(gr.Error, match="owner/name"):
         next(api("not a repo", ""))
+
+
+class _StartedDownload:
+    """Stands in for ui.downloads.Download: records that the download started, without a child process."""
+
+    def __init__(self, repo_id, models_dir, allow, ignore, token=None, endpoint=None):
+        from ui.downloads import DownloadStatus
+
+        self.dest = Path(models_dir) / repo_id.replace("/", "--")
+        self._status = DownloadStatus("error", 0, 0, "stub")
+
+    def status(self):
+        return self._status
+
+
+def test_resuming_a_mostly_downloaded_model_needs_room_only_for_the_rest(ui_session, monkeypatch):
+    dest = ui_session.models_dir / MIXTRAL.local_name
+    dest.mkdir(parents=True)
+    for i in range(1, 19):  # 18 of 19 shards finished before a cancel or a crash (sparse: sizes without writing)
+        with open(dest / f"model-{i:05d}-of-00019.safetensors", "wb") as f:
+            f.truncate(4_900_000_000)
+    twenty_free = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 20 * GB)
+    monkeypatch.setattr("ui.session.probe", lambda _: twenty_free)
+    monkeypatch.setattr("ui.models.Download", _StartedDownload)
+    start = next(f for f in build(ui_session).fns.values() if f.name == "start").fn
+    progress = [p for p, _ in start(MIXTRAL.repo_id, "")]
+    # before: refused, "needs 93.4 GB and 20.0 GB is free", though only the last 5 GB shard was left to fetch
+    assert "Not enough disk space" not in progress[0] and isinstance(ui_session.download, _StartedDownload)
+    for i in range(1, 19):
+        (dest / f"model-{i:05d}-of-00019.safetensors").unlink()
+    with open(dest / "model-00001-of-00019.safetensors", "wb") as f:
+        f.truncate(4_900_000_000)
+    ui_session.download = None
+    [(progress, _)] = list(start(MIXTRAL.repo_id, ""))  # what is left still has to fit
+    assert (
+        "⚠️ Not enough disk space: Mixtral 8x7B Instruct needs 88.5 GB more (4.9 GB is already downloaded)" in progress
+    )

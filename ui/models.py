@@ -18,11 +18,11 @@ from pathlib import Path
 
 import gradio as gr
 
-from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find
+from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find, local_name
 from fmoe_local.hardware import format_fits
 from fmoe_local.quant_cache import remove_copies
 from ui import model_formats, page_header
-from ui.downloads import Download, check_deletable, delete_downloaded, list_downloaded
+from ui.downloads import Download, check_deletable, delete_downloaded, folder_bytes, list_downloaded
 from ui.session import DEMO_LABEL, ModelLoadError, Session, demo_dir
 
 POLL_S = 0.5
@@ -108,10 +108,15 @@ def download_steps(session: Session, repo_id: str, token: str) -> Iterator[tuple
     allow = list(entry.allow_patterns if entry else DEFAULT_ALLOW)
     ignore = list(entry.ignore_patterns if entry else DEFAULT_IGNORE)
     if entry is not None:
+        # An interrupted download resumes: the files it finished are kept, so only the rest needs room.
+        dest = session.models_dir / local_name(repo_id)
+        have = folder_bytes(dest) if dest.is_dir() else 0
+        needed = max(0, entry.download_bytes - have)
         free = session.machine(refresh=True).disk_free
-        if entry.download_bytes > free:
+        if needed > free:
+            more = f" more ({have / GB:.1f} GB is already downloaded)" if have else ""
             raise DownloadRefused(
-                f"Not enough disk space: {entry.name} needs {entry.download_bytes / GB:.1f} GB and "
+                f"Not enough disk space: {entry.name} needs {needed / GB:.1f} GB{more} and "
                 f"{free / GB:.1f} GB is free. Free up space or choose a smaller model."
             )
     d = Download(repo_id, session.models_dir, allow, ignore, token=token or None, endpoint=session.endpoint)
