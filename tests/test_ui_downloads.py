@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ui.downloads import COMPLETE_MARKER, Download, delete_downloaded, list_downloaded
+from ui.downloads import COMPLETE_MARKER, Download, delete_downloaded, list_downloaded, list_incomplete
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 ALLOW = ["*.safetensors", "*.json"]
@@ -188,6 +188,41 @@ def test_cancel_then_download_again_keeps_finished_shards(hub, tmp_path):
     fetched = [p.rsplit("/", 1)[1] for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
     assert fetched == ["model-00002-of-00002.safetensors"]  # shard 1 and config.json were kept
     assert (tmp_path / "acme--tiny-moe" / COMPLETE_MARKER).is_file()
+
+
+@pytest.mark.slow
+def test_a_cancelled_download_is_listed_as_incomplete_and_can_be_deleted(hub, tmp_path):
+    hub.stall = "model-00002-of-00002.safetensors"
+    shard = len(_files()["model-00001-of-00002.safetensors"])
+    d = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url)
+    _wait(d, lambda s: s.done_bytes >= shard)
+    d.cancel()
+    # before: not listed anywhere, and Delete said it "was not downloaded by this app"
+    assert list_downloaded(tmp_path) == []
+    [left] = list_incomplete(tmp_path)
+    assert left.repo_id == "acme/tiny-moe" and left.size_bytes >= shard
+    delete_downloaded(tmp_path, left.path)
+    assert not left.path.exists() and list_incomplete(tmp_path) == []
+
+
+class NotFoundHub(FakeHub):
+    """What huggingface.co answers an anonymous client for a repo that does not exist (or is private)."""
+
+    def _serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        self.requests.append((h.command, h.path, None))
+        headers = {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}
+        self._send_json(h, {"error": "Repository not found"}, 401, headers)
+
+
+@pytest.mark.slow
+def test_a_mistyped_repo_id_leaves_no_folder_behind(tmp_path):
+    hub = NotFoundHub({})
+    try:
+        status = Download("acme/does-not-exist", tmp_path, ALLOW, IGNORE, endpoint=hub.url).wait(60)
+    finally:
+        hub.close()
+    assert status.state == "error" and "No such model" in status.message
+    assert list(tmp_path.iterdir()) == []  # before: an empty acme--does-not-exist folder stayed
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from fmoe_local.demo import demo_model_dir
 from fmoe_local.hardware import Machine, format_fits
 from fmoe_local.quant_cache import QuantCache
 from ui import build, model_formats
-from ui.downloads import write_marker
+from ui.downloads import STARTED_MARKER, DownloadStatus, write_marker
 from ui.models import HEADERS, catalog_rows, downloaded_choices, load_steps
 from ui.session import DEMO_LABEL, LoadJob
 
@@ -251,6 +251,9 @@ class _StartedDownload:
     def status(self):
         return self._status
 
+    def cancel(self):
+        pass
+
 
 def test_resuming_a_mostly_downloaded_model_needs_room_only_for_the_rest(ui_session, monkeypatch):
     dest = ui_session.models_dir / MIXTRAL.local_name
@@ -274,3 +277,26 @@ def test_resuming_a_mostly_downloaded_model_needs_room_only_for_the_rest(ui_sess
     assert (
         "⚠️ Not enough disk space: Mixtral 8x7B Instruct needs 88.5 GB more (4.9 GB is already downloaded)" in progress
     )
+
+
+def test_an_interrupted_download_is_listed_as_incomplete_and_delete_removes_it(ui_session, monkeypatch):
+    left = ui_session.models_dir / "acme--tiny"
+    left.mkdir(parents=True)
+    with open(left / "model-00001-of-00002.safetensors", "wb") as f:
+        f.truncate(300_000_000)  # a shard finished before the cancel or the crash
+    write_marker(left, {"repo_id": "acme/tiny"}, STARTED_MARKER)  # what the download wrote when it started
+    incomplete = ("acme/tiny (incomplete download, 0.3 GB: Download resumes it)", str(left))
+    assert downloaded_choices(ui_session)[0] == incomplete
+    demo = build(ui_session)
+    monkeypatch.setattr("ui.models.Download", _StartedDownload)  # a download that ends at once without finishing
+    *_, (_, listed) = next(f for f in demo.fns.values() if f.name == "start").fn("acme/tiny", "")
+    assert incomplete in listed.choices  # the Download button's end refreshes "Your models"
+    delete = next(f for f in demo.fns.values() if f.api_name == "delete_model").fn
+    ui_session.download = _StartedDownload("acme/tiny", ui_session.models_dir, [], [])
+    ui_session.download._status = DownloadStatus("downloading", 1, 2)  # while it still downloads: refused
+    status, _ = delete(str(left))
+    assert status == "⚠️ acme--tiny is still downloading. Cancel the download first, then delete it." and left.is_dir()
+    ui_session.download._status = DownloadStatus("cancelled", 1, 2)
+    status, _ = delete(str(left))
+    # before: "acme--tiny was not downloaded by this app, so it is not deleted here."
+    assert status == "Deleted acme--tiny." and not left.exists()

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COMPLETE_MARKER = ".fmoe-download.json"  # written last: a folder without it is an interrupted download
+# Written when the download starts (after its plan succeeded): the folder is the app's own from then on, so an
+# interrupted download is listed (as incomplete) and Delete may remove it, while a folder with neither marker is not.
+STARTED_MARKER = ".fmoe-download-started.json"
 DISK_MARGIN_BYTES = 2_000_000_000
 
 
@@ -57,24 +60,37 @@ def folder_bytes(path: Path) -> int:
     return total
 
 
-def list_downloaded(models_dir: Path) -> list[LocalModel]:
-    """Completed downloads, newest first. Interrupted ones are left out (starting them again resumes)."""
+def _read_marker(marker: Path) -> dict | None:
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None  # missing or damaged (a damaged completion marker: an interrupted download, which resumes)
+    return info if isinstance(info, dict) else None
+
+
+def _listed(models_dir: Path, complete: bool) -> list[LocalModel]:
     out = []
     if not models_dir.is_dir():
         return out
     for child in models_dir.iterdir():
-        marker = child / COMPLETE_MARKER
-        if marker.is_file():
-            try:
-                info = json.loads(marker.read_text())
-            except (OSError, ValueError):
-                continue  # a damaged marker: treated as an interrupted download (Download again resumes it)
-            if not isinstance(info, dict):
-                continue
-            out.append(
-                (marker.stat().st_mtime, LocalModel(child, info.get("repo_id", child.name), folder_bytes(child)))
-            )
+        done = _read_marker(child / COMPLETE_MARKER)
+        marker = child / COMPLETE_MARKER if complete else child / STARTED_MARKER
+        info = done if complete else (None if done is not None else _read_marker(marker))
+        if info is not None:
+            model = LocalModel(child, str(info.get("repo_id", child.name)), folder_bytes(child))
+            out.append((marker.stat().st_mtime, model))
     return [m for _, m in sorted(out, key=lambda t: -t[0])]
+
+
+def list_downloaded(models_dir: Path) -> list[LocalModel]:
+    """Completed downloads, newest first. Interrupted ones are left out (list_incomplete)."""
+    return _listed(models_dir, complete=True)
+
+
+def list_incomplete(models_dir: Path) -> list[LocalModel]:
+    """Downloads the app started and did not finish (cancelled, failed, or cut by a crash), newest first: they take
+    disk, Download resumes them and Delete may remove them."""
+    return _listed(models_dir, complete=False)
 
 
 def check_deletable(models_dir: Path, path: Path) -> Path:
@@ -83,7 +99,7 @@ def check_deletable(models_dir: Path, path: Path) -> Path:
     path = Path(path).resolve()
     if path.parent != Path(models_dir).resolve():
         raise ValueError("Only models inside the app's models folder can be deleted here.")
-    if not (path / COMPLETE_MARKER).is_file():
+    if not ((path / COMPLETE_MARKER).is_file() or (path / STARTED_MARKER).is_file()):
         raise ValueError(
             f"{path.name} was not downloaded by this app, so it is not deleted here. Delete it in your file manager "
             "if you no longer want it."
@@ -144,14 +160,14 @@ def _plan(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> tupl
     return total, remaining
 
 
-def write_marker(dest: Path, info: dict) -> None:
+def write_marker(dest: Path, info: dict, name: str = COMPLETE_MARKER) -> None:
     """Write-then-rename: a crash leaves the old marker or the new one, never half of one."""
-    tmp = dest / f"{COMPLETE_MARKER}.tmp"
+    tmp = dest / f"{name}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps(info))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, dest / COMPLETE_MARKER)
+    os.replace(tmp, dest / name)
 
 
 def exit_with_parent() -> None:
@@ -175,11 +191,11 @@ def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int
 
     from huggingface_hub import snapshot_download
 
-    dest.mkdir(parents=True, exist_ok=True)
     try:
         total, remaining = _plan(repo_id, dest, allow, ignore)
         say(event="plan", total=total, remaining=remaining)
-        free = shutil.disk_usage(dest).free
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(dest.parent).free
         if remaining + DISK_MARGIN_BYTES > free:
             say(
                 event="error",
@@ -188,6 +204,9 @@ def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int
                 f"{free / 1e9:.1f} GB free. Free up space and try again.",
             )
             return 2
+        # Only now, with a plan for a real repo and room for it: a mistyped repo id leaves no folder behind.
+        dest.mkdir(exist_ok=True)
+        write_marker(dest, {"repo_id": repo_id, "total_bytes": total}, STARTED_MARKER)
         snapshot_download(repo_id, local_dir=dest, allow_patterns=allow, ignore_patterns=ignore)
     except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the user
         kind, message = explain(error)

@@ -22,7 +22,7 @@ from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find,
 from fmoe_local.hardware import format_fits
 from fmoe_local.quant_cache import remove_copies
 from ui import model_formats, page_header
-from ui.downloads import Download, check_deletable, delete_downloaded, folder_bytes, list_downloaded
+from ui.downloads import Download, check_deletable, delete_downloaded, folder_bytes, list_downloaded, list_incomplete
 from ui.session import DEMO_LABEL, ModelLoadError, Session, demo_dir
 
 POLL_S = 0.5
@@ -80,11 +80,29 @@ def progress_html(fraction: float, text: str) -> str:
 
 
 def downloaded_choices(session: Session) -> list[tuple[str, str]]:
-    """Downloaded models, then the built-in demo, so it can be chosen again after another model was loaded."""
+    """Downloaded models, then the ones whose download did not finish (they take disk: Download resumes them, Delete
+    removes them), then the built-in demo, so it can be chosen again after another model was loaded."""
     demo = demo_dir()
-    return [(f"{m.repo_id} ({m.size_bytes / GB:.1f} GB)", str(m.path)) for m in list_downloaded(session.models_dir)] + (
-        [(DEMO_LABEL, str(demo))] if demo is not None else []
-    )
+    done = [(f"{m.repo_id} ({m.size_bytes / GB:.1f} GB)", str(m.path)) for m in list_downloaded(session.models_dir)]
+    running = downloading_dir(session)
+    unfinished = [
+        (
+            f"{m.repo_id} (downloading, {m.size_bytes / GB:.1f} GB so far)"
+            if running == m.path.resolve()
+            else f"{m.repo_id} (incomplete download, {m.size_bytes / GB:.1f} GB: Download resumes it)",
+            str(m.path),
+        )
+        for m in list_incomplete(session.models_dir)
+    ]
+    return done + unfinished + ([(DEMO_LABEL, str(demo))] if demo is not None else [])
+
+
+def downloading_dir(session: Session) -> Path | None:
+    """The folder a download still running writes into, resolved; None when none runs."""
+    d = session.download
+    if d is None or d.status().state not in ("planning", "downloading"):
+        return None
+    return Path(d.dest).resolve()
 
 
 def refusal_html(sentence: str) -> str:
@@ -254,8 +272,12 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
                         progress_html(1.0, text + " Select it below, choose its expert format and press Load."),
                         gr.Dropdown(choices=downloaded_choices(session), value=str(dest)),
                     )
+                    return
         except DownloadRefused as exc:
             yield refusal_html(str(exc)), gr.skip()
+            return
+        # Cancelled or failed: "Your models" now lists what it left on disk as incomplete.
+        yield gr.skip(), gr.Dropdown(choices=downloaded_choices(session))
 
     def download(repo_id: str, token: str = "") -> Iterator[str]:
         """Download a model: yields how far it got, then the outcome's sentence; raises with a sentence when the
@@ -293,6 +315,8 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             check_deletable(session.models_dir, Path(path))  # before unloading it: a refusal changes nothing
         except ValueError as exc:
             return f"⚠️ {exc}", gr.skip()
+        if downloading_dir(session) == Path(path).resolve():
+            return f"⚠️ {Path(path).name} is still downloading. Cancel the download first, then delete it.", gr.skip()
         if session.model_dir is not None and Path(path).resolve() == session.model_dir.resolve():
             session.unload()
         freed = remove_copies(session.config.quant_cache_dir, Path(path))  # named by its files: before they go
