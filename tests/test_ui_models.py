@@ -300,3 +300,33 @@ def test_an_interrupted_download_is_listed_as_incomplete_and_delete_removes_it(u
     status, _ = delete(str(left))
     # before: "acme--tiny was not downloaded by this app, so it is not deleted here."
     assert status == "Deleted acme--tiny." and not left.exists()
+
+
+def test_delete_is_refused_while_that_model_is_loading(ui_session, tiny_model_dir, monkeypatch):
+    mine = ui_session.models_dir / "acme--tiny"
+    shutil.copytree(tiny_model_dir("mixtral"), mine)
+    write_marker(mine, {"repo_id": "acme/tiny"})
+    ui_session.store.settings.set(**ui_session.store.settings.format_choice(str(mine), "int8"))
+    real_write, release, holding = QuantCache._write, threading.Event(), threading.Event()
+
+    def held(self, layer, tensors):
+        holding.set()
+        release.wait(30)  # the first int8 load is making its copy (minutes on a real model)
+        real_write(self, layer, tensors)
+
+    monkeypatch.setattr(QuantCache, "_write", held)
+    job = ui_session.start_load(mine)  # what app.py does at start-up with the last model
+    try:
+        assert holding.wait(30)
+        delete = next(f for f in build(ui_session).fns.values() if f.api_name == "delete_model").fn
+        status, _ = delete(str(mine))
+    finally:
+        release.set()
+        assert job.finished.wait(60)
+    # before: deleted under the load, which then failed with "Error while serializing: I/O error: …"
+    assert status == (
+        "⚠️ acme--tiny is still loading (the page's header says how far). Wait for the load to finish, then delete it."
+    )
+    assert (mine / "config.json").is_file() and not job.error and ui_session.runtime is not None
+    status, _ = delete(str(mine))  # once loaded, Delete unloads and removes it as before
+    assert status.startswith("Deleted acme--tiny") and not mine.exists() and ui_session.runtime is None

@@ -315,6 +315,14 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             check_deletable(session.models_dir, Path(path))  # before unloading it: a refusal changes nothing
         except ValueError as exc:
             return f"⚠️ {exc}", gr.skip()
+        job = session.loading
+        if job is not None and not job.finished.is_set() and job.model_dir.resolve() == Path(path).resolve():
+            # The load reads its files (and writes its quantised copy) for minutes: deleting them under it fails it.
+            return (
+                f"⚠️ {Path(path).name} is still loading (the page's header says how far). Wait for the load to "
+                "finish, then delete it.",
+                gr.skip(),
+            )
         if downloading_dir(session) == Path(path).resolve():
             return f"⚠️ {Path(path).name} is still downloading. Cancel the download first, then delete it.", gr.skip()
         if session.model_dir is not None and Path(path).resolve() == session.model_dir.resolve():
