@@ -163,6 +163,16 @@ def test_download_fetches_only_needed_files_and_lists_it(hub, tmp_path):
 
 
 @pytest.mark.slow
+def test_cancel_after_the_download_finished_still_says_it_finished(hub, tmp_path):
+    d = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url)
+    assert d.wait(60).state == "done"
+    d.cancel()  # pressed a moment too late
+    status = d.status()
+    assert (status.state, status.message) == ("done", "Downloaded acme/tiny-moe.")  # before: "Download cancelled."
+    assert [m.repo_id for m in list_downloaded(tmp_path)] == ["acme/tiny-moe"]
+
+
+@pytest.mark.slow
 def test_dropped_connection_resumes_mid_file(hub, tmp_path):
     hub.drop_after = CHUNK + 1000
     status = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url).wait(60)

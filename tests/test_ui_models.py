@@ -330,3 +330,11 @@ def test_delete_is_refused_while_that_model_is_loading(ui_session, tiny_model_di
     assert (mine / "config.json").is_file() and not job.error and ui_session.runtime is not None
     status, _ = delete(str(mine))  # once loaded, Delete unloads and removes it as before
     assert status.startswith("Deleted acme--tiny") and not mine.exists() and ui_session.runtime is None
+
+
+def test_cancel_with_no_download_running_says_so(ui_session):
+    cancel = next(f for f in build(ui_session).fns.values() if f.api_name == "cancel_download").fn
+    assert cancel() == "No download is running."
+    ui_session.download = _StartedDownload("acme/tiny", ui_session.models_dir, [], [])
+    ui_session.download._status = DownloadStatus("done", 2, 2, "Downloaded acme/tiny.")
+    assert cancel() == "No download is running."  # before: "" (as if it had stopped one)

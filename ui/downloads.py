@@ -279,10 +279,10 @@ class Download:
         with self._lock:
             total, error, done, cancelled = self._total, self._error, self._done, self._cancelled
         have = folder_bytes(self.dest) if self.dest.exists() else 0
+        if done:  # first: a Cancel pressed after the download finished cancelled nothing
+            return DownloadStatus("done", total, total, f"Downloaded {self.repo_id}.")
         if cancelled:
             return DownloadStatus("cancelled", have, total, "Download cancelled. Press Download to resume it.")
-        if done:
-            return DownloadStatus("done", total, total, f"Downloaded {self.repo_id}.")
         if error:
             return DownloadStatus("error", have, total, error)
         if not running:

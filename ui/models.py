@@ -289,7 +289,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             raise gr.Error(str(exc)) from exc
 
     def cancel():
-        if session.download is None:
+        if downloading_dir(session) is None:
             return "No download is running."
         session.download.cancel()
         return ""  # the progress line under the buttons says it (the download loop sees the cancel)
