@@ -257,6 +257,35 @@ def test_gated_model_message(tmp_path):
     assert "licence" in status.message and "token" in status.message
 
 
+def test_a_disk_that_fills_up_during_the_download_says_how_much_to_free(tmp_path, monkeypatch, capsys):
+    import errno
+    import shutil
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    from ui.downloads import worker
+
+    def fake_hub(repo_id, local_dir, dry_run=False, **_):
+        if dry_run:  # the plan: three 2 GB shards, none on disk yet
+            return [SimpleNamespace(file_size=2_000_000_000, will_download=True) for _ in range(3)]
+        (local_dir / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device")  # another program took the space meanwhile
+
+    frees = iter([10_000_000_000, 500_000_000])  # free at the pre-check, then once the disk filled up
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=next(frees)))
+    assert worker("acme/tiny-moe", tmp_path / "acme--tiny-moe", ["*"], []) == 1
+    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # before: "The download failed: [Errno 28] No space left on device. Press Download to retry; …"
+    assert said[-1] == {
+        "event": "error",
+        "kind": "disk",
+        "message": "The disk is full: about 6.0 GB of this model is still to download and 0.5 GB is free. Free up at "
+        "least 7.5 GB, then press Download to resume; finished files are kept.",
+    }
+
+
 def test_a_truncated_marker_does_not_break_the_models_list(tmp_path):
     from ui.downloads import COMPLETE_MARKER, list_downloaded, write_marker
 

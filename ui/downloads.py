@@ -14,6 +14,7 @@ Progress is the size of the destination folder against the plan's total, so the 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -151,6 +152,25 @@ def explain(error: BaseException) -> tuple[str, str]:
     return "other", f"The download failed: {detail}. Press Download to retry; finished files are kept."
 
 
+def disk_full(error: BaseException, dest: Path, total: int) -> str | None:
+    """The sentence for a download the disk filled up under (another program took the space after the pre-check),
+    with how much to free; None for any other failure. What is left is the plan's total less what is on disk:
+    huggingface_hub deletes the half-written file, so what stays is whole files."""
+    if not any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _causes(error)):
+        return None
+    left = max(0, total - (folder_bytes(dest) if dest.is_dir() else 0))
+    try:
+        free = shutil.disk_usage(dest.parent).free
+    except OSError:
+        free = 0  # the models folder could not be made: a full disk has none to give
+    need = left + DISK_MARGIN_BYTES - free
+    free_up = f"Free up at least {need / 1e9:.1f} GB" if need > 0 else "Free up some space"
+    return (
+        f"The disk is full: about {left / 1e9:.1f} GB of this model is still to download and {free / 1e9:.1f} GB is "
+        f"free. {free_up}, then press Download to resume; finished files are kept."
+    )
+
+
 def _plan(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> tuple[int, int]:
     from huggingface_hub import snapshot_download
 
@@ -185,6 +205,7 @@ def exit_with_parent() -> None:
 
 def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int:
     """Child-process body: plan, check disk, download, mark complete. Reports JSON lines on stdout."""
+    total = 0
 
     def say(**event: object) -> None:
         print(json.dumps(event), flush=True)
@@ -209,7 +230,8 @@ def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int
         write_marker(dest, {"repo_id": repo_id, "total_bytes": total}, STARTED_MARKER)
         snapshot_download(repo_id, local_dir=dest, allow_patterns=allow, ignore_patterns=ignore)
     except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the user
-        kind, message = explain(error)
+        full = disk_full(error, dest, total)
+        kind, message = ("disk", full) if full else explain(error)
         say(event="error", kind=kind, message=message)
         return 1
     write_marker(dest, {"repo_id": repo_id, "total_bytes": total})
