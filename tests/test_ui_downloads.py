@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ui.downloads import COMPLETE_MARKER, Download, delete_downloaded, list_downloaded
+from ui.downloads import COMPLETE_MARKER, Download, delete_downloaded, list_downloaded, list_incomplete
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 ALLOW = ["*.safetensors", "*.json"]
@@ -163,6 +163,16 @@ def test_download_fetches_only_needed_files_and_lists_it(hub, tmp_path):
 
 
 @pytest.mark.slow
+def test_cancel_after_the_download_finished_still_says_it_finished(hub, tmp_path):
+    d = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url)
+    assert d.wait(60).state == "done"
+    d.cancel()  # pressed a moment too late
+    status = d.status()
+    assert (status.state, status.message) == ("done", "Downloaded acme/tiny-moe.")  # before: "Download cancelled."
+    assert [m.repo_id for m in list_downloaded(tmp_path)] == ["acme/tiny-moe"]
+
+
+@pytest.mark.slow
 def test_dropped_connection_resumes_mid_file(hub, tmp_path):
     hub.drop_after = CHUNK + 1000
     status = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url).wait(60)
@@ -191,6 +201,41 @@ def test_cancel_then_download_again_keeps_finished_shards(hub, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_cancelled_download_is_listed_as_incomplete_and_can_be_deleted(hub, tmp_path):
+    hub.stall = "model-00002-of-00002.safetensors"
+    shard = len(_files()["model-00001-of-00002.safetensors"])
+    d = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url)
+    _wait(d, lambda s: s.done_bytes >= shard)
+    d.cancel()
+    # before: not listed anywhere, and Delete said it "was not downloaded by this app"
+    assert list_downloaded(tmp_path) == []
+    [left] = list_incomplete(tmp_path)
+    assert left.repo_id == "acme/tiny-moe" and left.size_bytes >= shard
+    delete_downloaded(tmp_path, left.path)
+    assert not left.path.exists() and list_incomplete(tmp_path) == []
+
+
+class NotFoundHub(FakeHub):
+    """What huggingface.co answers an anonymous client for a repo that does not exist (or is private)."""
+
+    def _serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        self.requests.append((h.command, h.path, None))
+        headers = {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}
+        self._send_json(h, {"error": "Repository not found"}, 401, headers)
+
+
+@pytest.mark.slow
+def test_a_mistyped_repo_id_leaves_no_folder_behind(tmp_path):
+    hub = NotFoundHub({})
+    try:
+        status = Download("acme/does-not-exist", tmp_path, ALLOW, IGNORE, endpoint=hub.url).wait(60)
+    finally:
+        hub.close()
+    assert status.state == "error" and "No such model" in status.message
+    assert list(tmp_path.iterdir()) == []  # before: an empty acme--does-not-exist folder stayed
+
+
+@pytest.mark.slow
 def test_offline_message(tmp_path):
     with socket.socket() as s:  # a port nobody listens on: connection refused, like no network
         s.bind(("127.0.0.1", 0))
@@ -210,6 +255,35 @@ def test_gated_model_message(tmp_path):
         hub.close()
     assert status.state == "error"
     assert "licence" in status.message and "token" in status.message
+
+
+def test_a_disk_that_fills_up_during_the_download_says_how_much_to_free(tmp_path, monkeypatch, capsys):
+    import errno
+    import shutil
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    from ui.downloads import worker
+
+    def fake_hub(repo_id, local_dir, dry_run=False, **_):
+        if dry_run:  # the plan: three 2 GB shards, none on disk yet
+            return [SimpleNamespace(file_size=2_000_000_000, will_download=True) for _ in range(3)]
+        (local_dir / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device")  # another program took the space meanwhile
+
+    frees = iter([10_000_000_000, 500_000_000])  # free at the pre-check, then once the disk filled up
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=next(frees)))
+    assert worker("acme/tiny-moe", tmp_path / "acme--tiny-moe", ["*"], []) == 1
+    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # before: "The download failed: [Errno 28] No space left on device. Press Download to retry; …"
+    assert said[-1] == {
+        "event": "error",
+        "kind": "disk",
+        "message": "The disk is full: about 6.0 GB of this model is still to download and 0.5 GB is free. Free up at "
+        "least 7.5 GB, then press Download to resume; finished files are kept.",
+    }
 
 
 def test_a_truncated_marker_does_not_break_the_models_list(tmp_path):

@@ -17,7 +17,7 @@ from fmoe_local.demo import demo_model_dir
 from fmoe_local.hardware import Machine, format_fits
 from fmoe_local.quant_cache import QuantCache
 from ui import build, model_formats
-from ui.downloads import write_marker
+from ui.downloads import STARTED_MARKER, DownloadStatus, write_marker
 from ui.models import HEADERS, catalog_rows, downloaded_choices, load_steps
 from ui.session import DEMO_LABEL, LoadJob
 
@@ -237,3 +237,104 @@ def test_download_refusals_are_sentences_under_the_button_not_red_pills(ui_sessi
     api = next(f for f in demo.fns.values() if f.api_name == "download").fn  # scripts still hear an error
     with pytest.raises(gr.Error, match="owner/name"):
         next(api("not a repo", ""))
+
+
+class _StartedDownload:
+    """Stands in for ui.downloads.Download: records that the download started, without a child process."""
+
+    def __init__(self, repo_id, models_dir, allow, ignore, token=None, endpoint=None):
+        from ui.downloads import DownloadStatus
+
+        self.dest = Path(models_dir) / repo_id.replace("/", "--")
+        self._status = DownloadStatus("error", 0, 0, "stub")
+
+    def status(self):
+        return self._status
+
+    def cancel(self):
+        pass
+
+
+def test_resuming_a_mostly_downloaded_model_needs_room_only_for_the_rest(ui_session, monkeypatch):
+    dest = ui_session.models_dir / MIXTRAL.local_name
+    dest.mkdir(parents=True)
+    for i in range(1, 19):  # 18 of 19 shards finished before a cancel or a crash (sparse: sizes without writing)
+        with open(dest / f"model-{i:05d}-of-00019.safetensors", "wb") as f:
+            f.truncate(4_900_000_000)
+    twenty_free = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 20 * GB)
+    monkeypatch.setattr("ui.session.probe", lambda _: twenty_free)
+    monkeypatch.setattr("ui.models.Download", _StartedDownload)
+    start = next(f for f in build(ui_session).fns.values() if f.name == "start").fn
+    progress = [p for p, _ in start(MIXTRAL.repo_id, "")]
+    # before: refused, "needs 93.4 GB and 20.0 GB is free", though only the last 5 GB shard was left to fetch
+    assert "Not enough disk space" not in progress[0] and isinstance(ui_session.download, _StartedDownload)
+    for i in range(1, 19):
+        (dest / f"model-{i:05d}-of-00019.safetensors").unlink()
+    with open(dest / "model-00001-of-00019.safetensors", "wb") as f:
+        f.truncate(4_900_000_000)
+    ui_session.download = None
+    [(progress, _)] = list(start(MIXTRAL.repo_id, ""))  # what is left still has to fit
+    assert (
+        "⚠️ Not enough disk space: Mixtral 8x7B Instruct needs 88.5 GB more (4.9 GB is already downloaded)" in progress
+    )
+
+
+def test_an_interrupted_download_is_listed_as_incomplete_and_delete_removes_it(ui_session, monkeypatch):
+    left = ui_session.models_dir / "acme--tiny"
+    left.mkdir(parents=True)
+    with open(left / "model-00001-of-00002.safetensors", "wb") as f:
+        f.truncate(300_000_000)  # a shard finished before the cancel or the crash
+    write_marker(left, {"repo_id": "acme/tiny"}, STARTED_MARKER)  # what the download wrote when it started
+    incomplete = ("acme/tiny (incomplete download, 0.3 GB: Download resumes it)", str(left))
+    assert downloaded_choices(ui_session)[0] == incomplete
+    demo = build(ui_session)
+    monkeypatch.setattr("ui.models.Download", _StartedDownload)  # a download that ends at once without finishing
+    *_, (_, listed) = next(f for f in demo.fns.values() if f.name == "start").fn("acme/tiny", "")
+    assert incomplete in listed.choices  # the Download button's end refreshes "Your models"
+    delete = next(f for f in demo.fns.values() if f.api_name == "delete_model").fn
+    ui_session.download = _StartedDownload("acme/tiny", ui_session.models_dir, [], [])
+    ui_session.download._status = DownloadStatus("downloading", 1, 2)  # while it still downloads: refused
+    status, _ = delete(str(left))
+    assert status == "⚠️ acme--tiny is still downloading. Cancel the download first, then delete it." and left.is_dir()
+    ui_session.download._status = DownloadStatus("cancelled", 1, 2)
+    status, _ = delete(str(left))
+    # before: "acme--tiny was not downloaded by this app, so it is not deleted here."
+    assert status == "Deleted acme--tiny." and not left.exists()
+
+
+def test_delete_is_refused_while_that_model_is_loading(ui_session, tiny_model_dir, monkeypatch):
+    mine = ui_session.models_dir / "acme--tiny"
+    shutil.copytree(tiny_model_dir("mixtral"), mine)
+    write_marker(mine, {"repo_id": "acme/tiny"})
+    ui_session.store.settings.set(**ui_session.store.settings.format_choice(str(mine), "int8"))
+    real_write, release, holding = QuantCache._write, threading.Event(), threading.Event()
+
+    def held(self, layer, tensors):
+        holding.set()
+        release.wait(30)  # the first int8 load is making its copy (minutes on a real model)
+        real_write(self, layer, tensors)
+
+    monkeypatch.setattr(QuantCache, "_write", held)
+    job = ui_session.start_load(mine)  # what app.py does at start-up with the last model
+    try:
+        assert holding.wait(30)
+        delete = next(f for f in build(ui_session).fns.values() if f.api_name == "delete_model").fn
+        status, _ = delete(str(mine))
+    finally:
+        release.set()
+        assert job.finished.wait(60)
+    # before: deleted under the load, which then failed with "Error while serializing: I/O error: …"
+    assert status == (
+        "⚠️ acme--tiny is still loading (the page's header says how far). Wait for the load to finish, then delete it."
+    )
+    assert (mine / "config.json").is_file() and not job.error and ui_session.runtime is not None
+    status, _ = delete(str(mine))  # once loaded, Delete unloads and removes it as before
+    assert status.startswith("Deleted acme--tiny") and not mine.exists() and ui_session.runtime is None
+
+
+def test_cancel_with_no_download_running_says_so(ui_session):
+    cancel = next(f for f in build(ui_session).fns.values() if f.api_name == "cancel_download").fn
+    assert cancel() == "No download is running."
+    ui_session.download = _StartedDownload("acme/tiny", ui_session.models_dir, [], [])
+    ui_session.download._status = DownloadStatus("done", 2, 2, "Downloaded acme/tiny.")
+    assert cancel() == "No download is running."  # before: "" (as if it had stopped one)

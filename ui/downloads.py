@@ -14,6 +14,7 @@ Progress is the size of the destination folder against the plan's total, so the 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COMPLETE_MARKER = ".fmoe-download.json"  # written last: a folder without it is an interrupted download
+# Written when the download starts (after its plan succeeded): the folder is the app's own from then on, so an
+# interrupted download is listed (as incomplete) and Delete may remove it, while a folder with neither marker is not.
+STARTED_MARKER = ".fmoe-download-started.json"
 DISK_MARGIN_BYTES = 2_000_000_000
 
 
@@ -57,24 +61,37 @@ def folder_bytes(path: Path) -> int:
     return total
 
 
-def list_downloaded(models_dir: Path) -> list[LocalModel]:
-    """Completed downloads, newest first. Interrupted ones are left out (starting them again resumes)."""
+def _read_marker(marker: Path) -> dict | None:
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None  # missing or damaged (a damaged completion marker: an interrupted download, which resumes)
+    return info if isinstance(info, dict) else None
+
+
+def _listed(models_dir: Path, complete: bool) -> list[LocalModel]:
     out = []
     if not models_dir.is_dir():
         return out
     for child in models_dir.iterdir():
-        marker = child / COMPLETE_MARKER
-        if marker.is_file():
-            try:
-                info = json.loads(marker.read_text())
-            except (OSError, ValueError):
-                continue  # a damaged marker: treated as an interrupted download (Download again resumes it)
-            if not isinstance(info, dict):
-                continue
-            out.append(
-                (marker.stat().st_mtime, LocalModel(child, info.get("repo_id", child.name), folder_bytes(child)))
-            )
+        done = _read_marker(child / COMPLETE_MARKER)
+        marker = child / COMPLETE_MARKER if complete else child / STARTED_MARKER
+        info = done if complete else (None if done is not None else _read_marker(marker))
+        if info is not None:
+            model = LocalModel(child, str(info.get("repo_id", child.name)), folder_bytes(child))
+            out.append((marker.stat().st_mtime, model))
     return [m for _, m in sorted(out, key=lambda t: -t[0])]
+
+
+def list_downloaded(models_dir: Path) -> list[LocalModel]:
+    """Completed downloads, newest first. Interrupted ones are left out (list_incomplete)."""
+    return _listed(models_dir, complete=True)
+
+
+def list_incomplete(models_dir: Path) -> list[LocalModel]:
+    """Downloads the app started and did not finish (cancelled, failed, or cut by a crash), newest first: they take
+    disk, Download resumes them and Delete may remove them."""
+    return _listed(models_dir, complete=False)
 
 
 def check_deletable(models_dir: Path, path: Path) -> Path:
@@ -83,7 +100,7 @@ def check_deletable(models_dir: Path, path: Path) -> Path:
     path = Path(path).resolve()
     if path.parent != Path(models_dir).resolve():
         raise ValueError("Only models inside the app's models folder can be deleted here.")
-    if not (path / COMPLETE_MARKER).is_file():
+    if not ((path / COMPLETE_MARKER).is_file() or (path / STARTED_MARKER).is_file()):
         raise ValueError(
             f"{path.name} was not downloaded by this app, so it is not deleted here. Delete it in your file manager "
             "if you no longer want it."
@@ -135,6 +152,25 @@ def explain(error: BaseException) -> tuple[str, str]:
     return "other", f"The download failed: {detail}. Press Download to retry; finished files are kept."
 
 
+def disk_full(error: BaseException, dest: Path, total: int) -> str | None:
+    """The sentence for a download the disk filled up under (another program took the space after the pre-check),
+    with how much to free; None for any other failure. What is left is the plan's total less what is on disk:
+    huggingface_hub deletes the half-written file, so what stays is whole files."""
+    if not any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _causes(error)):
+        return None
+    left = max(0, total - (folder_bytes(dest) if dest.is_dir() else 0))
+    try:
+        free = shutil.disk_usage(dest.parent).free
+    except OSError:
+        free = 0  # the models folder could not be made: a full disk has none to give
+    need = left + DISK_MARGIN_BYTES - free
+    free_up = f"Free up at least {need / 1e9:.1f} GB" if need > 0 else "Free up some space"
+    return (
+        f"The disk is full: about {left / 1e9:.1f} GB of this model is still to download and {free / 1e9:.1f} GB is "
+        f"free. {free_up}, then press Download to resume; finished files are kept."
+    )
+
+
 def _plan(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> tuple[int, int]:
     from huggingface_hub import snapshot_download
 
@@ -144,14 +180,14 @@ def _plan(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> tupl
     return total, remaining
 
 
-def write_marker(dest: Path, info: dict) -> None:
+def write_marker(dest: Path, info: dict, name: str = COMPLETE_MARKER) -> None:
     """Write-then-rename: a crash leaves the old marker or the new one, never half of one."""
-    tmp = dest / f"{COMPLETE_MARKER}.tmp"
+    tmp = dest / f"{name}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps(info))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, dest / COMPLETE_MARKER)
+    os.replace(tmp, dest / name)
 
 
 def exit_with_parent() -> None:
@@ -169,17 +205,18 @@ def exit_with_parent() -> None:
 
 def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int:
     """Child-process body: plan, check disk, download, mark complete. Reports JSON lines on stdout."""
+    total = 0
 
     def say(**event: object) -> None:
         print(json.dumps(event), flush=True)
 
     from huggingface_hub import snapshot_download
 
-    dest.mkdir(parents=True, exist_ok=True)
     try:
         total, remaining = _plan(repo_id, dest, allow, ignore)
         say(event="plan", total=total, remaining=remaining)
-        free = shutil.disk_usage(dest).free
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(dest.parent).free
         if remaining + DISK_MARGIN_BYTES > free:
             say(
                 event="error",
@@ -188,9 +225,13 @@ def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int
                 f"{free / 1e9:.1f} GB free. Free up space and try again.",
             )
             return 2
+        # Only now, with a plan for a real repo and room for it: a mistyped repo id leaves no folder behind.
+        dest.mkdir(exist_ok=True)
+        write_marker(dest, {"repo_id": repo_id, "total_bytes": total}, STARTED_MARKER)
         snapshot_download(repo_id, local_dir=dest, allow_patterns=allow, ignore_patterns=ignore)
     except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the user
-        kind, message = explain(error)
+        full = disk_full(error, dest, total)
+        kind, message = ("disk", full) if full else explain(error)
         say(event="error", kind=kind, message=message)
         return 1
     write_marker(dest, {"repo_id": repo_id, "total_bytes": total})
@@ -260,10 +301,10 @@ class Download:
         with self._lock:
             total, error, done, cancelled = self._total, self._error, self._done, self._cancelled
         have = folder_bytes(self.dest) if self.dest.exists() else 0
+        if done:  # first: a Cancel pressed after the download finished cancelled nothing
+            return DownloadStatus("done", total, total, f"Downloaded {self.repo_id}.")
         if cancelled:
             return DownloadStatus("cancelled", have, total, "Download cancelled. Press Download to resume it.")
-        if done:
-            return DownloadStatus("done", total, total, f"Downloaded {self.repo_id}.")
         if error:
             return DownloadStatus("error", have, total, error)
         if not running:

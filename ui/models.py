@@ -18,11 +18,11 @@ from pathlib import Path
 
 import gradio as gr
 
-from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find
+from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find, local_name
 from fmoe_local.hardware import format_fits
 from fmoe_local.quant_cache import remove_copies
 from ui import model_formats, page_header
-from ui.downloads import Download, check_deletable, delete_downloaded, list_downloaded
+from ui.downloads import Download, check_deletable, delete_downloaded, folder_bytes, list_downloaded, list_incomplete
 from ui.session import DEMO_LABEL, ModelLoadError, Session, demo_dir
 
 POLL_S = 0.5
@@ -80,11 +80,29 @@ def progress_html(fraction: float, text: str) -> str:
 
 
 def downloaded_choices(session: Session) -> list[tuple[str, str]]:
-    """Downloaded models, then the built-in demo, so it can be chosen again after another model was loaded."""
+    """Downloaded models, then the ones whose download did not finish (they take disk: Download resumes them, Delete
+    removes them), then the built-in demo, so it can be chosen again after another model was loaded."""
     demo = demo_dir()
-    return [(f"{m.repo_id} ({m.size_bytes / GB:.1f} GB)", str(m.path)) for m in list_downloaded(session.models_dir)] + (
-        [(DEMO_LABEL, str(demo))] if demo is not None else []
-    )
+    done = [(f"{m.repo_id} ({m.size_bytes / GB:.1f} GB)", str(m.path)) for m in list_downloaded(session.models_dir)]
+    running = downloading_dir(session)
+    unfinished = [
+        (
+            f"{m.repo_id} (downloading, {m.size_bytes / GB:.1f} GB so far)"
+            if running == m.path.resolve()
+            else f"{m.repo_id} (incomplete download, {m.size_bytes / GB:.1f} GB: Download resumes it)",
+            str(m.path),
+        )
+        for m in list_incomplete(session.models_dir)
+    ]
+    return done + unfinished + ([(DEMO_LABEL, str(demo))] if demo is not None else [])
+
+
+def downloading_dir(session: Session) -> Path | None:
+    """The folder a download still running writes into, resolved; None when none runs."""
+    d = session.download
+    if d is None or d.status().state not in ("planning", "downloading"):
+        return None
+    return Path(d.dest).resolve()
 
 
 def refusal_html(sentence: str) -> str:
@@ -108,10 +126,15 @@ def download_steps(session: Session, repo_id: str, token: str) -> Iterator[tuple
     allow = list(entry.allow_patterns if entry else DEFAULT_ALLOW)
     ignore = list(entry.ignore_patterns if entry else DEFAULT_IGNORE)
     if entry is not None:
+        # An interrupted download resumes: the files it finished are kept, so only the rest needs room.
+        dest = session.models_dir / local_name(repo_id)
+        have = folder_bytes(dest) if dest.is_dir() else 0
+        needed = max(0, entry.download_bytes - have)
         free = session.machine(refresh=True).disk_free
-        if entry.download_bytes > free:
+        if needed > free:
+            more = f" more ({have / GB:.1f} GB is already downloaded)" if have else ""
             raise DownloadRefused(
-                f"Not enough disk space: {entry.name} needs {entry.download_bytes / GB:.1f} GB and "
+                f"Not enough disk space: {entry.name} needs {needed / GB:.1f} GB{more} and "
                 f"{free / GB:.1f} GB is free. Free up space or choose a smaller model."
             )
     d = Download(repo_id, session.models_dir, allow, ignore, token=token or None, endpoint=session.endpoint)
@@ -249,8 +272,12 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
                         progress_html(1.0, text + " Select it below, choose its expert format and press Load."),
                         gr.Dropdown(choices=downloaded_choices(session), value=str(dest)),
                     )
+                    return
         except DownloadRefused as exc:
             yield refusal_html(str(exc)), gr.skip()
+            return
+        # Cancelled or failed: "Your models" now lists what it left on disk as incomplete.
+        yield gr.skip(), gr.Dropdown(choices=downloaded_choices(session))
 
     def download(repo_id: str, token: str = "") -> Iterator[str]:
         """Download a model: yields how far it got, then the outcome's sentence; raises with a sentence when the
@@ -262,7 +289,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             raise gr.Error(str(exc)) from exc
 
     def cancel():
-        if session.download is None:
+        if downloading_dir(session) is None:
             return "No download is running."
         session.download.cancel()
         return ""  # the progress line under the buttons says it (the download loop sees the cancel)
@@ -288,6 +315,16 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             check_deletable(session.models_dir, Path(path))  # before unloading it: a refusal changes nothing
         except ValueError as exc:
             return f"⚠️ {exc}", gr.skip()
+        job = session.loading
+        if job is not None and not job.finished.is_set() and job.model_dir.resolve() == Path(path).resolve():
+            # The load reads its files (and writes its quantised copy) for minutes: deleting them under it fails it.
+            return (
+                f"⚠️ {Path(path).name} is still loading (the page's header says how far). Wait for the load to "
+                "finish, then delete it.",
+                gr.skip(),
+            )
+        if downloading_dir(session) == Path(path).resolve():
+            return f"⚠️ {Path(path).name} is still downloading. Cancel the download first, then delete it.", gr.skip()
         if session.model_dir is not None and Path(path).resolve() == session.model_dir.resolve():
             session.unload()
         freed = remove_copies(session.config.quant_cache_dir, Path(path))  # named by its files: before they go
