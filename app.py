@@ -131,7 +131,10 @@ def console_progress(what: str, out=print):
     shown = [-1]
 
     def report(done: int, total: int) -> None:
-        tenth = done * 10 // total if total else 10
+        if not total:  # (0, 0): the copy was given up and the experts are quantised in memory (the load says why)
+            out(f"fmoe-local: the {what} copy cannot be kept; quantising the experts in memory instead", flush=True)
+            return
+        tenth = done * 10 // total
         if tenth != shown[0]:
             shown[0] = tenth
             out(f"fmoe-local: making the {what} copy of the experts: {done} of {total} (first load only)", flush=True)

@@ -116,6 +116,14 @@ def test_a_first_quantised_load_at_start_up_says_how_far_its_copy_got_every_tent
     assert lines[-1].endswith(": 256 of 256 (first load only)")
 
 
+def test_a_copy_given_up_at_start_up_says_the_experts_are_quantised_in_memory():
+    lines = []
+    report = app.console_progress("4-bit (nf4)", out=lambda line, flush: lines.append(line))
+    report(8, 32)
+    report(0, 0)  # the copy did not fit: packed_host falls back (its load notice says what to free)
+    assert lines[-1] == "fmoe-local: the 4-bit (nf4) copy cannot be kept; quantising the experts in memory instead"
+
+
 SIGNALS = [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
 
 
