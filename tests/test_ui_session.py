@@ -1,12 +1,15 @@
 """Session.load: a saved setting this model cannot use is reset to its default with a sentence, and the model loads
-(the built-in one always does)."""
+(the built-in one always does); a model that cannot load keeps the saved settings."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.demo import demo_model_dir
+from fmoe_local.runtime import Runtime
 from store import open_store
 from store.settings import AppSettings
 from ui.session import ModelLoadError, Session
@@ -55,6 +58,27 @@ def test_settings_that_work_are_kept(store):
         assert "reset" not in said and session.runtime.info.prefetch_distance == 2
     finally:
         session.close()
+
+
+def test_a_checkpoint_that_cannot_load_keeps_the_saved_settings_and_is_read_once(
+    ui_session, tiny_model_dir, tmp_path, monkeypatch
+):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "acme--incomplete"  # a download cut short: a weight the model needs is missing
+    shutil.copytree(tiny_model_dir("mixtral"), broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights[next(k for k in weights if "norm" in k)]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    settings = ui_session.store.settings
+    settings.set(temperature=0.2, top_p=0.5, max_new_tokens=77, policy="lru", prefetch_distance=2)
+    before = settings.load()
+    tries, real = [], Runtime.load.__func__
+    monkeypatch.setattr(Runtime, "load", classmethod(lambda cls, *a, **kw: tries.append(a[0]) or real(cls, *a, **kw)))
+    with pytest.raises(ModelLoadError, match="lacks 1 weights the model needs .*download the model again") as err:
+        ui_session.load(broken)
+    assert "saved settings" not in str(err.value)
+    assert settings.load() == before and tries == [broken]  # no reset, and the checkpoint read once, not twice
 
 
 def test_the_header_says_where_a_damaged_database_went(tmp_path):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fmoe_local.cache_budget import SettingRefused
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.hardware import Machine, probe
 from fmoe_local.miss_cost import MissCosts
@@ -267,9 +268,10 @@ class Session:
                     self.runtime = Runtime.load(
                         model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir), progress
                     )
-                except ValueError as exc:
+                except SettingRefused as exc:
                     # A saved value this model cannot use (e.g. a cache smaller than one of its experts) must not
-                    # keep the model from loading: back to the defaults, said plainly.
+                    # keep the model from loading: back to the defaults, said plainly. Only this type: a checkpoint
+                    # that cannot load (incomplete, of another shape) fails the same with any settings.
                     reset = self._reset_runtime_settings()
                     if not reset:
                         raise
