@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -79,6 +80,32 @@ def test_a_checkpoint_that_cannot_load_keeps_the_saved_settings_and_is_read_once
         ui_session.load(broken)
     assert "saved settings" not in str(err.value)
     assert settings.load() == before and tries == [broken]  # no reset, and the checkpoint read once, not twice
+
+
+def test_a_model_that_can_never_load_is_refused_while_the_working_one_stays_loaded(
+    ui_session, tiny_model_dir, tmp_path
+):
+    dense = tmp_path / "meta-llama--Llama-3.2-1B"  # a dense model: no experts to offload
+    dense.mkdir()
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "vocab_size": 100}
+    (dense / "config.json").write_text(json.dumps({**llama, "num_hidden_layers": 2, "num_attention_heads": 4}))
+    gptq = tmp_path / "TheBloke--Mixtral-GPTQ"  # a quantization the app cannot read
+    shutil.copytree(tiny_model_dir("mixtral"), gptq)
+    config = json.loads((gptq / "config.json").read_text())
+    (gptq / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    working = tiny_model_dir("mixtral")
+    ui_session.load(working)
+    runtime = ui_session.runtime
+    for folder, why in ((dense, "is not a Mixture-of-Experts model"), (gptq, r"quantized \(gptq\), which fmoe")):
+        with pytest.raises(ModelLoadError, match=why) as err:
+            ui_session.load(folder)
+        assert ui_session.runtime is runtime and ui_session.model_dir == working and ui_session.load_error == ""
+        assert str(err.value).endswith(f"{working.name} is still loaded.")
+    assert runtime.generate([{"role": "user", "content": "Hi"}]).reason in ("stop", "length")
+    ui_session.unload()
+    with pytest.raises(ModelLoadError):
+        ui_session.load(dense)
+    assert "not a Mixture-of-Experts model" in ui_session.load_error  # the header's reason why none is loaded
 
 
 def test_the_header_says_where_a_damaged_database_went(tmp_path):

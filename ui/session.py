@@ -98,12 +98,16 @@ class ModelShapeFacts:
 
 
 def shape_of(model_dir: Path) -> ModelShapeFacts:
+    """Raises ValueError (a sentence) for a model the app can never load: not a MoE family it knows, or quantized
+    in a way it cannot read. Reads config.json only, so that Load can refuse before unloading the model in use."""
     from transformers import AutoConfig
 
     from fmoe_local.architectures import architecture_for
+    from fmoe_local.loading import check_quantization
 
     config = AutoConfig.from_pretrained(model_dir)
     arch = architecture_for(config)
+    check_quantization(config, arch)
     text = getattr(config, "text_config", None) or config
     return ModelShapeFacts(
         num_layers=len(arch.moe_layer_indices(config)),
@@ -242,7 +246,7 @@ class Session:
         `progress(done, total)`: experts quantised so far while a first int8/nf4 load makes its copy.
 
         Raises ModelLoadError (a sentence) when the folder is not a model or loading fails; a folder that is
-        not a model leaves the current model loaded.
+        not a model, or a model that can never load here (shape_of), leaves the current model loaded.
         """
         from fmoe_local.runtime import Runtime
 
@@ -252,6 +256,15 @@ class Session:
                 f"{model_dir} is not a model folder (no config.json). Pick a downloaded model or another folder."
             )
         with self._lock:
+            try:
+                shape = shape_of(model_dir)
+            except Exception as exc:  # noqa: BLE001 - e.g. a dense model, a GPTQ release: refused as a sentence
+                said = f"Could not load {model_dir.name}: {exc}"
+                if self.runtime is None:
+                    self.load_error = said  # the header's reason why no model is loaded
+                else:
+                    said += f" {model_label(self.model_dir, self.runtime.info.name)} is still loaded."
+                raise ModelLoadError(said) from exc
             self.unload()
             notice = ""
             refused = self.store.settings.refused()
@@ -262,7 +275,6 @@ class Session:
                     f"{', '.join(sorted(refused))} reset to defaults."
                 )
             try:
-                shape = shape_of(model_dir)
                 self._persistence = self.store.map_persistence(model_dir, shape)
                 try:
                     self.runtime = Runtime.load(
