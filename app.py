@@ -225,7 +225,7 @@ def serve(args: argparse.Namespace):
         # On a thread of its own, so that the page opens at once: reading a big model takes minutes, which a silent
         # terminal makes look hung. The page's header says "Loading …" (and how far a first int8/nf4 copy got);
         # the console says so too, and prints the outcome (Loaded … / Could not load …) when it ends.
-        what = format_name(store.settings.load().expert_format)
+        what = format_name(session.load_format(model_dir))  # the model's own, else the last loaded one's
         print(f"fmoe-local: loading {model_dir.name} ({what}); the page says when it is ready.", flush=True)
         job = session.start_load(model_dir, progress=console_progress(what))
         threading.Thread(target=announce, args=(job,), name="fmoe-announce", daemon=True).start()

@@ -11,6 +11,11 @@ import torch
 from fmoe_local.hardware import GIB, KV_RESERVE_BYTES
 
 
+class SettingRefused(ValueError):
+    """A setting (e.g. the saved cache size) this model cannot use; the message says which and what to do. Its own
+    type so that the app resets the saved settings for this failure only, never for a model that cannot load."""
+
+
 def slots_for_budget(cache_gb: float, expert_bytes: int) -> int:
     return int(cache_gb * GIB // expert_bytes)
 
@@ -51,4 +56,6 @@ def check_capacity(capacity: int, expert_bytes: int) -> None:
             (u, f) for u, f in (("GB", GIB), ("MB", 1024**2), ("KB", 1024), ("bytes", 1)) if expert_bytes >= f
         )
         size = f"{expert_bytes / scale:.3g} {unit}"
-        raise ValueError(f"The expert cache must hold at least one expert ({size} for this model). Give it more room.")
+        raise SettingRefused(
+            f"The expert cache must hold at least one expert ({size} for this model). Give it more room."
+        )

@@ -136,24 +136,31 @@ def _build(
     return model, moe_layers, host, unexpected, dtype
 
 
-def _drop_supported_quantization(hf_config: object, arch: Architecture) -> None:
-    """MXFP4 GPT-OSS and bitsandbytes nf4 checkpoints are read by the host store; other quantizations are refused."""
+def check_quantization(hf_config: object, arch: Architecture) -> None:
+    """Refuse (ValueError, a sentence) a checkpoint quantized in a way the host store cannot read: it reads MXFP4
+    GPT-OSS and bitsandbytes nf4. From the config alone, so that the app can refuse such a model before it unloads
+    the one that works."""
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     if arch.model_type == "gpt_oss" and str(method).lower().endswith("mxfp4"):
-        # The skeleton must hold plain (dequantised) parameters, not transformers' MXFP4 modules.
-        del hf_config.quantization_config
         return
     if str(method).lower() == "bitsandbytes":
         bnb_checkpoint.check_config(quant if isinstance(quant, dict) else quant.to_dict())
-        del hf_config.quantization_config  # experts are read packed (packed_host.py), the rest dequantised
         return
     raise ValueError(
         f"This checkpoint is quantized ({method}), which fmoe-local cannot load. We read bf16/fp16/fp32 checkpoints, "
         f"GPT-OSS's MXFP4 and {bnb_checkpoint.READ}: download one of those releases of the model instead."
     )
+
+
+def _drop_supported_quantization(hf_config: object, arch: Architecture) -> None:
+    """The skeleton must hold plain (dequantised) parameters, not transformers' quantized modules: the host store
+    reads the experts packed (packed_host.py), the rest is dequantised as it loads."""
+    check_quantization(hf_config, arch)
+    if getattr(hf_config, "quantization_config", None):
+        del hf_config.quantization_config
 
 
 def _checkpoint_dtype(hf_config: object, files: CheckpointFiles) -> torch.dtype:

@@ -1,10 +1,11 @@
 """Models tab: the built-in demo is listed under "Your models" (so it can be chosen again after another model was
 loaded) under its people's name, and cannot be deleted; each catalog model shows its sizes and verdict per expert
 format with one recommended; a format that does not fit names one that does; Load uses the chosen format, says how
-far a first quantised load got, and says a failure as a sentence."""
+far a first quantised load got, and says a failure as a sentence; a failed Load changes no other model's format."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -222,6 +223,25 @@ def test_load_refusals_and_failures_are_sentences_and_load_nothing(ui_session, t
     assert said[-1][0].startswith("⚠️ Unknown expert format 'fp8'. Choose auto") and ui_session.runtime is None
     *_, (status, _) = load_steps(ui_session, str(tmp_path), "int8")
     assert status.startswith("⚠️") and "is not a model folder (no config.json)" in status and ui_session.runtime is None
+
+
+def test_a_failed_load_leaves_the_format_the_next_start_up_loads_other_models_in(ui_session, tiny_model_dir, tmp_path):
+    chosen, unchosen = tiny_model_dir("mixtral"), tiny_model_dir("mixtral", seed=1)  # the second has no own choice
+    *_, (status, _) = load_steps(ui_session, str(chosen), "bf16")
+    assert status.startswith("Loaded") and ui_session.store.settings.load().expert_format == "bf16"
+    dense = tmp_path / "acme--not-moe"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 100}))
+    *_, (status, _) = load_steps(ui_session, str(dense), "nf4")
+    assert status.startswith("⚠️ Could not load acme--not-moe")
+    saved = ui_session.store.settings.load()
+    assert saved.expert_format == "bf16" and saved.last_model == str(chosen)
+    assert ui_session.store.settings.model_format(str(dense)) == "nf4"  # kept for that folder's next Load
+    for model in (chosen, unchosen):  # what the next start-up (or `fmoe-local --model`) does
+        ui_session.unload()
+        job = ui_session.start_load(model)
+        assert job.finished.wait(120) and job.error == "" and job.expert_format == "bf16"
+        assert ui_session.runtime.info.expert_format == "bf16"
 
 
 def test_download_refusals_are_sentences_under_the_button_not_red_pills(ui_session, monkeypatch):

@@ -1,6 +1,7 @@
 """The page header during a load: Load redraws it at once with the model loading (the previous one is already gone),
-then names the model loaded; a failed load leaves it naming what is loaded (none) with the failure's sentence. Every
-other open tab's header follows on its timer."""
+then names the model loaded; a failed load leaves it naming what is loaded (the previous model when the new one was
+refused before the unload, else none with the failure's sentence). Every other open tab's header follows on its
+timer."""
 
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def test_load_says_which_model_is_loading_then_the_one_loaded_or_why_none(
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # a folder that looks like a model and is not one
+    *_, (status, _, top) = load(str(broken), "auto", str(broken))
+    assert status.startswith("⚠️ Could not load broken") and status.endswith("is still loaded.")
+    assert ui_session.runtime is not None and top.startswith("# fmoe-local\n**mixtral")  # refused before unloading
+    ui_session.unload()
     *_, (status, _, top) = load(str(broken), "auto", str(broken))
     assert status.startswith("⚠️ Could not load broken") and ui_session.runtime is None
     assert "**No model loaded.** ⚠️ Could not load broken" in top and "mixtral" not in top

@@ -1,12 +1,16 @@
 """Session.load: a saved setting this model cannot use is reset to its default with a sentence, and the model loads
-(the built-in one always does)."""
+(the built-in one always does); a model that cannot load keeps the saved settings."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.demo import demo_model_dir
+from fmoe_local.runtime import Runtime
 from store import open_store
 from store.settings import AppSettings
 from ui.session import ModelLoadError, Session
@@ -55,6 +59,53 @@ def test_settings_that_work_are_kept(store):
         assert "reset" not in said and session.runtime.info.prefetch_distance == 2
     finally:
         session.close()
+
+
+def test_a_checkpoint_that_cannot_load_keeps_the_saved_settings_and_is_read_once(
+    ui_session, tiny_model_dir, tmp_path, monkeypatch
+):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "acme--incomplete"  # a download cut short: a weight the model needs is missing
+    shutil.copytree(tiny_model_dir("mixtral"), broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights[next(k for k in weights if "norm" in k)]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    settings = ui_session.store.settings
+    settings.set(temperature=0.2, top_p=0.5, max_new_tokens=77, policy="lru", prefetch_distance=2)
+    before = settings.load()
+    tries, real = [], Runtime.load.__func__
+    monkeypatch.setattr(Runtime, "load", classmethod(lambda cls, *a, **kw: tries.append(a[0]) or real(cls, *a, **kw)))
+    with pytest.raises(ModelLoadError, match="lacks 1 weights the model needs .*download the model again") as err:
+        ui_session.load(broken)
+    assert "saved settings" not in str(err.value)
+    assert settings.load() == before and tries == [broken]  # no reset, and the checkpoint read once, not twice
+
+
+def test_a_model_that_can_never_load_is_refused_while_the_working_one_stays_loaded(
+    ui_session, tiny_model_dir, tmp_path
+):
+    dense = tmp_path / "meta-llama--Llama-3.2-1B"  # a dense model: no experts to offload
+    dense.mkdir()
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "vocab_size": 100}
+    (dense / "config.json").write_text(json.dumps({**llama, "num_hidden_layers": 2, "num_attention_heads": 4}))
+    gptq = tmp_path / "TheBloke--Mixtral-GPTQ"  # a quantization the app cannot read
+    shutil.copytree(tiny_model_dir("mixtral"), gptq)
+    config = json.loads((gptq / "config.json").read_text())
+    (gptq / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    working = tiny_model_dir("mixtral")
+    ui_session.load(working)
+    runtime = ui_session.runtime
+    for folder, why in ((dense, "is not a Mixture-of-Experts model"), (gptq, r"quantized \(gptq\), which fmoe")):
+        with pytest.raises(ModelLoadError, match=why) as err:
+            ui_session.load(folder)
+        assert ui_session.runtime is runtime and ui_session.model_dir == working and ui_session.load_error == ""
+        assert str(err.value).endswith(f"{working.name} is still loaded.")
+    assert runtime.generate([{"role": "user", "content": "Hi"}]).reason in ("stop", "length")
+    ui_session.unload()
+    with pytest.raises(ModelLoadError):
+        ui_session.load(dense)
+    assert "not a Mixture-of-Experts model" in ui_session.load_error  # the header's reason why none is loaded
 
 
 def test_the_header_says_where_a_damaged_database_went(tmp_path):

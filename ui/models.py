@@ -201,14 +201,13 @@ def build(session: Session) -> ModelsTab:
 
 
 def load_steps(session: Session, path: str | None, fmt: str | None) -> Iterator[tuple[str, str]]:
-    """The Load button: saves the chosen expert format, loads on a thread and yields (status, progress bar) until
+    """The Load button: saves the chosen expert format as the model's own, loads on a thread and yields (status, progress bar) until
     it is done — the bar says how far a first int8/nf4 load's copy got, else how long it has been loading."""
     if not path:
         yield "⚠️ Pick a downloaded model or type a folder first.", ""
         return
     try:
-        settings = session.store.settings
-        settings.set(**settings.format_choice(path, fmt or model_formats.format_for(session, path)))
+        session.choose_format(path, fmt or model_formats.format_for(session, path))
     except ValueError as exc:
         yield f"⚠️ {exc}", ""
         return
@@ -301,7 +300,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             raise gr.Error("Name a downloaded model's folder or another model folder.")
         try:
             if expert_format:
-                session.store.settings.set(**session.store.settings.format_choice(folder, expert_format))
+                session.choose_format(folder, expert_format)
             return session.load(Path(folder))
         except (ModelLoadError, ValueError) as exc:
             raise gr.Error(str(exc)) from exc

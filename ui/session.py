@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fmoe_local.cache_budget import SettingRefused
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.hardware import Machine, probe
 from fmoe_local.miss_cost import MissCosts
@@ -97,12 +98,16 @@ class ModelShapeFacts:
 
 
 def shape_of(model_dir: Path) -> ModelShapeFacts:
+    """Raises ValueError (a sentence) for a model the app can never load: not a MoE family it knows, or quantized
+    in a way it cannot read. Reads config.json only, so that Load can refuse before unloading the model in use."""
     from transformers import AutoConfig
 
     from fmoe_local.architectures import architecture_for
+    from fmoe_local.loading import check_quantization
 
     config = AutoConfig.from_pretrained(model_dir)
     arch = architecture_for(config)
+    check_quantization(config, arch)
     text = getattr(config, "text_config", None) or config
     return ModelShapeFacts(
         num_layers=len(arch.moe_layer_indices(config)),
@@ -215,7 +220,8 @@ class Session:
     def start_load(self, model_dir: str | Path, progress: Callable[[int, int], None] | None = None) -> LoadJob:
         """`load` on a thread of its own; the job says how far it got and, when finished, what happened.
         `progress`: told too, as the job is (the console at start-up)."""
-        job = LoadJob(Path(model_dir).expanduser(), self.store.settings.load().expert_format)
+        model_dir = Path(model_dir).expanduser()
+        job = LoadJob(model_dir, self.load_format(model_dir))
 
         def report(done: int, total: int) -> None:
             job.report(done, total)
@@ -224,7 +230,7 @@ class Session:
 
         def run() -> None:
             try:
-                job.message = self.load(job.model_dir, progress=report)
+                job.message = self.load(model_dir, progress=report)
             except ModelLoadError as exc:
                 job.error = str(exc)
             except Exception as exc:  # noqa: BLE001 - the page must hear of it rather than wait forever
@@ -236,12 +242,27 @@ class Session:
         threading.Thread(target=run, name="fmoe-load", daemon=True).start()
         return job
 
+    def load_format(self, model_dir: str | Path) -> str:
+        """The expert format a load of `model_dir` uses: the folder's own choice, else the app-wide one (the format
+        of the last successful load, or the Settings tab's with no model loaded)."""
+        settings = self.store.settings
+        return settings.model_format(str(model_dir)) or settings.load().expert_format
+
+    def choose_format(self, model_dir: str | Path, fmt: str) -> None:
+        """Save `fmt` as the folder's own format (Load's choice); raises ValueError (a sentence) for an unknown one.
+        Not the app-wide one: `load` saves that once the model has loaded, so a load that fails does not change
+        the format the next start-up loads another model in."""
+        RuntimeConfig(expert_format=fmt).validate()
+        settings = self.store.settings
+        settings.set(model_formats=settings.format_choice(str(model_dir), fmt)["model_formats"])
+
     def load(self, model_dir: str | Path, progress: Callable[[int, int], None] | None = None) -> str:
-        """Load a model (unloading the current one); returns a sentence for the user. Saves it as last_model.
+        """Load a model (unloading the current one) in its own format (`load_format`); returns a sentence for the
+        user. Saves it as last_model and its format as the app-wide one.
         `progress(done, total)`: experts quantised so far while a first int8/nf4 load makes its copy.
 
         Raises ModelLoadError (a sentence) when the folder is not a model or loading fails; a folder that is
-        not a model leaves the current model loaded.
+        not a model, or a model that can never load here (shape_of), leaves the current model loaded.
         """
         from fmoe_local.runtime import Runtime
 
@@ -251,7 +272,22 @@ class Session:
                 f"{model_dir} is not a model folder (no config.json). Pick a downloaded model or another folder."
             )
         with self._lock:
+            try:
+                shape = shape_of(model_dir)
+            except Exception as exc:  # noqa: BLE001 - e.g. a dense model, a GPTQ release: refused as a sentence
+                said = f"Could not load {model_dir.name}: {exc}"
+                if self.runtime is None:
+                    self.load_error = said  # the header's reason why no model is loaded
+                else:
+                    said += f" {model_label(self.model_dir, self.runtime.info.name)} is still loaded."
+                raise ModelLoadError(said) from exc
             self.unload()
+            fmt = self.load_format(model_dir)
+
+            def attempt() -> Runtime:  # with the settings as saved now (a retry follows a reset)
+                config = self._saved_config(fmt)
+                return Runtime.load(model_dir, config, self._persistence, self._saved_miss_costs(model_dir), progress)
+
             notice = ""
             refused = self.store.settings.refused()
             if refused:  # the defaults stand in for them (settings.load): said once, and put right on disk
@@ -261,22 +297,18 @@ class Session:
                     f"{', '.join(sorted(refused))} reset to defaults."
                 )
             try:
-                shape = shape_of(model_dir)
                 self._persistence = self.store.map_persistence(model_dir, shape)
                 try:
-                    self.runtime = Runtime.load(
-                        model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir), progress
-                    )
-                except ValueError as exc:
+                    self.runtime = attempt()
+                except SettingRefused as exc:
                     # A saved value this model cannot use (e.g. a cache smaller than one of its experts) must not
-                    # keep the model from loading: back to the defaults, said plainly.
+                    # keep the model from loading: back to the defaults, said plainly. Only this type: a checkpoint
+                    # that cannot load (incomplete, of another shape) fails the same with any settings.
                     reset = self._reset_runtime_settings()
                     if not reset:
                         raise
                     notice += f" Your saved settings could not be used ({exc}); {', '.join(reset)} reset to defaults."
-                    self.runtime = Runtime.load(
-                        model_dir, self._saved_config(), self._persistence, self._saved_miss_costs(model_dir), progress
-                    )
+                    self.runtime = attempt()
             except Exception as exc:  # noqa: BLE001 - any load failure is reported, the app keeps running
                 self._close_persistence()
                 self.load_error = f"Could not load {model_dir.name}: {exc}"
@@ -285,7 +317,7 @@ class Session:
             self.load_error = ""
             self._machine = None  # probed again with this model in memory (machine() adds it back as free)
             self.history.clear()
-            self.store.settings.set(last_model=str(model_dir))
+            self.store.settings.set(last_model=str(model_dir), expert_format=fmt)
             self._save_miss_costs(model_dir)
             info = self.runtime.info
             return (
@@ -294,8 +326,8 @@ class Session:
                 f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{self.runtime.load_notice}{notice}"
             )
 
-    def _saved_config(self) -> RuntimeConfig:
-        return self.store.settings.load().apply_to(self.config)
+    def _saved_config(self, expert_format: str) -> RuntimeConfig:
+        return self.store.settings.load().apply_to(self.config).with_changes(expert_format=expert_format)
 
     def _saved_miss_costs(self, model_dir: Path) -> MissCosts | None:
         """The figures an earlier load measured for this model here (None: measure them now)."""
