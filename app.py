@@ -94,7 +94,7 @@ def free_port(host: str, start: int, tries: int = PORT_TRIES) -> int:
 def persistence_factory(store_path: Path, model_dir: Path):
     """For `fmoe-local run --store`: the model's MapPersistence and a callable that closes the store."""
     from store import StoreError, open_store
-    from ui.session import shape_of
+    from ui.load_job import shape_of
 
     try:
         store = open_store(store_path)

@@ -19,8 +19,9 @@ from fmoe_local.hardware import Machine, format_fits
 from fmoe_local.quant_cache import QuantCache
 from ui import build, model_formats
 from ui.downloads import STARTED_MARKER, DownloadStatus, write_marker
+from ui.load_job import LoadJob
 from ui.models import HEADERS, catalog_rows, downloaded_choices, load_steps
-from ui.session import DEMO_LABEL, LoadJob
+from ui.session import DEMO_LABEL
 
 DESKTOP = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 500 * GB)
 SMALL_GPU = Machine("cuda", "RTX 3050", 6 * GB, int(5.5 * GB), 64 * GB, 60 * GB, 500 * GB)

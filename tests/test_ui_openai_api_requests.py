@@ -207,7 +207,7 @@ def test_an_unknown_v1_route_is_an_openai_shaped_error_naming_the_served_ones(se
 def test_a_503_while_a_model_loads_says_when_to_ask_again(served):
     from pathlib import Path
 
-    from ui.session import LoadJob
+    from ui.load_job import LoadJob
 
     server, session, _ = served
     loaded, job = session.runtime, session.loading

@@ -13,7 +13,8 @@ from fmoe_local.demo import demo_model_dir
 from fmoe_local.runtime import Runtime
 from store import open_store
 from store.settings import AppSettings
-from ui.session import ModelLoadError, Session
+from ui.load_job import ModelLoadError
+from ui.session import Session
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ from fmoe_local.config import EXPERT_FORMATS, RuntimeConfig
 from fmoe_local.expert_formats import LABELS
 from fmoe_local.hardware import FormatFit, format_fits, instead
 from ui.downloads import list_downloaded
-from ui.session import LoadJob, Session, format_name, model_label
+from ui.load_job import LoadJob
+from ui.session import Session, format_name, model_label
 
 FORMAT_HEADERS = ["bf16 experts", "8-bit experts", "4-bit experts"]
 
@@ -143,6 +144,8 @@ def choice_note(session: Session, choice: str, folder: str | None) -> str:
 def load_progress(job: LoadJob, now: float) -> tuple[float, str]:
     """(fraction, sentence) of a loading model, for the bar under Load: never a silent wait."""
     name = model_label(job.model_dir)
+    if (earlier := job.waiting) is not None:  # a load the user replaced stops at its next expert, then this starts
+        return 0.0, f"Waiting for the load of {model_label(earlier.model_dir)} to stop… {now - job.started:.0f} s"
     if job.total and job.done == job.total:
         # The last layer is written and the rest of the load (miss costs) follows: tens of seconds, so it still moves.
         return 1.0, (

@@ -23,7 +23,8 @@ from fmoe_local.hardware import format_fits
 from fmoe_local.quant_cache import remove_copies
 from ui import model_formats, page_header
 from ui.downloads import Download, check_deletable, delete_downloaded, folder_bytes, list_downloaded, list_incomplete
-from ui.session import DEMO_LABEL, ModelLoadError, Session, demo_dir
+from ui.load_job import ModelLoadError
+from ui.session import DEMO_LABEL, Session, demo_dir
 
 POLL_S = 0.5
 HEADERS = ["Model", "Repo id", "Params (total / active)", "Experts × layers", "Download", *model_formats.FORMAT_HEADERS]
@@ -50,6 +51,7 @@ class ModelsTab:
     status: gr.Markdown
     load_progress: gr.HTML
     format_target: gr.State  # the folder the format choice and its note are for: the model picked or typed last
+    stop_load: gr.Button
 
 
 def catalog_rows(session: Session) -> list[list[str]]:
@@ -194,9 +196,11 @@ def build(session: Session) -> ModelsTab:
     format_note = gr.Markdown("", elem_id="format-note")
     status = gr.Markdown("", elem_id="models-status")
     load_progress = gr.HTML("", elem_id="load-progress")
+    stop_load = gr.Button("Stop loading", variant="stop", size="sm", elem_id="stop-load")
     return ModelsTab(
         machine, refresh_machine, catalog, fit_detail, repo_id, token, download, cancel, progress, downloaded,
         expert_format, format_note, load, delete, folder, load_folder, status, load_progress, gr.State(None),
+        stop_load,
     )  # fmt: skip
 
 
@@ -361,6 +365,8 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
     chosen = [tab.expert_format, tab.format_target]
     loaded = tab.load.click(load_ui, [tab.downloaded, *chosen], outputs, concurrency_id="runtime", **private)
     loaded_folder = tab.load_folder.click(load_ui, [tab.folder, *chosen], outputs, concurrency_id="runtime", **private)
+    # Not in the "runtime" queue: it must reach a load that Load's own event is still running.
+    tab.stop_load.click(lambda: session.cancel_load(), None, [tab.status], **private)
     deleted = tab.delete.click(
         delete, [tab.downloaded], [tab.status, tab.downloaded], api_name="delete_model", concurrency_id="runtime"
     )

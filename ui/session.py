@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from fmoe_local.config import RuntimeConfig
 from fmoe_local.hardware import Machine, probe
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.stats import RequestStats
+from ui.load_job import LoadCancelled, LoadJob, ModelLoadError, shape_of, stopped
 
 HISTORY = 200  # replies kept for the Stats tab's time series
 CLOSE_WAIT_S = 30.0  # how long closing waits for a load under way (the start-up one, when the app is quit early)
@@ -81,58 +81,6 @@ def model_id(model_dir: Path | None, fallback: str = "") -> str:
     if model_dir is not None and demo_dir() is not None and Path(model_dir).resolve() == demo_dir():
         return DEMO_ID
     return fallback or (Path(model_dir).name if model_dir is not None else "")
-
-
-class ModelLoadError(ValueError):
-    """A model could not be loaded; the message is a sentence for the user."""
-
-
-@dataclass(frozen=True)
-class ModelShapeFacts:
-    """What the map store needs to know before the model loads (read from config.json)."""
-
-    num_layers: int
-    num_experts: int
-    top_k: int
-    embed_dim: int
-
-
-def shape_of(model_dir: Path) -> ModelShapeFacts:
-    """Raises ValueError (a sentence) for a model the app can never load: not a MoE family it knows, or quantized
-    in a way it cannot read. Reads config.json only, so that Load can refuse before unloading the model in use."""
-    from transformers import AutoConfig
-
-    from fmoe_local.architectures import architecture_for
-    from fmoe_local.loading import check_quantization
-
-    config = AutoConfig.from_pretrained(model_dir)
-    arch = architecture_for(config)
-    check_quantization(config, arch)
-    text = getattr(config, "text_config", None) or config
-    return ModelShapeFacts(
-        num_layers=len(arch.moe_layer_indices(config)),
-        num_experts=arch.num_experts(config),
-        top_k=arch.top_k(config),
-        embed_dim=int(text.hidden_size),
-    )
-
-
-@dataclass
-class LoadJob:
-    """A model loading on its own thread, so that the page can show how far it got (a first int8/nf4 load
-    quantises for minutes). `message` is Session.load's sentence, `error` the failure's; `finished` is set after."""
-
-    model_dir: Path
-    expert_format: str  # as saved when the load started (auto | bf16 | int8 | nf4)
-    done: int = 0  # experts quantised so far, while a quantised copy is made
-    total: int = 0  # 0: no copy is being made (loading weights, or the copy is reused)
-    message: str = ""
-    error: str = ""
-    started: float = field(default_factory=time.monotonic)
-    finished: threading.Event = field(default_factory=threading.Event)
-
-    def report(self, done: int, total: int) -> None:
-        self.done, self.total = done, total
 
 
 @dataclass
@@ -222,6 +170,9 @@ class Session:
         `progress`: told too, as the job is (the console at start-up)."""
         model_dir = Path(model_dir).expanduser()
         job = LoadJob(model_dir, self.load_format(model_dir))
+        previous = self.loading
+        if previous is not None and previous.cancel():  # the user chose another model: that load is not wanted
+            job.after = previous
 
         def report(done: int, total: int) -> None:
             job.report(done, total)
@@ -230,7 +181,9 @@ class Session:
 
         def run() -> None:
             try:
-                job.message = self.load(model_dir, progress=report)
+                job.message = self.load(model_dir, progress=report, cancelled=job.cancelled)
+            except LoadCancelled:
+                job.error = stopped(job)
             except ModelLoadError as exc:
                 job.error = str(exc)
             except Exception as exc:  # noqa: BLE001 - the page must hear of it rather than wait forever
@@ -256,13 +209,27 @@ class Session:
         settings = self.store.settings
         settings.set(model_formats=settings.format_choice(str(model_dir), fmt)["model_formats"])
 
-    def load(self, model_dir: str | Path, progress: Callable[[int, int], None] | None = None) -> str:
+    def cancel_load(self) -> str:
+        """The Models tab's Stop loading: a sentence saying what happens."""
+        job = self.loading
+        if job is None or not job.cancel():
+            return "No model is loading."
+        return f"Stopping the load of {model_label(job.model_dir)}…"
+
+    def load(
+        self,
+        model_dir: str | Path,
+        progress: Callable[[int, int], None] | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> str:
         """Load a model (unloading the current one) in its own format (`load_format`); returns a sentence for the
         user. Saves it as last_model and its format as the app-wide one.
         `progress(done, total)`: experts quantised so far while a first int8/nf4 load makes its copy.
 
         Raises ModelLoadError (a sentence) when the folder is not a model or loading fails; a folder that is
         not a model, or a model that can never load here (shape_of), leaves the current model loaded.
+        `cancelled`: set, the load stops with LoadCancelled before it starts (it waited behind another) or at its
+        next progress report (`progress` raises it: LoadJob.report).
         """
         from fmoe_local.runtime import Runtime
 
@@ -272,6 +239,8 @@ class Session:
                 f"{model_dir} is not a model folder (no config.json). Pick a downloaded model or another folder."
             )
         with self._lock:
+            if cancelled is not None and cancelled.is_set():
+                raise LoadCancelled
             try:
                 shape = shape_of(model_dir)
             except Exception as exc:  # noqa: BLE001 - e.g. a dense model, a GPTQ release: refused as a sentence
@@ -300,6 +269,7 @@ class Session:
                 self._persistence = self.store.map_persistence(model_dir, shape)
                 try:
                     self.runtime = attempt()
+                    self._drop_if_cancelled(cancelled)
                 except SettingRefused as exc:
                     # A saved value this model cannot use (e.g. a cache smaller than one of its experts) must not
                     # keep the model from loading: back to the defaults, said plainly. Only this type: a checkpoint
@@ -309,6 +279,10 @@ class Session:
                         raise
                     notice += f" Your saved settings could not be used ({exc}); {', '.join(reset)} reset to defaults."
                     self.runtime = attempt()
+                    self._drop_if_cancelled(cancelled)
+            except LoadCancelled:
+                self._close_persistence()
+                raise
             except Exception as exc:  # noqa: BLE001 - any load failure is reported, the app keeps running
                 self._close_persistence()
                 self.load_error = f"Could not load {model_dir.name}: {exc}"
@@ -325,6 +299,14 @@ class Session:
                 f"{info.num_layers} MoE layers × {info.num_experts} experts, "
                 f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{self.runtime.load_notice}{notice}"
             )
+
+    def _drop_if_cancelled(self, cancelled: threading.Event | None) -> None:
+        """A load cancelled after its last progress report (reading plain weights reports none) still ends
+        without a model: the user asked for it to stop, or for another model."""
+        if cancelled is not None and cancelled.is_set():
+            runtime, self.runtime = self.runtime, None
+            runtime.close()
+            raise LoadCancelled
 
     def _saved_config(self, expert_format: str) -> RuntimeConfig:
         return self.store.settings.load().apply_to(self.config).with_changes(expert_format=expert_format)
