@@ -13,7 +13,12 @@ from fmoe_local.hardware import GIB, KV_RESERVE_BYTES
 
 class SettingRefused(ValueError):
     """A setting (e.g. the saved cache size) this model cannot use; the message says which and what to do. Its own
-    type so that the app resets the saved settings for this failure only, never for a model that cannot load."""
+    type so that the app resets the saved setting for this failure only, never for a model that cannot load.
+    `setting`: the RuntimeConfig field refused, the one to reset (the others the user saved are kept)."""
+
+    def __init__(self, message: str, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 def slots_for_budget(cache_gb: float, expert_bytes: int) -> int:
@@ -57,5 +62,5 @@ def check_capacity(capacity: int, expert_bytes: int) -> None:
         )
         size = f"{expert_bytes / scale:.3g} {unit}"
         raise SettingRefused(
-            f"The expert cache must hold at least one expert ({size} for this model). Give it more room."
+            f"The expert cache must hold at least one expert ({size} for this model). Give it more room.", "cache_gb"
         )

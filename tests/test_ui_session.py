@@ -25,15 +25,19 @@ def store(tmp_path):
 
 
 def test_a_saved_cache_smaller_than_one_expert_is_reset_and_the_demo_model_loads(store):
-    store.settings.set(cache_gb=1e-6, prefetch_distance=2)  # valid for the form, too small for any expert
+    # cache_gb: valid for the form, too small for any expert; the others are fine and must be kept
+    store.settings.set(cache_gb=1e-6, prefetch_distance=2, temperature=0.2, top_p=0.5, max_new_tokens=77)
     session = Session(store=store, config=RuntimeConfig(device="cpu"))
     try:
         said = session.load(demo_model_dir())
         assert session.runtime is not None and session.load_error == ""
-        assert "saved settings could not be used" in said and "must hold at least one expert" in said
-        assert "cache_gb, prefetch_distance reset to defaults" in said
+        assert "saved cache_gb could not be used" in said and "must hold at least one expert" in said
+        assert said.endswith("it was reset to the default.")
         saved = store.settings.load()
-        assert saved.cache_gb == AppSettings().cache_gb and saved.prefetch_distance == AppSettings().prefetch_distance
+        assert saved.cache_gb == AppSettings().cache_gb
+        # was: every saved setting that differed from the defaults was reset with it
+        assert (saved.prefetch_distance, saved.temperature, saved.top_p, saved.max_new_tokens) == (2, 0.2, 0.5, 77)
+        assert session.runtime.info.prefetch_distance == 2
         assert session.runtime.generate([{"role": "user", "content": "Hi"}]).reason in ("stop", "length")
     finally:
         session.close()

@@ -274,10 +274,13 @@ class Session:
                     # A saved value this model cannot use (e.g. a cache smaller than one of its experts) must not
                     # keep the model from loading: back to the defaults, said plainly. Only this type: a checkpoint
                     # that cannot load (incomplete, of another shape) fails the same with any settings.
-                    reset = self._reset_runtime_settings()
-                    if not reset:
-                        raise
-                    notice += f" Your saved settings could not be used ({exc}); {', '.join(reset)} reset to defaults."
+                    from store.settings import AppSettings
+
+                    saved, default = self.store.settings.load(), AppSettings()
+                    if getattr(saved, exc.setting, None) == getattr(default, exc.setting, None):
+                        raise  # the default itself is refused: resetting would not help
+                    self.store.settings.reset_fields([exc.setting])
+                    notice += f" Your saved {exc.setting} could not be used ({exc}); it was reset to the default."
                     self.runtime = attempt()
                     self._drop_if_cancelled(cancelled)
             except LoadCancelled:
@@ -327,30 +330,6 @@ class Session:
         known = known if isinstance(known, dict) else {}
         known[str(model_dir)] = self.runtime.miss_costs.to_dict()
         self.store.settings.set(miss_costs=json.dumps(known))
-
-    def _reset_runtime_settings(self) -> list[str]:
-        """Reset the saved settings that shape the runtime and differ from the defaults; returns their names."""
-        from store.settings import AppSettings
-
-        saved, defaults = self.store.settings.load(), AppSettings()
-        names = [
-            n
-            for n in (
-                "cache_gb",
-                "prefetch_distance",
-                "policy",
-                "store_capacity",
-                "miss_handling",
-                "expert_format",
-                "temperature",
-                "top_p",
-                "max_new_tokens",
-            )
-            if getattr(saved, n) != getattr(defaults, n)
-        ]
-        if names:
-            self.store.settings.reset_fields(names)
-        return names
 
     def unload(self) -> None:
         if self.runtime is not None:
