@@ -235,6 +235,30 @@ def test_a_mistyped_repo_id_leaves_no_folder_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []  # before: an empty acme--does-not-exist folder stayed
 
 
+class BusyHub(FakeHub):
+    """A Hub that answers every request with one HTTP error status (a rate limit, an outage)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__({})
+        self.status = status
+
+    def _serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        self.requests.append((h.command, h.path, None))
+        self._send_json(h, {"error": "busy"}, self.status)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code, said", [(429, "limiting downloads"), (503, "server error (HTTP 503)")])
+def test_a_hub_that_answers_with_an_error_is_not_called_offline(tmp_path, code, said):
+    hub = BusyHub(code)
+    try:
+        status = Download("acme/tiny-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url).wait(60)
+    finally:
+        hub.close()
+    assert status.state == "error" and said in status.message and "Wait a few minutes" in status.message
+    assert "offline" not in status.message  # was: "this computer looks offline. Connect to the internet"
+
+
 @pytest.mark.slow
 def test_offline_message(tmp_path):
     with socket.socket() as s:  # a port nobody listens on: connection refused, like no network

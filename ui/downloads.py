@@ -122,7 +122,7 @@ def _causes(error: BaseException) -> list[BaseException]:
 
 
 def explain(error: BaseException) -> tuple[str, str]:
-    """(kind, sentence) for a Hub failure: offline, gated, auth, not_found, or other.
+    """(kind, sentence) for a Hub failure: offline, gated, auth, not_found, busy (429 or 5xx), or other.
 
     huggingface_hub often wraps the real cause (a dry run turns a 403 into DryRunError), so the whole
     cause chain is searched, most specific first.
@@ -143,6 +143,20 @@ def explain(error: BaseException) -> tuple[str, str]:
     for e in chain:
         if isinstance(e, HfHubHTTPError) and e.response is not None and e.response.status_code == 401:
             return "auth", "huggingface.co refused the request. Paste a valid access token and try again."
+    # It answered, so the computer is online (a dry run wraps any answer in DryRunError, the offline case's type).
+    for e in chain:
+        code = e.response.status_code if isinstance(e, HfHubHTTPError) and e.response is not None else 0
+        if code == 429:
+            return "busy", (
+                "huggingface.co is limiting downloads from this computer just now (HTTP 429). Wait a few minutes, "
+                "or paste an access token (signed-in downloads get more), and press Download again; finished "
+                "files are kept."
+            )
+        if code >= 500:
+            return "busy", (
+                f"huggingface.co answered with a server error (HTTP {code}): it may be busy or down. Wait a few "
+                "minutes and press Download again; finished files are kept."
+            )
     if any(any(w in type(e).__name__ for w in ("Connect", "Timeout", "DryRun", "LocalEntry")) for e in chain):
         return "offline", (
             "Cannot reach huggingface.co: this computer looks offline. Connect to the internet and press "
