@@ -266,6 +266,7 @@ class _StartedDownload:
     def __init__(self, repo_id, models_dir, allow, ignore, token=None, endpoint=None):
         from ui.downloads import DownloadStatus
 
+        self.repo_id = repo_id
         self.dest = Path(models_dir) / repo_id.replace("/", "--")
         self._status = DownloadStatus("error", 0, 0, "stub")
 
@@ -284,7 +285,7 @@ def test_resuming_a_mostly_downloaded_model_needs_room_only_for_the_rest(ui_sess
             f.truncate(4_900_000_000)
     twenty_free = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 20 * GB)
     monkeypatch.setattr("ui.session.probe", lambda _: twenty_free)
-    monkeypatch.setattr("ui.models.Download", _StartedDownload)
+    monkeypatch.setattr("ui.model_downloads.Download", _StartedDownload)
     start = next(f for f in build(ui_session).fns.values() if f.name == "start").fn
     progress = [p for p, _ in start(MIXTRAL.repo_id, "")]
     # before: refused, "needs 93.4 GB and 20.0 GB is free", though only the last 5 GB shard was left to fetch
@@ -309,7 +310,9 @@ def test_an_interrupted_download_is_listed_as_incomplete_and_delete_removes_it(u
     incomplete = ("acme/tiny (incomplete download, 0.3 GB: Download resumes it)", str(left))
     assert downloaded_choices(ui_session)[0] == incomplete
     demo = build(ui_session)
-    monkeypatch.setattr("ui.models.Download", _StartedDownload)  # a download that ends at once without finishing
+    monkeypatch.setattr(
+        "ui.model_downloads.Download", _StartedDownload
+    )  # a download that ends at once without finishing
     *_, (_, listed) = next(f for f in demo.fns.values() if f.name == "start").fn("acme/tiny", "")
     assert incomplete in listed.choices  # the Download button's end refreshes "Your models"
     delete = next(f for f in demo.fns.values() if f.api_name == "delete_model").fn

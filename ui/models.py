@@ -3,14 +3,13 @@ one recommended, or any HF repo id), downloaded models (load in a chosen expert 
 loading a model folder from disk.
 
 Scope: components and events. Fit arithmetic is fmoe_local.hardware, the facts fmoe_local.catalog, the format texts
-ui.model_formats, the download itself ui.downloads. It does NOT touch the runtime beyond Session.start_load/unload.
+ui.model_formats, its download steps and line ui.model_downloads, the download itself ui.downloads. It does NOT touch the runtime beyond Session.start_load/unload.
 A refusal or a failure is a sentence in the status line under the buttons (a gr.Error's red pill covers the page);
 the scripts' endpoints (gr.api) raise instead, so a client sees an error.
 """
 
 from __future__ import annotations
 
-import html
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,15 +17,24 @@ from pathlib import Path
 
 import gradio as gr
 
-from fmoe_local.catalog import CATALOG, DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find, local_name
+from fmoe_local.catalog import CATALOG, GB
 from fmoe_local.hardware import format_fits
 from fmoe_local.quant_cache import remove_copies
 from ui import model_formats, page_header
-from ui.downloads import Download, check_deletable, delete_downloaded, folder_bytes, list_downloaded, list_incomplete
+from ui.downloads import check_deletable, delete_downloaded, list_downloaded, list_incomplete
 from ui.load_job import ModelLoadError
+from ui.model_downloads import (
+    DownloadRefused,
+    download_steps,
+    downloading_dir,
+    follow_download,
+    progress_html,
+    refusal_html,
+)
 from ui.session import DEMO_LABEL, Session, demo_dir
 
-POLL_S = 0.5
+POLL_S = 0.5  # how often Load's progress bar is redrawn
+DOWNLOAD_REFRESH_S = 2.0  # how often every open page's progress line follows the running download
 HEADERS = ["Model", "Repo id", "Params (total / active)", "Experts × layers", "Download", *model_formats.FORMAT_HEADERS]
 
 
@@ -73,14 +81,6 @@ def catalog_rows(session: Session) -> list[list[str]]:
     return rows
 
 
-def progress_html(fraction: float, text: str) -> str:
-    pct = max(0.0, min(1.0, fraction)) * 100
-    return (
-        f"<div class='progress-outer'><div class='progress-inner' style='width:{pct:.1f}%'></div></div>"
-        f"<div id='download-text'>{html.escape(text)}</div>"
-    )
-
-
 def downloaded_choices(session: Session) -> list[tuple[str, str]]:
     """Downloaded models, then the ones whose download did not finish (they take disk: Download resumes them, Delete
     removes them), then the built-in demo, so it can be chosen again after another model was loaded."""
@@ -97,60 +97,6 @@ def downloaded_choices(session: Session) -> list[tuple[str, str]]:
         for m in list_incomplete(session.models_dir)
     ]
     return done + unfinished + ([(DEMO_LABEL, str(demo))] if demo is not None else [])
-
-
-def downloading_dir(session: Session) -> Path | None:
-    """The folder a download still running writes into, resolved; None when none runs."""
-    d = session.download
-    if d is None or d.status().state not in ("planning", "downloading"):
-        return None
-    return Path(d.dest).resolve()
-
-
-def refusal_html(sentence: str) -> str:
-    """A download that cannot start: the sentence where the progress would be, no bar."""
-    return f"<div id='download-text'>⚠️ {html.escape(sentence)}</div>"
-
-
-class DownloadRefused(ValueError):
-    """A download that cannot start; the message is a sentence that says what to do instead."""
-
-
-def download_steps(session: Session, repo_id: str, token: str) -> Iterator[tuple[float, str, Path | None]]:
-    """Start a download and yield (fraction, sentence, folder once done) until it ends. Raises DownloadRefused before
-    anything starts when the repo id is not one, a download is running or the disk cannot hold the model."""
-    repo_id = (repo_id or "").strip()
-    if repo_id.count("/") != 1 or " " in repo_id:
-        raise DownloadRefused("Type a Hugging Face repo id like owner/name, or click a model in the list.")
-    if session.download is not None and session.download.status().state in ("planning", "downloading"):
-        raise DownloadRefused("A download is already running. Cancel it or wait for it to finish.")
-    entry = find(repo_id)
-    allow = list(entry.allow_patterns if entry else DEFAULT_ALLOW)
-    ignore = list(entry.ignore_patterns if entry else DEFAULT_IGNORE)
-    if entry is not None:
-        # An interrupted download resumes: the files it finished are kept, so only the rest needs room.
-        dest = session.models_dir / local_name(repo_id)
-        have = folder_bytes(dest) if dest.is_dir() else 0
-        needed = max(0, entry.download_bytes - have)
-        free = session.machine(refresh=True).disk_free
-        if needed > free:
-            more = f" more ({have / GB:.1f} GB is already downloaded)" if have else ""
-            raise DownloadRefused(
-                f"Not enough disk space: {entry.name} needs {needed / GB:.1f} GB{more} and "
-                f"{free / GB:.1f} GB is free. Free up space or choose a smaller model."
-            )
-    d = Download(repo_id, session.models_dir, allow, ignore, token=token or None, endpoint=session.endpoint)
-    session.download = d
-    yield 0.0, f"Looking up {repo_id}…", None
-    while True:
-        s = d.status()
-        if s.state in ("planning", "downloading"):
-            text = f"{s.done_bytes / GB:.2f} of {s.total_bytes / GB:.2f} GB" if s.total_bytes else "Planning…"
-            yield s.fraction, f"Downloading {repo_id}: {text}", None
-            time.sleep(POLL_S)
-            continue
-        yield (1.0, s.message, d.dest) if s.state == "done" else (s.fraction, s.message, None)
-        return
 
 
 def build(session: Session) -> ModelsTab:
@@ -365,6 +311,16 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
     chosen = [tab.expert_format, tab.format_target]
     loaded = tab.load.click(load_ui, [tab.downloaded, *chosen], outputs, concurrency_id="runtime", **private)
     loaded_folder = tab.load_folder.click(load_ui, [tab.folder, *chosen], outputs, concurrency_id="runtime", **private)
+
+    def follow_line(shown):
+        line, ended = follow_download(session, shown)
+        return (gr.skip() if line is None else line), (
+            gr.Dropdown(choices=downloaded_choices(session)) if ended else gr.skip()
+        )
+
+    gr.Timer(DOWNLOAD_REFRESH_S).tick(
+        follow_line, [tab.progress], [tab.progress, tab.downloaded], queue=False, show_progress="hidden", **private
+    )
     # Not in the "runtime" queue: it must reach a load that Load's own event is still running.
     tab.stop_load.click(lambda: session.cancel_load(), None, [tab.status], **private)
     deleted = tab.delete.click(
