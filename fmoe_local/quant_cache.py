@@ -22,6 +22,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 VERSION = 1  # of the stored layout: a change makes every earlier copy unused (a new folder name)
 _TMP = ".partial"
+_COPY_NAME = re.compile(r"[0-9a-f]{24}-[a-z0-9]+-[a-z0-9]+")  # QuantCache's folder: fingerprint, format, dtype
 _LEFTOVERS = (f"*{_TMP}", ".tmp*")  # ours, and safetensors' own temporary name (tempfile in the target's folder)
 Fetch = Callable[[int, int], dict[str, torch.Tensor]]
 # (experts in the copy so far, experts in the whole copy), after every expert quantised: a resumed build starts at
@@ -93,15 +95,35 @@ def remove_copies(root: str | Path | None, model_dir: Path) -> int:
     the name comes from its files); returns the bytes freed. Only `<fingerprint>-…` folders inside `root`, which
     this module made, are touched. Why: a copy is gigabytes, and a re-downloaded checkpoint (new file times) never
     reads it again."""
+    prefix = f"{fingerprint(model_dir)}-"
+    return _remove([c for c in copies(root) if c.name.startswith(prefix)])
+
+
+def copies(root: str | Path | None) -> list[Path]:
+    """Every quantised copy in `root`: the `<fingerprint>-<format>-<dtype>` folders this module made."""
     base = Path(root) if root is not None else default_root()
     if not base.is_dir():
-        return 0
+        return []
+    return sorted(c for c in base.iterdir() if c.is_dir() and not c.is_symlink() and _COPY_NAME.fullmatch(c.name))
+
+
+def copies_bytes(root: str | Path | None) -> int:
+    return sum(f.stat().st_size for c in copies(root) for f in c.rglob("*") if f.is_file())
+
+
+def remove_other_copies(root: str | Path | None, keep: Path | None) -> int:
+    """Delete every quantised copy but those of the checkpoint in `keep` (the loaded model reads its own); returns
+    the bytes freed. Why: copies of models loaded from a folder, or of a checkpoint downloaded again (new file
+    times), are never read again, and only this app knows they are there. Each is made again on its next load."""
+    prefix = f"{fingerprint(keep)}-" if keep is not None and keep.is_dir() else None
+    return _remove([c for c in copies(root) if prefix is None or not c.name.startswith(prefix)])
+
+
+def _remove(folders: list[Path]) -> int:
     freed = 0
-    prefix = f"{fingerprint(model_dir)}-"
-    for copy in base.iterdir():
-        if copy.is_dir() and not copy.is_symlink() and copy.name.startswith(prefix):
-            freed += sum(f.stat().st_size for f in copy.rglob("*") if f.is_file())
-            shutil.rmtree(copy)
+    for copy in folders:
+        freed += sum(f.stat().st_size for f in copy.rglob("*") if f.is_file())
+        shutil.rmtree(copy)
     return freed
 
 

@@ -218,3 +218,23 @@ def test_default_root_is_in_the_user_data_folder(monkeypatch, tmp_path):
     if os.name == "posix" and not str(quant_cache.default_root()).startswith(str(tmp_path)):
         pytest.skip("this platform's data folder does not follow XDG_DATA_HOME")
     assert quant_cache.default_root() == tmp_path / "fmoe-local" / "quantized"
+
+
+def test_delete_copies_keeps_the_loaded_model_s_own_and_touches_nothing_else(tiny_model_dir, tmp_path):
+    loaded, other = tiny_model_dir("olmoe"), tiny_model_dir("mixtral")
+    root = tmp_path / "quantized"
+    for model in (loaded, other):
+        _load(model, root, "nf4").host.close()
+    _load(other, root, "int8").host.close()
+    assert len(quant_cache.copies(root)) == 3
+    (root / "notes.txt").write_text("not ours")  # a file, and a folder not named as a copy: never touched
+    (root / "photos").mkdir()
+    outside = tmp_path / "elsewhere" / f"{'0' * 24}-nf4-float32"
+    outside.mkdir(parents=True)
+    (root / outside.name).symlink_to(outside)  # named like a copy but a link: not followed, not removed
+    before = quant_cache.copies_bytes(root)
+    freed = quant_cache.remove_other_copies(root, loaded)
+    [kept] = quant_cache.copies(root)
+    assert kept.name.startswith(quant_cache.fingerprint(loaded)) and 0 < freed < before
+    assert (root / "notes.txt").exists() and (root / "photos").is_dir() and outside.is_dir()
+    assert quant_cache.remove_other_copies(root, None) > 0 and quant_cache.copies(root) == []  # none loaded: all go

@@ -362,3 +362,20 @@ def test_cancel_with_no_download_running_says_so(ui_session):
     ui_session.download = _StartedDownload("acme/tiny", ui_session.models_dir, [], [])
     ui_session.download._status = DownloadStatus("done", 2, 2, "Downloaded acme/tiny.")
     assert cancel() == "No download is running."  # before: "" (as if it had stopped one)
+
+
+def test_the_models_tab_deletes_quantised_copies_but_the_loaded_model_s(ui_session, tiny_model_dir):
+    from fmoe_local.quant_cache import copies
+
+    root = ui_session.config.quant_cache_dir
+    assert model_formats.copies_line(ui_session) == ""  # none yet: no line, no button
+    for model in (tiny_model_dir("mixtral"), tiny_model_dir("olmoe")):
+        ui_session.store.settings.set(**ui_session.store.settings.format_choice(str(model), "nf4"))
+        ui_session.load(model)  # olmoe stays loaded
+    assert model_formats.copies_line(ui_session).startswith("**Quantised copies:**") and len(copies(root)) == 2
+    said = model_formats.delete_copies(ui_session)
+    assert said.startswith("Deleted the quantised copies:") and said.endswith("The loaded model's own copy is kept.")
+    assert len(copies(root)) == 1 and ui_session.runtime.generate([{"role": "user", "content": "hi"}]).reason != "error"
+    ui_session.loading = LoadJob(tiny_model_dir("mixtral"), "nf4")  # a load under way may be writing a copy
+    assert model_formats.delete_copies(ui_session).startswith("⚠️ A model is loading")
+    ui_session.loading.finished.set()

@@ -1,5 +1,6 @@
 """What the Models tab says about expert formats: each catalog model's per-format cells and detail table, the
-format choice with its honest label, the sentence under that choice, and the progress line of a loading model.
+format choice with its honest label, the sentence under that choice, the progress line of a loading model, and the
+quantised copies on disk (how much they take; deleting those the loaded model does not read).
 
 Scope: text. Sizes, verdicts and the recommended format are fmoe_local.hardware's (`format_fits`, `instead`); the
 labels are fmoe_local.expert_formats'. It does NOT compute a size, decide a verdict or load anything.
@@ -13,6 +14,7 @@ from fmoe_local.catalog import GB, CatalogEntry, find
 from fmoe_local.config import EXPERT_FORMATS, RuntimeConfig
 from fmoe_local.expert_formats import LABELS
 from fmoe_local.hardware import FormatFit, format_fits, instead
+from fmoe_local.quant_cache import copies_bytes, remove_other_copies
 from ui.downloads import list_downloaded
 from ui.load_job import LoadJob
 from ui.session import Session, format_name, model_label
@@ -158,3 +160,23 @@ def load_progress(job: LoadJob, now: float) -> tuple[float, str]:
             "Only the first load in this format does this; the copy is kept for the next."
         )
     return 0.0, f"Loading {name} with expert format {format_name(job.expert_format)}… {now - job.started:.0f} s"
+
+
+def copies_line(session: Session) -> str:
+    """How much disk the 8-bit and 4-bit copies of experts take ("" when there are none)."""
+    size = copies_bytes(session.config.quant_cache_dir)
+    if not size:
+        return ""
+    return (
+        f"**Quantised copies:** {size / GB:.1f} GB of 8-bit and 4-bit experts, made at each model's first load in "
+        "that format. Deleting them frees the space; a model makes its copy again at its next load in that format."
+    )
+
+
+def delete_copies(session: Session) -> str:
+    """The Delete copies button: every copy but the loaded model's (it reads its own), refused while a load runs."""
+    if session.still_loading:
+        return "⚠️ A model is loading (it may be making its copy): wait for it to finish, then delete the copies."
+    freed = remove_other_copies(session.config.quant_cache_dir, session.model_dir)
+    kept = " The loaded model's own copy is kept." if copies_bytes(session.config.quant_cache_dir) else ""
+    return f"Deleted the quantised copies: {freed / GB:.1f} GB freed.{kept}"

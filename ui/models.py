@@ -60,6 +60,8 @@ class ModelsTab:
     load_progress: gr.HTML
     format_target: gr.State  # the folder the format choice and its note are for: the model picked or typed last
     stop_load: gr.Button
+    copies: gr.Markdown
+    delete_copies: gr.Button
 
 
 def catalog_rows(session: Session) -> list[list[str]]:
@@ -132,6 +134,9 @@ def build(session: Session) -> ModelsTab:
     with gr.Row():
         folder = gr.Textbox(label="…or load a model folder from disk", placeholder="/path/to/checkpoint", scale=3)
         load_folder = gr.Button("Load folder", scale=0, elem_id="load-folder")
+    with gr.Row():
+        copies = gr.Markdown("", elem_id="quant-copies")
+        delete_copies = gr.Button("Delete copies", size="sm", scale=0, visible=False, elem_id="delete-copies")
     expert_format = gr.Radio(
         model_formats.choices(),
         value=session.store.settings.load().expert_format,
@@ -146,7 +151,7 @@ def build(session: Session) -> ModelsTab:
     return ModelsTab(
         machine, refresh_machine, catalog, fit_detail, repo_id, token, download, cancel, progress, downloaded,
         expert_format, format_note, load, delete, folder, load_folder, status, load_progress, gr.State(None),
-        stop_load,
+        stop_load, copies, delete_copies,
     )  # fmt: skip
 
 
@@ -181,7 +186,11 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
         choices = downloaded_choices(session)
         value = next((path for _, path in choices if Path(path).resolve() == loaded), None)
         fmt = model_formats.format_for(session, value)
-        return machine_md(), catalog_rows(session), gr.Dropdown(choices=choices, value=value), fmt
+        return machine_md(), catalog_rows(session), gr.Dropdown(choices=choices, value=value), fmt, *copies_shown()
+
+    def copies_shown():
+        line = model_formats.copies_line(session)
+        return line, gr.Button(visible=bool(line))
 
     def recheck():
         return machine_md(refresh=True), catalog_rows(session)
@@ -298,7 +307,8 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
         return model_formats.choice_note(session, choice, folder)
 
     private = dict(api_visibility="private")
-    demo.load(on_load, None, [tab.machine, tab.catalog, tab.downloaded, tab.expert_format], **private)
+    on_page = [tab.machine, tab.catalog, tab.downloaded, tab.expert_format, tab.copies, tab.delete_copies]
+    demo.load(on_load, None, on_page, **private)
     tab.refresh_machine.click(recheck, None, [tab.machine, tab.catalog], **private)
     tab.catalog.select(pick, None, [tab.repo_id, tab.fit_detail], **private)
     followed = [tab.expert_format, tab.format_note, tab.format_target]
@@ -320,6 +330,13 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
 
     gr.Timer(DOWNLOAD_REFRESH_S).tick(
         follow_line, [tab.progress], [tab.progress, tab.downloaded], queue=False, show_progress="hidden", **private
+    )
+    tab.delete_copies.click(
+        lambda: (model_formats.delete_copies(session), *copies_shown()),
+        None,
+        [tab.status, tab.copies, tab.delete_copies],
+        concurrency_id="runtime",  # not under a Load making a copy
+        **private,
     )
     # Not in the "runtime" queue: it must reach a load that Load's own event is still running.
     tab.stop_load.click(lambda: session.cancel_load(), None, [tab.status], **private)
