@@ -308,3 +308,43 @@ def test_a_reply_the_database_cannot_store_stays_on_the_page_with_what_to_do(cha
     assert "could not be saved (database or disk is full)" in shown[-1]["content"]
     assert "free some space" in shown[-1]["content"]
     assert not session.chat_replies
+
+
+def test_a_reply_cut_by_a_model_load_is_kept_as_interrupted_and_only_the_user_s_stop_is_stopped(
+    ui_session, monkeypatch
+):
+    import fmoe_local.runtime as runtime_module
+    from fmoe_local.config import Sampling
+    from fmoe_local.demo import demo_model_dir
+    from ui import chat_flow
+
+    def cut_only_by_its_stop_flag(model, prompt_ids, sampling, eos_ids, stop, after_forward=None):
+        # Three tokens, then the reply waits for its stop flag: it cannot end on its own before the load lands.
+        for _ in range(3):
+            yield 100
+        stop.wait(30)
+
+    monkeypatch.setattr(runtime_module, "generate_ids", cut_only_by_its_stop_flag)
+    s = ui_session
+    s.load(demo_model_dir())
+    conv = s.store.chats.create("sea")
+    s.store.chats.append(conv.id, "user", "Tell me about the sea.")
+    replies = chat_flow.reply(s, conv.id, "", Sampling(max_new_tokens=200))
+    next(replies)
+    job = s.start_load(demo_model_dir())  # Load pressed in another tab (or an API client's load_model)
+    *_, shown = list(replies)
+    assert job.finished.wait(60) and s.runtime is not None
+    last = s.store.chats.messages(conv.id)[-1]
+    assert last.role == "assistant" and last.content  # what was written is kept
+    assert last.stats["finish_reason"] == "interrupted"  # before: "cancelled", shown as the user's "stopped"
+    assert "the model was unloaded or reloaded mid-reply (Regenerate for a whole reply)" in shown[-1]["content"]
+    assert "stopped" not in shown[-1]["content"] and not chat_flow.can_continue(last)
+    # The user's own Stop, on the model loaded since, is still a stopped reply.
+    s.store.chats.append(conv.id, "user", "And the ships?")
+    replies = chat_flow.reply(s, conv.id, "", Sampling(max_new_tokens=200))
+    next(replies)
+    s.stop_chat()
+    *_, shown = list(replies)
+    last = s.store.chats.messages(conv.id)[-1]
+    assert last.stats["finish_reason"] == "cancelled" and shown[-1]["content"].endswith("stopped</span>")
+    assert not s.chat_replies

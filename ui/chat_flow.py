@@ -72,13 +72,14 @@ def stream_reply(
     prefix: str = "",
 ) -> Iterator[list[dict]]:
     """Stream the model's reply to `messages` under the bubbles `shown` (after `prefix`, the start of a reply being
-    continued); `save(text, stats)` stores it (even a stopped one). Yields Chatbot message lists."""
+    continued); `save(text, stats)` stores it (even a stopped or interrupted one). Yields Chatbot message lists."""
     from fmoe_local.runtime_types import Finished, TextDelta
 
     runtime = runtime_of(session)
     stop = threading.Event()  # the chat's Stop ends this reply (and any other chat reply), not an API request
     session.chat_reply(stop, running=True)
     updates: queue.Queue = queue.Queue()
+    left = threading.Event()  # the page went away: the user's doing, like Stop
 
     def produce() -> None:
         # The reply is generated and saved on this thread, whatever becomes of the page that asked for it: a reload
@@ -92,6 +93,10 @@ def stream_reply(
                     text += event.text
                     updates.put(prefix + text)
                 elif isinstance(event, Finished):
+                    if event.reason == "cancelled" and not left.is_set() and stop in session.chat_replies:
+                        # Neither Stop (it takes the flag out of chat_replies) nor the page ended it: the runtime
+                        # was closed under it (a model loaded from another tab, the API, the Models tab).
+                        event.stats.finish_reason = "interrupted"
                     if event.reason != "error":
                         session.record(event.stats)
                     if event.reason != "error" or event.text.strip():  # a failure keeps what was written before it
@@ -141,6 +146,7 @@ def stream_reply(
             return
     finally:
         if not finished:
+            left.set()
             stop.set()  # the page went away: the model stops at its next token, and `produce` saves what it wrote
 
 

@@ -17,6 +17,8 @@ def stats_line(stats: dict | None) -> str:
     parts.append(f"expert hit rate {100 * stats.get('hit_rate', 0):.0f}%")
     if stats.get("finish_reason") == "cancelled":
         parts.append("stopped")
+    elif stats.get("finish_reason") == "interrupted":  # ended by a model load, not the user (chat_flow)
+        parts.append("interrupted: the model was unloaded or reloaded mid-reply (Regenerate for a whole reply)")
     elif stats.get("finish_reason") == "length":
         parts.append("length limit reached (raise Max new tokens under Generation for longer replies)")
     return " · ".join(parts)

@@ -96,9 +96,11 @@ class Session:
     download: object | None = None  # ui.downloads.Download in progress
     loading: LoadJob | None = None  # the latest start_load's job (the header says "Loading …" until it finishes)
     # The stop flags of the chat's replies still being generated: chat_flow adds one per reply and drops it when
-    # the reply is saved; the chat's Stop sets them all, from any thread, under `_replies_lock` (not `_lock`, which
-    # a load holds for minutes). All, because a reply whose page was reloaded goes on writing (and is saved) while
-    # the new page's next reply waits behind it. Stop ends the chat's replies only, never an API client's request.
+    # the reply is saved; the chat's Stop takes them all out and sets them, from any thread, under `_replies_lock`
+    # (not `_lock`, which a load holds for minutes). All, because a reply whose page was reloaded goes on writing
+    # (and is saved) while the new page's next reply waits behind it. Stop ends the chat's replies only, never an
+    # API client's request. A reply that ends cancelled with its flag still here was not stopped by the user: the
+    # model was closed under it (chat_flow saves it as interrupted).
     chat_replies: set = field(default_factory=set)
     _machine: Machine | None = None
     _persistence: object | None = None
@@ -117,6 +119,7 @@ class Session:
         """The chat's Stop: end every chat reply still being written (module comment at `chat_replies`)."""
         with self._replies_lock:
             flags = list(self.chat_replies)
+            self.chat_replies.clear()  # before they are set: what ends cancelled now was the user's Stop
         runtime = self.runtime
         for flag in flags:
             flag.set()  # a reply still queued behind another ends as soon as it starts
