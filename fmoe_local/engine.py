@@ -204,6 +204,18 @@ class Engine:
         value = getattr(self.model.config, "max_position_embeddings", None)
         return int(value) if value else None
 
+    @property
+    def name(self) -> str:
+        """The model as a sentence names it: its folder's name, but "the demo model" for the shipped one, whose
+        folder, "weights", says nothing (the UI's longer label for it lives in ui/, which fmoe_local cannot use)."""
+        from fmoe_local.demo import demo_model_dir
+
+        try:
+            demo = demo_model_dir().resolve()
+        except FileNotFoundError:  # an install without the demo: no folder can be it
+            return self.model_dir.name
+        return "the demo model" if self.model_dir.resolve() == demo else self.model_dir.name
+
     def encode_prompt(self, prompt: list[dict] | str) -> torch.Tensor:
         """Prompt ids [1, T] on the device: `tokenize_prompt` (which may raise PromptRefused) as a tensor."""
         return torch.tensor([self.tokenize_prompt(prompt)], device=self.device)
@@ -225,7 +237,7 @@ class Engine:
             what = "prompt" if isinstance(prompt, str) else "conversation"
             fix = "Shorten the prompt." if isinstance(prompt, str) else "Start a new chat, or shorten the message."
             raise ContextTooLong(
-                f"This {what} is {len(ids):,} tokens long, but {self.model_dir.name} reads at most {limit:,}. {fix}"
+                f"This {what} is {len(ids):,} tokens long, but {self.name} reads at most {limit:,}. {fix}"
             )
         return list(ids)
 
@@ -243,7 +255,7 @@ class Engine:
         except TemplateSyntaxError:
             raise  # the template itself is broken: not these messages' fault
         except TemplateError as exc:
-            raise TemplateRefused(f"{self.model_dir.name}'s chat template refuses these messages: {exc}") from exc
+            raise TemplateRefused(f"The chat template of {self.name} refuses these messages: {exc}") from exc
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return ids

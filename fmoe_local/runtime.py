@@ -325,10 +325,11 @@ class Runtime:
             request.out.put(Finished.failed(str(exc)))
             return
         stats = RequestStats(prompt_tokens=int(prompt_ids.shape[1]))
-        sampling = request.sampling
+        sampling, full = request.sampling, "length"  # the reason a reply that reaches max_new_tokens ends with
         if e.context_length is not None and prompt_ids.shape[1] + sampling.max_new_tokens > e.context_length:
-            # The reply ends where the model's context does ("length"), not in positions it was never trained on.
-            sampling = replace(sampling, max_new_tokens=e.context_length - int(prompt_ids.shape[1]))
+            # The reply ends where the model's context does ("context": neither more Max new tokens nor Continue
+            # makes room), not in positions it was never trained on.
+            sampling, full = replace(sampling, max_new_tokens=e.context_length - int(prompt_ids.shape[1])), "context"
         detok = Detokenizer(e.tokenizer)
         reason, error = "length", ""
         times: list[float] = []
@@ -351,6 +352,8 @@ class Runtime:
                     request.out.put(TextDelta(delta, token))
                 if request.stop.is_set() and reason == "length" and len(times) < sampling.max_new_tokens:
                     reason = "cancelled"
+                elif reason == "length":
+                    reason = full
         except Interrupted:
             reason = "cancelled"
         except Exception as exc:  # noqa: BLE001 - the request ends with a sentence; the runtime goes on
@@ -362,7 +365,7 @@ class Runtime:
             stats.ttft_s = times[0] - t0
             stats.tpot_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else stats.ttft_s
         stats.finish_reason = reason
-        if reason in ("stop", "length") and len(times) > 1:
+        if reason in ("stop", "length", "context") and len(times) > 1:
             decode_waits = e.counters.stall_s + e.counters.host_s - waited
             e.adapt_distance(decode_layer_s(times[-1] - times[0], decode_waits, len(times) - 1, e.shape.num_layers))
         request.out.put(Finished(detok.text, list(detok.ids), stats, reason, error=error))

@@ -23,7 +23,7 @@ class Finished:
     text: str
     token_ids: list[int]
     stats: RequestStats
-    reason: str  # "stop" (end of sequence), "length", "cancelled", "error"
+    reason: str  # "stop" (end of sequence), "length", "context" (the model's context is full), "cancelled", "error"
     error: str = ""
 
     @classmethod

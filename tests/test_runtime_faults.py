@@ -180,9 +180,10 @@ def test_an_over_long_prompt_is_refused_before_any_compute(tiny_model_dir):
         _works(runtime)
 
 
-def test_a_reply_ends_where_the_context_does(tiny_model_dir):
+def test_a_reply_ends_where_the_context_does_and_says_so(tiny_model_dir, monkeypatch):
+    import fmoe_local.generate as generate
+
     with Runtime.load(tiny_model_dir("olmoe"), _config()) as runtime:
-        from fmoe_local.engine import ContextTooLong
 
         def length(words: list[str]) -> int:
             try:
@@ -195,8 +196,14 @@ def test_a_reply_ends_where_the_context_does(tiny_model_dir):
             words = words[:-1]
         prompt = [{"role": "user", "content": " ".join(words)}]
         n = runtime.engine.encode_prompt(prompt).shape[1]
+        # A model that never ends on its own, so the reply runs into the context whatever the tokenizer.
+        never_eos = next(t for t in range(10, 100) if t not in runtime.engine.eos_ids)
+        monkeypatch.setattr(generate, "sample_next", lambda logits, sampling, generator: never_eos)
         final = runtime.generate(prompt, Sampling(greedy=True, max_new_tokens=100))
-        assert len(final.token_ids) <= 512 - n and final.reason in ("length", "stop")
+        assert len(final.token_ids) == 512 - n
+        assert final.reason == final.stats.finish_reason == "context"  # before: "length", as if Max new tokens cut it
+        final = runtime.generate(prompt, Sampling(greedy=True, max_new_tokens=2))  # room left: the user's limit
+        assert len(final.token_ids) == 2 and final.reason == "length"
 
 
 def test_stop_reaches_a_prefill_at_the_next_moe_layer(tiny_model_dir):

@@ -348,3 +348,38 @@ def test_a_reply_cut_by_a_model_load_is_kept_as_interrupted_and_only_the_user_s_
     last = s.store.chats.messages(conv.id)[-1]
     assert last.stats["finish_reason"] == "cancelled" and shown[-1]["content"].endswith("stopped</span>")
     assert not s.chat_replies
+
+
+def test_a_reply_the_model_s_context_cut_says_so_and_offers_no_continue(ui_session, monkeypatch):
+    import fmoe_local.generate as generate
+    from fmoe_local.config import Sampling
+    from fmoe_local.demo import demo_model_dir
+    from fmoe_local.engine import ContextTooLong
+    from ui import chat_flow
+
+    s = ui_session
+    s.load(demo_model_dir())
+    engine = s.runtime.engine
+    # A model that never ends on its own: the reply runs into the context whatever the tokenizer makes of the text.
+    never_eos = next(t for t in range(10, 100) if t not in engine.eos_ids)
+    monkeypatch.setattr(generate, "sample_next", lambda logits, sampling, generator: never_eos)
+
+    def length(words: list[str]) -> int:
+        try:
+            return len(engine.tokenize_prompt([{"role": "user", "content": " ".join(words)}]))
+        except ContextTooLong:
+            return 10**6
+
+    words = ("the ocean is wide and deep " * 200).split()
+    while length(words) > engine.context_length - 20:  # a conversation 20 tokens short of the context
+        words = words[:-10]
+    conv = s.store.chats.create("long")
+    s.store.chats.append(conv.id, "user", " ".join(words))
+    *_, shown = list(chat_flow.reply(s, conv.id, "", Sampling(max_new_tokens=512)))
+    last = s.store.chats.messages(conv.id)[-1]
+    assert last.role == "assistant" and last.stats["finish_reason"] == "context"
+    assert "the model's context is full (start a new chat to go on)" in shown[-1]["content"]
+    assert "Max new tokens" not in shown[-1]["content"]  # before: "raise Max new tokens", which cannot help
+    assert not chat_flow.can_continue(last)  # the Chat tab hides Continue
+    with pytest.raises(chat_flow.Problem, match="context is full, so it cannot be continued. Start a new chat."):
+        next(chat_flow.continue_reply(s, conv.id, "", Sampling(max_new_tokens=4096)))

@@ -190,6 +190,34 @@ def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
         session.runtime = loaded
 
 
+def test_a_reply_cut_by_the_model_s_context_is_length_in_openai_s_terms(served):
+    from fmoe_local.runtime_types import Finished, TextDelta
+    from fmoe_local.stats import RequestStats
+
+    _, session, client = served
+
+    class ContextFull:
+        """A reply the model's context ended (the runtime's own reason "context")."""
+
+        info = session.runtime.info
+
+        def check(self, messages):
+            return None
+
+        def stream(self, messages, sampling, stop=None):
+            yield TextDelta("Once upon", 7)
+            yield Finished("Once upon", [7], RequestStats(finish_reason="context"), "context")
+
+    loaded, session.runtime = session.runtime, ContextFull()
+    try:
+        plain = client.chat.completions.create(model="x", messages=PROMPT, max_tokens=300)
+        assert plain.choices[0].finish_reason == "length" and plain.choices[0].message.content == "Once upon"
+        chunks = list(client.chat.completions.create(model="x", messages=PROMPT, max_tokens=300, stream=True))
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    finally:
+        session.runtime = loaded
+
+
 class _OneAtATime:
     """A runtime that serves one request at a time, like the real one: the first request holds the turn and writes
     each word only when the test hands it one; the others wait for the turn, counted in `waiting`."""

@@ -186,6 +186,7 @@ def regenerate(session: Session, conv_id: int | None, system: str, sampling: Sam
 
 
 def can_continue(message) -> bool:  # noqa: ANN001 - a store Message
+    """A reply cut by Max new tokens; not one the model's context cut ("context"): no more of it can fit."""
     return message.role == "assistant" and (message.stats or {}).get("finish_reason") == "length"
 
 
@@ -193,6 +194,10 @@ def continue_reply(session: Session, conv_id: int | None, system: str, sampling:
     """Go on with the last reply where the token limit cut it: the new text is appended to the same message."""
     chats = session.store.chats
     stored = chats.messages(conv_id) if conv_id is not None else []
+    if stored and (stored[-1].stats or {}).get("finish_reason") == "context":
+        raise Problem(
+            "This reply ended because the model's context is full, so it cannot be continued. Start a new chat."
+        )
     if not stored or not can_continue(stored[-1]):
         raise Problem("Only a reply cut by the length limit can be continued. Send a message or Regenerate instead.")
     runtime_of(session)

@@ -21,6 +21,8 @@ def stats_line(stats: dict | None) -> str:
         parts.append("interrupted: the model was unloaded or reloaded mid-reply (Regenerate for a whole reply)")
     elif stats.get("finish_reason") == "length":
         parts.append("length limit reached (raise Max new tokens under Generation for longer replies)")
+    elif stats.get("finish_reason") == "context":  # the runtime's: no room left for more, whatever Max new tokens
+        parts.append("the model's context is full (start a new chat to go on)")
     return " · ".join(parts)
 
 

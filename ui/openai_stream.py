@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 
 from ui.openai_request import ApiError
 
-_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+# A reply cut by the model's context is "length" in OpenAI's terms: it ended at a token limit, not on its own.
+_FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 # A request ended by someone other than its client (a model unloaded under it): not a complete reply.
 INTERRUPTED = "The reply was interrupted because the model was unloaded or reloaded in the app. Send the request again."
 _POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
