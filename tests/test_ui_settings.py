@@ -54,6 +54,9 @@ def test_every_field_has_one_line_of_help(session):
         (999, 10, 1, "999 MB is more than all of this model's experts take (27 MB)"),
         (float("nan"), 10, 1, "Type the expert cache size as a number of MB."),
         (None, 0, 1, "at least one expert map"),
+        (None, float("nan"), 1, "at least one expert map"),
+        # was Gradio's bare "Error" (MemoryError), and every later reply failed in the map store
+        (None, 10**12, 1, "1,000,000,000,000 expert maps do not fit in memory: one takes 1.3 KB for this model"),
         (None, 10, 99, "the prefetch distance can be 1 to"),
     ],
 )
@@ -116,3 +119,14 @@ def test_an_unknown_expert_format_is_refused_before_anything_changes(session):
     _, said = apply.fn(settings.refresh(session)[1].value, 1, "lru", 10, "copy", "fp8")
     assert said.startswith("⚠️ Unknown expert format 'fp8'")
     assert session.store.settings.load() == before and session.runtime.info.policy == "fmoe"
+
+
+def test_too_many_maps_are_refused_with_no_model_loaded_and_not_saved(ui_session):
+    # was "Saved. They apply when a model is loaded.", and every load then failed allocating 7 TB
+    apply = next(f for f in build(ui_session).fns.values() if f.api_name == "apply_settings")
+    before = ui_session.store.settings.load()
+    info, status = apply.fn(4.0, 3, "fmoe", 10**12, "auto", "auto")
+    assert info == gr.skip() and status.startswith("⚠️ 1,000,000,000,000 expert maps do not fit in memory")
+    assert "even for the smallest model" in status and status.endswith("or fewer maps.")
+    assert ui_session.store.settings.load() == before
+    assert apply.fn(4.0, 3, "fmoe", 5000, "auto", "auto")[1] == "Saved. They apply when a model is loaded."

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from fmoe_local.cache_budget import SMALLEST_MAP_BYTES, check_store_capacity, map_room_bytes
 from fmoe_local.config import POLICIES, RuntimeConfig
 from fmoe_local.hardware import GIB, cache_gb_limit
 from ui.model_formats import AUTO_HELP
@@ -279,8 +280,13 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
             cache_gb = check_cache_size(session, size)
         except ValueError as exc:
             return refused(str(exc))
-        if capacity is None or int(capacity) < 1:
+        if capacity is None or not math.isfinite(capacity) or int(capacity) < 1:
             return refused("Keep at least one expert map (store capacity ≥ 1).")
+        if session.runtime is None:  # the load checks the model's own map size (Engine.build)
+            try:
+                check_store_capacity(int(capacity), SMALLEST_MAP_BYTES, map_room_bytes(), "even for the smallest model")
+            except ValueError as exc:
+                return refused(str(exc))
         changes = dict(
             cache_gb=cache_gb,
             prefetch_distance=int(distance),
@@ -301,6 +307,9 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
                 session.runtime.reconfigure(**changes)
             except ValueError as exc:
                 return refused(str(exc))
+            except MemoryError as exc:  # the checks leave little to fail here; a sentence still, not Gradio's "Error"
+                return refused(f"This computer has not enough free memory for these settings ({exc}). Choose a "
+                               "smaller cache or fewer expert maps.")  # fmt: skip
         if expert_format is not None:
             # The loaded model's own choice too: the Models tab shows it when that model is picked for Load.
             store = session.store.settings
