@@ -3,14 +3,17 @@ format saved for the next load with its label."""
 
 from __future__ import annotations
 
+import threading
+
 import gradio as gr
 import pytest
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.demo import demo_model_dir
+from fmoe_local.runtime import Runtime
 from store import open_store
 from ui import build, settings
-from ui.session import Session
+from ui.session import DEMO_LABEL, Session
 
 
 @pytest.fixture
@@ -130,3 +133,37 @@ def test_too_many_maps_are_refused_with_no_model_loaded_and_not_saved(ui_session
     assert "even for the smallest model" in status and status.endswith("or fewer maps.")
     assert ui_session.store.settings.load() == before
     assert apply.fn(4.0, 3, "fmoe", 5000, "auto", "auto")[1] == "Saved. They apply when a model is loaded."
+
+
+def test_apply_during_a_load_is_refused_and_the_tab_says_a_model_is_loading(ui_session, monkeypatch):
+    # was "Saved. They apply when a model is loaded.", and the model that finished loading ran the old values
+    s = ui_session
+    gate, entered = threading.Event(), threading.Event()
+    real = Runtime.load.__func__
+
+    def slow(cls, *args, **kwargs):
+        entered.set()
+        gate.wait(30)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "load", classmethod(slow))
+    job = s.start_load(demo_model_dir())
+    try:
+        assert entered.wait(30)
+        demo = build(s)
+        apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+        clear = next(f for f in demo.fns.values() if f.api_name == "clear_maps")
+        before = s.store.settings.load()
+        info, said = apply.fn(0.03, 2, "lru", 123, "auto", "nf4")
+        assert info == gr.skip() and said == (
+            f"⚠️ {DEMO_LABEL} is still loading (the page's header says how far); Apply when it has loaded."
+        )
+        assert s.store.settings.load() == before
+        assert "is still loading; clear its maps when it has loaded" in clear.fn()
+        shown = settings.describe(s)
+        assert f"{DEMO_LABEL} is loading" in shown and "No model loaded" not in shown
+    finally:
+        gate.set()
+    assert job.finished.wait(60) and job.error == ""
+    assert s.runtime.info.policy == s.store.settings.load().policy
+    assert "is loading" not in settings.describe(s)

@@ -78,6 +78,11 @@ def describe(session: Session) -> str:
         if session.api_base
         else ""
     )
+    if session.still_loading:  # not "No model loaded. Load one": that invited a second Load
+        return (
+            f"**{model_label(session.loading.model_dir)} is loading** (the page's header says how far). Its settings "
+            f"show here when it has loaded.{api}"
+        )
     if session.runtime is None:
         return f"**No model loaded.** {session.load_error or 'Load one in the Models tab.'}{api}"
     i = session.runtime.info
@@ -276,6 +281,11 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
         return gr.skip(), f"⚠️ {sentence}"
 
     def apply(size, distance, policy, capacity, miss_handling="auto", expert_format=None):
+        if session.still_loading:
+            # Refused rather than kept for after the load: the load reads the saved settings when it starts and
+            # saves the format it used when it ends, so values saved meanwhile were said saved and then ignored.
+            return refused(f"{model_label(session.loading.model_dir)} is still loading (the page's header says how "
+                           "far); Apply when it has loaded.")  # fmt: skip
         try:
             cache_gb = check_cache_size(session, size)
         except ValueError as exc:
@@ -329,6 +339,8 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
         )
 
     def clear_maps():
+        if session.still_loading:
+            return f"⚠️ {model_label(session.loading.model_dir)} is still loading; clear its maps when it has loaded."
         if session.runtime is None:
             return "⚠️ Load a model first: maps are kept per model."
         session.runtime.clear_maps()  # also clears the model's maps in SQLite
