@@ -167,3 +167,31 @@ def test_apply_during_a_load_is_refused_and_the_tab_says_a_model_is_loading(ui_s
     assert job.finished.wait(60) and job.error == ""
     assert s.runtime.info.policy == s.store.settings.load().policy
     assert "is loading" not in settings.describe(s)
+
+
+@pytest.mark.parametrize(
+    ("typed", "shown", "line"),
+    [
+        (2.9, 2.82, "2.82 MB = 5 experts of 0.562 MB each"),  # 2.8125 MB: was shown 2.81 = 4 experts, and applied so
+        (0.5625, 0.57, "0.57 MB = 1 experts of 0.562 MB each"),  # was "0.56 MB = 0 experts", and Apply refused it
+    ],
+)
+def test_applying_the_cache_size_shown_keeps_the_same_number_of_experts(session, typed, shown, line):
+    apply = next(f for f in build(session).fns.values() if f.api_name == "apply_settings")
+    apply.fn(typed, 3, "fmoe", 4000)
+    experts = session.runtime.info.cache_experts
+    for policy in ("lru", "fmoe", "lfu"):  # each visit: refresh, change only the policy, Apply
+        fields = settings.refresh(session)
+        assert (fields[1].value, fields[2]) == (shown, line)
+        _, said = apply.fn(fields[1].value, fields[3].value, policy, fields[5], fields[6], fields[7])
+        assert said.startswith("Applied without reloading") and session.runtime.info.cache_experts == experts
+    assert settings.experts_in(session, 2.25) == "2.25 MB = 4 experts of 0.562 MB each"  # a typed size: what it buys
+
+
+def test_the_saved_cache_size_is_kept_exactly_when_applied_unchanged_with_no_model_loaded(ui_session):
+    ui_session.store.settings.set(cache_gb=0.984375)  # 3 Mixtral experts of 0.328125 GB
+    fields = settings.refresh(ui_session)
+    assert fields[1].value == 0.99
+    apply = next(f for f in build(ui_session).fns.values() if f.api_name == "apply_settings")
+    assert apply.fn(fields[1].value, 3, "lru", 4000)[1] == "Saved. They apply when a model is loaded."
+    assert ui_session.store.settings.load().cache_gb == 0.984375  # was 0.98: 2 experts at the next load

@@ -104,8 +104,9 @@ def build(session: Session) -> SettingsTab:
             # A number, not a slider: a slider's box silently clamps what is typed (999, -1) to its ends, and its
             # bounds cannot say why. apply() refuses an impossible size with a sentence instead.
             cache_size = gr.Number(
-                round(s.cache_gb, 2), label="Expert cache (GB)", info=CACHE_HELP, elem_id="cache-size"
-            )
+                shown_cache_size(session), label=f"Expert cache ({cache_unit(session)[0]})", info=CACHE_HELP,
+                elem_id="cache-size",
+            )  # fmt: skip
             cache_experts = gr.Markdown("", elem_id="cache-experts")
         prefetch = gr.Slider(
             1,
@@ -184,13 +185,26 @@ def in_unit(session: Session, n_bytes: float) -> str:
     return f"{n_bytes / unit_bytes:.3g} {unit}"
 
 
+def shown_cache_size(session: Session) -> float:
+    """The running (or saved) cache in the field's unit, rounded UP to the two decimals shown: rounded down, the
+    shown size bought one expert fewer when applied unchanged."""
+    _, current = cache_bounds(session)
+    return math.ceil(round(current * GIB / cache_unit(session)[1] * 100, 6)) / 100
+
+
+def unchanged_size(session: Session, size: float | None) -> bool:
+    """The field still holds the size it was shown with: Apply keeps the cache (and its experts) as it is. A whole
+    expert can be smaller than the shown precision, so even rounded up the value is not the exact size."""
+    return size is not None and math.isfinite(size) and abs(size - shown_cache_size(session)) < 1e-9
+
+
 def experts_in(session: Session, size: float | None) -> str:
     """How many experts a typed size holds, for the line under the field ("" before a model is loaded)."""
     if session.runtime is None or size is None or not math.isfinite(size):
         return ""
     unit, unit_bytes = cache_unit(session)
     i = session.runtime.info
-    n = math.floor(size * unit_bytes / i.expert_bytes + 1e-9)
+    n = i.cache_experts if unchanged_size(session, size) else math.floor(size * unit_bytes / i.expert_bytes + 1e-9)
     return f"{size:g} {unit} = {n} experts of {in_unit(session, i.expert_bytes)} each" if size > 0 else ""
 
 
@@ -209,12 +223,11 @@ def refresh_outputs(tab: SettingsTab) -> list:
 
 def refresh(session: Session) -> tuple:
     """Values for `refresh_outputs`: re-read after a model loads, since the unit and the bounds depend on it."""
-    _, current = cache_bounds(session)
     s = session.store.settings.load()
     layers = session.runtime.info.num_layers if session.runtime is not None else 8
     distance_max = max(1, layers - 1)
-    unit, unit_bytes = cache_unit(session)
-    size = round(current * GIB / unit_bytes, 2)
+    unit, _ = cache_unit(session)
+    size = shown_cache_size(session)
     return (
         describe(session),
         gr.Number(value=size, label=f"Expert cache ({unit})", info=cache_help(session)),
@@ -245,6 +258,8 @@ def check_cache_size(session: Session, size: float | None) -> float:
     unit, unit_bytes = cache_unit(session)
     if size is None or not math.isfinite(size):
         raise ValueError(f"Type the expert cache size as a number of {unit}.")
+    if unchanged_size(session, size):
+        size = cache_bounds(session)[1] * GIB / unit_bytes  # the exact size in force: the same number of experts
     gb = size * unit_bytes / GIB
     if session.runtime is not None:
         one = session.runtime.info.expert_bytes
