@@ -195,3 +195,24 @@ def test_the_saved_cache_size_is_kept_exactly_when_applied_unchanged_with_no_mod
     apply = next(f for f in build(ui_session).fns.values() if f.api_name == "apply_settings")
     assert apply.fn(fields[1].value, 3, "lru", 4000)[1] == "Saved. They apply when a model is loaded."
     assert ui_session.store.settings.load().cache_gb == 0.984375  # was 0.98: 2 experts at the next load
+
+
+def test_a_saved_distance_beyond_the_models_layers_is_capped_said_and_kept_saved(ui_session):
+    # was: the demo ran d=7 with 6 MoE layers, silently; the tab showed 5 and Apply saved 5 for every model
+    s = ui_session
+    s.store.settings.set(prefetch_distance=7)  # chosen while a deeper model was loaded
+    said = s.load(demo_model_dir())
+    assert (
+        "Your saved prefetch distance 7 is more than this model's 6 MoE layers allow: it runs at 5 with this model, "
+        "and 7 stays saved for the others."
+    ) in said
+    assert s.runtime.info.prefetch_distance == 5 and s.store.settings.load().prefetch_distance == 7
+    fields = settings.refresh(s)
+    assert (fields[3].value, fields[3].maximum) == (5, 5)
+    assert fields[3].info.endswith("7 is saved; this model has 6 MoE layers, so it runs at 5.")
+    apply = next(f for f in build(s).fns.values() if f.api_name == "apply_settings")
+    _, status = apply.fn(fields[1].value, fields[3].value, "lru", fields[5], fields[6], fields[7])  # only the policy
+    assert "prefetch distance 5 (7 stays saved for models with more layers), policy lru" in status
+    assert s.store.settings.load().prefetch_distance == 7 and s.runtime.info.prefetch_distance == 5
+    apply.fn(fields[1].value, 4, "lru", fields[5], fields[6], fields[7])  # a distance the user chose is saved
+    assert s.store.settings.load().prefetch_distance == 4 and s.runtime.info.prefetch_distance == 4

@@ -114,7 +114,7 @@ def build(session: Session) -> SettingsTab:
             value=s.prefetch_distance,
             step=1,
             label="Prefetch distance (layers ahead)",
-            info="How many layers ahead experts are fetched; further hides more copy time but guesses worse.",
+            info=DISTANCE_HELP,
             elem_id="prefetch",
         )
     with gr.Row():
@@ -155,6 +155,7 @@ FORMAT_HELP = (
     f"{AUTO_HELP} A reload applies it (Models tab, Load); a first 8-bit or 4-bit load makes a copy of the experts, "
     "kept for the next."
 )
+DISTANCE_HELP = "How many layers ahead experts are fetched; further hides more copy time but guesses worse."
 CACHE_HELP = "Memory kept for experts ready to run; more means fewer waits for copies, less memory for anything else."
 
 
@@ -221,18 +222,31 @@ def refresh_outputs(tab: SettingsTab) -> list:
     ]
 
 
+def distance_max(session: Session) -> int:
+    """The furthest prefetch distance the loaded model has layers for (the slider's end; 7 before a model loads)."""
+    return max(1, (session.runtime.info.num_layers if session.runtime is not None else 8) - 1)
+
+
+def distance_help(session: Session, saved: int) -> str:
+    """The slider's help, saying so when the saved distance is more than this model allows (the load capped it)."""
+    top = distance_max(session)
+    if saved <= top or session.runtime is None:
+        return DISTANCE_HELP
+    layers = session.runtime.info.num_layers
+    return f"{DISTANCE_HELP} {saved} is saved; this model has {layers} MoE layers, so it runs at {top}."
+
+
 def refresh(session: Session) -> tuple:
     """Values for `refresh_outputs`: re-read after a model loads, since the unit and the bounds depend on it."""
     s = session.store.settings.load()
-    layers = session.runtime.info.num_layers if session.runtime is not None else 8
-    distance_max = max(1, layers - 1)
+    top = distance_max(session)
     unit, _ = cache_unit(session)
     size = shown_cache_size(session)
     return (
         describe(session),
         gr.Number(value=size, label=f"Expert cache ({unit})", info=cache_help(session)),
         experts_in(session, size),
-        gr.Slider(maximum=distance_max, value=min(s.prefetch_distance, distance_max)),
+        gr.Slider(maximum=top, value=min(s.prefetch_distance, top), info=distance_help(session, s.prefetch_distance)),
         s.policy,
         s.store_capacity,
         s.miss_handling,
@@ -324,6 +338,11 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
                 RuntimeConfig(expert_format=expert_format).validate()
             except ValueError as exc:
                 return refused(str(exc))
+        saved_distance = session.store.settings.load().prefetch_distance
+        # The slider shows a saved distance this model cannot run capped to its end: left there, the saved value
+        # stays for deeper models (it was silently replaced by the cap when anything else was applied).
+        top = distance_max(session)
+        keep_distance = saved_distance > top and int(distance) == top
         if session.runtime is not None:
             layers = session.runtime.info.num_layers
             if int(distance) > max(1, layers - 1):
@@ -335,6 +354,8 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
             except MemoryError as exc:  # the checks leave little to fail here; a sentence still, not Gradio's "Error"
                 return refused(f"This computer has not enough free memory for these settings ({exc}). Choose a "
                                "smaller cache or fewer expert maps.")  # fmt: skip
+        if keep_distance:
+            changes["prefetch_distance"] = saved_distance
         if expert_format is not None:
             # The loaded model's own choice too: the Models tab shows it when that model is picked for Load.
             store = session.store.settings
@@ -347,9 +368,10 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
         if session.runtime is None:
             return describe(session), "Saved. They apply when a model is loaded."
         i = session.runtime.info
+        kept = f" ({saved_distance} stays saved for models with more layers)" if keep_distance else ""
         return describe(session), (
             f"Applied without reloading: cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts), prefetch distance "
-            f"{i.prefetch_distance}, policy {i.policy}, {i.store_capacity} maps kept. "
+            f"{i.prefetch_distance}{kept}, policy {i.policy}, {i.store_capacity} maps kept. "
             f"{session.runtime.miss_explanation}{format_pending(session)}"
         )
 
