@@ -1,13 +1,16 @@
-"""How many expert slots a cache budget buys, and the refusal of a cache with none.
+"""How many expert slots a cache budget buys, and the refusal of a cache with none; how many expert maps RAM holds.
 
 Scope: the arithmetic between a size in GB and a slot count, for whoever sizes an expert cache (engine.py, `bench
-live`) and for the cache itself (cache.py checks its own capacity). It does NOT allocate anything.
+live`) and for the cache itself (cache.py checks its own capacity); the same for the map store's capacity against
+the RAM free (engine.py at load and on reconfigure, the Settings tab before a model is loaded). It does NOT allocate
+anything.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fmoe_local import hardware
 from fmoe_local.hardware import GIB, KV_RESERVE_BYTES
 
 
@@ -57,10 +60,51 @@ def fitted_slots(capacity: int, expert_bytes: int, room_bytes: int | None) -> tu
 def check_capacity(capacity: int, expert_bytes: int) -> None:
     """Refuse a cache with no slot, in a sentence that gives the size of one expert."""
     if capacity < 1:
-        unit, scale = next(
-            (u, f) for u, f in (("GB", GIB), ("MB", 1024**2), ("KB", 1024), ("bytes", 1)) if expert_bytes >= f
-        )
-        size = f"{expert_bytes / scale:.3g} {unit}"
         raise SettingRefused(
-            f"The expert cache must hold at least one expert ({size} for this model). Give it more room.", "cache_gb"
+            f"The expert cache must hold at least one expert ({_size(expert_bytes)} for this model). Give it more "
+            "room.",
+            "cache_gb",
         )
+
+
+def _size(n_bytes: float) -> str:
+    unit, scale = next((u, f) for u, f in (("GB", GIB), ("MB", 1024**2), ("KB", 1024), ("bytes", 1)) if n_bytes >= f)
+    return f"{n_bytes / scale:.3g} {unit}"
+
+
+def map_bytes(num_layers: int, num_experts: int, embed_dim: int, sketch_dim: int) -> int:
+    """RAM one expert map takes in the map store's arrays (maps.py, trajectory_index.py, semantic_index.py, map_links.py):
+    [L, J] float32 probabilities, [L+1] prefix norms (float64 and float32), an [h] float32 embedding with its norm
+    (float32) and flag (bool), a [k] float32 sketch column when h > k > 0, a request id, an insertion stamp and a
+    successor link (int64 each). tests/test_cache_budget.py holds it to the arrays a store really allocates."""
+    k = sketch_dim if 0 < sketch_dim < embed_dim else 0
+    return num_layers * num_experts * 4 + (num_layers + 1) * 12 + embed_dim * 4 + 5 + k * 4 + 3 * 8
+
+
+# A map of the smallest model there can be (one MoE layer of two experts, no embedding): before a model is loaded,
+# a capacity is refused only when not even such maps would fit; the load checks the model's own size.
+SMALLEST_MAP_BYTES = map_bytes(1, 2, 0, 0)
+
+
+def map_room_bytes() -> int | None:
+    """RAM the map store's arrays may take: half of what is available now, so that the replies, the rest of the app
+    and other programs keep the other half; None where the platform does not say (nothing is refused)."""
+    total, available = hardware.ram_bytes()
+    return None if total <= 0 else available // 2
+
+
+def check_store_capacity(
+    capacity: int, bytes_per_map: int, room_bytes: int | None, whose: str = "for this model"
+) -> None:
+    """Refuse (SettingRefused, "store_capacity") a map store whose arrays would not fit `room_bytes`: allocating
+    them would fail with the allocator's MemoryError, or swap the computer to a halt. `whose`: whose maps they are,
+    for the sentence."""
+    if room_bytes is None or capacity * bytes_per_map <= room_bytes:
+        return
+    fits = room_bytes // bytes_per_map
+    raise SettingRefused(
+        f"{capacity:,} expert maps do not fit in memory: one takes {_size(bytes_per_map)} {whose}, and at most "
+        f"{fits:,} maps fit in the {_size(room_bytes)} of RAM they may use here (half of what is free now). Keep "
+        f"{max(1, fits):,} or fewer maps.",
+        "store_capacity",
+    )

@@ -21,7 +21,7 @@ from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
 from fmoe_local import cache_budget, cpu_experts, hardware, miss_cost
 from fmoe_local.cache import ExpertCache
-from fmoe_local.cache_budget import check_capacity, fitted_slots, slots_for_budget
+from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.cpu_experts import Kernel
 from fmoe_local.experts import OffloadedExperts
@@ -112,6 +112,7 @@ class Engine:
             p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta"
         )
         self.counters = LayerCounters(self.shape.num_layers, self.shape.num_experts)
+        self._check_store(config)  # a saved capacity too big for RAM: a sentence (SettingRefused), not MemoryError
         self.map_store = MapStore.for_config(self.shape, config, map_persistence)
         if map_persistence is not None:
             self.map_store.load_from()  # the user's earlier maps: why prediction improves over time
@@ -319,6 +320,8 @@ class Engine:
         new.validate()
         capacity = self._capacity(new)
         check_capacity(capacity, self.host.expert_bytes)
+        if new.store_capacity != old.store_capacity:
+            self._check_store(new)
         self._check_idle(old.load_timeout_s)
         if capacity != self._capacity(old):
             try:
@@ -339,6 +342,11 @@ class Engine:
         self.offload.set_load_timeout(new.load_timeout_s)
         self.offload.set_miss_handling(new.miss_handling)
         self.config = new
+
+    def _check_store(self, config: RuntimeConfig) -> None:
+        s = self.shape
+        per_map = map_bytes(s.num_layers, s.num_experts, s.embed_dim, config.sketch_dim)
+        check_store_capacity(config.store_capacity, per_map, cache_budget.map_room_bytes())
 
     def adapt_distance(self, layer_s: float | None) -> None:
         """With `prefetch_distance_auto`: retune d to the measured copy time and this layer time (between requests

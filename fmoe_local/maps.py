@@ -21,6 +21,7 @@ Slot −1 with score 0.0 is the answer of a search with nothing to match.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from typing import TYPE_CHECKING
@@ -73,7 +74,9 @@ class MapStore:
         self._sem_cache: tuple[np.ndarray, np.ndarray, int] | None = None  # (query, cosines, version)
         self._traj = TrajectoryIndex(shape.num_layers, shape.num_experts, capacity)
         self._semantic = SemanticIndex(shape.embed_dim, capacity, sketch_dim, sketch_candidates, BLOCK_ELEMS)
-        self._alloc(capacity)
+        self._capacity = capacity
+        self._request_ids = np.zeros(capacity, np.int64)
+        self._stamps = np.zeros(capacity, np.int64)  # insertion order: which maps to keep when shrinking
 
     @classmethod
     def for_config(
@@ -98,11 +101,14 @@ class MapStore:
         return self._n
 
     def _alloc(self, capacity: int) -> None:
+        # Every array first, on copies of the indexes, then all are swapped in: a capacity too big for memory
+        # (MemoryError) leaves the store as it was, not claiming slots its arrays lack.
+        traj, semantic = copy.copy(self._traj), copy.copy(self._semantic)
+        traj.alloc(capacity)
+        semantic.alloc(capacity)
+        ids, stamps = np.zeros(capacity, np.int64), np.zeros(capacity, np.int64)
+        self._traj, self._semantic, self._request_ids, self._stamps = traj, semantic, ids, stamps
         self._capacity = capacity
-        self._traj.alloc(capacity)
-        self._semantic.alloc(capacity)
-        self._request_ids = np.zeros(capacity, np.int64)
-        self._stamps = np.zeros(capacity, np.int64)  # insertion order: which maps to keep when shrinking
 
     # --- reading ---------------------------------------------------------------------------------------------
     def probs(self, slot: int) -> np.ndarray:
@@ -329,13 +335,14 @@ class MapStore:
             if renumbered:
                 keep = np.sort(np.argsort(-old_stamps, kind="stable")[:capacity])  # newest, in slot order
                 old, old_stamps = [old[i] for i in keep], old_stamps[keep]
+            new_links = copy.copy(self._links)
+            new_links.reset(capacity, keep, links[keep])  # allocated before anything changes, as in _alloc
             self._alloc(capacity)
-            self._n = 0
+            self._links, self._n = new_links, 0
             for m in old:
                 self._write(self._n, *self._validate(m), m.request_id)
                 self._n += 1
             self._stamps[: self._n] = old_stamps  # keep the true age order, not the rewrite order
-            self._links.reset(capacity, keep, links[keep])
             self._semantic.flush()  # the sketch of every map in one batch, not at the next search
             self._traj_cache = None
             if renumbered:

@@ -7,6 +7,7 @@ import pytest
 
 from fmoe_local.maps import ExpertMap, MapStore
 from fmoe_local.policies.base import ModelShape
+from fmoe_local.semantic_index import SemanticIndex
 from tests.threads import run_in_threads
 
 SHAPE = ModelShape(num_layers=4, num_experts=8, top_k=2, embed_dim=3)
@@ -345,3 +346,25 @@ def test_load_from_restores_links_renumbered_and_drops_dangling_ones():
     store.load_from(plain)
     assert store.add(maps[2], after=1) == 2 and store.successor(1) == 2
     assert [c[0] for c in plain.calls] == ["put"]
+
+
+def test_a_capacity_memory_cannot_hold_leaves_the_store_as_it_was(monkeypatch):
+    # Apply of 10**12 maps: the allocator's MemoryError came after the store already claimed that capacity with its
+    # old arrays, and every later reply failed on an out-of-bounds slot.
+    store = MapStore(SHAPE, capacity=3, prefetch_distance=1, dedup_threshold=1.1)
+    maps = random_maps(np.random.default_rng(5), 5)
+    for m in maps[:3]:
+        store.add(m)
+
+    def no_memory(self, capacity):
+        raise MemoryError(f"Unable to allocate arrays for {capacity} maps")
+
+    monkeypatch.setattr(SemanticIndex, "alloc", no_memory)  # after the trajectory arrays were made
+    with pytest.raises(MemoryError):
+        store.reconfigure(capacity=10**6)
+    monkeypatch.undo()
+    assert (store.capacity, len(store)) == (3, 3)
+    np.testing.assert_array_equal(store.probs(2), maps[2].probs)
+    store.add(maps[3], after=2)  # full: replaces a map, within the arrays it has
+    assert len(store) == 3 and store.match_semantic(maps[4].semantic)[0] in range(3)
+    assert store.match_trajectory(maps[4].probs)[0] in range(3)

@@ -43,6 +43,21 @@ def test_a_saved_cache_smaller_than_one_expert_is_reset_and_the_demo_model_loads
         session.close()
 
 
+def test_a_saved_map_store_too_big_for_the_ram_is_reset_and_the_model_loads(store):
+    # was: every load failed "Unable to allocate 7.28 TiB", and the saved value was never reset
+    store.settings.set(store_capacity=10**12, prefetch_distance=2)
+    session = Session(store=store, config=RuntimeConfig(device="cpu"))
+    try:
+        said = session.load(demo_model_dir())
+        assert "Your saved store_capacity could not be used (1,000,000,000,000 expert maps do not fit" in said
+        assert said.endswith("it was reset to the default.")
+        saved = store.settings.load()
+        assert (saved.store_capacity, saved.prefetch_distance) == (AppSettings().store_capacity, 2)
+        assert session.runtime.info.store_capacity == AppSettings().store_capacity
+    finally:
+        session.close()
+
+
 def test_an_unknown_saved_policy_is_reset(store):
     store.settings.set(policy="fmoe")
     with store.settings._s.lock:  # written by another version: a policy this one does not have

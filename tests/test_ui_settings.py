@@ -3,14 +3,17 @@ format saved for the next load with its label."""
 
 from __future__ import annotations
 
+import threading
+
 import gradio as gr
 import pytest
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.demo import demo_model_dir
+from fmoe_local.runtime import Runtime
 from store import open_store
 from ui import build, settings
-from ui.session import Session
+from ui.session import DEMO_LABEL, Session
 
 
 @pytest.fixture
@@ -54,6 +57,9 @@ def test_every_field_has_one_line_of_help(session):
         (999, 10, 1, "999 MB is more than all of this model's experts take (27 MB)"),
         (float("nan"), 10, 1, "Type the expert cache size as a number of MB."),
         (None, 0, 1, "at least one expert map"),
+        (None, float("nan"), 1, "at least one expert map"),
+        # was Gradio's bare "Error" (MemoryError), and every later reply failed in the map store
+        (None, 10**12, 1, "1,000,000,000,000 expert maps do not fit in memory: one takes 1.3 KB for this model"),
         (None, 10, 99, "the prefetch distance can be 1 to"),
     ],
 )
@@ -116,3 +122,97 @@ def test_an_unknown_expert_format_is_refused_before_anything_changes(session):
     _, said = apply.fn(settings.refresh(session)[1].value, 1, "lru", 10, "copy", "fp8")
     assert said.startswith("⚠️ Unknown expert format 'fp8'")
     assert session.store.settings.load() == before and session.runtime.info.policy == "fmoe"
+
+
+def test_too_many_maps_are_refused_with_no_model_loaded_and_not_saved(ui_session):
+    # was "Saved. They apply when a model is loaded.", and every load then failed allocating 7 TB
+    apply = next(f for f in build(ui_session).fns.values() if f.api_name == "apply_settings")
+    before = ui_session.store.settings.load()
+    info, status = apply.fn(4.0, 3, "fmoe", 10**12, "auto", "auto")
+    assert info == gr.skip() and status.startswith("⚠️ 1,000,000,000,000 expert maps do not fit in memory")
+    assert "even for the smallest model" in status and status.endswith("or fewer maps.")
+    assert ui_session.store.settings.load() == before
+    assert apply.fn(4.0, 3, "fmoe", 5000, "auto", "auto")[1] == "Saved. They apply when a model is loaded."
+
+
+def test_apply_during_a_load_is_refused_and_the_tab_says_a_model_is_loading(ui_session, monkeypatch):
+    # was "Saved. They apply when a model is loaded.", and the model that finished loading ran the old values
+    s = ui_session
+    gate, entered = threading.Event(), threading.Event()
+    real = Runtime.load.__func__
+
+    def slow(cls, *args, **kwargs):
+        entered.set()
+        gate.wait(30)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "load", classmethod(slow))
+    job = s.start_load(demo_model_dir())
+    try:
+        assert entered.wait(30)
+        demo = build(s)
+        apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+        clear = next(f for f in demo.fns.values() if f.api_name == "clear_maps")
+        before = s.store.settings.load()
+        info, said = apply.fn(0.03, 2, "lru", 123, "auto", "nf4")
+        assert info == gr.skip() and said == (
+            f"⚠️ {DEMO_LABEL} is still loading (the page's header says how far); Apply when it has loaded."
+        )
+        assert s.store.settings.load() == before
+        assert "is still loading; clear its maps when it has loaded" in clear.fn()
+        shown = settings.describe(s)
+        assert f"{DEMO_LABEL} is loading" in shown and "No model loaded" not in shown
+    finally:
+        gate.set()
+    assert job.finished.wait(60) and job.error == ""
+    assert s.runtime.info.policy == s.store.settings.load().policy
+    assert "is loading" not in settings.describe(s)
+
+
+@pytest.mark.parametrize(
+    ("typed", "shown", "line"),
+    [
+        (2.9, 2.82, "2.82 MB = 5 experts of 0.562 MB each"),  # 2.8125 MB: was shown 2.81 = 4 experts, and applied so
+        (0.5625, 0.57, "0.57 MB = 1 experts of 0.562 MB each"),  # was "0.56 MB = 0 experts", and Apply refused it
+    ],
+)
+def test_applying_the_cache_size_shown_keeps_the_same_number_of_experts(session, typed, shown, line):
+    apply = next(f for f in build(session).fns.values() if f.api_name == "apply_settings")
+    apply.fn(typed, 3, "fmoe", 4000)
+    experts = session.runtime.info.cache_experts
+    for policy in ("lru", "fmoe", "lfu"):  # each visit: refresh, change only the policy, Apply
+        fields = settings.refresh(session)
+        assert (fields[1].value, fields[2]) == (shown, line)
+        _, said = apply.fn(fields[1].value, fields[3].value, policy, fields[5], fields[6], fields[7])
+        assert said.startswith("Applied without reloading") and session.runtime.info.cache_experts == experts
+    assert settings.experts_in(session, 2.25) == "2.25 MB = 4 experts of 0.562 MB each"  # a typed size: what it buys
+
+
+def test_the_saved_cache_size_is_kept_exactly_when_applied_unchanged_with_no_model_loaded(ui_session):
+    ui_session.store.settings.set(cache_gb=0.984375)  # 3 Mixtral experts of 0.328125 GB
+    fields = settings.refresh(ui_session)
+    assert fields[1].value == 0.99
+    apply = next(f for f in build(ui_session).fns.values() if f.api_name == "apply_settings")
+    assert apply.fn(fields[1].value, 3, "lru", 4000)[1] == "Saved. They apply when a model is loaded."
+    assert ui_session.store.settings.load().cache_gb == 0.984375  # was 0.98: 2 experts at the next load
+
+
+def test_a_saved_distance_beyond_the_models_layers_is_capped_said_and_kept_saved(ui_session):
+    # was: the demo ran d=7 with 6 MoE layers, silently; the tab showed 5 and Apply saved 5 for every model
+    s = ui_session
+    s.store.settings.set(prefetch_distance=7)  # chosen while a deeper model was loaded
+    said = s.load(demo_model_dir())
+    assert (
+        "Your saved prefetch distance 7 is more than this model's 6 MoE layers allow: it runs at 5 with this model, "
+        "and 7 stays saved for the others."
+    ) in said
+    assert s.runtime.info.prefetch_distance == 5 and s.store.settings.load().prefetch_distance == 7
+    fields = settings.refresh(s)
+    assert (fields[3].value, fields[3].maximum) == (5, 5)
+    assert fields[3].info.endswith("7 is saved; this model has 6 MoE layers, so it runs at 5.")
+    apply = next(f for f in build(s).fns.values() if f.api_name == "apply_settings")
+    _, status = apply.fn(fields[1].value, fields[3].value, "lru", fields[5], fields[6], fields[7])  # only the policy
+    assert "prefetch distance 5 (7 stays saved for models with more layers), policy lru" in status
+    assert s.store.settings.load().prefetch_distance == 7 and s.runtime.info.prefetch_distance == 5
+    apply.fn(fields[1].value, 4, "lru", fields[5], fields[6], fields[7])  # a distance the user chose is saved
+    assert s.store.settings.load().prefetch_distance == 4 and s.runtime.info.prefetch_distance == 4

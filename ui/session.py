@@ -254,10 +254,13 @@ class Session:
                     said += f" {model_label(self.model_dir, self.runtime.info.name)} is still loaded."
                 raise ModelLoadError(said) from exc
             self.unload()
-            fmt = self.load_format(model_dir)
+            fmt, top = self.load_format(model_dir), max(1, shape.num_layers - 1)  # top: the furthest distance there is
 
             def attempt() -> Runtime:  # with the settings as saved now (a retry follows a reset)
                 config = self._saved_config(fmt)
+                # A distance saved for a deeper model runs capped to this one's (the Settings slider's end); the
+                # saved value stays for the others, and the load says so (`distance_notice`).
+                config = config.with_changes(prefetch_distance=min(config.prefetch_distance, top))
                 return Runtime.load(model_dir, config, self._persistence, self._saved_miss_costs(model_dir), progress)
 
             notice = ""
@@ -299,7 +302,12 @@ class Session:
             self.history.clear()
             self.store.settings.set(last_model=str(model_dir), expert_format=fmt)
             self._save_miss_costs(model_dir)
-            info = self.runtime.info
+            info, saved_d = self.runtime.info, self.store.settings.load().prefetch_distance
+            if saved_d > top:
+                notice += (
+                    f" Your saved prefetch distance {saved_d} is more than this model's {info.num_layers} MoE layers "
+                    f"allow: it runs at {top} with this model, and {saved_d} stays saved for the others."
+                )
             return (
                 f"Loaded {model_label(model_dir, info.name)} on {info.device}, experts in {format_in_use(info.expert_format, info.dtype)}: "
                 f"{info.num_layers} MoE layers × {info.num_experts} experts, "

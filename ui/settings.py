@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from fmoe_local.cache_budget import SMALLEST_MAP_BYTES, check_store_capacity, map_room_bytes
 from fmoe_local.config import POLICIES, RuntimeConfig
 from fmoe_local.hardware import GIB, cache_gb_limit
 from ui.model_formats import AUTO_HELP
@@ -77,6 +78,11 @@ def describe(session: Session) -> str:
         if session.api_base
         else ""
     )
+    if session.still_loading:  # not "No model loaded. Load one": that invited a second Load
+        return (
+            f"**{model_label(session.loading.model_dir)} is loading** (the page's header says how far). Its settings "
+            f"show here when it has loaded.{api}"
+        )
     if session.runtime is None:
         return f"**No model loaded.** {session.load_error or 'Load one in the Models tab.'}{api}"
     i = session.runtime.info
@@ -98,8 +104,9 @@ def build(session: Session) -> SettingsTab:
             # A number, not a slider: a slider's box silently clamps what is typed (999, -1) to its ends, and its
             # bounds cannot say why. apply() refuses an impossible size with a sentence instead.
             cache_size = gr.Number(
-                round(s.cache_gb, 2), label="Expert cache (GB)", info=CACHE_HELP, elem_id="cache-size"
-            )
+                shown_cache_size(session), label=f"Expert cache ({cache_unit(session)[0]})", info=CACHE_HELP,
+                elem_id="cache-size",
+            )  # fmt: skip
             cache_experts = gr.Markdown("", elem_id="cache-experts")
         prefetch = gr.Slider(
             1,
@@ -107,7 +114,7 @@ def build(session: Session) -> SettingsTab:
             value=s.prefetch_distance,
             step=1,
             label="Prefetch distance (layers ahead)",
-            info="How many layers ahead experts are fetched; further hides more copy time but guesses worse.",
+            info=DISTANCE_HELP,
             elem_id="prefetch",
         )
     with gr.Row():
@@ -148,6 +155,7 @@ FORMAT_HELP = (
     f"{AUTO_HELP} A reload applies it (Models tab, Load); a first 8-bit or 4-bit load makes a copy of the experts, "
     "kept for the next."
 )
+DISTANCE_HELP = "How many layers ahead experts are fetched; further hides more copy time but guesses worse."
 CACHE_HELP = "Memory kept for experts ready to run; more means fewer waits for copies, less memory for anything else."
 
 
@@ -178,13 +186,26 @@ def in_unit(session: Session, n_bytes: float) -> str:
     return f"{n_bytes / unit_bytes:.3g} {unit}"
 
 
+def shown_cache_size(session: Session) -> float:
+    """The running (or saved) cache in the field's unit, rounded UP to the two decimals shown: rounded down, the
+    shown size bought one expert fewer when applied unchanged."""
+    _, current = cache_bounds(session)
+    return math.ceil(round(current * GIB / cache_unit(session)[1] * 100, 6)) / 100
+
+
+def unchanged_size(session: Session, size: float | None) -> bool:
+    """The field still holds the size it was shown with: Apply keeps the cache (and its experts) as it is. A whole
+    expert can be smaller than the shown precision, so even rounded up the value is not the exact size."""
+    return size is not None and math.isfinite(size) and abs(size - shown_cache_size(session)) < 1e-9
+
+
 def experts_in(session: Session, size: float | None) -> str:
     """How many experts a typed size holds, for the line under the field ("" before a model is loaded)."""
     if session.runtime is None or size is None or not math.isfinite(size):
         return ""
     unit, unit_bytes = cache_unit(session)
     i = session.runtime.info
-    n = math.floor(size * unit_bytes / i.expert_bytes + 1e-9)
+    n = i.cache_experts if unchanged_size(session, size) else math.floor(size * unit_bytes / i.expert_bytes + 1e-9)
     return f"{size:g} {unit} = {n} experts of {in_unit(session, i.expert_bytes)} each" if size > 0 else ""
 
 
@@ -201,19 +222,31 @@ def refresh_outputs(tab: SettingsTab) -> list:
     ]
 
 
+def distance_max(session: Session) -> int:
+    """The furthest prefetch distance the loaded model has layers for (the slider's end; 7 before a model loads)."""
+    return max(1, (session.runtime.info.num_layers if session.runtime is not None else 8) - 1)
+
+
+def distance_help(session: Session, saved: int) -> str:
+    """The slider's help, saying so when the saved distance is more than this model allows (the load capped it)."""
+    top = distance_max(session)
+    if saved <= top or session.runtime is None:
+        return DISTANCE_HELP
+    layers = session.runtime.info.num_layers
+    return f"{DISTANCE_HELP} {saved} is saved; this model has {layers} MoE layers, so it runs at {top}."
+
+
 def refresh(session: Session) -> tuple:
     """Values for `refresh_outputs`: re-read after a model loads, since the unit and the bounds depend on it."""
-    _, current = cache_bounds(session)
     s = session.store.settings.load()
-    layers = session.runtime.info.num_layers if session.runtime is not None else 8
-    distance_max = max(1, layers - 1)
-    unit, unit_bytes = cache_unit(session)
-    size = round(current * GIB / unit_bytes, 2)
+    top = distance_max(session)
+    unit, _ = cache_unit(session)
+    size = shown_cache_size(session)
     return (
         describe(session),
         gr.Number(value=size, label=f"Expert cache ({unit})", info=cache_help(session)),
         experts_in(session, size),
-        gr.Slider(maximum=distance_max, value=min(s.prefetch_distance, distance_max)),
+        gr.Slider(maximum=top, value=min(s.prefetch_distance, top), info=distance_help(session, s.prefetch_distance)),
         s.policy,
         s.store_capacity,
         s.miss_handling,
@@ -239,6 +272,8 @@ def check_cache_size(session: Session, size: float | None) -> float:
     unit, unit_bytes = cache_unit(session)
     if size is None or not math.isfinite(size):
         raise ValueError(f"Type the expert cache size as a number of {unit}.")
+    if unchanged_size(session, size):
+        size = cache_bounds(session)[1] * GIB / unit_bytes  # the exact size in force: the same number of experts
     gb = size * unit_bytes / GIB
     if session.runtime is not None:
         one = session.runtime.info.expert_bytes
@@ -275,12 +310,22 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
         return gr.skip(), f"⚠️ {sentence}"
 
     def apply(size, distance, policy, capacity, miss_handling="auto", expert_format=None):
+        if session.still_loading:
+            # Refused rather than kept for after the load: the load reads the saved settings when it starts and
+            # saves the format it used when it ends, so values saved meanwhile were said saved and then ignored.
+            return refused(f"{model_label(session.loading.model_dir)} is still loading (the page's header says how "
+                           "far); Apply when it has loaded.")  # fmt: skip
         try:
             cache_gb = check_cache_size(session, size)
         except ValueError as exc:
             return refused(str(exc))
-        if capacity is None or int(capacity) < 1:
+        if capacity is None or not math.isfinite(capacity) or int(capacity) < 1:
             return refused("Keep at least one expert map (store capacity ≥ 1).")
+        if session.runtime is None:  # the load checks the model's own map size (Engine.build)
+            try:
+                check_store_capacity(int(capacity), SMALLEST_MAP_BYTES, map_room_bytes(), "even for the smallest model")
+            except ValueError as exc:
+                return refused(str(exc))
         changes = dict(
             cache_gb=cache_gb,
             prefetch_distance=int(distance),
@@ -293,6 +338,11 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
                 RuntimeConfig(expert_format=expert_format).validate()
             except ValueError as exc:
                 return refused(str(exc))
+        saved_distance = session.store.settings.load().prefetch_distance
+        # The slider shows a saved distance this model cannot run capped to its end: left there, the saved value
+        # stays for deeper models (it was silently replaced by the cap when anything else was applied).
+        top = distance_max(session)
+        keep_distance = saved_distance > top and int(distance) == top
         if session.runtime is not None:
             layers = session.runtime.info.num_layers
             if int(distance) > max(1, layers - 1):
@@ -301,6 +351,11 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
                 session.runtime.reconfigure(**changes)
             except ValueError as exc:
                 return refused(str(exc))
+            except MemoryError as exc:  # the checks leave little to fail here; a sentence still, not Gradio's "Error"
+                return refused(f"This computer has not enough free memory for these settings ({exc}). Choose a "
+                               "smaller cache or fewer expert maps.")  # fmt: skip
+        if keep_distance:
+            changes["prefetch_distance"] = saved_distance
         if expert_format is not None:
             # The loaded model's own choice too: the Models tab shows it when that model is picked for Load.
             store = session.store.settings
@@ -313,13 +368,16 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
         if session.runtime is None:
             return describe(session), "Saved. They apply when a model is loaded."
         i = session.runtime.info
+        kept = f" ({saved_distance} stays saved for models with more layers)" if keep_distance else ""
         return describe(session), (
             f"Applied without reloading: cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts), prefetch distance "
-            f"{i.prefetch_distance}, policy {i.policy}, {i.store_capacity} maps kept. "
+            f"{i.prefetch_distance}{kept}, policy {i.policy}, {i.store_capacity} maps kept. "
             f"{session.runtime.miss_explanation}{format_pending(session)}"
         )
 
     def clear_maps():
+        if session.still_loading:
+            return f"⚠️ {model_label(session.loading.model_dir)} is still loading; clear its maps when it has loaded."
         if session.runtime is None:
             return "⚠️ Load a model first: maps are kept per model."
         session.runtime.clear_maps()  # also clears the model's maps in SQLite
