@@ -71,3 +71,28 @@ def test_the_summary_says_what_happens_to_a_miss_and_counts_the_ones_the_cpu_com
     finally:
         session.close()
         store.close()
+
+
+def test_with_no_model_loaded_the_tab_says_why_and_draws_no_stale_pictures(tmp_path):
+    from pathlib import Path
+
+    from fmoe_local.config import RuntimeConfig
+    from store import open_store
+    from ui.load_job import LoadJob
+    from ui.session import Session
+    from ui.stats import draw
+
+    store = open_store(tmp_path)
+    session = Session(store=store, config=RuntimeConfig(device="cpu"))
+    try:
+        session.record(_stats())  # the last reply of a model since unloaded
+        session.load_error = "Could not load big-model: its checkpoint lacks 3 weights."
+        text, heat, line = draw(session)
+        assert "Could not load big-model" in text and "Load another model" in text  # was: "No model loaded." alone
+        assert not heat.axes[0].images  # the placeholder, not the unloaded model's heatmap
+        session.loading = LoadJob(Path("/models/next-model"), "nf4")
+        assert "Loading next-model…" in draw(session)[0]
+        session.loading.finished.set()
+    finally:
+        session.close()
+        store.close()

@@ -12,6 +12,18 @@ TITLE = "fmoe-local"
 
 
 def header(session: Session) -> str:
+    model = model_line(session)
+    recovery = getattr(session.store, "recovery", None)
+    if recovery is not None:
+        model += (
+            f"\n\n⚠️ **Your database was damaged.** It was moved to `{recovery.moved_to}`, kept as it was, and "
+            f"{recovery.what_came_back()}."
+        )
+    return f"# {TITLE}\n{model}"
+
+
+def model_line(session: Session) -> str:
+    """The model that answers, the one loading, or why none is loaded (the Stats tab says the same)."""
     job = session.loading
     if job is not None and not job.finished.is_set():
         # The previous model is already unloaded: naming it would say the wrong model answers.
@@ -29,10 +41,4 @@ def header(session: Session) -> str:
         model = f"**No model loaded.** ⚠️ {session.load_error} Load another model in the Models tab, or try again."
     else:
         model = "**No model loaded** — open the Models tab to download one or load a folder."
-    recovery = getattr(session.store, "recovery", None)
-    if recovery is not None:
-        model += (
-            f"\n\n⚠️ **Your database was damaged.** It was moved to `{recovery.moved_to}`, kept as it was, and "
-            f"{recovery.what_came_back()}."
-        )
-    return f"# {TITLE}\n{model}"
+    return model

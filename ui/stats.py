@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator, PercentFormatter  # noqa: E402
 
 from fmoe_local.stats import RequestStats  # noqa: E402
+from ui import page_header  # noqa: E402
 from ui.session import Session, fmt_gb, format_in_use  # noqa: E402
 
 # A red-to-green scale: a cell's colour is its hit rate, so a rare miss does not paint a mostly-hit expert red.
@@ -109,8 +110,8 @@ def timeline_figure(history: list[RequestStats]):
 
 
 def summary(session: Session) -> str:
-    if session.runtime is None:
-        return "No model loaded."
+    if session.runtime is None:  # loading, or why none is loaded, as the header says: not a bare "No model loaded."
+        return page_header.model_line(session)
     i = session.runtime.info
     s = session.last_stats
     line = f"**Cache:** {fmt_gb(i.cache_gb)} on {i.device} ({i.cache_experts} experts in {format_in_use(i.expert_format, i.dtype)})"
@@ -138,8 +139,11 @@ def outputs(tab: StatsTab) -> list:
 
 
 def draw(session: Session) -> tuple:
-    history = list(session.history)
-    heat, line = heatmap_figure(session.last_stats), timeline_figure(history)
+    # With no model loaded (unloaded for a load, or the load failed) the last model's pictures would describe a
+    # cache that is gone.
+    loaded = session.runtime is not None
+    history = list(session.history) if loaded else []
+    heat, line = heatmap_figure(session.last_stats if loaded else None), timeline_figure(history)
     plt.close(heat)  # gr.Plot renders the figure object it receives; closing frees pyplot's registry
     plt.close(line)
     return summary(session), heat, line
