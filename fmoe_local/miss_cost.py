@@ -69,8 +69,10 @@ class MissCosts:
         per_token = max(0.0, self.cpu_s_n - self.cpu_s_1) / (self.probe_tokens - 1)
         return self.cpu_s_1 + per_token * (tokens - 1)
 
-    def explain(self, mode: str) -> str:
-        """One sentence for the Stats tab: the figures and what `mode` does with them."""
+    def explain(self, mode: str, why: str = "") -> str:
+        """One sentence for the Stats tab: the figures and what `mode` does with them. `why`: who chose `mode`
+        (default: the miss handling setting)."""
+        why = why or f"miss handling: {mode}"
         cpu = f"the CPU computes one of this model's experts in {self.cpu_s_1 * 1e3:.2f} ms ({self.cpu_kernel})"
         if not self.has_gpu:
             return (
@@ -80,9 +82,9 @@ class MissCosts:
             )
         copy = f"a copy takes {self.copy_s * 1e3:.2f} ms at the measured {self.h2d_gbps:.1f} GB/s"
         if mode == "copy":
-            return f"Every miss is copied (miss handling: copy); {cpu}, {copy}."
+            return f"Every miss is copied ({why}); {cpu}, {copy}."
         if mode == "cpu":
-            return f"Every miss is computed on the CPU (miss handling: cpu); {cpu}, {copy}."
+            return f"Every miss is computed on the CPU ({why}); {cpu}, {copy}."
         planner = MissPlanner("auto", self)
         first = next((n for n in range(1, EXPLAIN_MAX_MISSES + 1) if any(planner.plan([1] * n))), 0)
         if not first:
@@ -117,6 +119,12 @@ class MissPlanner:
     def __init__(self, mode: str, costs: MissCosts, forced: str | None = None) -> None:
         self.mode = forced or mode  # a policy may force its own (cpu_moe computes every miss on the CPU)
         self.costs = costs
+        # Said when the policy overrides the setting: the Settings tab still shows the setting's value.
+        self.why = (
+            f"the policy's own choice; the miss handling setting, {mode}, applies to other policies"
+            if (forced and forced != mode)
+            else ""
+        )
 
     def plan(self, tokens: Sequence[int]) -> list[bool]:
         """For a layer's misses, needed by `tokens[i]` tokens each: True for those the host computes, False for
@@ -137,7 +145,7 @@ class MissPlanner:
         return on_host
 
     def explain(self) -> str:
-        return self.costs.explain(self.mode)
+        return self.costs.explain(self.mode, self.why)
 
 
 def format_of(dtype: torch.dtype) -> str:

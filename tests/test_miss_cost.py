@@ -82,6 +82,20 @@ def test_the_stats_sentence_says_what_auto_does_and_why():
     assert "copy" in no_gpu.explain("copy")
 
 
+def test_a_policy_that_forces_its_miss_handling_says_so_instead_of_naming_the_setting():
+    forced = MissPlanner("copy", _figures(2.51), forced="cpu")  # cpu_moe with miss handling set to copy
+    said = forced.explain()
+    # was: "(miss handling: cpu)" while Settings showed copy
+    assert said.startswith(
+        "Every miss is computed on the CPU (the policy's own choice; the miss handling setting, copy,"
+    )
+    assert (
+        MissPlanner("cpu", _figures(2.51), forced="cpu")
+        .explain()
+        .startswith("Every miss is computed on the CPU (miss handling: cpu)")
+    )
+
+
 def test_costs_round_trip_through_a_dict_and_ignore_unknown_keys():
     c = costs(kernels={"bf16 native": 0.5e-3})
     assert MissCosts.from_dict(c.to_dict() | {"from_a_newer_version": 1}) == c
