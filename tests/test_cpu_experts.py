@@ -135,7 +135,7 @@ def test_stop_ends_a_request_whose_cpu_miss_is_stuck_in_a_disk_read(tiny_model_d
         assert time.perf_counter() - t0 < 1.0
         release.set()
         again = runtime.generate(PROMPT, Sampling(greedy=True, max_new_tokens=3))
-        assert again.reason in ("length", "stop") and again.stats.on_host > 0
+        assert again.reason in ("length", "stop", "context") and again.stats.on_host > 0
 
 
 def test_a_cpu_miss_whose_read_fails_ends_the_request_with_a_sentence(tiny_model_dir):
@@ -153,4 +153,4 @@ def test_a_cpu_miss_whose_read_fails_ends_the_request_with_a_sentence(tiny_model
         final = runtime.generate(PROMPT, Sampling(greedy=True, max_new_tokens=4))
         assert final.reason == "error" and "Could not read expert" in final.error and "MoE layer 1" in final.error
         failing["on"] = False
-        assert runtime.generate(PROMPT, Sampling(greedy=True, max_new_tokens=4)).reason in ("length", "stop")
+        assert runtime.generate(PROMPT, Sampling(greedy=True, max_new_tokens=4)).reason in ("length", "stop", "context")

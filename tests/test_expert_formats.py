@@ -99,7 +99,7 @@ def test_host_ram_and_cache_slots_hold_the_packed_form(fmt, tiny_model_dir, tmp_
         assert cache.tensors["down_proj.q"].dtype == packed
         assert cache.allocated_bytes() == 3 * host.expert_bytes
         final = runtime.generate([{"role": "user", "content": "Hello"}], Sampling(greedy=True, max_new_tokens=3))
-        assert final.reason in ("length", "stop") and final.stats.misses > 0
+        assert final.reason in ("length", "stop", "context") and final.stats.misses > 0
 
 
 def test_cache_gb_buys_more_experts_in_a_packed_format(tiny_model_dir, tmp_path):
