@@ -108,7 +108,11 @@ def copies(root: str | Path | None) -> list[Path]:
 
 
 def copies_bytes(root: str | Path | None) -> int:
-    return sum(f.stat().st_size for c in copies(root) for f in c.rglob("*") if f.is_file())
+    return sum(_size(c) for c in copies(root))
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def remove_other_copies(root: str | Path | None, keep: Path | None) -> int:
@@ -122,7 +126,7 @@ def remove_other_copies(root: str | Path | None, keep: Path | None) -> int:
 def _remove(folders: list[Path]) -> int:
     freed = 0
     for copy in folders:
-        freed += sum(f.stat().st_size for f in copy.rglob("*") if f.is_file())
+        freed += _size(copy)
         shutil.rmtree(copy)
     return freed
 

@@ -17,6 +17,7 @@ from ui.downloads import Download, folder_bytes
 from ui.session import Session
 
 POLL_S = 0.5
+RUNNING = ("planning", "downloading")  # DownloadStatus states of a download still under way
 
 
 def progress_html(fraction: float, text: str) -> str:
@@ -30,7 +31,7 @@ def progress_html(fraction: float, text: str) -> str:
 def downloading_dir(session: Session) -> Path | None:
     """The folder a download still running writes into, resolved; None when none runs."""
     d = session.download
-    if d is None or d.status().state not in ("planning", "downloading"):
+    if d is None or d.status().state not in RUNNING:
         return None
     return Path(d.dest).resolve()
 
@@ -50,7 +51,7 @@ def download_steps(session: Session, repo_id: str, token: str) -> Iterator[tuple
     repo_id = (repo_id or "").strip()
     if repo_id.count("/") != 1 or " " in repo_id:
         raise DownloadRefused("Type a Hugging Face repo id like owner/name, or click a model in the list.")
-    if session.download is not None and session.download.status().state in ("planning", "downloading"):
+    if downloading_dir(session) is not None:
         raise DownloadRefused("A download is already running. Cancel it or wait for it to finish.")
     entry = find(repo_id)
     allow = list(entry.allow_patterns if entry else DEFAULT_ALLOW)
@@ -71,22 +72,22 @@ def download_steps(session: Session, repo_id: str, token: str) -> Iterator[tuple
     session.download = d
     yield 0.0, f"Looking up {repo_id}…", None
     while True:
-        fraction, text, running = download_progress(d)
-        if running:
+        fraction, text, state = download_progress(d)
+        if state in RUNNING:
             yield fraction, text, None
             time.sleep(POLL_S)
             continue
-        yield fraction, text, (d.dest if d.status().state == "done" else None)
+        yield fraction, text, (d.dest if state == "done" else None)
         return
 
 
-def download_progress(d: Download) -> tuple[float, str, bool]:
-    """(fraction, sentence, still running) of a download."""
+def download_progress(d: Download) -> tuple[float, str, str]:
+    """(fraction, sentence, state) of a download, from one status read."""
     s = d.status()
-    if s.state in ("planning", "downloading"):
+    if s.state in RUNNING:
         text = f"{s.done_bytes / GB:.2f} of {s.total_bytes / GB:.2f} GB" if s.total_bytes else "Planning…"
-        return s.fraction, f"Downloading {d.repo_id}: {text}", True
-    return (1.0 if s.state == "done" else s.fraction), s.message, False
+        return s.fraction, f"Downloading {d.repo_id}: {text}", s.state
+    return (1.0 if s.state == "done" else s.fraction), s.message, s.state
 
 
 def follow_download(session: Session, shown: str) -> tuple[str | None, bool]:
@@ -96,9 +97,9 @@ def follow_download(session: Session, shown: str) -> tuple[str | None, bool]:
     d = session.download
     if d is None:
         return None, False
-    fraction, text, running = download_progress(d)
+    fraction, text, state = download_progress(d)
     line = progress_html(fraction, text)
-    if running:
+    if state in RUNNING:
         return (None if line == shown else line), False
     if f"Downloading {html.escape(d.repo_id)}:" in (shown or ""):  # it ended since this page last looked
         return line, True

@@ -47,8 +47,7 @@ def parse_completion(body: dict, defaults: Sampling) -> ApiRequest:
         )
     if body.get("best_of") not in (None, 1):
         raise ApiError(400, "Only best_of=1 is supported: this app generates one reply at a time.", "best_of")
-    if body.get("logprobs") not in (None, 0, False):
-        raise ApiError(400, "'logprobs' is not supported: this app does not return token probabilities.", "logprobs")
+    _refuse_logprobs(body)  # a count here, a flag in a chat: 0 and False alike ask for none
     echo = body.get("echo") or False
     if not isinstance(echo, bool):
         raise ApiError(400, "'echo' must be true or false.", "echo")
@@ -78,6 +77,11 @@ def _prompt(body: dict) -> str:
     return prompt
 
 
+def _refuse_logprobs(body: dict) -> None:
+    if body.get("logprobs") not in (None, False):  # 0 == False: a completion's count of none passes too
+        raise ApiError(400, "'logprobs' is not supported: this app does not return token probabilities.", "logprobs")
+
+
 def _refuse_unsupported(body: dict) -> None:
     """What this app cannot do is refused by name (a 400 with `param`), never ignored: a client that is told can
     fall back (ask for JSON in the prompt, Open WebUI's default function calling), while one that is ignored takes
@@ -92,8 +96,7 @@ def _refuse_unsupported(body: dict) -> None:
             "Ask for JSON in the messages instead.",
             "response_format",
         )
-    if body.get("logprobs") not in (None, False):
-        raise ApiError(400, "'logprobs' is not supported: this app does not return token probabilities.", "logprobs")
+    _refuse_logprobs(body)
     if body.get("top_logprobs") not in (None, 0):
         raise ApiError(
             400, "'top_logprobs' is not supported: this app does not return token probabilities.", "top_logprobs"
