@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fmoe_local.bench import live
 from fmoe_local.bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, fold_trace
@@ -15,6 +16,12 @@ TINY_MIXTRAL = dict(
     model_type="mixtral", hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384, max_position_embeddings=512,
 )  # fmt: skip
+# Qwen3-MoE names its expert count num_experts (SYNTHETIC["qwen3-30b-a3b"] has 128 experts, top-8; this one 8, top-2)
+TINY_QWEN3 = dict(
+    model_type="qwen3_moe", hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+    num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=384, max_position_embeddings=512,
+)  # fmt: skip
 TRACE_LAYERS, TRACE_EXPERTS, TRACE_K = 3, 16, 4
 
 
@@ -24,6 +31,16 @@ def test_synthetic_mixtral_shapes_agree_with_the_replay_preset():
     shapes, preset = SYNTHETIC["mixtral-8x7b"], PRESETS["mixtral-8x7b"]
     assert (shapes["hidden_size"], shapes["intermediate_size"]) == (preset.hidden, preset.expert_intermediate)
     assert (shapes["num_local_experts"], shapes["num_experts_per_tok"]) == (preset.num_experts, preset.top_k)
+
+
+def test_synthetic_qwen3_shapes_agree_with_the_replay_preset_and_name_their_experts():
+    from fmoe_local.bench.presets import PRESETS
+    from fmoe_local.bench.synthetic import experts_and_top_k
+
+    shapes, preset = SYNTHETIC["qwen3-30b-a3b"], PRESETS["qwen3-30b-a3b"]
+    assert (shapes["hidden_size"], shapes["moe_intermediate_size"]) == (preset.hidden, preset.expert_intermediate)
+    assert experts_and_top_k(shapes) == (preset.num_experts, preset.top_k) == (128, 8)
+    assert experts_and_top_k(SYNTHETIC["mixtral-8x7b"]) == (8, 2)
 
 
 def _trace(path: Path) -> Path:
@@ -96,11 +113,12 @@ def test_forced_routing_gives_the_experts_the_folded_trace_top_k(tmp_path):
     )
 
 
-def test_synthetic_benchmark_at_tiny_scale_accesses_what_the_trace_routes(tmp_path):
+@pytest.mark.parametrize("shapes", [TINY_MIXTRAL, TINY_QWEN3], ids=["mixtral", "qwen3_moe"])
+def test_synthetic_benchmark_at_tiny_scale_accesses_what_the_trace_routes(tmp_path, shapes):
     trace_path = _trace(tmp_path / "t.npz")
     trace = load_trace(trace_path)
     settings = live.LiveSettings(policies=("lru",), cache_experts=5, max_new_tokens=4, device="cpu")
-    result = live.run_synthetic(TINY_MIXTRAL, 4, trace_path, PROMPTS, settings, log=lambda s: None)
+    result = live.run_synthetic(shapes, 4, trace_path, PROMPTS, settings, log=lambda s: None)
     assert "e mod 8" in result["config"]["mapping"] and result["lossless"] is True
     lru, resident = result["rows"]
     assert lru["policy"] == "lru" and resident["policy"] == live.RESIDENT and lru["misses"] > 0

@@ -294,7 +294,7 @@ def run_synthetic(
     import torch
 
     from fmoe_local.architectures import architecture_for
-    from fmoe_local.bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, fold_trace
+    from fmoe_local.bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, experts_and_top_k, fold_trace
     from fmoe_local.traces import load_trace
 
     if not Path(trace_path).exists():
@@ -302,9 +302,7 @@ def run_synthetic(
     shapes = SYNTHETIC[name_or_shapes] if isinstance(name_or_shapes, str) else name_or_shapes
     cuda = settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
     trace = load_trace(trace_path)
-    folded = fold_trace(
-        trace, layers, shapes["num_local_experts"], shapes["num_experts_per_tok"], Path(trace_path).name
-    )
+    folded = fold_trace(trace, layers, *experts_and_top_k(shapes), Path(trace_path).name)
     log(folded.mapping)
 
     def routing(runtime: object) -> ForcedRouting:

@@ -20,7 +20,8 @@ import numpy as np
 
 from fmoe_local.traces import Trace
 
-# Source: https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (num_hidden_layers is --layers).
+# Sources: each model's config.json on the Hub (mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B); num_hidden_layers
+# is --layers.
 SYNTHETIC: dict[str, dict] = {
     "mixtral-8x7b": dict(
         model_type="mixtral",
@@ -37,8 +38,33 @@ SYNTHETIC: dict[str, dict] = {
         rope_theta=1e6,
         sliding_window=None,
     ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+    ),
 }
 TOKENIZER_VOCAB = 2048  # the model's vocabulary stays real-sized; ids the tokenizer lacks decode to nothing
+
+
+def experts_and_top_k(shapes: dict) -> tuple[int, int]:
+    """(J, K) of a SYNTHETIC entry: the families name the expert count differently (Mixtral num_local_experts,
+    Qwen num_experts)."""
+    experts = shapes.get("num_local_experts", shapes.get("num_experts"))
+    return int(experts), int(shapes["num_experts_per_tok"])
 
 
 def build_synthetic(
