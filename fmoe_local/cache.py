@@ -81,6 +81,10 @@ class ExpertCache:
         self._slots = SlotTable(self.capacity)
         self._lock = threading.Condition()
         self._demand = 0  # on-demand loads in progress: the prefetcher yields to them
+        # CUDA: the event of the last on-demand copy issued (the loader's stream runs them in order, so it stands
+        # for all of them). A load is "in progress" above only until its DMA is issued; the prefetcher also waits
+        # for this event, or its copies would take half the link from every demand copy still on the wire.
+        self._last_demand_copy: object | None = None
         self._slot_waiters = 0  # claims waiting for a slot to become evictable: prefetches must not pause then
         self._held: list[int] = []  # slots of the last acquire, pinned until the next one
         self._copier = Copier(device, copy_chunk_bytes, streams)
@@ -285,12 +289,18 @@ class ExpertCache:
         return True
 
     def _give_way(self, s: int) -> None:
-        """Between two chunks of a prefetch: wait while an on-demand load runs, unless the forward pass is itself
-        waiting for this very expert (a late access pinned it) or for a slot to free up (this copy's end may be
-        what frees one). Bounded: every demand load ends (its own deadline, Stop, close)."""
+        """Between two chunks of a prefetch: wait while an on-demand load runs (on CUDA, until its DMA is done),
+        unless the forward pass is itself waiting for this very expert (a late access pinned it) or for a slot to
+        free up (this copy's end may be what frees one). Bounded: every demand load ends (its own deadline, Stop,
+        close), and so does a DMA once issued."""
         with self._lock:
             while self._demand and not self._slots[s].pins and not self._slot_waiters and not self.interrupt.is_set():
                 self._lock.wait(timeout=0.05)
+            demand_copy = None
+            if not (self._slots[s].pins or self._slot_waiters):
+                demand_copy, self._last_demand_copy = self._last_demand_copy, None
+        if demand_copy is not None:
+            demand_copy.synchronize()  # the prefetcher's thread; a DMA already issued always ends
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _claim_locked(self, key: ExpertKey, current_layer: int, deadline: float = math.inf) -> int:
@@ -351,6 +361,8 @@ class ExpertCache:
             return error
         with self._lock:
             self.counters.bytes_moved += self.expert_bytes
+            if pause is None and self._copier.cuda:  # an on-demand copy (read before landing: nobody cleared it)
+                self._last_demand_copy = slot.copy_event
             landing.set()
             if self._slots.all_loaded(self._total):
                 self._complete = True

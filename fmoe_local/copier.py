@@ -12,12 +12,13 @@ read goes on in the background and settles its slot when it ends.
 
 Threads: `Loader.submit` is called by the forward thread (cache.acquire); the loader thread runs `job()`; a
 Landing is set once, by whichever thread ran its load, and read by any thread. `Copier.copy` runs on the loader
-and prefetcher threads, each with its own staging buffers; the forward thread never calls it and never waits on
+and prefetcher threads, each with its own copy stream and staging buffers; the forward thread never calls it and never waits on
 a copy's event on the host (on CUDA a landing means "issued": the compute stream waits for the event).
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -115,16 +116,23 @@ class _Staging:
 class Copier:
     """Moves one expert from the host store into a slot, in chunks of `chunk_bytes`.
 
-    CPU: a plain copy per chunk. CUDA: a chunk of a page-locked host expert (host.pin) is copied straight from it
-    with `non_blocking` on the copy stream, nobody waiting; any other chunk is staged into one of two pinned
-    buffers in rotation and copied the same way, the host waiting only for the event of the buffer it is about to
-    refill (on the copying thread, never the forward thread). The slot gets the copy's final event, which the
-    compute stream waits on (cache.before_use) — no thread waits for the whole copy.
+    CPU: a plain copy per chunk. CUDA: each copying thread (loader, prefetcher) has a copy stream of its own; a
+    chunk of a page-locked host expert (host.pin) is copied straight from it with `non_blocking`, nobody waiting;
+    any other chunk is staged into one of two pinned buffers in rotation and copied the same way, the host waiting
+    only for the event of the buffer it is about to refill (on the copying thread, never the forward thread). The
+    slot gets the copy's final event, which the compute stream waits on (cache.before_use) — no thread waits for
+    the whole copy.
 
     Chunks are where a prefetch gives way: `copy(..., pause=...)` calls `pause()` before every chunk after the
     first, and the cache's pause waits while an on-demand load is running, so a demand load overtakes a prefetch
-    within one chunk instead of queueing behind the whole expert.
+    within one chunk instead of queueing behind the whole expert. On CUDA that needs two things, since issuing a
+    copy takes microseconds and the DMA milliseconds: a prefetch keeps at most `IN_FLIGHT` chunks queued on its
+    stream (its thread waits for the older one's event first), and demand loads go on the loader's own stream, so
+    they queue behind nothing the prefetcher issued and the compute stream never waits for a prefetch it does not
+    use. A slot's next copy waits for the events of its previous occupant's copy (if never used) and last reader.
     """
+
+    IN_FLIGHT = 2  # prefetch chunks queued on the copy engine at once: a demand load waits behind at most these
 
     def __init__(self, device: torch.device, chunk_bytes: int = 32 * 1024**2, streams: object | None = None) -> None:
         if chunk_bytes < 1:
@@ -132,8 +140,16 @@ class Copier:
         self.chunk_bytes = chunk_bytes
         self.streams = streams if streams is not None else (CudaStreams(device) if device.type == "cuda" else None)
         self.cuda = self.streams is not None
-        self.stream = self.streams.stream() if self.cuda else None
-        self._staging = threading.local()  # per copying thread (loader, prefetcher): its own two buffers
+        self._local = threading.local()  # per copying thread (loader, prefetcher): its stream and two buffers
+
+    def stream(self) -> object | None:
+        """The calling thread's copy stream (created on its first copy); None on the CPU."""
+        if not self.cuda:
+            return None
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = self.streams.stream()
+        return stream
 
     def copy(
         self,
@@ -151,18 +167,21 @@ class Copier:
                     f"An expert's {name} has shape {tuple(t.shape)} in the model files, not {want}. "
                     "The files do not match the model's config.json: download the model again."
                 )
+        queued: collections.deque = collections.deque()  # events of this prefetch's chunks still on the engine
         for k, (to, frm) in enumerate(self.chunks(dst, index, src)):
             if k and pause is not None:
+                while self.cuda and len(queued) >= self.IN_FLIGHT:
+                    queued.popleft().synchronize()  # the copying thread waits, so that pause() below is timely
                 pause()
             if self.cuda:
                 pinned = self.streams.is_pinned(frm)
-                self._issue(slot, k == 0, to, *((frm, None) if pinned else self._stage(frm)))
+                done = self._issue(slot, k == 0, to, *((frm, None) if pinned else self._stage(frm)))
+                if pause is not None:
+                    queued.append(done if done is not None else self._record())
             else:
                 to.copy_(frm)
         if self.cuda:
-            event = self.streams.event()
-            event.record(self.stream)
-            slot.copy_event = event
+            slot.copy_event = self._record()
 
     def chunks(
         self, dst: dict[str, torch.Tensor], index: int, src: dict[str, torch.Tensor]
@@ -178,13 +197,13 @@ class Copier:
 
     def _stage(self, frm: torch.Tensor) -> tuple[torch.Tensor, _Staging]:
         """`frm` copied into the next staging buffer, once that buffer's previous DMA is done."""
-        buffers = getattr(self._staging, "buffers", None)
+        buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             size = max(self.chunk_bytes, 16)  # a chunk is at least one element
             buffers = [_Staging(self.streams.pinned(size)) for _ in range(2)]
-            self._staging.buffers, self._staging.turn = buffers, 0
-        staging = buffers[self._staging.turn]
-        self._staging.turn ^= 1
+            self._local.buffers, self._local.turn = buffers, 0
+        staging = buffers[self._local.turn]
+        self._local.turn ^= 1
         if staging.event is not None:
             staging.event.synchronize()  # its previous DMA must be done before it is refilled (copying thread)
         nbytes = frm.numel() * frm.element_size()
@@ -194,16 +213,28 @@ class Copier:
 
     def _issue(
         self, slot: object, first: bool, to: torch.Tensor, frm: torch.Tensor, staging: _Staging | None = None
-    ) -> None:
-        """The DMA of one chunk from page-locked `frm` (a staging buffer's, or a pinned host expert's), on the copy
-        stream; a staging buffer gets the DMA's event, which its next refill waits for."""
-        with self.streams.use(self.stream):
-            if first and slot.last_use is not None:
-                self.stream.wait_event(slot.last_use)  # the slot's previous occupant is no longer being read
+    ) -> object | None:
+        """The DMA of one chunk from page-locked `frm` (a staging buffer's, or a pinned host expert's), on this
+        thread's copy stream; a staging buffer gets the DMA's event (returned), which its next refill waits for."""
+        stream = self.stream()
+        with self.streams.use(stream):
+            if first:
+                # The slot's previous occupant: its copy (issued on another thread's stream, and never waited for
+                # if it was evicted unused) and its last reader must both be done before it is overwritten.
+                for before in (slot.copy_event, slot.last_use):
+                    if before is not None:
+                        stream.wait_event(before)
             to.copy_(frm, non_blocking=True)
-            if staging is not None:
-                staging.event = self.streams.event()
-                staging.event.record(self.stream)
+            if staging is None:
+                return None
+            staging.event = self._record()
+            return staging.event
+
+    def _record(self) -> object:
+        """An event recorded now on this thread's copy stream."""
+        event = self.streams.event()
+        event.record(self.stream())
+        return event
 
 
 class Loader:

@@ -37,11 +37,15 @@ class FakeStreams:
         self.log: list[tuple] = []
         self.compute = FakeStream("compute", self.log)
         self._events = 0
+        self._streams = 0
         self.registered: list[tuple[int, int]] = []  # [start, end) of each "page-locked" block
         self._lock = threading.Lock()
 
     def stream(self) -> FakeStream:
-        return FakeStream("copy", self.log)
+        """Copy streams are named "copy", "copy2", "copy3"… in the order they are made."""
+        with self._lock:
+            self._streams += 1
+            return FakeStream("copy" if self._streams == 1 else f"copy{self._streams}", self.log)
 
     def current(self) -> FakeStream:
         return self.compute

@@ -181,7 +181,7 @@ def test_on_the_cuda_path_the_forward_thread_never_waits_for_a_copy_on_the_host(
         cache.release(slots)
     assert fake.by_thread("synchronize", FORWARD) == []
     # The compute stream waited for each slot's copy event before the layer used it, once per copy.
-    copies = [e for e in fake.log if e[0] == "record" and e[2] == "copy"]
+    copies = [e for e in fake.log if e[0] == "record" and e[2].startswith("copy")]
     compute_waits = [e for e in fake.log if e[0] == "wait_event" and e[1] == "compute"]
     assert len(compute_waits) == cache.counters.misses.sum() + cache.counters.prefetch_used == 6
     assert {w[2] for w in compute_waits} <= {c[1] for c in copies}
@@ -239,3 +239,85 @@ def test_the_cache_pins_host_experts_on_cuda_only_and_copies_them_without_stagin
     slots = cache.acquire(2, [0])
     assert float(cache.tensors["w"][slots[0]][0, 0]) == 20.0
     assert [e[0] for e in fake.log if e[0] == "pinned"] == ["pinned", "pinned"]  # layer 2 was not pinned: staged
+
+
+def _pinned_expert(fake: FakeStreams, floats: int) -> dict[str, torch.Tensor]:
+    block = torch.zeros(floats * 4, dtype=torch.uint8)
+    fake.register(block)
+    return {"a": block.view(torch.float32)}
+
+
+def test_a_cuda_prefetch_keeps_at_most_two_chunks_queued_so_that_its_pauses_are_timely():
+    # Issuing a DMA takes microseconds: without waiting, a prefetch queues its whole expert on the copy engine
+    # before the first pause, and a demand load issued "between chunks" still waits behind all of it (seen on an
+    # H100: fmoe+copy 2.4x lru's time per token on Mixtral shapes, with the stall clock showing none of it).
+    fake = FakeStreams()
+    copier = Copier(torch.device("cpu"), 8, fake)  # 40 bytes of a pinned expert: 5 chunks, no staging
+    src = _pinned_expert(fake, 10)
+    slot, dst = SimpleNamespace(last_use=None, copy_event=None), {"a": torch.zeros(1, 10)}
+    steps = []
+    copier.copy(slot, dst, 0, src, pause=lambda: steps.append("pause"))
+    records = [e[1] for e in fake.log if e[0] == "record"]
+    syncs = [e[1] for e in fake.log if e[0] == "synchronize"]
+    assert syncs == records[:3]  # chunk k waits for chunk k-2's event: at most two on the engine
+    assert all(e[-1] == FORWARD for e in fake.log if e[0] == "synchronize")  # the copying thread (here: this one)
+    # Each wait comes before the pause it makes timely.
+    ops = [e[0] for e in fake.log if e[0] in ("synchronize", "record")]
+    assert ops[:4] == ["record", "record", "synchronize", "record"]
+    assert len(steps) == 4
+
+
+def test_a_demand_load_is_never_held_back_by_a_chunk_limit():
+    fake = FakeStreams()
+    copier = Copier(torch.device("cpu"), 8, fake)
+    slot, dst = SimpleNamespace(last_use=None, copy_event=None), {"a": torch.zeros(1, 10)}
+    copier.copy(slot, dst, 0, _pinned_expert(fake, 10))  # no pause: an on-demand load
+    assert [e for e in fake.log if e[0] == "synchronize"] == []
+
+
+def test_demand_loads_and_prefetches_copy_on_streams_of_their_own():
+    fake = FakeStreams()
+    cache, _ = _slow_cache(6, streams=fake)
+    prefetch = threading.Thread(target=cache.try_prefetch, args=(1, 1), name="prefetcher")
+    prefetch.start()
+    prefetch.join(5)
+    slots = cache.acquire(0, [2])  # a miss: loaded on the loader thread
+    cache.before_use(slots[0])
+    streams = {e[-1]: e[2] for e in fake.log if e[0] == "record"}
+    assert streams["prefetcher"] != streams["fmoe-loader"]
+    waited = [e[2] for e in fake.log if e[0] == "wait_event" and e[1] == "compute"]
+    loader_events = [e[1] for e in fake.log if e[0] == "record" and e[-1] == "fmoe-loader"]
+    assert waited == [loader_events[-1]]  # the compute stream waited for the demand copy alone
+    cache.close()
+
+
+def test_a_slot_is_not_overwritten_before_its_unused_previous_copy_is_done():
+    # Copies into one slot may come from two streams now: an expert prefetched and evicted unused was never waited
+    # for by the compute stream, so the next copy into its slot must wait for that copy's event itself.
+    fake = FakeStreams()
+    copier = Copier(torch.device("cpu"), 1 << 20, fake)
+    slot, dst = SimpleNamespace(last_use=None, copy_event=None), _slots()
+    copier.copy(slot, dst, 0, _expert(1.0), pause=lambda: None)
+    previous = slot.copy_event
+    other = threading.Thread(target=copier.copy, args=(slot, dst, 0, _expert(2.0)), name="loader")
+    other.start()
+    other.join(5)
+    waits = [e for e in fake.log if e[0] == "wait_event" and e[-1] == "loader"]
+    assert waits == [("wait_event", "copy2", previous.number, "loader")]
+    assert torch.equal(dst["a"][0], torch.full((4, 5), 2.0))
+
+
+def test_on_cuda_a_prefetch_waits_for_the_demand_copy_on_the_wire_not_only_its_issue():
+    # A demand load is "running" on the host only while its DMA is issued (microseconds); a prefetch that went on
+    # then shared the link with it, and the forward pass waited twice as long for every miss.
+    fake = FakeStreams()
+    cache, _ = _slow_cache(4, streams=fake, chunk_delay=0.002)
+    slots, _ = _during_prefetch(cache, (1, 0), 0.1, lambda: cache.acquire(0, [2]))
+    demand_copy = [e[1] for e in fake.log if e[0] == "record" and e[-1] == "fmoe-loader"][-1]
+    assert ("synchronize", demand_copy, "prefetcher") in fake.log
+    # ...before the prefetch issued its next chunk
+    at = fake.log.index(("synchronize", demand_copy, "prefetcher"))
+    prefetch_records = [i for i, e in enumerate(fake.log) if e[0] == "record" and e[-1] == "prefetcher"]
+    assert any(i > at for i in prefetch_records)
+    assert torch.equal(cache.tensors["w"][slots[0]], torch.full((2, 3), 2.0))
+    cache.close()
