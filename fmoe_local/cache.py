@@ -155,13 +155,27 @@ class ExpertCache:
                 slots, waits = self._pin_and_claim_locked(layer, experts, pinned, deadline, on_host)
             for landing, key in waits:
                 landing.wait_until(deadline, self.interrupt, f"expert {key[1]} of MoE layer {key[0]}")
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 for s, landing in pinned:
-                    if self._slots[s].ready is landing:  # a failed load already released its slot
-                        self._slots[s].pins -= 1
-                        if self._slots[s].pins == 0 and not landing.is_set():
-                            landing.abandoned = True  # nobody waits for it now: skipped if not started
+                    slot = self._slots[s]
+                    if slot.ready is not landing:  # a failed load already released its slot
+                        continue
+                    slot.pins -= 1
+                    if slot.pins or landing.is_set():
+                        continue
+                    landing.abandoned = True  # nobody waits for it now: skipped if not started
+                    if not isinstance(exc, (LoadTimeout, Interrupted)) or landing.copying:
+                        continue
+                    # Its read may never return (a failing disk): the loader leaves it its thread and goes on with
+                    # the queue, so no later load waits behind it (and a timeout always names the read that hung).
+                    if landing.job is not None:
+                        self._loader.abandon(landing.job)
+                    if isinstance(exc, LoadTimeout):
+                        # Past its deadline the read counts as lost: the claim is released, so the next access
+                        # reads the expert again instead of waiting on this landing (a late result is dropped).
+                        # After Stop it may just be slow: it keeps the claim and lands when the read returns.
+                        self._release_locked(s, slot.key, landing, exc)
             raise
         finally:
             with self._lock:
@@ -220,7 +234,7 @@ class ExpertCache:
             self.counters.misses[layer, e] += 1
             waits.append((slot.ready, key))
             landing = slot.ready
-            self._loader.submit(lambda s=s, key=key, landing=landing: self._load(s, key, landing))
+            landing.job = self._loader.submit(lambda s=s, key=key, landing=landing: self._load(s, key, landing))
         self.policy.record_access(layer, list(experts), hits)
         return slots, waits
 
@@ -344,12 +358,19 @@ class ExpertCache:
         returned (and handed to every waiter through the landing)."""
         slot = self._slots[s]
         with self._lock:
+            if landing.is_set():  # given up and released before it started (acquire, on a timeout or Stop)
+                return None
             if landing.abandoned and slot.ready is landing and slot.pins == 0:
                 # Everyone who wanted it stopped before it started: give the slot back unread.
                 self._release_locked(s, key, landing, Interrupted("Stopped before this expert was loaded."))
                 return None
         try:
-            self._copier.copy(slot, self.tensors, s, self.host.read(*key), pause)
+            rows = self.host.read(*key)
+            with self._lock:
+                if landing.is_set():  # the read outlived its waiters: the claim was released, the slot maybe reused
+                    return None
+                landing.copying = True
+            self._copier.copy(slot, self.tensors, s, rows, pause)
         except Exception as exc:  # noqa: BLE001 - any read/copy failure becomes the waiters' error
             error = ExpertLoadError(
                 f"Could not load expert {key[1]} of MoE layer {key[0]}: {exc} If this repeats, the model files "

@@ -46,6 +46,8 @@ class Landing:
         # Set (under the cache's lock) when every access waiting for this load gave up (Stop): a load not started
         # yet is then skipped, so a stopped request's leftover reads do not hold up the next request's.
         self.abandoned = False
+        self.job: object | None = None  # the Loader's token of an on-demand load (None: a prefetch's own thread)
+        self.copying = False  # set (under the cache's lock) once the read returned and the copy began
 
     def is_set(self) -> bool:
         return self._done.is_set()
@@ -238,27 +240,64 @@ class Copier:
 
 
 class Loader:
-    """One background thread running load jobs in order (the forward pass's on-demand loads)."""
+    """A background thread running load jobs in order (the forward pass's on-demand loads, the CPU path's disk reads).
+
+    A job stuck in a read (a failing disk, a hung network mount) must not hold up the jobs queued behind it: when its
+    waiter gives up (`abandon`: its deadline passed, or Stop), the stuck job keeps its thread, which ends once the
+    read returns, and a fresh thread takes the queue. Threads: `submit`, `abandon` and `close` from any
+    thread; jobs run on the loader's threads. A timeout therefore always names the read that hung: nothing queues
+    behind a read its waiter gave up on.
+    """
 
     def __init__(self, name: str = "fmoe-loader") -> None:
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._name = name
+        self._jobs: queue.Queue[tuple[object, Callable[[], None]] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._running: object | None = None  # the token of the job the current thread runs
+        self.abandoned: list[threading.Thread] = []  # threads left to a stuck job (daemons, ending when it returns)
+        self._thread = self._start()
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """`job` must never raise: it settles its own Landing (cache.py's `_load` does)."""
-        self._jobs.put(job)
+    def _start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        thread.start()
+        return thread
+
+    def submit(self, job: Callable[[], None]) -> object:
+        """Queue `job` (it must never raise: it settles its own Landing); returns its token for `abandon`."""
+        token = object()
+        self._jobs.put((token, job))
+        return token
+
+    def abandon(self, token: object) -> bool:
+        """If the job of `token` is running now, leave its thread to it and start a fresh one for the rest of the
+        queue; returns whether it was running. A job not started yet stays queued (its own code skips it)."""
+        with self._lock:
+            if self._running is not token:
+                return False
+            self._running = None
+            self.abandoned.append(self._thread)
+            self._thread = self._start()
+            return True
 
     def close(self, timeout: float = 1.0) -> None:
         """Ends the thread after the queued jobs; gives up waiting for a job stuck in a read after `timeout` (the
         thread is a daemon and ends with it)."""
         self._jobs.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _run(self) -> None:
+        me = threading.current_thread()
         while True:
-            job = self._jobs.get()
-            if job is None:
+            item = self._jobs.get()
+            if item is None:
                 return
+            token, job = item
+            with self._lock:
+                self._running = token
             job()
+            with self._lock:
+                if self._thread is not me:  # abandoned while the job was stuck: the fresh thread has the queue
+                    return
+                self._running = None

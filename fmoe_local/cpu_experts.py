@@ -318,8 +318,15 @@ class HostExperts:
                 return
             landing.set()
 
-        self._loader.submit(job)
-        landing.wait_until(time.perf_counter() + timeout_s, interrupt, f"expert {expert} of MoE layer {layer}")
+        what = f"expert {expert} of MoE layer {layer}"
+        token = self._loader.submit(job)
+        try:
+            landing.wait_until(time.perf_counter() + timeout_s, interrupt, what)
+        except (LoadTimeout, Interrupted):
+            # A read that may never return keeps its thread; the next reads go on a fresh one, so none waits behind
+            # it (the late result is dropped with `box`).
+            self._loader.abandon(token)
+            raise
         return box["rows"]
 
     def forward(

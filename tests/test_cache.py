@@ -205,3 +205,51 @@ def test_a_miss_claimed_by_on_host_is_counted_and_reported_but_never_loaded():
     cache.release([s for s in slots if s >= 0])
     # A resident expert is a hit whatever on_host says: it is only asked about misses.
     assert cache.acquire(0, [1], on_host=lambda missing: [True] * len(missing)) != [-1] and int(c.on_host.sum()) == 1
+
+
+def _join_abandoned_loaders(cache: ExpertCache) -> None:
+    """Wait for the loader threads left to stuck reads (their reads have been released by the caller)."""
+    for thread in cache._loader.abandoned:
+        thread.join(5)
+
+
+def test_a_read_past_its_deadline_is_given_up_and_nothing_waits_behind_it():
+    # A failing disk: before, the loader's one thread stayed inside the read, every later load queued behind it and
+    # timed out naming itself, not the expert that hung — until a restart.
+    host = GatedHost(gated={(0, 0)})
+    cache = ExpertCache(host, 4, torch.device("cpu"), RecordingPolicy(), LayerCounters(L, J), load_timeout_s=0.3)
+    with pytest.raises(LoadTimeout, match="expert 0 of MoE layer 0 took too long"):
+        cache.acquire(0, [0])
+    assert host.entered.is_set() and not cache.claimed_mask()[0, 0]  # the claim was released
+    slots = cache.acquire(0, [1])  # another expert loads at once, though the read of (0, 0) is still stuck
+    assert holds(cache, slots[0], 0, 1)
+    cache.release(slots)
+    host.gated.clear()  # the disk answers again: the same expert is read afresh
+    slots = cache.acquire(0, [0])
+    assert holds(cache, slots[0], 0, 0) and host.reads.count((0, 0)) == 1  # GatedHost logs a read when it returns
+    cache.release(slots)
+    cache.unhold()
+    host.gate.set()  # the first read finally returns: its late result must land nowhere
+    _join_abandoned_loaders(cache)
+    assert len(cache._loader.abandoned) == 1 and host.reads.count((0, 0)) == 2
+    for key in cache.resident():
+        assert holds(cache, cache._slots.slot_of[key], *key)
+    assert sorted(cache.resident()) == [(0, 0), (0, 1)]
+    cache.close()
+
+
+def test_after_stop_a_stuck_read_keeps_its_claim_but_no_load_waits_behind_it():
+    host = GatedHost(gated={(0, 0)})
+    cache = ExpertCache(host, 4, torch.device("cpu"), RecordingPolicy(), LayerCounters(L, J), load_timeout_s=2.0)
+    threading.Timer(0.2, cache.interrupt.set).start()
+    with pytest.raises(Interrupted):
+        cache.acquire(0, [0])
+    cache.interrupt.clear()
+    slots = cache.acquire(1, [2])  # before: queued behind the stuck read until its deadline (LoadTimeout)
+    assert holds(cache, slots[0], 1, 2)
+    cache.release(slots)
+    host.gate.set()  # a slow read, not a lost one: it lands in the claim it kept
+    _join_abandoned_loaders(cache)
+    slots = cache.acquire(0, [0])
+    assert holds(cache, slots[0], 0, 0) and host.reads.count((0, 0)) == 1
+    cache.close()

@@ -108,6 +108,32 @@ def test_a_disk_tier_read_that_fails_is_a_sentence(tiny_model_dir):
         engine.close()
 
 
+def test_a_disk_read_past_its_deadline_leaves_the_next_reads_a_thread_of_their_own(tiny_model_dir):
+    # Before: the reader's one thread stayed in the hung read, and every later CPU-computed miss read from the disk
+    # tier waited out its deadline behind it.
+    from fmoe_local.copier import LoadTimeout
+
+    engine = _engine(tiny_model_dir, "olmoe", host_ram_gb=0.0)
+    try:
+        host_experts = HostExperts(engine.host)
+        real_read, release = engine.host.read, threading.Event()
+
+        def read(layer, expert):  # noqa: ANN001, ANN202
+            if (layer, expert) == (1, 2):
+                release.wait(30)
+            return real_read(layer, expert)
+
+        engine.host.read = read
+        with pytest.raises(LoadTimeout, match="expert 2 of MoE layer 1 took too long"):
+            host_experts.rows(1, 2, threading.Event(), 0.3)
+        rows = host_experts.rows(1, 3, threading.Event(), 0.3)  # while (1, 2) is still stuck
+        assert torch.equal(rows["down_proj"], real_read(1, 3)["down_proj"])
+        release.set()
+        host_experts.close()
+    finally:
+        engine.close()
+
+
 def test_stop_ends_a_request_whose_cpu_miss_is_stuck_in_a_disk_read(tiny_model_dir):
     config = RuntimeConfig(
         device="cpu", cache_experts=3, miss_handling="cpu", host_ram_gb=0.0, sampling=Sampling(greedy=True)

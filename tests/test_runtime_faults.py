@@ -303,3 +303,28 @@ def test_a_change_while_a_prefetch_is_stuck_in_a_read_is_refused_and_changes_not
         runtime.reconfigure(cache_experts=5)
         assert runtime.info.cache_experts == 5
         _works(runtime)
+
+
+def test_a_read_that_hangs_past_its_deadline_fails_one_reply_naming_its_expert_and_the_next_reply_works(
+    tiny_model_dir,
+):
+    # Before: the loader's thread stayed in the hung read, so every later reply waited out the deadline and failed,
+    # naming an expert that was only queued behind it, until a restart.
+    with Runtime.load(tiny_model_dir("mixtral"), _config(policy="on_demand", load_timeout_s=1.0)) as runtime:
+        clean = _works(runtime).token_ids
+        runtime.reset_cache()
+        held = HeldReads(runtime, first_only=True)  # the first read hangs (a disk that stalls once)
+        failed = runtime.generate(PROMPT)
+        assert failed.reason == "error"
+        layer, expert = held.reads[0]
+        assert (
+            f"expert {expert} of MoE layer {layer} took too long" in failed.error and "check the disk" in failed.error
+        )
+        assert not held.release.is_set()  # the hung read is still hung while the next replies run
+        assert _works(runtime).token_ids == clean
+        held.release.set()
+        for thread in runtime.engine.cache._loader.abandoned:  # the hung read returns: it must land nowhere
+            thread.join(5)
+        assert _works(runtime).token_ids == clean
+        runtime.reset_cache()
+        assert _works(runtime).token_ids == clean
