@@ -1,11 +1,12 @@
 """fmoe-local entry point: `python app.py` (or `fmoe-local` with no sub-command) starts the chat app.
 
-    python app.py [--model DIR|REPO_ID] [--port N] [--no-browser] [--data-dir DIR] [--listen] [--allow-origin ORIGIN]
+    python app.py [--model DIR|REPO_ID] [--port N] [--no-browser] [--data-dir DIR] [--listen] [--api-key KEY]
+                  [--allow-origin ORIGIN]
 
 Scope: command line → store + Session (+ the model to load) → ui.build() → ui.server (guarded, on 127.0.0.1; the
-next free port when the asked one is taken; `--listen` opts in to the local network). Sub-commands (`run`, `bench`) go to
-fmoe_local.cli with a map-persistence factory, since only this module may import store/. It does NOT hold any
-UI or model logic itself.
+next free port when the asked one is taken; `--listen` opts in to the local network, behind an access token made
+here unless --api-key names one). Sub-commands (`run`, `bench`) go to fmoe_local.cli with a map-persistence
+factory, since only this module may import store/. It does NOT hold any UI or model logic itself.
 """
 
 from __future__ import annotations
@@ -42,7 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-browser", action="store_true", help="do not open a browser window")
     p.add_argument("--data-dir", help="where chats, settings and models are kept (default: your user data folder)")
     p.add_argument(
-        "--listen", action="store_true", help="serve on the local network too (anyone on it can use the app)"
+        "--listen",
+        action="store_true",
+        help="serve on the local network too, to whoever has the access token printed at start",
+    )
+    p.add_argument(
+        "--api-key",
+        type=api_key,
+        metavar="KEY",
+        help="the access token to ask for (the page's login and the /v1 API's key), instead of a new one at every "
+        "start; with it the app asks for the key without --listen too",
     )
     p.add_argument(
         "--allow-origin",
@@ -68,6 +78,38 @@ def api_origin(text: str) -> str:
             "after (e.g. http://localhost:3000 or app://obsidian.md); '*' and 'null' are never granted."
         )
     return origin
+
+
+def api_key(text: str) -> str:
+    """A key the user chose for --api-key: long enough, and sendable as it is in a header, a cookie and an address."""
+    from ui.http_auth import key_problem
+
+    problem = key_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def access_token(args: argparse.Namespace) -> str | None:
+    """What every request must carry: --api-key's, or with --listen a new one; None (no token asked) otherwise."""
+    if args.api_key:
+        return args.api_key
+    if args.listen:
+        from ui.http_auth import new_token
+
+        return new_token()
+    return None
+
+
+def lan_address() -> str:
+    """This computer's address on its network, for the printed address other computers open (a UDP connect sends
+    nothing; it only picks the interface a packet would leave by). Its name when there is no network."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed anywhere, so nothing could answer anyway
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
 
 
 def bind_host(listen: bool) -> str:
@@ -233,8 +275,7 @@ def serve(args: argparse.Namespace):
         session.load_error = note
         print(f"fmoe-local: {note}", flush=True)
     host = bind_host(args.listen)
-    if args.listen:
-        print("fmoe-local: WARNING: --listen serves the app to your whole network, without a password.", flush=True)
+    token = access_token(args)
     port = free_port(host, args.port)
     demo = build(session)
     demo.queue(default_concurrency_limit=1)
@@ -246,17 +287,30 @@ def serve(args: argparse.Namespace):
     if origins:
         print(f"fmoe-local: the /v1 API also answers browser pages from {', '.join(origins)}.", flush=True)
     server = Server(
-        demo, host, port, args.listen, api, origins, theme=theme(), css=CSS, ssr_mode=False, footer_links=[]
+        demo, host, port, args.listen, api, origins, token, theme=theme(), css=CSS, ssr_mode=False, footer_links=[]
     )
     url = server.start()
-    # For a second start on the same data, which finds it in use: it opens this address instead of failing.
+    # For a second start on the same data, which finds it in use: it opens this address instead of failing. Never
+    # the token: the page there asks for it.
     running_url_file(store).write_text(url, encoding="utf-8")
     session.api_base = f"{url}v1"
+    session.api_key_required = token is not None
     print(f"fmoe-local: serving on {url}", flush=True)
+    opened = url
+    if token is not None:
+        from urllib.parse import quote
+
+        opened = f"{url}?token={quote(token, safe='')}"
+        where = f"http://{lan_address()}:{port}/?token={quote(token, safe='')}" if args.listen else opened
+        print(
+            f"fmoe-local: every request needs the access token {token} — open {where} (this computer: {opened}); "
+            "API clients send it as their API key. Anyone with the token can read your chats.",
+            flush=True,
+        )
     if not args.no_browser:
         import webbrowser
 
-        webbrowser.open(url)
+        webbrowser.open(opened)
     return server, session, url
 
 

@@ -216,3 +216,16 @@ def test_a_saved_distance_beyond_the_models_layers_is_capped_said_and_kept_saved
     assert s.store.settings.load().prefetch_distance == 7 and s.runtime.info.prefetch_distance == 5
     apply.fn(fields[1].value, 4, "lru", fields[5], fields[6], fields[7])  # a distance the user chose is saved
     assert s.store.settings.load().prefetch_distance == 4 and s.runtime.info.prefetch_distance == 4
+
+
+def test_the_api_line_names_the_key_to_send(tmp_path):
+    """With --listen the API asks for the access token: Settings must not keep saying "any API key"."""
+    store = open_store(tmp_path)
+    try:
+        s = Session(store=store, config=RuntimeConfig(device="cpu"), api_base="http://127.0.0.1:7860/v1")
+        assert "`http://127.0.0.1:7860/v1`, any API key." in settings.describe(s)
+        s.api_key_required = True
+        shown = settings.describe(s)
+        assert "the access token printed at start as the API key" in shown and "any API key" not in shown
+    finally:
+        store.close()

@@ -2,7 +2,8 @@
 programs that are not browsers.
 
 Scope: one ASGI middleware, outermost around the whole server (the chat UI, its internal API, the /v1 API), and
-the rule it applies. It does NOT authenticate users (a local app has one) or serve anything itself.
+the rule it applies. It does NOT authenticate users (http_auth.py does, once a token is set: --listen, --api-key)
+or serve anything itself.
 
 Why: a server on 127.0.0.1 is reachable by every web page the user opens.
 - DNS rebinding: a page on evil.example whose name later resolves to 127.0.0.1 talks to us as its own origin;
@@ -144,7 +145,7 @@ class LocalOnlyGuard:
         said = REFUSED
         if origin and scope.get("path", "").startswith(API_PREFIX):
             said += f" To let the app at {origin} use the API, start fmoe-local with --allow-origin {origin}"
-        await _answer(send, 403, said.encode(), [(b"content-type", b"text/plain; charset=utf-8")])
+        await answer(send, 403, said.encode(), [(b"content-type", b"text/plain; charset=utf-8")])
 
     async def _granted(self, scope, receive, send, origin: str, headers: dict) -> None:  # noqa: ANN001
         if scope.get("method") == "OPTIONS":  # the preflight: answered here (the inner CORS layer grants nothing)
@@ -158,12 +159,12 @@ class LocalOnlyGuard:
                 (b"access-control-allow-headers", CORS_HEADERS.encode()),
                 (b"access-control-max-age", b"600"),
             ]
-            await _answer(send, 204 if ok else 403, b"", cors_headers(origin) + extra if ok else [])
+            await answer(send, 204 if ok else 403, b"", cors_headers(origin) + extra if ok else [])
             return
         await self.app(scope, receive, _with_headers(send, cors_headers(origin)))
 
 
-async def _answer(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:  # noqa: ANN001
+async def answer(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:  # noqa: ANN001
     length = [(b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + length + SECURITY_HEADERS})
     await send({"type": "http.response.body", "body": body})

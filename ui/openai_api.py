@@ -4,10 +4,11 @@ Scope: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` 
 chat template: editors' code completion, base-model scripts), plain or `stream: true` (openai_stream.py writes both
 shapes), translating to `Runtime.stream` and back: max_tokens, temperature (0 = greedy) and top_p (left out: the
 app's Settings values), seed, stop, finish_reason, usage, errors in OpenAI's shape (the body is parsed and checked
-in openai_request.py). Any bearer token is accepted (a local app has one user; the HTTP guard decides who may call
-at all), and so is any `model` in a request: the loaded model answers, listed under its short id
-(`Session.model_id`, "demo" for the built-in one). It does NOT hold model logic, queue requests itself (the
-runtime's worker runs one request at a time; others wait in its queue) or store API chats in the user's chat list.
+in openai_request.py). Any bearer token is accepted here: who may call at all is decided before a request reaches
+this router (http_guard.py; with --listen or --api-key, http_auth.py's token). Any `model` in a request is
+accepted: the loaded model answers, listed under its short id (`Session.model_id`, "demo" for the built-in one).
+It does NOT hold model logic, queue requests itself (the runtime's worker runs one request at a time; others wait
+in its queue) or store API chats in the user's chat list.
 
 Threads: each request's runtime stream is consumed on a pump thread of its own (the runtime blocks), which posts
 the events into the event loop (`_Events`): a request waiting its turn holds no executor thread, so any number of

@@ -1,7 +1,8 @@
 """The app's HTTP server: one port, the guard outermost, the Gradio UI mounted at /, served by uvicorn on a thread.
 
-Scope: building the ASGI app around the Blocks (http_guard.LocalOnlyGuard, a CORS policy that grants nothing, the
-upload size limit) and running it until `close()`. It does NOT build the UI (ui.build) or choose the port (app.py).
+Scope: building the ASGI app around the Blocks (http_guard.LocalOnlyGuard, then http_auth.TokenGate when a token is
+set, a CORS policy that grants nothing, the upload size limit) and running it until `close()`. It does NOT build
+the UI (ui.build), choose the port or make the token (app.py).
 
 Why not `Blocks.launch`: launch builds its own app and puts Gradio's CORS middleware outermost, which grants any
 origin whenever the Host is not a localhost name — the DNS-rebinding case. Mounted in our app, our guard sees
@@ -20,6 +21,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from ui.http_auth import TokenGate, cookie_name
 from ui.http_guard import LocalOnlyGuard, machine_names
 
 # The UI uploads nothing; Gradio's upload route exists anyway, so keep what it could take small.
@@ -35,16 +37,19 @@ class Server:
         listen: bool = False,
         api: APIRouter | None = None,
         api_origins: tuple[str, ...] = (),
+        token: str | None = None,
         **ui_options: object,
     ) -> None:
         """`api`: routes served beside the UI (the /v1 API); `api_origins`: browser origins the user granted the API
-        (--allow-origin; http_guard.py); `ui_options`: what Blocks.launch would take for the page (theme, css,
+        (--allow-origin; http_guard.py); `token`: the access token every request must carry (--listen, --api-key;
+        http_auth.py), None for none; `ui_options`: what Blocks.launch would take for the page (theme, css,
         footer_links, ssr_mode…)."""
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
         self.api = api
         if api is not None:
             app.include_router(api)  # before the mount at /, which would otherwise take every path
         app.add_middleware(CORSMiddleware, allow_origins=[])  # no origin is ever granted; Gradio's CORS stands down
+        app.add_middleware(TokenGate, token=token, cookie=cookie_name(port))  # inside the guard: its rule comes first
         names = machine_names() if listen else ()
         app.add_middleware(LocalOnlyGuard, listen=listen, names=names, api_origins=api_origins)  # outermost
         gr.mount_gradio_app(app, demo, path="/", max_file_size=MAX_UPLOAD, show_error=True, **ui_options)

@@ -92,6 +92,7 @@ class Session:
     model_dir: Path | None = None
     load_error: str = ""
     api_base: str = ""  # the OpenAI-compatible API's base URL once the server runs (ui/openai_api.py)
+    api_key_required: bool = False  # --listen or --api-key: the API asks for the access token (ui/http_auth.py)
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # RequestStats of recent replies
     download: object | None = None  # ui.downloads.Download in progress
     loading: LoadJob | None = None  # the latest start_load's job (the header says "Loading …" until it finishes)

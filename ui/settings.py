@@ -73,8 +73,9 @@ def cache_bounds(session: Session) -> tuple[float, float]:
 
 
 def describe(session: Session) -> str:
+    key = "the access token printed at start as the API key" if session.api_key_required else "any API key"
     api = (
-        f"\n\n**Use it from other apps** (OpenAI-compatible API): base URL `{session.api_base}`, any API key."
+        f"\n\n**Use it from other apps** (OpenAI-compatible API): base URL `{session.api_base}`, {key}."
         if session.api_base
         else ""
     )
