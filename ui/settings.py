@@ -20,6 +20,7 @@ from fmoe_local.config import POLICIES, RuntimeConfig
 from fmoe_local.hardware import GIB, cache_gb_limit
 from ui.model_formats import AUTO_HELP
 from ui.model_formats import choices as format_choices
+from ui.render import code_literal, literal
 from ui.session import Session, fmt_bytes, fmt_gb, format_in_use, format_name, model_label
 
 UNITS = (("GB", GIB), ("MB", 1024**2), ("KB", 1024))  # binary, as RuntimeConfig.cache_gb
@@ -74,21 +75,21 @@ def cache_bounds(session: Session) -> tuple[float, float]:
 
 def describe(session: Session) -> str:
     api = (
-        f"\n\n**Use it from other apps** (OpenAI-compatible API): base URL `{session.api_base}`, any API key."
+        f"\n\n**Use it from other apps** (OpenAI-compatible API): base URL {code_literal(session.api_base)}, any API key."
         if session.api_base
         else ""
     )
     if session.still_loading:  # not "No model loaded. Load one": that invited a second Load
         return (
-            f"**{model_label(session.loading.model_dir)} is loading** (the page's header says how far). Its settings "
+            f"**{literal(model_label(session.loading.model_dir))} is loading** (the page's header says how far). Its settings "
             f"show here when it has loaded.{api}"
         )
     if session.runtime is None:
-        return f"**No model loaded.** {session.load_error or 'Load one in the Models tab.'}{api}"
+        return f"**No model loaded.** {literal(session.load_error or 'Load one in the Models tab.')}{api}"
     i = session.runtime.info
     return (
-        f"**{model_label(session.model_dir, i.name)}** · {i.family} · {i.device} ({i.dtype}) · experts in "
-        f"{format_in_use(i.expert_format, i.dtype)} · {i.num_layers} MoE layers × {i.num_experts} experts, "
+        f"**{literal(model_label(session.model_dir, i.name))}** · {literal(i.family)} · {literal(i.device)} "
+        f"({literal(i.dtype)}) · experts in {literal(format_in_use(i.expert_format, i.dtype))} · {i.num_layers} MoE layers × {i.num_experts} experts, "
         f"top-{i.top_k} · resident {fmt_bytes(i.resident_bytes)} · one expert {fmt_bytes(i.expert_bytes)} · "
         f"cache {fmt_gb(i.cache_gb)} = **{i.cache_experts} experts**{api}"
     )
@@ -307,7 +308,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
     in the status line (a raised gr.Error would cover the fields with red pills) and changes nothing."""
 
     def refused(sentence: str) -> tuple:
-        return gr.skip(), f"⚠️ {sentence}"
+        return gr.skip(), f"⚠️ {literal(sentence)}"  # it may quote what was typed, or a name
 
     def apply(size, distance, policy, capacity, miss_handling="auto", expert_format=None):
         if session.still_loading:
@@ -369,7 +370,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
             return describe(session), "Saved. They apply when a model is loaded."
         i = session.runtime.info
         kept = f" ({saved_distance} stays saved for models with more layers)" if keep_distance else ""
-        return describe(session), (
+        return describe(session), literal(
             f"Applied without reloading: cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts), prefetch distance "
             f"{i.prefetch_distance}{kept}, policy {i.policy}, {i.store_capacity} maps kept. "
             f"{session.runtime.miss_explanation}{format_pending(session)}"
@@ -377,7 +378,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
 
     def clear_maps():
         if session.still_loading:
-            return f"⚠️ {model_label(session.loading.model_dir)} is still loading; clear its maps when it has loaded."
+            return f"⚠️ {literal(model_label(session.loading.model_dir))} is still loading; clear its maps when it has loaded."
         if session.runtime is None:
             return "⚠️ Load a model first: maps are kept per model."
         session.runtime.clear_maps()  # also clears the model's maps in SQLite
