@@ -16,6 +16,8 @@ TITLE = "fmoe-local"
 
 def header(session: Session) -> str:
     model = model_line(session)
+    if session.settings_notice:
+        model += f"\n\n⚠️ {literal(session.settings_notice)}"
     recovery = getattr(session.store, "recovery", None)
     if recovery is not None:
         model += (
