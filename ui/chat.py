@@ -27,6 +27,7 @@ from store.settings import MAX_NEW_TOKENS_RANGE, SYSTEM_PROMPT_CHARS, TEMPERATUR
 from ui import chat_flow
 from ui.chat_flow import Problem
 from ui.chat_view import conversation_choices, display, warning
+from ui.export import chat_markdown
 from ui.session import Session
 
 log = logging.getLogger(__name__)
@@ -324,7 +325,7 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip()[:40] or "chat"
         # Gradio serves files from the system temp folder; a fresh folder per export avoids name clashes.
         path = Path(tempfile.mkdtemp(prefix="fmoe-export-")) / f"{safe}.md"
-        path.write_text(chats.export_markdown(conv_id), encoding="utf-8")
+        path.write_text(chat_markdown(chats, conv_id), encoding="utf-8")
         return gr.File(value=str(path), visible=True), notice()
 
     def export_all():
