@@ -1,4 +1,5 @@
-"""Conversations and their messages: create, append, edit the last reply, rename, delete, list, search, export.
+"""Conversations and their messages: create, append, edit the last reply, rename, delete, list, search, export
+as JSON (the Markdown export is a rendering: ui/export.py).
 
 Replies keep alternatives: a regenerated reply is added to the message's versions (schema v4) and chosen; the
 chosen version is the message's content, so what the model reads next is the one the user picked.
@@ -323,19 +324,6 @@ class ChatStore:
         }
         return json.dumps(doc, indent=2, ensure_ascii=False)
 
-    def export_markdown(self, conversation_id: int) -> str:
-        conv = self.get(conversation_id)
-        lines = [f"# {conv.title}", ""]
-        meta = [f"Exported from fmoe-local · started {_iso(conv.created)}"]
-        if conv.model:
-            meta.append(f"model: {conv.model}")
-        lines += ["*" + " · ".join(meta) + "*", ""]
-        for m in self.messages(conversation_id):
-            lines += [f"### {m.role.capitalize()}", "", m.content, ""]
-            if m.stats:
-                lines += [f"<sub>{_stats_line(m.stats)}</sub>", ""]
-        return "\n".join(lines).rstrip() + "\n"
-
     # --- internals --------------------------------------------------------------------------------------------
 
     def _get_message(self, message_id: int) -> Message:
@@ -383,16 +371,3 @@ def _snippet(content: str, text: str, width: int = 40) -> str:
         return content[: 2 * width]
     start, end = max(0, at - width), min(len(content), at + len(text) + width)
     return ("…" if start else "") + content[start:end] + ("…" if end < len(content) else "")
-
-
-def _stats_line(stats: dict) -> str:
-    parts = []
-    if "tokens" in stats:
-        parts.append(f"{stats['tokens']} tokens")
-    if stats.get("tokens_per_s"):
-        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
-    if stats.get("ttft_s"):
-        parts.append(f"first token {stats['ttft_s']:.2f} s")
-    if "hit_rate" in stats:
-        parts.append(f"expert hit rate {100 * stats['hit_rate']:.0f}%")
-    return " · ".join(parts) or json.dumps(stats)

@@ -5,12 +5,19 @@ and sampling defaults, typed, with defaults taken from fmoe_local.config (never 
 Scope: a key → JSON value table read into an `AppSettings` dataclass and written back one key at a time. It does
 NOT apply settings to a running model (the app calls `Runtime.reconfigure`); `AppSettings.apply_to` only builds
 the RuntimeConfig a load would use.
+
+Validation: `SettingsStore.check` is the one check of every value the page takes (the Settings tab's Apply, the
+chat's Generation values with each Send, Regenerate, Continue and Edit), whether typed or sent by a script to the
+page's API: a value of the wrong type, NaN, infinity or out of the range the page offers is refused with a sentence
+naming the setting. `load` runs the same check on what it reads, so a stored value that fails it (written by
+another version, or before this check) is never used: the default stands in, and `refused` says which and why.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +26,14 @@ from fmoe_local.config import EXPERT_FORMATS, RuntimeConfig, Sampling
 from store.db import StoreDb
 
 log = logging.getLogger(__name__)
+
+# The Generation values' ranges: the Chat tab's sliders offer these and the check refuses anything else, so a script
+# calling the page's API gets what the page allows. A system prompt has a budget too: it is saved, read back with
+# every reply and sent to every page that opens.
+TEMPERATURE_RANGE = (0.0, 2.0)
+TOP_P_RANGE = (0.05, 1.0)
+MAX_NEW_TOKENS_RANGE = (1, 4096)
+SYSTEM_PROMPT_CHARS = 100_000
 
 
 @dataclass(frozen=True)
@@ -60,30 +75,83 @@ class AppSettings:
 
     def validate(self) -> None:
         """Raise ValueError with a sentence a user can act on."""
+        if not math.isfinite(self.cache_gb):  # NaN passes every comparison: refused before any
+            raise ValueError(f"An expert cache of {self.cache_gb} GB is not possible. Set a positive number of GB.")
         self.apply_to(RuntimeConfig()).validate()
-        if self.temperature < 0:
-            raise ValueError("Temperature cannot be negative. Use 0 for the most likely reply, ~0.7 for variety.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("Top-p must be above 0 and at most 1.")
-        if self.max_new_tokens < 1:
-            raise ValueError("Max new tokens must be at least 1.")
+        low, high = TEMPERATURE_RANGE
+        if not low <= self.temperature <= high:  # written so that NaN fails it
+            raise ValueError(
+                f"A temperature of {self.temperature:g} is not possible. Use a number from {low:g} to {high:g}: 0 for "
+                "the most likely reply, ~0.7 for variety."
+            )
+        low, high = TOP_P_RANGE
+        if not low <= self.top_p <= high:
+            raise ValueError(f"A top-p of {self.top_p:g} is not possible. Use a number from {low:g} to {high:g}.")
+        low, high = MAX_NEW_TOKENS_RANGE
+        if not low <= self.max_new_tokens <= high:
+            raise ValueError(
+                f"Max new tokens of {_shown(self.max_new_tokens)} is not possible. Use a whole number from {low} to "
+                f"{high:,}."
+            )
+        if len(self.system_prompt) > SYSTEM_PROMPT_CHARS:
+            raise ValueError(
+                f"The system prompt is {len(self.system_prompt):,} characters long; it can be at most "
+                f"{SYSTEM_PROMPT_CHARS:,}. Shorten it."
+            )
 
 
 _TYPES: dict[str, type] = {f.name: type(f.default) for f in fields(AppSettings)}
 
+# Each setting as a sentence names it, and what it takes: for the refusal of a value of the wrong type.
+_NAMES = {
+    "last_model": ("the last model", "a folder"),
+    "cache_gb": ("the expert cache size", "a number of GB"),
+    "prefetch_distance": ("the prefetch distance", "a whole number of layers"),
+    "policy": ("the policy", "one of the policies listed"),
+    "store_capacity": ("the store capacity", "a whole number of expert maps"),
+    "miss_handling": ("the miss handling", "auto, copy or cpu"),
+    "expert_format": ("the expert format", "auto, bf16, int8 or nf4"),
+    "miss_costs": ("the measured miss costs", "JSON text"),
+    "model_formats": ("each model's expert format", "JSON text"),
+    "temperature": ("the temperature", f"a number from {TEMPERATURE_RANGE[0]:g} to {TEMPERATURE_RANGE[1]:g}"),
+    "top_p": ("top-p", f"a number from {TOP_P_RANGE[0]:g} to {TOP_P_RANGE[1]:g}"),
+    "max_new_tokens": (
+        "max new tokens",
+        f"a whole number from {MAX_NEW_TOKENS_RANGE[0]} to {MAX_NEW_TOKENS_RANGE[1]:,}",
+    ),
+    "system_prompt": ("the system prompt", "text"),
+}
+
 
 def _coerce(key: str, value: Any) -> Any:
+    """`value` as the field's type; TypeError (a sentence) when it is not one, never a silent conversion."""
     kind = _TYPES[key]
     # bool is an int to Python; a checkbox value landing in a number field is a bug, not a 1.
     if isinstance(value, bool) or value is None:
-        raise TypeError(f"{key} expects a {kind.__name__}, got {value!r}")
+        raise TypeError(_wrong_type(key, value))
     if kind is float and isinstance(value, (int, float)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer too large for a float
+            raise TypeError(_wrong_type(key, value)) from None
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if not isinstance(value, kind):
-        raise TypeError(f"{key} expects a {kind.__name__}, got {value!r}")
+        raise TypeError(_wrong_type(key, value))
     return value
+
+
+def _wrong_type(key: str, value: Any) -> str:
+    name, takes = _NAMES[key]
+    return f"Set {name} to {takes}: {_shown(value)} is not one."
+
+
+def _shown(value: Any) -> str:
+    """A value for a sentence: short, whatever was sent (a megabyte of text, an integer of a thousand digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return "a number that large"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}…"
 
 
 class SettingsStore:
@@ -107,10 +175,11 @@ class SettingsStore:
                 continue  # written by a newer version, or retired
             try:
                 # A value of the right type may still be one this version refuses (a policy renamed since, a
-                # value a newer version allows): it must not make every later `set` (each Send) fail.
+                # value a newer version allows, a NaN saved before the check refused it): it must not make every
+                # later `set` (each Send) fail, nor reach a reply or a /v1 request as their default.
                 candidate = replace(settings, **{key: _coerce(key, json.loads(value_json))})
                 candidate.validate()
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, ArithmeticError, RecursionError) as exc:
                 log.warning("ignoring stored setting %s=%s", key, value_json)
                 refused[key] = str(exc)
                 continue
@@ -121,20 +190,26 @@ class SettingsStore:
         _check_key(key)
         return getattr(self.load(), key)
 
-    def set(self, **changes: Any) -> AppSettings:
-        """Validate and save `changes` (field names of AppSettings); returns the settings now in effect."""
+    def check(self, **changes: Any) -> AppSettings:
+        """The settings `changes` would make, checked and typed, without saving them; ValueError (a sentence
+        naming the setting) for one that is refused. Every value the page takes goes through here first."""
         for key in changes:
             _check_key(key)
         try:
             coerced = {k: _coerce(k, v) for k, v in changes.items()}
         except TypeError as exc:
-            raise ValueError(f"Setting not saved: {exc}.") from exc
+            raise ValueError(str(exc)) from exc
         updated = replace(self.load(), **coerced)
         updated.validate()
+        return updated
+
+    def set(self, **changes: Any) -> AppSettings:
+        """Validate (`check`) and save `changes` (field names of AppSettings); returns the settings now in effect."""
+        updated = self.check(**changes)
         # One transaction for all the keys of one Apply: a kill in the middle keeps all of them or none.
         with self._s.writing():
             self._s.db["settings"].upsert_all(
-                [{"key": k, "value_json": json.dumps(v)} for k, v in coerced.items()], pk="key"
+                [{"key": k, "value_json": json.dumps(getattr(updated, k), allow_nan=False)} for k in changes], pk="key"
             )
         return updated
 

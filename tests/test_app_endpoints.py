@@ -199,3 +199,19 @@ def test_wizard_says_when_offline(served):
     # A script hears a download that cannot start as an error (the page says it as a sentence instead).
     with pytest.raises(gradio_client.exceptions.AppError, match="owner/name"):
         client.predict("not a repo", "", api_name="/download")
+
+
+def test_a_nan_temperature_sent_to_the_send_endpoint_is_refused_and_not_saved(served):
+    # The attack as a script on this computer made it (gradio_client will not encode a NaN; JSON parsers take one,
+    # and Gradio's slider lets it through). Before: it was saved, and after a restart every Send failed and /v1
+    # requests without a temperature got a 400.
+    import httpx
+
+    session, client, _ = served
+    before = session.store.settings.load()
+    url = f"{client.src.rstrip('/')}/gradio_api/call/send"
+    body = '{"data": ["Hello?", "", NaN, 0.9, 6]}'
+    event = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60).json()
+    answer = httpx.get(f"{url}/{event['event_id']}", timeout=120).text
+    assert "A temperature of nan is not possible" in answer, answer
+    assert session.store.settings.load() == before

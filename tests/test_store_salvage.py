@@ -135,6 +135,7 @@ def test_messages_whose_chat_row_is_lost_come_back_in_a_chat_of_their_own(tmp_pa
 
 def test_a_file_with_nothing_readable_starts_empty_and_says_so(tmp_path):
     from ui import header
+    from ui.render import code_literal
     from ui.session import Session
 
     data = _fill(tmp_path)
@@ -147,8 +148,8 @@ def test_a_file_with_nothing_readable_starts_empty_and_says_so(tmp_path):
         assert (recovery.chats, recovery.chats_total) == (0, None)
         shown = header(Session(store=store, config=RuntimeConfig(device="cpu")))
     assert (
-        f"⚠️ **Your database was damaged.** It was moved to `{recovery.moved_to}`, kept as it was, and no chat could "
-        "be read from it, so a new, empty one was started." in shown
+        f"⚠️ **Your database was damaged.** It was moved to {code_literal(recovery.moved_to)}, kept as it was, and no "
+        "chat could be read from it, so a new, empty one was started." in shown
     )
 
 

@@ -49,10 +49,19 @@ def test_set_persists_typed_values(tmp_path):
         ({"policy": "magic"}, "Unknown policy"),
         ({"expert_format": "fp8"}, "Unknown expert format 'fp8'. Choose auto"),
         ({"prefetch_distance": 0}, "at least 1 layer"),
-        ({"top_p": 1.5}, "Top-p"),
-        ({"cache_gb": "lots"}, "expects a float"),
-        ({"max_new_tokens": True}, "expects a int"),
+        ({"top_p": 1.5}, "A top-p of 1.5 is not possible"),
+        ({"cache_gb": "lots"}, "Set the expert cache size to a number of GB: 'lots' is not one."),
+        ({"max_new_tokens": True}, "Set max new tokens to a whole number from 1 to 4,096: True is not one."),
         ({"colour": "blue"}, "Unknown setting"),
+        # NaN passed every "< 0" test and was saved; the sliders' ranges are the only ones a saved value may take
+        ({"temperature": float("nan")}, "A temperature of nan is not possible. Use a number from 0 to 2"),
+        ({"temperature": 10**400}, "Set the temperature to a number from 0 to 2: a number that large is not one."),
+        ({"cache_gb": float("inf")}, "An expert cache of inf GB is not possible"),
+        ({"cache_gb": float("nan")}, "An expert cache of nan GB is not possible"),
+        ({"top_p": float("nan")}, "A top-p of nan is not possible"),
+        ({"max_new_tokens": 4097}, "Max new tokens of 4097 is not possible"),
+        ({"prefetch_distance": 2.5}, "Set the prefetch distance to a whole number of layers: 2.5 is not one."),
+        ({"system_prompt": "x" * 100_001}, "it can be at most 100,000"),
     ],
 )
 def test_invalid_values_are_refused_with_a_sentence_and_not_saved(tmp_path, changes, message):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+
 import pytest
 
 from ui.render import safe_markdown
@@ -70,3 +72,29 @@ def test_a_message_that_hides_html_in_code_gets_no_live_tag(attack):
 def test_plain_markdown_is_unchanged():
     text = "# Title\n\n> a quote\n\n- **bold** and [a link](https://example.org)\n\n| a | b |\n|---|---|\n| 1 | 2 |"
     assert safe_markdown(text) == text
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        '<div style="position:fixed;inset:0">x',
+        "**b** _e_ ~~s~~ `c` [l](javascript:x) ![i](http://e/i.png) | t |",
+        "# heading",
+        "- item",
+        "1. item",
+        "> quote",
+        "---",
+        "a\n# heading\n<img src=http://e/x>",
+        "AT&T &lt;b&gt; C:\\models\\x",
+    ],
+)
+def test_literal_shows_a_name_as_exactly_its_characters(name):
+    from markdown_it import MarkdownIt
+
+    from ui.render import literal
+
+    md = MarkdownIt("commonmark").enable(["table", "strikethrough"])
+    shown = html.escape(name.replace("\n", " "))
+    assert md.render(literal(name)) == f"<p>{shown}</p>\n"  # at a line's start too: no heading, list or quote
+    assert md.render(f"Loaded **{literal(name)}**") == f"<p>Loaded <strong>{shown}</strong></p>\n"
+    assert literal("0.5 MB") == "0.5 MB" and literal("-1 MB") == "-1 MB"  # sentences stay readable as they are

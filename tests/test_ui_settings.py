@@ -223,7 +223,7 @@ def test_the_api_line_names_the_key_to_send(tmp_path):
     store = open_store(tmp_path)
     try:
         s = Session(store=store, config=RuntimeConfig(device="cpu"), api_base="http://127.0.0.1:7860/v1")
-        assert "`http://127.0.0.1:7860/v1`, any API key." in settings.describe(s)
+        assert "<code>http://127.0.0.1:7860/v1</code>, any API key." in settings.describe(s)
         s.api_key_required = True
         shown = settings.describe(s)
         assert "the access token printed at start as the API key" in shown and "any API key" not in shown

@@ -20,6 +20,8 @@ HEADER_REFRESH_S = 2.0
 
 
 def build(session: Session) -> gr.Blocks:
+    # Before the tabs read the saved settings: what the store refuses is reset and said in the header.
+    session.check_settings()
     with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as demo:
         top = gr.Markdown(header(session), elem_id="app-title")
         with gr.Tabs(elem_id="tabs") as tabs:

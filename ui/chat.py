@@ -23,14 +23,18 @@ import gradio as gr
 
 from fmoe_local.config import Sampling
 from store.errors import StoreError
+from store.settings import MAX_NEW_TOKENS_RANGE, SYSTEM_PROMPT_CHARS, TEMPERATURE_RANGE, TOP_P_RANGE
 from ui import chat_flow
 from ui.chat_flow import Problem
 from ui.chat_view import conversation_choices, display, warning
+from ui.export import chat_markdown
 from ui.session import Session
 
 log = logging.getLogger(__name__)
 
-TITLE_CHARS = 48
+TITLE_CHARS = 48  # a new chat's title: the start of its first message
+RENAME_CHARS = 200  # a title typed (or sent to rename_chat): what the list can show, with room to spare
+SEARCH_CHARS = 1_000  # a search: longer than any title, enough for a sentence from a message
 
 
 @dataclass
@@ -123,13 +127,20 @@ def build(session: Session) -> ChatTab:
                 )
                 alt_next = gr.Button(">", size="sm", scale=0, min_width=40, visible=False, elem_id="alt-next")
             with gr.Accordion("Generation", open=False):
-                system = gr.Textbox(label="System prompt", value=settings.system_prompt, lines=2, elem_id="system")
+                # The ranges are the store's check (store.settings): what a script may send is what these offer.
+                system = gr.Textbox(
+                    label="System prompt", value=settings.system_prompt, lines=2, max_length=SYSTEM_PROMPT_CHARS,
+                    elem_id="system",
+                )  # fmt: skip
                 with gr.Row():
-                    temperature = gr.Slider(0.0, 2.0, value=settings.temperature, step=0.05, label="Temperature")
-                    top_p = gr.Slider(0.05, 1.0, value=settings.top_p, step=0.05, label="Top-p")
-                    max_tokens = gr.Slider(
-                        1, 4096, value=settings.max_new_tokens, step=1, label="Max new tokens", elem_id="max-tokens"
+                    temperature = gr.Slider(
+                        *TEMPERATURE_RANGE, value=settings.temperature, step=0.05, label="Temperature"
                     )
+                    top_p = gr.Slider(*TOP_P_RANGE, value=settings.top_p, step=0.05, label="Top-p")
+                    max_tokens = gr.Slider(
+                        *MAX_NEW_TOKENS_RANGE, value=settings.max_new_tokens, step=1, label="Max new tokens",
+                        elem_id="max-tokens",
+                    )  # fmt: skip
     return ChatTab(
         conv_id, search, conv_list, new_chat, rename_box, rename, delete, confirm_delete, keep_chat, pending_delete,
         pending_edit,
@@ -182,37 +193,47 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     """Attach the events; returns the events after which a reply has finished (the Stats tab chains on them)."""
     chats = session.store.chats
 
-    def sampling(temperature: float, top_p: float, max_tokens: float) -> Sampling:
-        return Sampling(
-            max_new_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p), greedy=temperature == 0
+    def generation(system, temperature, top_p, max_tokens) -> tuple[dict, Sampling]:
+        """The Generation values as they came (from the page, or from a script calling its API: a NaN, a string, a
+        fraction of a token), checked by the store's one check of every setting before anything uses them: the
+        changes to save and the Sampling of the reply. A refused value is a Problem: a sentence naming it."""
+        changes = dict(system_prompt=system, temperature=temperature, top_p=top_p, max_new_tokens=max_tokens)
+        try:
+            s = session.store.settings.check(**changes)
+        except ValueError as exc:
+            raise Problem(str(exc)) from exc
+        sampling = Sampling(
+            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, greedy=s.temperature == 0
         )
+        return changes, sampling
 
     def send(text, conv_id, system, temperature, top_p, max_tokens):
-        text = (text or "").strip()
-        if not text:
+        if not isinstance(text, str) or not text.strip():
             raise Problem("Type a message first.")
+        text = text.strip()
+        changes, sampling = generation(system, temperature, top_p, max_tokens)
         runtime = chat_flow.runtime_of(session)
-        session.store.settings.set(
-            temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_tokens), system_prompt=system
-        )
+        session.store.settings.set(**changes)
         if conv_id is None:
             conv_id = chats.create(title=text[:TITLE_CHARS], model=session.model_id or runtime.info.name).id
         chats.append(conv_id, "user", text)
         choices = gr.Radio(choices=conversation_choices(session), value=conv_id)
         shown = display(chats.messages(conv_id))
         yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, notice()
-        for chatbot in chat_flow.reply(session, conv_id, system, sampling(temperature, top_p, max_tokens)):
+        for chatbot in chat_flow.reply(session, conv_id, system, sampling):
             yield chatbot, conv_id, gr.skip(), gr.skip(), gr.skip()
 
     def regenerate(conv_id, system, temperature, top_p, max_tokens):
-        replies = chat_flow.regenerate(session, conv_id, system, sampling(temperature, top_p, max_tokens))
+        _, sampling = generation(system, temperature, top_p, max_tokens)
+        replies = chat_flow.regenerate(session, conv_id, system, sampling)
         first = next(replies)  # a Problem (nothing to regenerate, no model) is raised before the notice is cleared
         yield first, notice()
         for chatbot in replies:
             yield chatbot, gr.skip()
 
     def continue_reply(conv_id, system, temperature, top_p, max_tokens):
-        replies = chat_flow.continue_reply(session, conv_id, system, sampling(temperature, top_p, max_tokens))
+        _, sampling = generation(system, temperature, top_p, max_tokens)
+        replies = chat_flow.continue_reply(session, conv_id, system, sampling)
         first = next(replies)
         yield first, notice()
         for chatbot in replies:
@@ -227,7 +248,8 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         if pending is None:
             raise Problem("That edit was already applied. Edit the message again to change it.")
         index, text = pending
-        replies = chat_flow.edit(session, conv_id, index, text, system, sampling(temperature, top_p, max_tokens))
+        _, sampling = generation(system, temperature, top_p, max_tokens)
+        replies = chat_flow.edit(session, conv_id, index, text, system, sampling)
         first = next(replies)
         yield first, notice()
         for chatbot in replies:
@@ -260,13 +282,18 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         return int(conv_id), display(chats.messages(conv.id)), conv.title, notice()
 
     def search(query, conv_id):
+        query = query if isinstance(query, str) else ""
+        if len(query) > SEARCH_CHARS:
+            raise Problem(f"Search for at most {SEARCH_CHARS:,} characters: a few words from the chat are enough.")
         return gr.Radio(choices=conversation_choices(session, query), value=conv_id), notice()
 
     def rename(conv_id, title):
         if conv_id is None:
             raise Problem("Pick a conversation to rename first.")
-        if not title.strip():
+        if not isinstance(title, str) or not title.strip():
             raise Problem("Type the new title first.")
+        if len(title.strip()) > RENAME_CHARS:
+            raise Problem(f"A title can be at most {RENAME_CHARS} characters long. Type a shorter one.")
         chats.rename(conv_id, title.strip())
         return gr.Radio(choices=conversation_choices(session), value=conv_id), notice()
 
@@ -298,7 +325,7 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip()[:40] or "chat"
         # Gradio serves files from the system temp folder; a fresh folder per export avoids name clashes.
         path = Path(tempfile.mkdtemp(prefix="fmoe-export-")) / f"{safe}.md"
-        path.write_text(chats.export_markdown(conv_id), encoding="utf-8")
+        path.write_text(chat_markdown(chats, conv_id), encoding="utf-8")
         return gr.File(value=str(path), visible=True), notice()
 
     def export_all():

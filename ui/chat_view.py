@@ -6,7 +6,7 @@ text; the stats line is display-only and kept outside the reply's Markdown.
 
 from __future__ import annotations
 
-from ui.render import safe_markdown
+from ui.render import literal, safe_markdown
 from ui.session import Session
 
 
@@ -63,5 +63,6 @@ def conversation_choices(session: Session, query: str = "") -> list[tuple[str, i
 
 
 def warning(sentence: str) -> str:
-    """An inline notice in the chat (never a red error pill over the components)."""
-    return f"⚠️ {safe_markdown(sentence)}"
+    """An inline notice in the chat (never a red error pill over the components). The sentence is shown as text: it
+    may name a model folder, quote an exception or a stored value."""
+    return f"⚠️ {literal(sentence)}"

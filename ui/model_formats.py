@@ -17,6 +17,7 @@ from fmoe_local.hardware import FormatFit, format_fits, instead
 from fmoe_local.quant_cache import copies_bytes, remove_other_copies
 from ui.downloads import list_downloaded
 from ui.load_job import LoadJob
+from ui.render import literal
 from ui.session import Session, format_name, model_label
 
 FORMAT_HEADERS = ["bf16 experts", "8-bit experts", "4-bit experts"]
@@ -126,7 +127,7 @@ def choice_note(session: Session, choice: str, folder: str | None) -> str:
         return ""
     entry, downloaded = entry_of(session, folder)
     if entry is None:
-        return f"For {model_label(Path(folder))}: Load uses {format_name(choice)}."
+        return f"For {literal(model_label(Path(folder)))}: Load uses {format_name(choice)}."
     fits = format_fits(entry, session.machine(), downloaded)
     sentence = instead(fits, choice)
     if sentence:

@@ -31,6 +31,7 @@ from ui.model_downloads import (
     progress_html,
     refusal_html,
 )
+from ui.render import literal
 from ui.session import DEMO_LABEL, Session, demo_dir
 
 POLL_S = 0.5  # how often Load's progress bar is redrawn
@@ -164,13 +165,14 @@ def load_steps(session: Session, path: str | None, fmt: str | None) -> Iterator[
     try:
         session.choose_format(path, fmt or model_formats.format_for(session, path))
     except ValueError as exc:
-        yield f"⚠️ {exc}", ""
+        yield f"⚠️ {literal(exc)}", ""
         return
     job = session.start_load(path)
     yield "", progress_html(*model_formats.load_progress(job, time.monotonic()))  # at once: the header says it too
     while not job.finished.wait(POLL_S):
         yield "", progress_html(*model_formats.load_progress(job, time.monotonic()))
-    yield (f"⚠️ {job.error}" if job.error else job.message), ""
+    # Both name the folder and may quote an exception: shown as text.
+    yield (f"⚠️ {literal(job.error)}" if job.error else literal(job.message)), ""
 
 
 def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) -> list:
@@ -178,7 +180,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
     Load redraws while it loads (it names the model loading, then the one loaded, or the failure)."""
 
     def machine_md(refresh: bool = False) -> str:
-        return f"**This computer:** {session.machine(refresh).summary()}"
+        return f"**This computer:** {literal(session.machine(refresh).summary())}"
 
     def on_load():
         # The loaded model is preselected, so "Your models" shows what is running.
@@ -272,23 +274,26 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
         try:
             check_deletable(session.models_dir, Path(path))  # before unloading it: a refusal changes nothing
         except ValueError as exc:
-            return f"⚠️ {exc}", gr.skip()
+            return f"⚠️ {literal(exc)}", gr.skip()
         job = session.loading
         if job is not None and not job.finished.is_set() and job.model_dir.resolve() == Path(path).resolve():
             # The load reads its files (and writes its quantised copy) for minutes: deleting them under it fails it.
             return (
-                f"⚠️ {Path(path).name} is still loading (the page's header says how far). Wait for the load to "
-                "finish, then delete it.",
+                f"⚠️ {literal(Path(path).name)} is still loading (the page's header says how far). Wait for the load "
+                "to finish, then delete it.",
                 gr.skip(),
             )
         if downloading_dir(session) == Path(path).resolve():
-            return f"⚠️ {Path(path).name} is still downloading. Cancel the download first, then delete it.", gr.skip()
+            name = literal(Path(path).name)
+            return f"⚠️ {name} is still downloading. Cancel the download first, then delete it.", gr.skip()
         if session.model_dir is not None and Path(path).resolve() == session.model_dir.resolve():
             session.unload()
         freed = remove_copies(session.config.quant_cache_dir, Path(path))  # named by its files: before they go
         delete_downloaded(session.models_dir, Path(path))
         also = f" and its quantised copy ({freed / GB:.1f} GB)" if freed else ""
-        return f"Deleted {Path(path).name}{also}.", gr.Dropdown(choices=downloaded_choices(session), value=None)
+        return f"Deleted {literal(Path(path).name)}{also}.", gr.Dropdown(
+            choices=downloaded_choices(session), value=None
+        )
 
     def list_models() -> list[dict]:
         return [
@@ -339,7 +344,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
         **private,
     )
     # Not in the "runtime" queue: it must reach a load that Load's own event is still running.
-    tab.stop_load.click(lambda: session.cancel_load(), None, [tab.status], **private)
+    tab.stop_load.click(lambda: literal(session.cancel_load()), None, [tab.status], **private)
     deleted = tab.delete.click(
         delete, [tab.downloaded], [tab.status, tab.downloaded], api_name="delete_model", concurrency_id="runtime"
     )

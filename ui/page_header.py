@@ -2,10 +2,13 @@
 
 Scope: text from the Session's state (what is loaded, the load under way, the last load's failure). It does NOT load
 anything or build components; ui/__init__ shows it at the top and the Models tab's Load redraws it while it loads.
+Every name, path and sentence in it goes through render.literal: a model folder may be called anything, and its
+name here was once live HTML (an inline-styled overlay over the whole page, back on every start).
 """
 
 from __future__ import annotations
 
+from ui.render import code_literal, literal
 from ui.session import Session, fmt_gb, format_in_use, format_name, model_label
 
 TITLE = "fmoe-local"
@@ -13,11 +16,13 @@ TITLE = "fmoe-local"
 
 def header(session: Session) -> str:
     model = model_line(session)
+    if session.settings_notice:
+        model += f"\n\n⚠️ {literal(session.settings_notice)}"
     recovery = getattr(session.store, "recovery", None)
     if recovery is not None:
         model += (
-            f"\n\n⚠️ **Your database was damaged.** It was moved to `{recovery.moved_to}`, kept as it was, and "
-            f"{recovery.what_came_back()}."
+            f"\n\n⚠️ **Your database was damaged.** It was moved to {code_literal(recovery.moved_to)}, kept as it was, "
+            f"and {literal(recovery.what_came_back())}."
         )
     return f"# {TITLE}\n{model}"
 
@@ -28,17 +33,20 @@ def model_line(session: Session) -> str:
     if job is not None and not job.finished.is_set():
         # The previous model is already unloaded: naming it would say the wrong model answers.
         model = (
-            f"**Loading {model_label(job.model_dir)}…** with experts in {format_name(job.expert_format)}; the Models "
-            "tab shows how far it got."
+            f"**Loading {literal(model_label(job.model_dir))}…** with experts in {literal(format_name(job.expert_format))}; "
+            "the Models tab shows how far it got."
         )
     elif session.runtime is not None:
         i = session.runtime.info
         model = (
-            f"**{model_label(session.model_dir, i.name)}** on {i.device} · experts in "
-            f"{format_in_use(i.expert_format, i.dtype)} · expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts)"
+            f"**{literal(model_label(session.model_dir, i.name))}** on {literal(i.device)} · experts in "
+            f"{literal(format_in_use(i.expert_format, i.dtype))} · expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} "
+            "experts)"
         )
     elif session.load_error:
-        model = f"**No model loaded.** ⚠️ {session.load_error} Load another model in the Models tab, or try again."
+        model = (
+            f"**No model loaded.** ⚠️ {literal(session.load_error)} Load another model in the Models tab, or try again."
+        )
     else:
         model = "**No model loaded** — open the Models tab to download one or load a folder."
     return model

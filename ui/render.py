@@ -1,7 +1,9 @@
-"""Message text made safe to render: what a message or a model reply may do in the browser.
+"""Text made safe to render: what a message, a model reply, a name or a path may do in the browser.
 
-Scope: one function, `safe_markdown(text)`, applied to every message the chat shows (user and assistant, stored
-and streaming). Markdown keeps working — emphasis, lists, tables, links, code — but:
+Scope: `safe_markdown(text)`, applied to every message the chat shows (user and assistant, stored and streaming),
+and `literal(text)`, for every name, path and sentence put into the page's other Markdown (the header, the
+Settings, Models and Stats tabs, the chat's notices): a model folder's name, an exception's text or a stored value
+is shown as exactly those characters, with no Markdown or HTML of its own. Markdown keeps working — emphasis, lists, tables, links, code — but:
 - images are shown as links (`![alt](url)` → `[image: alt](url)`), so nothing is fetched by merely showing a message:
   an image URL carrying the chat in its query string is the usual way LLM apps leak conversations;
 - raw HTML is shown as text (`<` → `&lt;`), so no tag, style, form or overlay from a message reaches the page
@@ -27,10 +29,35 @@ _SPAN = re.compile(r"(?<!\\)(`+)(?!`)((?:(?!\n[ \t]*\n).)+?)(?<!`)\1(?!`)", re.S
 _IMAGE = re.compile(r"!(\[)")
 _PUNCT = re.compile(r"([!-%'-/:;=>-@\[-`{-~])")  # ASCII punctuation but '&' and '<', which become entities
 _TICKS = re.compile(r"`+")
+# What makes inline Markdown of a name: emphasis, code, links and images (brackets), tables, strikethrough, escapes.
+_INLINE = re.compile(r"([\\`*_\[\]|~])")
+# What makes a block of a line's first characters: a heading, a list item, a setext underline or a thematic break
+# ("# ", "- ", "1. ", "==", "--"), a quote (">").
+_LEADING = re.compile(r"^(\s*)(?:(\d+)([.)])(?=[ \t]|$)|([#+=-])(?=[ \t]|$|\4)|(>))")
+_BREAK = re.compile(r"\r\n?|\n|\u2028|\u2029")
 
 
 def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;")  # '>' alone opens no tag (and quotes need it)
+
+
+def literal(text: object) -> str:
+    """`text` (any value: a folder name, a path, a sentence with an exception's text) as inline Markdown showing
+    exactly its characters: no tag, image, link, emphasis or code of its own, and on one line (a line break could
+    start a heading or a block of HTML after it)."""
+    flat = _BREAK.sub(" ", str(text))
+    return _LEADING.sub(_escape_leading, _escape(_INLINE.sub(r"\\\1", flat)))
+
+
+def _escape_leading(m: re.Match) -> str:
+    space, digits, after_digits, mark, quote = m.groups()
+    return f"{space}{digits}\\{after_digits}" if digits else f"{space}\\{mark or quote}"
+
+
+def code_literal(text: object) -> str:
+    """`literal(text)` in a monospace span (a path, a URL): `<code>` rather than backticks, since a backtick in
+    the text would end a Markdown code span early."""
+    return f"<code>{literal(text)}</code>"
 
 
 def _prose(text: str) -> str:

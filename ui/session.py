@@ -103,6 +103,8 @@ class Session:
     # API client's request. A reply that ends cancelled with its flag still here was not stopped by the user: the
     # model was closed under it (chat_flow saves it as interrupted).
     chat_replies: set = field(default_factory=set)
+    # Saved settings the store refused when read (`check_settings`): the page's header says so for this run.
+    settings_notice: str = ""
     _machine: Machine | None = None
     _persistence: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -264,14 +266,8 @@ class Session:
                 config = config.with_changes(prefetch_distance=min(config.prefetch_distance, top))
                 return Runtime.load(model_dir, config, self._persistence, self._saved_miss_costs(model_dir), progress)
 
-            notice = ""
-            refused = self.store.settings.refused()
-            if refused:  # the defaults stand in for them (settings.load): said once, and put right on disk
-                self.store.settings.reset_fields(sorted(refused))
-                notice = (
-                    f" Your saved settings could not be used ({'; '.join(refused.values())}); "
-                    f"{', '.join(sorted(refused))} reset to defaults."
-                )
+            notice = self.check_settings()
+            notice = f" {notice}" if notice else ""
             try:
                 self._persistence = self.store.map_persistence(model_dir, shape)
                 try:
@@ -314,6 +310,21 @@ class Session:
                 f"{info.num_layers} MoE layers × {info.num_experts} experts, "
                 f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{self.runtime.load_notice}{notice}"
             )
+
+    def check_settings(self) -> str:
+        """Saved settings the store refuses (a NaN temperature a script saved through the page's API before the
+        check refused it, a policy another version knew): the defaults already stand in for them (settings.load);
+        here they are put right on disk and said, in `settings_notice` (the page's header) and in the sentence
+        returned ("" when every saved setting is usable). ui.build calls it once for the page; a load again."""
+        refused = self.store.settings.refused()
+        if not refused:
+            return ""
+        self.store.settings.reset_fields(sorted(refused))
+        self.settings_notice = (
+            f"Saved settings that cannot be used are back to their defaults: {' '.join(refused.values())} Set them "
+            "again in the Settings tab or under Generation if you want other values."
+        )
+        return self.settings_notice
 
     def _drop_if_cancelled(self, cancelled: threading.Event | None) -> None:
         """A load cancelled after its last progress report (reading plain weights reports none) still ends

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import gradio as gr
 
 from fmoe_local.cache_budget import SMALLEST_MAP_BYTES, check_store_capacity, map_room_bytes
-from fmoe_local.config import POLICIES, RuntimeConfig
+from fmoe_local.config import POLICIES
 from fmoe_local.hardware import GIB, cache_gb_limit
 from ui.model_formats import AUTO_HELP
 from ui.model_formats import choices as format_choices
+from ui.render import code_literal, literal
 from ui.session import Session, fmt_bytes, fmt_gb, format_in_use, format_name, model_label
 
 UNITS = (("GB", GIB), ("MB", 1024**2), ("KB", 1024))  # binary, as RuntimeConfig.cache_gb
@@ -75,21 +76,21 @@ def cache_bounds(session: Session) -> tuple[float, float]:
 def describe(session: Session) -> str:
     key = "the access token printed at start as the API key" if session.api_key_required else "any API key"
     api = (
-        f"\n\n**Use it from other apps** (OpenAI-compatible API): base URL `{session.api_base}`, {key}."
+        f"\n\n**Use it from other apps** (OpenAI-compatible API): base URL {code_literal(session.api_base)}, {key}."
         if session.api_base
         else ""
     )
     if session.still_loading:  # not "No model loaded. Load one": that invited a second Load
         return (
-            f"**{model_label(session.loading.model_dir)} is loading** (the page's header says how far). Its settings "
+            f"**{literal(model_label(session.loading.model_dir))} is loading** (the page's header says how far). Its settings "
             f"show here when it has loaded.{api}"
         )
     if session.runtime is None:
-        return f"**No model loaded.** {session.load_error or 'Load one in the Models tab.'}{api}"
+        return f"**No model loaded.** {literal(session.load_error or 'Load one in the Models tab.')}{api}"
     i = session.runtime.info
     return (
-        f"**{model_label(session.model_dir, i.name)}** · {i.family} · {i.device} ({i.dtype}) · experts in "
-        f"{format_in_use(i.expert_format, i.dtype)} · {i.num_layers} MoE layers × {i.num_experts} experts, "
+        f"**{literal(model_label(session.model_dir, i.name))}** · {literal(i.family)} · {literal(i.device)} "
+        f"({literal(i.dtype)}) · experts in {literal(format_in_use(i.expert_format, i.dtype))} · {i.num_layers} MoE layers × {i.num_experts} experts, "
         f"top-{i.top_k} · resident {fmt_bytes(i.resident_bytes)} · one expert {fmt_bytes(i.expert_bytes)} · "
         f"cache {fmt_gb(i.cache_gb)} = **{i.cache_experts} experts**{api}"
     )
@@ -194,15 +195,20 @@ def shown_cache_size(session: Session) -> float:
     return math.ceil(round(current * GIB / cache_unit(session)[1] * 100, 6)) / 100
 
 
+def _number(value: object) -> bool:
+    """A finite int or float, not a bool: what a number field may hold (a script may send anything)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def unchanged_size(session: Session, size: float | None) -> bool:
     """The field still holds the size it was shown with: Apply keeps the cache (and its experts) as it is. A whole
     expert can be smaller than the shown precision, so even rounded up the value is not the exact size."""
-    return size is not None and math.isfinite(size) and abs(size - shown_cache_size(session)) < 1e-9
+    return _number(size) and abs(size - shown_cache_size(session)) < 1e-9
 
 
 def experts_in(session: Session, size: float | None) -> str:
     """How many experts a typed size holds, for the line under the field ("" before a model is loaded)."""
-    if session.runtime is None or size is None or not math.isfinite(size):
+    if session.runtime is None or not _number(size):
         return ""
     unit, unit_bytes = cache_unit(session)
     i = session.runtime.info
@@ -271,7 +277,7 @@ def format_pending(session: Session) -> str:
 def check_cache_size(session: Session, size: float | None) -> float:
     """The typed size (in the unit shown) as GiB; ValueError (a sentence) when it is impossible. Never clamped."""
     unit, unit_bytes = cache_unit(session)
-    if size is None or not math.isfinite(size):
+    if not _number(size):
         raise ValueError(f"Type the expert cache size as a number of {unit}.")
     if unchanged_size(session, size):
         size = cache_bounds(session)[1] * GIB / unit_bytes  # the exact size in force: the same number of experts
@@ -308,7 +314,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
     in the status line (a raised gr.Error would cover the fields with red pills) and changes nothing."""
 
     def refused(sentence: str) -> tuple:
-        return gr.skip(), f"⚠️ {sentence}"
+        return gr.skip(), f"⚠️ {literal(sentence)}"  # it may quote what was typed, or a name
 
     def apply(size, distance, policy, capacity, miss_handling="auto", expert_format=None):
         if session.still_loading:
@@ -320,33 +326,38 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
             cache_gb = check_cache_size(session, size)
         except ValueError as exc:
             return refused(str(exc))
-        if capacity is None or not math.isfinite(capacity) or int(capacity) < 1:
+        if isinstance(capacity, (int, float)) and not isinstance(capacity, bool) and not capacity >= 1:  # NaN too
             return refused("Keep at least one expert map (store capacity ≥ 1).")
-        if session.runtime is None:  # the load checks the model's own map size (Engine.build)
-            try:
-                check_store_capacity(int(capacity), SMALLEST_MAP_BYTES, map_room_bytes(), "even for the smallest model")
-            except ValueError as exc:
-                return refused(str(exc))
         changes = dict(
             cache_gb=cache_gb,
-            prefetch_distance=int(distance),
+            prefetch_distance=distance,
             policy=policy,
-            store_capacity=int(capacity),
+            store_capacity=capacity,
             miss_handling=miss_handling,
         )
-        if expert_format is not None:
-            try:  # checked before anything is applied: a refused value changes nothing
-                RuntimeConfig(expert_format=expert_format).validate()
+        later = {} if expert_format is None else {"expert_format": expert_format}  # saved only, for the next load
+        try:
+            # The store's one check of every setting (the chat's Generation values take it too), before anything
+            # is applied: a value a script sent to this endpoint (NaN, a string, 2.5 layers) is refused as one
+            # typed would be, and a refused value changes nothing.
+            checked = session.store.settings.check(**changes, **later)
+        except ValueError as exc:
+            return refused(str(exc))
+        changes = {key: getattr(checked, key) for key in changes}  # typed: 2.0 layers is 2
+        distance, capacity = checked.prefetch_distance, checked.store_capacity
+        if session.runtime is None:  # the load checks the model's own map size (Engine.build)
+            try:
+                check_store_capacity(capacity, SMALLEST_MAP_BYTES, map_room_bytes(), "even for the smallest model")
             except ValueError as exc:
                 return refused(str(exc))
         saved_distance = session.store.settings.load().prefetch_distance
         # The slider shows a saved distance this model cannot run capped to its end: left there, the saved value
         # stays for deeper models (it was silently replaced by the cap when anything else was applied).
         top = distance_max(session)
-        keep_distance = saved_distance > top and int(distance) == top
+        keep_distance = saved_distance > top and distance == top
         if session.runtime is not None:
             layers = session.runtime.info.num_layers
-            if int(distance) > max(1, layers - 1):
+            if distance > max(1, layers - 1):
                 return refused(f"This model has {layers} MoE layers: the prefetch distance can be 1 to {layers - 1}.")
             try:
                 session.runtime.reconfigure(**changes)
@@ -370,7 +381,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
             return describe(session), "Saved. They apply when a model is loaded."
         i = session.runtime.info
         kept = f" ({saved_distance} stays saved for models with more layers)" if keep_distance else ""
-        return describe(session), (
+        return describe(session), literal(
             f"Applied without reloading: cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts), prefetch distance "
             f"{i.prefetch_distance}{kept}, policy {i.policy}, {i.store_capacity} maps kept. "
             f"{session.runtime.miss_explanation}{format_pending(session)}"
@@ -378,7 +389,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
 
     def clear_maps():
         if session.still_loading:
-            return f"⚠️ {model_label(session.loading.model_dir)} is still loading; clear its maps when it has loaded."
+            return f"⚠️ {literal(model_label(session.loading.model_dir))} is still loading; clear its maps when it has loaded."
         if session.runtime is None:
             return "⚠️ Load a model first: maps are kept per model."
         session.runtime.clear_maps()  # also clears the model's maps in SQLite

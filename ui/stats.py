@@ -20,6 +20,7 @@ from matplotlib.ticker import MaxNLocator, PercentFormatter  # noqa: E402
 
 from fmoe_local.stats import RequestStats  # noqa: E402
 from ui import page_header  # noqa: E402
+from ui.render import literal  # noqa: E402
 from ui.session import Session, fmt_gb, format_in_use  # noqa: E402
 
 # A red-to-green scale: a cell's colour is its hit rate, so a rare miss does not paint a mostly-hit expert red.
@@ -114,7 +115,10 @@ def summary(session: Session) -> str:
         return page_header.model_line(session)
     i = session.runtime.info
     s = session.last_stats
-    line = f"**Cache:** {fmt_gb(i.cache_gb)} on {i.device} ({i.cache_experts} experts in {format_in_use(i.expert_format, i.dtype)})"
+    line = (
+        f"**Cache:** {fmt_gb(i.cache_gb)} on {literal(i.device)} ({i.cache_experts} experts in "
+        f"{literal(format_in_use(i.expert_format, i.dtype))})"
+    )
     if s is not None:
         line += (
             f" · **last reply:** {s.tokens_per_s:.1f} tok/s, TTFT {1000 * s.ttft_s:.0f} ms, hit rate {s.hit_rate:.0%},"
@@ -123,7 +127,7 @@ def summary(session: Session) -> str:
         )
         if s.on_host:
             line += f", {s.on_host} misses computed on the CPU ({1000 * s.host_s:.0f} ms)"
-    return f"{line}\n\n**Misses:** {session.runtime.miss_explanation}"
+    return f"{line}\n\n**Misses:** {literal(session.runtime.miss_explanation)}"
 
 
 def build(session: Session) -> StatsTab:
