@@ -4,10 +4,11 @@ Scope: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` 
 chat template: editors' code completion, base-model scripts), plain or `stream: true` (openai_stream.py writes both
 shapes), translating to `Runtime.stream` and back: max_tokens, temperature (0 = greedy) and top_p (left out: the
 app's Settings values), seed, stop, finish_reason, usage, errors in OpenAI's shape (the body is parsed and checked
-in openai_request.py). Any bearer token is accepted (a local app has one user; the HTTP guard decides who may call
-at all), and so is any `model` in a request: the loaded model answers, listed under its short id
-(`Session.model_id`, "demo" for the built-in one). It does NOT hold model logic, queue requests itself (the
-runtime's worker runs one request at a time; others wait in its queue) or store API chats in the user's chat list.
+in openai_request.py; one over ui/body_limit.py's limit never reaches this router). Any bearer token is accepted
+(a local app has one user; the HTTP guard decides who may call at all), and so is any `model` in a request: the
+loaded model answers, listed under its short id (`Session.model_id`, "demo" for the built-in one). It does NOT hold
+model logic, queue requests itself (the runtime's worker runs one request at a time; others wait in its queue) or
+store API chats in the user's chat list.
 
 Threads: each request's runtime stream is consumed on a pump thread of its own (the runtime blocks), which posts
 the events into the event loop (`_Events`): a request waiting its turn holds no executor thread, so any number of
@@ -27,7 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fmoe_local.config import Sampling
-from ui.openai_request import ApiError, ApiRequest, parse_chat, parse_completion
+from ui.openai_request import ApiError, ApiRequest, parse_chat, parse_completion, read_body
 from ui.openai_stream import Generation, Shape, complete, sse, watch
 from ui.session import Session
 
@@ -61,12 +62,9 @@ def build_router(session: Session) -> APIRouter:
 
     async def answer(request: Request, parse, prefix: str):  # noqa: ANN001, ANN202 - parse_chat or parse_completion
         try:
-            try:
-                body = await request.json()
-            except ValueError as exc:
-                raise ApiError(400, "The request body must be JSON.") from exc
-            if not isinstance(body, dict):
-                raise ApiError(400, "The request body must be a JSON object.")
+            # Whole and within body_limit.MAX_BODY_BYTES (the server refused a larger one unread); parsed and checked
+            # on a thread, since megabytes of JSON would otherwise hold up every other request on the event loop.
+            body = await asyncio.to_thread(read_body, await request.body())
             runtime = runtime_or_error()
             settings = session.store.settings.load()
             defaults = Sampling(

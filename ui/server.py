@@ -1,7 +1,7 @@
 """The app's HTTP server: one port, the guard outermost, the Gradio UI mounted at /, served by uvicorn on a thread.
 
 Scope: building the ASGI app around the Blocks (http_guard.LocalOnlyGuard, a CORS policy that grants nothing, the
-upload size limit) and running it until `close()`. It does NOT build the UI (ui.build) or choose the port (app.py).
+budget on every request body (body_limit.py), the upload size limit) and running it until `close()`. It does NOT build the UI (ui.build) or choose the port (app.py).
 
 Why not `Blocks.launch`: launch builds its own app and puts Gradio's CORS middleware outermost, which grants any
 origin whenever the Host is not a localhost name — the DNS-rebinding case. Mounted in our app, our guard sees
@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from ui.body_limit import BodyLimit
 from ui.http_guard import LocalOnlyGuard, machine_names
 
 # The UI uploads nothing; Gradio's upload route exists anyway, so keep what it could take small.
@@ -45,6 +46,7 @@ class Server:
         if api is not None:
             app.include_router(api)  # before the mount at /, which would otherwise take every path
         app.add_middleware(CORSMiddleware, allow_origins=[])  # no origin is ever granted; Gradio's CORS stands down
+        app.add_middleware(BodyLimit)  # inside the guard: the body of a refused caller is never read
         names = machine_names() if listen else ()
         app.add_middleware(LocalOnlyGuard, listen=listen, names=names, api_origins=api_origins)  # outermost
         gr.mount_gradio_app(app, demo, path="/", max_file_size=MAX_UPLOAD, show_error=True, **ui_options)
