@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
-from fmoe_local import cache_budget, cpu_experts, hardware, miss_cost
+from fmoe_local import cache_budget, chat_template, cpu_experts, hardware, miss_cost
 from fmoe_local.cache import ExpertCache
 from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
+from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.cpu_experts import Kernel
 from fmoe_local.experts import OffloadedExperts
@@ -99,6 +100,11 @@ class Engine:
         loaded = load_model(model_dir, config, self.device, resolve_dtype(config.dtype, self.device), progress)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
         self._encoding = threading.Lock()  # tokenize_prompt: the worker's and Runtime.check's callers'
+        # Why the model's chat template is not used any more ("" while it is): it ran over its budget once, and a
+        # template that can do so would hold every later request for its whole budget.
+        self.template_stopped = ""
+        if getattr(self.tokenizer, "chat_template", None):
+            chat_template.prestart()  # the renderer starts while the model loads, not at the first reply
         self.moe_layers = loaded.moe_layers
         self.dtype = next(p.dtype for p in self.model.parameters() if p.device.type != "meta")
         cfg = self.model.config
@@ -228,7 +234,8 @@ class Engine:
         Touches no device: Runtime.check calls it on its caller's thread. Raises ContextTooLong (a sentence) when
         the prompt leaves no room for a reply: refused before any compute, so an over-long paste cannot occupy the
         model for minutes; TemplateRefused (a sentence) when the model's chat template rejects the messages (its
-        raise_exception: e.g. roles that do not alternate)."""
+        raise_exception: e.g. roles that do not alternate); TemplateOverBudget (a sentence) when the template ran
+        over its budget of time, memory or output (chat_template.py), on these messages or earlier ones."""
         with self._encoding:
             if isinstance(prompt, str):
                 text, special = prompt, True
@@ -270,10 +277,21 @@ class Engine:
         # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill): the
         # prompt ends inside it, where the model left off, instead of opening a new turn after it.
         cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
+        if self.template_stopped:
+            raise TemplateOverBudget(self.template_stopped)
         try:
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=not cont, continue_final_message=cont, tokenize=False
+            # The template is code from the model's files: rendered in a child process with a budget, never here.
+            text = chat_template.render(
+                tok.get_chat_template(),
+                messages,
+                add_generation_prompt=not cont,
+                continue_final_message=cont,
+                variables=dict(tok.special_tokens_map),
+                model=self.name,
             )
+        except TemplateOverBudget as exc:
+            self.template_stopped = str(exc)
+            raise
         except TemplateSyntaxError:
             raise  # the template itself is broken: not these messages' fault
         except TemplateError as exc:

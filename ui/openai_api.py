@@ -105,11 +105,15 @@ def build_router(session: Session) -> APIRouter:
 
 async def _check_prompt(runtime, prompt: list[dict] | str) -> None:  # noqa: ANN001
     """A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
-    that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it."""
+    that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it. A
+    chat template stopped over its budget is the model's: a 500 with the sentence, before a stream starts too."""
+    from fmoe_local.chat_template import TemplateOverBudget
     from fmoe_local.engine import ContextTooLong, PromptRefused
 
     try:
         await asyncio.to_thread(runtime.check, prompt)  # tokenizing takes milliseconds; no turn is awaited
+    except TemplateOverBudget as exc:
+        raise ApiError(500, str(exc)) from exc
     except PromptRefused as exc:
         code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else None
         raise ApiError(400, str(exc), "prompt" if isinstance(prompt, str) else "messages", code) from exc
