@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
-from fmoe_local import cache_budget, cpu_experts, hardware, miss_cost
+from fmoe_local import cache_budget, chat_template, cpu_experts, hardware, miss_cost
 from fmoe_local.cache import ExpertCache
 from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
+from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.cpu_experts import Kernel
 from fmoe_local.experts import OffloadedExperts
@@ -99,6 +100,11 @@ class Engine:
         loaded = load_model(model_dir, config, self.device, resolve_dtype(config.dtype, self.device), progress)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
         self._encoding = threading.Lock()  # tokenize_prompt: the worker's and Runtime.check's callers'
+        # Why the model's chat template is not used any more ("" while it is): it ran over its budget once, and a
+        # template that can do so would hold every later request for its whole budget.
+        self.template_stopped = ""
+        if getattr(self.tokenizer, "chat_template", None):
+            chat_template.prestart()  # the renderer starts while the model loads, not at the first reply
         self.moe_layers = loaded.moe_layers
         self.dtype = next(p.dtype for p in self.model.parameters() if p.device.type != "meta")
         cfg = self.model.config
@@ -228,38 +234,69 @@ class Engine:
         Touches no device: Runtime.check calls it on its caller's thread. Raises ContextTooLong (a sentence) when
         the prompt leaves no room for a reply: refused before any compute, so an over-long paste cannot occupy the
         model for minutes; TemplateRefused (a sentence) when the model's chat template rejects the messages (its
-        raise_exception: e.g. roles that do not alternate)."""
+        raise_exception: e.g. roles that do not alternate); TemplateOverBudget (a sentence) when the template ran
+        over its budget of time, memory or output (chat_template.py), on these messages or earlier ones."""
         with self._encoding:
-            ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else self._chat_ids(prompt)
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
+            if isinstance(prompt, str):
+                text, special = prompt, True
+            else:
+                text, special = self._chat_text(prompt)
+            ids = self._encode(text, special, isinstance(prompt, str))
         limit = self.context_length
         if limit is not None and len(ids) >= limit:
-            what = "prompt" if isinstance(prompt, str) else "conversation"
-            fix = "Shorten the prompt." if isinstance(prompt, str) else "Start a new chat, or shorten the message."
-            raise ContextTooLong(
-                f"This {what} is {len(ids):,} tokens long, but {self.name} reads at most {limit:,}. {fix}"
-            )
+            raise ContextTooLong(self._too_long(f"{len(ids):,}", isinstance(prompt, str)))
         return list(ids)
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
+    def _too_long(self, tokens: str, is_text: bool) -> str:
+        fix = "Shorten the prompt." if is_text else "Start a new chat, or shorten the message."
+        what = "prompt" if is_text else "conversation"
+        return f"This {what} is {tokens} tokens long, but {self.name} reads at most {self.context_length:,}. {fix}"
+
+    def _encode(self, text: str, add_special_tokens: bool, is_text: bool) -> list[int]:
+        """The text's ids; a text far longer than the context is refused from a prefix instead of tokenized whole
+        (a 10 MB message to a 512-token model took 42 s and 1.25 GB to count, and held every other prompt's
+        tokenizing meanwhile). Prefixes of 8, 32, 128… times the context in characters are counted while the text
+        is longer: once one holds twice the context in tokens, the whole text is over the context whatever the
+        rest (a cut changes the tokens of the word it splits, not a context's worth)."""
+        limit, tok = self.context_length, self.tokenizer
+        probe = 8 * limit if limit else len(text)
+        while probe < len(text):
+            counted = len(tok(text[:probe], add_special_tokens=add_special_tokens)["input_ids"])
+            if counted >= 2 * limit:
+                raise ContextTooLong(self._too_long(f"over {2 * limit:,}", is_text))
+            probe *= 4
+        ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return ids[0] if ids and isinstance(ids[0], list) else ids
+
+    def _chat_text(self, messages: list[dict]) -> tuple[str, bool]:
+        """The prompt text of chat messages and whether the tokenizer adds its special tokens to it (only without a
+        template: a template writes them itself)."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
-            return tok("\n".join(m["content"] for m in messages))["input_ids"]
+            return "\n".join(m["content"] for m in messages), True
         # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill): the
         # prompt ends inside it, where the model left off, instead of opening a new turn after it.
         cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
+        if self.template_stopped:
+            raise TemplateOverBudget(self.template_stopped)
         try:
-            ids = tok.apply_chat_template(
-                messages, add_generation_prompt=not cont, continue_final_message=cont, tokenize=True, return_dict=False
+            # The template is code from the model's files: rendered in a child process with a budget, never here.
+            text = chat_template.render(
+                tok.get_chat_template(),
+                messages,
+                add_generation_prompt=not cont,
+                continue_final_message=cont,
+                variables=dict(tok.special_tokens_map),
+                model=self.name,
             )
+        except TemplateOverBudget as exc:
+            self.template_stopped = str(exc)
+            raise
         except TemplateSyntaxError:
             raise  # the template itself is broken: not these messages' fault
         except TemplateError as exc:
             raise TemplateRefused(f"The chat template of {self.name} refuses these messages: {exc}") from exc
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return ids
+        return text, False
 
     @contextmanager
     def request(self, request_id: int, stats: RequestStats, text: str = "") -> Iterator[None]:

@@ -1,8 +1,10 @@
 """The one place fmoe-local touches transformers' internals (anything not in its documented public API).
 
 Scope: loading a checkpoint key by key the way `from_pretrained` does (key renaming, keep-in-fp32 rules, weight
-tying, computed buffers), the experts hook (`ExpertsInterface`), and the attributes of the fused experts modules
-our experts implementation reads (layout flags, the gate). Everything else in fmoe_local uses public API only.
+tying, computed buffers), the experts hook (`ExpertsInterface`), the attributes of the fused experts modules
+our experts implementation reads (layout flags, the gate), and rendering a chat template the way
+`apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child process. torch is
+imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
 It does NOT decide anything: each function is a thin, named door to one internal.
 
 Why: these internals change between transformers releases without notice. pyproject pins the range the tests ran
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 # (module, attribute) pairs this file relies on; the experts modules' attributes are checked on a live module.
 _REQUIRED = (
@@ -30,6 +34,7 @@ _REQUIRED = (
     ("transformers", "PreTrainedModel._init_weights"),
     ("transformers", "PreTrainedModel.tie_weights"),
     ("transformers", "PreTrainedModel.set_experts_implementation"),
+    ("transformers.utils.chat_template_utils", "render_jinja_template"),
 )
 _EXPERTS_FLAGS = ("is_transposed", "has_bias", "has_gate", "num_experts")
 
@@ -144,3 +149,26 @@ def apply_gate(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
 
 def activation(experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return experts.act_fn
+
+
+# ---- chat templates --------------------------------------------------------------------------------------------
+
+
+def render_chat_template(
+    template: str, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool, variables: dict
+) -> str:
+    """The prompt text `tokenizer.apply_chat_template(messages, tokenize=False, ...)` renders: the same sandboxed
+    jinja2 environment (its globals, filters and extensions), the same handling of a message to continue, and
+    `variables` (the tokenizer's special_tokens_map) as template variables; keys whose value is None are dropped
+    first, as apply_chat_template drops them. Needs no tokenizer, so a process without the model can run it."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    rendered, _ = render_jinja_template(
+        conversations=[chat],
+        chat_template=template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        **variables,
+    )
+    return rendered[0]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from fmoe_local.cache import ExpertLoadError
+from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.copier import Interrupted, LoadTimeout
 from fmoe_local.engine import Engine, PromptRefused
@@ -42,7 +43,7 @@ from fmoe_local.stats import RequestStats
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 # Failures whose message is already a sentence for the user.
-_SENTENCES = (PromptRefused, ExpertLoadError, LoadTimeout, PrefetcherFailed)
+_SENTENCES = (PromptRefused, TemplateOverBudget, ExpertLoadError, LoadTimeout, PrefetcherFailed)
 CLOSED = (
     "The model was unloaded before this request ran (another model was loaded, or the app is closing). Send it again."
 )
@@ -174,14 +175,15 @@ class Runtime:
     def check(self, prompt: list[dict] | str) -> int | None:
         """The prompt's length in tokens. Raises PromptRefused (ContextTooLong, TemplateRefused: a sentence) when
         this prompt cannot be one for this model: the request's own fault, told before it is queued (a
-        server answers it 400 before its reply starts). Runs on the caller's thread, without waiting for the
+        server answers it 400 before its reply starts); TemplateOverBudget (a sentence) when the model's chat
+        template was stopped, the model's fault (a server's 500). Runs on the caller's thread, without waiting for the
         worker; the worker encodes again when the request runs. None when it cannot tell (the runtime is closed,
         or the tokenizer failed otherwise): `stream` then gives the verdict."""
         if self._closed:
             return None
         try:
             return len(self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt)))
-        except PromptRefused:
+        except (PromptRefused, TemplateOverBudget):
             raise
         except Exception:  # noqa: BLE001 - not the prompt's fault: the worker's own encode decides and reports it
             log.debug("prompt check skipped", exc_info=True)

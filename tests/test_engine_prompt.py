@@ -32,3 +32,34 @@ def test_a_conversation_too_long_names_the_model_as_people_know_it(tiny_model_di
                 runtime.check(too_long)
             said = str(refused.value)
             assert f"but {name} reads at most" in said, said  # before: "but weights reads at most 1,024" (its folder)
+
+
+class _Counting:
+    """A tokenizer that notes the length of every text it is asked to encode."""
+
+    def __init__(self, tokenizer) -> None:  # noqa: ANN001
+        self._tokenizer, self.lengths = tokenizer, []
+
+    def __call__(self, text: str, **kwargs):  # noqa: ANN204
+        self.lengths.append(len(text))
+        return self._tokenizer(text, **kwargs)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._tokenizer, name)
+
+
+def test_a_text_far_longer_than_the_context_is_refused_from_a_prefix(tiny_model_dir, monkeypatch):
+    from fmoe_local.engine import ContextTooLong
+
+    with Runtime.load(tiny_model_dir("olmoe"), RuntimeConfig(device="cpu")) as runtime:  # reads 512 tokens
+        counting = _Counting(runtime.engine.tokenizer)
+        monkeypatch.setattr(runtime.engine, "tokenizer", counting)
+        pasted = "the sea and the ships " * 100_000  # 2.2 MB: was tokenized whole, ~8 s here (a 10 MB one: 42 s)
+        for prompt, said in ((pasted, "This prompt"), ([{"role": "user", "content": pasted}], "This conversation")):
+            with pytest.raises(ContextTooLong, match=f"{said} is over 1,024 tokens long, but .* reads at most 512"):
+                runtime.check(prompt)
+        assert 0 < max(counting.lengths) <= 8 * 512
+        counting.lengths.clear()
+        long_but_fitting = "<|assistant|>" * 400  # 13 characters a token: past the first prefix, within the context
+        assert runtime.check(long_but_fitting) == len(counting._tokenizer(long_but_fitting)["input_ids"]) < 512
+        assert max(counting.lengths) == len(long_but_fitting)  # counted whole after all

@@ -4,11 +4,11 @@ Scope: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` 
 chat template: editors' code completion, base-model scripts), plain or `stream: true` (openai_stream.py writes both
 shapes), translating to `Runtime.stream` and back: max_tokens, temperature (0 = greedy) and top_p (left out: the
 app's Settings values), seed, stop, finish_reason, usage, errors in OpenAI's shape (the body is parsed and checked
-in openai_request.py). Any bearer token is accepted here: who may call at all is decided before a request reaches
-this router (http_guard.py; with --listen or --api-key, http_auth.py's token). Any `model` in a request is
-accepted: the loaded model answers, listed under its short id (`Session.model_id`, "demo" for the built-in one).
-It does NOT hold model logic, queue requests itself (the runtime's worker runs one request at a time; others wait
-in its queue) or store API chats in the user's chat list.
+in openai_request.py; one over ui/body_limit.py's limit never reaches this router). Any bearer token is accepted
+here: who may call at all is decided before a request reaches this router (http_guard.py; with --listen or
+--api-key, http_auth.py's token). Any `model` in a request is accepted: the loaded model answers, listed under its
+short id (`Session.model_id`, "demo" for the built-in one). It does NOT hold model logic, queue requests itself (the
+runtime's worker runs one request at a time; others wait in its queue) or store API chats in the user's chat list.
 
 Threads: each request's runtime stream is consumed on a pump thread of its own (the runtime blocks), which posts
 the events into the event loop (`_Events`): a request waiting its turn holds no executor thread, so any number of
@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fmoe_local.config import Sampling
-from ui.openai_request import ApiError, ApiRequest, parse_chat, parse_completion
+from ui.openai_request import ApiError, ApiRequest, parse_chat, parse_completion, read_body
 from ui.openai_stream import Generation, Shape, complete, sse, watch
 from ui.session import Session
 
@@ -62,12 +62,9 @@ def build_router(session: Session) -> APIRouter:
 
     async def answer(request: Request, parse, prefix: str):  # noqa: ANN001, ANN202 - parse_chat or parse_completion
         try:
-            try:
-                body = await request.json()
-            except ValueError as exc:
-                raise ApiError(400, "The request body must be JSON.") from exc
-            if not isinstance(body, dict):
-                raise ApiError(400, "The request body must be a JSON object.")
+            # Whole and within body_limit.MAX_BODY_BYTES (the server refused a larger one unread); parsed and checked
+            # on a thread, since megabytes of JSON would otherwise hold up every other request on the event loop.
+            body = await asyncio.to_thread(read_body, await request.body())
             runtime = runtime_or_error()
             settings = session.store.settings.load()
             defaults = Sampling(
@@ -108,11 +105,15 @@ def build_router(session: Session) -> APIRouter:
 
 async def _check_prompt(runtime, prompt: list[dict] | str) -> None:  # noqa: ANN001
     """A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
-    that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it."""
+    that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it. A
+    chat template stopped over its budget is the model's: a 500 with the sentence, before a stream starts too."""
+    from fmoe_local.chat_template import TemplateOverBudget
     from fmoe_local.engine import ContextTooLong, PromptRefused
 
     try:
         await asyncio.to_thread(runtime.check, prompt)  # tokenizing takes milliseconds; no turn is awaited
+    except TemplateOverBudget as exc:
+        raise ApiError(500, str(exc)) from exc
     except PromptRefused as exc:
         code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else None
         raise ApiError(400, str(exc), "prompt" if isinstance(prompt, str) else "messages", code) from exc

@@ -1,7 +1,11 @@
 """The body of a /v1/chat/completions or /v1/completions request, parsed and checked: what the API passes to the
 runtime, or an ApiError in OpenAI's shape (a 4xx names the field, `param`, that is wrong).
 
-Scope: messages (chat) or prompt and echo (completions), sampling (max_tokens, temperature, top_p, seed, n), stop,
+Two layers. `read_body` checks the JSON as a whole before any field is looked at: UTF-8, nesting, every number
+and every string, wherever it is (a field the app ignores today may be read tomorrow, and a value that cannot be
+represented breaks whoever reads it: a seed of 2**80 overflowed torch, a lone surrogate broke the tokenizer, JSON
+nested 100,000 deep overflowed the parser's stack — each a 500). Then `parse_chat` and `parse_completion` check
+what each field means. Scope of the second: messages (chat) or prompt and echo (completions), sampling (max_tokens, temperature, top_p, seed, n), stop,
 stream and stream_options, and the refusal of what the app cannot do (response_format other than text, logprobs,
 tool calls, a suffix to fill in, several prompts or token ids). It does NOT talk to the runtime or the session
 (ui/openai_api.py does), so every check here runs before a request is queued.
@@ -9,9 +13,12 @@ tool calls, a suffix to fill in, several prompts or token ids). It does NOT talk
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from fmoe_local.config import Sampling
 
@@ -19,6 +26,15 @@ from fmoe_local.config import Sampling
 # sends its whole list): refusing them refuses the editor. Each stop string is searched for after every token, so
 # a bound stays, well above what clients send.
 MAX_STOPS = 16
+# How deep a body's JSON may nest. OpenAI's requests nest 5 levels (body, messages, a message, its content parts, a
+# part); a tool's JSON schema, the deepest thing a client sends, rarely 10 more. Deeper is no request of OpenAI's
+# API, and a parser (or any code walking the value) recursing through it can run out of stack.
+MAX_DEPTH = 64
+# Every whole number in a body must fit 64 bits: what a seed or a count can be anywhere a number goes (torch,
+# numpy, SQLite), and beyond what any OpenAI field means. Checked while parsing, so a 4,000-digit number costs
+# nothing either.
+WHOLE_RANGE = (-(2**63), 2**63 - 1)
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half a character: left by a lone "\ud800" escape in JSON
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,114 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     echo: bool = False  # /v1/completions: the reply's text starts with the prompt
+
+
+def read_body(raw: bytes) -> dict:
+    """A request's body as a JSON object whose every value the app can represent: text in UTF-8 and valid Unicode
+    (no lone surrogate), nested at most MAX_DEPTH deep, whole numbers within WHOLE_RANGE and no NaN or infinity.
+    Anything else is an ApiError 400 that names where it is (`param`: the top-level field), before any field is
+    read for its meaning."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(
+            400, f"The request body must be JSON in UTF-8, but its byte {exc.start:,} is not UTF-8. Send it as UTF-8."
+        ) from exc
+    try:
+        body = json.loads(text, parse_int=_whole, parse_float=_real, parse_constant=_Unusable)
+    except RecursionError as exc:  # nested far beyond MAX_DEPTH: the parser's own stack ran out first
+        raise ApiError(400, _TOO_DEEP) from exc
+    except ValueError as exc:
+        raise ApiError(400, f"The request body must be JSON ({exc}).") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    _check_values(body)
+    return body
+
+
+_TOO_DEEP = (
+    f"The request body is nested more than {MAX_DEPTH} levels deep, which no OpenAI request is. Send the fields "
+    "as OpenAI's API documents them."
+)
+
+
+class _Unusable:
+    """A number parsed from the body that no field can take (NaN, an infinity, a whole number beyond 64 bits):
+    kept as this marker while parsing, refused by `_check_values` with the field's name."""
+
+    def __init__(self, literal: str, whole: bool = False) -> None:
+        self.whole = whole
+        self.literal = literal if len(literal) <= 24 else f"{literal[:12]}…({len(literal):,} digits)"
+
+
+def _whole(literal: str) -> int | _Unusable:
+    if len(literal) > 20:  # beyond 64 bits whatever the digits: never handed to int() (4,300 digits raise there)
+        return _Unusable(literal, whole=True)
+    value = int(literal)
+    return value if WHOLE_RANGE[0] <= value <= WHOLE_RANGE[1] else _Unusable(literal, whole=True)
+
+
+def _real(literal: str) -> float | _Unusable:
+    value = float(literal)
+    return value if math.isfinite(value) else _Unusable(literal)  # 1e999 parses as infinity
+
+
+def _check_values(body: dict) -> None:
+    """Walk the whole value without recursion (a list per level, not a stack frame)."""
+    pending: list[tuple[object, tuple, int]] = [(body, (), 1)]
+    while pending:
+        value, path, depth = pending.pop()
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        elif isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise ApiError(
+                    400,
+                    f"{_where(path)} holds text that is not valid Unicode: a lone surrogate (such as \\ud800), half "
+                    "of a character. Send whole characters only.",
+                    _param(path),
+                )
+            continue
+        elif isinstance(value, _Unusable):
+            if value.whole:
+                low, high = WHOLE_RANGE
+                said = f"is {value.literal}, outside the whole numbers this app can take ({low:,} to {high:,})"
+                fix = "Send a number in that range."
+            else:
+                said, fix = f"is {value.literal}, not a finite number", "Send a finite number."
+            raise ApiError(400, f"{_where(path)} {said}. {fix}", _param(path))
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise ApiError(400, _TOO_DEEP, _param(path))
+        for key, item in items:
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise ApiError(
+                    400,
+                    f"A field name in {_where(path) if path else 'the request body'} is not valid Unicode (a lone "
+                    "surrogate, half of a character). Send whole characters only.",
+                    _param(path),
+                )
+            if isinstance(item, (dict, list, str, _Unusable)):
+                pending.append((item, (*path, key), depth + 1))
+
+
+def _where(path: tuple) -> str:
+    """A value's place in the body as a client writes it (`messages[0].content`), in quotes; long names cut."""
+    text = ""
+    for key in path:
+        if isinstance(key, int):
+            text += f"[{key}]"
+        else:
+            name = key if len(key) <= 40 else f"{key[:40]}…"
+            text += f".{name}" if text else name
+    return f"'{text}'" if text else "The request body"
+
+
+def _param(path: tuple) -> str | None:
+    return _where(path[:1]).strip("'") if path else None
 
 
 def parse_chat(body: dict, defaults: Sampling) -> ApiRequest:
@@ -127,10 +251,13 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
-    def response(self) -> JSONResponse:
+    def response(self) -> Response:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        # ASCII escapes: a message that quotes a client's text can never fail to encode (a lone surrogate in it
+        # made JSONResponse's UTF-8 encoding raise, and the client a bare 500).
+        content = json.dumps(body, ensure_ascii=True)
+        return Response(content, status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 def _sampling(body: dict, defaults: Sampling) -> Sampling:

@@ -1,8 +1,8 @@
 """The app's HTTP server: one port, the guard outermost, the Gradio UI mounted at /, served by uvicorn on a thread.
 
 Scope: building the ASGI app around the Blocks (http_guard.LocalOnlyGuard, then http_auth.TokenGate when a token is
-set, a CORS policy that grants nothing, the upload size limit) and running it until `close()`. It does NOT build
-the UI (ui.build), choose the port or make the token (app.py).
+set, the budget on every request body (body_limit.py), a CORS policy that grants nothing, the upload size limit)
+and running it until `close()`. It does NOT build the UI (ui.build), choose the port or make the token (app.py).
 
 Why not `Blocks.launch`: launch builds its own app and puts Gradio's CORS middleware outermost, which grants any
 origin whenever the Host is not a localhost name — the DNS-rebinding case. Mounted in our app, our guard sees
@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from ui.body_limit import BodyLimit
 from ui.http_auth import TokenGate, cookie_name
 from ui.http_guard import LocalOnlyGuard, machine_names
 
@@ -49,6 +50,7 @@ class Server:
         if api is not None:
             app.include_router(api)  # before the mount at /, which would otherwise take every path
         app.add_middleware(CORSMiddleware, allow_origins=[])  # no origin is ever granted; Gradio's CORS stands down
+        app.add_middleware(BodyLimit)  # inside the token gate: the body of a refused caller is never read
         app.add_middleware(TokenGate, token=token, cookie=cookie_name(port))  # inside the guard: its rule comes first
         names = machine_names() if listen else ()
         app.add_middleware(LocalOnlyGuard, listen=listen, names=names, api_origins=api_origins)  # outermost
