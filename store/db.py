@@ -12,6 +12,7 @@ commits).
 
 from __future__ import annotations
 
+import errno
 import logging
 import sqlite3
 import threading
@@ -132,6 +133,8 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
     try:
         instance_lock.acquire()
     except OSError as exc:
+        if exc.errno == errno.EROFS:  # neither chmod nor chown helps: the disk itself takes no writes
+            raise StoreError(access.read_only_file_system(path)) from exc
         if instance_lock.path.exists():  # the folder may be writable: only the lock file is not
             raise StoreError(access.unopenable_lock(path, instance_lock.path, exc.strerror)) from exc
         raise StoreError(access.unwritable_folder(path.parent, exc.strerror)) from exc
@@ -243,6 +246,9 @@ def _refuse_if_not_ours(path: Path) -> None:
         return  # an empty file holds nothing to destroy (SQLite itself creates one on a plain connect)
     if head != SQLITE_MAGIC:
         raise refusal
+    header = read_header(path)
+    if header is not None and header.application_id == APPLICATION_ID:
+        return  # ours by its header: no connection needed (one may fail for reasons of the disk, not the file)
     try:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
@@ -251,7 +257,13 @@ def _refuse_if_not_ours(path: Path) -> None:
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:
-        raise refusal from exc
+        if _is_corruption(exc):
+            raise refusal from exc
+        # e.g. a WAL file's -shm that cannot be made on a read-only disk: the file may well be ours
+        raise StoreError(
+            f"Could not read {path} to check that it is an fmoe-local database ({exc}); it was left untouched. "
+            "If its disk or folder is read-only, name a file on a writable one."
+        ) from exc
     if app_id != APPLICATION_ID and not (app_id == 0 and _OUR_TABLES <= tables):
         raise refusal
 
