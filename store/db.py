@@ -27,7 +27,7 @@ import sqlite_utils
 from store import access
 from store.errors import StoreError
 from store.header import SQLITE_MAGIC, read_header
-from store.lock import InstanceLock
+from store.lock import InstanceLock, holds_a_pid
 from store.migrations import SCHEMA_VERSION, check_not_newer, migrate, too_new
 from store.salvage import Recovery, salvage
 
@@ -39,6 +39,7 @@ WAL_LIMIT_BYTES = 64 << 20  # what a checkpoint truncates the WAL file to, at mo
 # PRAGMA application_id of our files ("fmoe"): how a file we did not name ourselves is recognised as ours.
 APPLICATION_ID = 0x666D6F65
 _OUR_TABLES = {"models", "maps", "conversations", "messages", "settings"}
+_DATABASE_SUFFIXES = {".db", ".sqlite", ".sqlite3", ".db3"}  # an empty file named so is one to be made
 
 
 class _Corrupt(sqlite3.DatabaseError):
@@ -243,7 +244,11 @@ def _refuse_if_not_ours(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(16)
     if not head:
-        return  # an empty file holds nothing to destroy (SQLite itself creates one on a plain connect)
+        # Empty: ours when a first open of ours was cut short (SQLite makes the file before writing to it; our lock
+        # file beside it says so) or when it is named as a database; any other (notes.txt) is the user's.
+        if path.suffix.lower() in _DATABASE_SUFFIXES or holds_a_pid(InstanceLock(path).path):
+            return
+        raise refusal
     if head != SQLITE_MAGIC:
         raise refusal
     header = read_header(path)

@@ -275,6 +275,26 @@ def test_a_commit_by_another_connection_between_a_read_and_a_write_does_not_fail
         store.close()
 
 
+def test_an_existing_empty_file_is_refused_unless_named_or_left_as_a_database(tmp_path):
+    """Before: `--store notes.txt` on an empty notes.txt turned the user's file into a database."""
+    notes = tmp_path / "notes.txt"
+    notes.touch()
+    with pytest.raises(StoreError, match="notes.txt is not an fmoe-local database, so it was left untouched"):
+        open_store(notes)
+    assert notes.read_bytes() == b"" and not (tmp_path / "notes.txt-wal").exists()
+    assert not (tmp_path / "notes.txt.lock").exists()
+    named = tmp_path / "maps.db"  # `touch maps.db`: meant as a database
+    named.touch()
+    left = tmp_path / "mystore"  # a first open of ours killed before SQLite wrote a page: its lock says so
+    left.touch()
+    (tmp_path / "mystore.lock").write_text("\n4242\n")
+    for path in (named, left):
+        with open_store(path) as store:
+            store.chats.create("kept")
+        with open_store(path) as store:
+            assert [c.title for c in store.chats.list()] == ["kept"]
+
+
 def _read_only_disk(monkeypatch):
     """What a read-only mount does to the store's first steps: SQLite cannot make the -shm a read-only connection
     to a WAL file needs, and no file can be opened for writing."""
