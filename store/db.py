@@ -89,14 +89,21 @@ class StoreDb:
         (SQLITE_BUSY_SNAPSHOT, no waiting) when the map writer committed in between."""
         with self.lock:
             conn = self.db.conn
-            conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self.db
-            except BaseException:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self.db
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                # A write the disk refused (full, read-only, failing) or that waited too long is the user's to act
+                # on: a sentence (every caller shows StoreError as it is), never "OperationalError: …".
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+                raise StoreError(write_refused(self.path, exc)) from exc
 
     def close(self) -> None:
         with self.lock:
@@ -203,6 +210,27 @@ def _prove_writable(db: sqlite_utils.Database) -> None:
     finally:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
+
+
+def write_refused(path: Path, exc: sqlite3.OperationalError) -> str:
+    """What a user reads when a write to the database failed: why, what to do, and that nothing was changed."""
+    name = getattr(exc, "sqlite_errorname", "")
+    said = str(exc).lower()
+    if name.startswith("SQLITE_FULL") or "full" in said:
+        return (
+            f"Nothing was saved: the disk holding {path.name} is full. Free some space on it (empty the bin, remove "
+            "downloads or models you no longer use), then try again."
+        )
+    if _is_read_only(exc):
+        return f"Nothing was saved. {access.unwritable_database(path)}"
+    if _is_contention(exc):
+        return f"Nothing was saved: the database {path} stayed busy for {BUSY_TIMEOUT_MS // 1000} s. Try again."
+    if name.startswith("SQLITE_IOERR") or "i/o error" in said:
+        return (
+            f"Nothing was saved: the disk holding {path} reported a read or write error ({exc}). Check that it is "
+            "still connected and healthy, then try again."
+        )
+    return f"Nothing was saved: the database {path} refused the change ({exc}). Try again; if it repeats, restart."
 
 
 def _is_read_only(exc: sqlite3.DatabaseError) -> bool:

@@ -133,8 +133,14 @@ class SettingsStore:
         updated.validate()
         # One transaction for all the keys of one Apply: a kill in the middle keeps all of them or none.
         with self._s.writing():
-            self._s.db["settings"].upsert_all(
-                [{"key": k, "value_json": json.dumps(v)} for k, v in coerced.items()], pk="key"
+            # SQLite's upsert written out, not sqlite-utils': that one first probes ON CONFLICT support by creating a
+            # table, which a full disk refuses, and then keeps using its old form for the connection's life (INSERT
+            # OR IGNORE of the key alone, breaking value_json's NOT NULL, then UPDATE): a new key was dropped
+            # without a word, even after space was freed.
+            self._s.db.conn.executemany(
+                "INSERT INTO settings (key, value_json) VALUES (?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET value_json = excluded.value_json",
+                [(k, json.dumps(v)) for k, v in coerced.items()],
             )
         return updated
 

@@ -371,3 +371,23 @@ def test_a_real_read_only_mount_says_the_disk_is_read_only(tmp_path):
         pytest.skip(f"cannot mount read-only here: {said.stderr.strip()}")
     assert "is on a read-only disk" in said.stdout, (said.stdout, said.stderr)
     assert path.read_bytes() == before
+
+
+def test_every_write_a_full_disk_refuses_is_a_sentence_and_changes_nothing(tmp_path):
+    """Before: sqlite3.OperationalError "database or disk is full" reached the page raw (chat, settings)."""
+    with open_store(tmp_path) as store:
+        conv = store.chats.create("kept")
+        conn = store.db.db.conn
+        conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
+        for write in (
+            lambda: store.settings.set(system_prompt="z" * 2_000_000),
+            lambda: store.chats.append(conv.id, "user", "x" * 2_000_000),
+            lambda: store.chats.create("y" * 2_000_000),
+        ):
+            with pytest.raises(StoreError, match=r"^Nothing was saved: the disk holding fmoe-local.db is full\."):
+                write()
+        assert [c.title for c in store.chats.list()] == ["kept"] and store.chats.messages(conv.id) == []
+        assert store.settings.load().system_prompt == ""
+        conn.execute("PRAGMA max_page_count = 1073741823")  # space freed: the same writes are kept again
+        store.settings.set(system_prompt="be brief")  # before: dropped without a word for the rest of the session
+        assert store.settings.load().system_prompt == "be brief"
