@@ -434,3 +434,32 @@ def test_a_download_refused_for_disk_space_leaves_no_folder_behind(tmp_path):
         hub.close()
     assert status.state == "error" and "Not enough disk space" in status.message
     assert list(tmp_path.iterdir()) == []  # before: acme--huge-moe/.cache/huggingface/… stayed, unlisted
+
+
+def test_the_download_child_ends_with_its_own_exit_code_not_an_abort(tmp_path):
+    """Before: the parent watch, a daemon thread blocked in sys.stdin.buffer.read(), held stdin's lock when the
+    child ended normally: "Fatal Python error: _enter_buffered_busy: could not acquire lock for <stdin> at
+    interpreter shutdown", SIGABRT (on macOS a crash report for every finished download)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    downloads = Path(__file__).resolve().parents[1] / "ui" / "downloads.py"
+    child = (  # the module alone: importing the ui package would load gradio, seconds for nothing here
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('fmoe_downloads', {str(downloads)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['fmoe_downloads'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "module.exit_with_parent()\n"
+        "time.sleep(0.2)\n"  # the watch is blocked in its read, as during every download
+        "sys.exit(2)\n"  # as worker() does for a refused download
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        err = proc.stderr.read()
+        proc.wait(60)
+    finally:
+        proc.stdin.close()
+    assert "could not acquire lock" not in err, err
+    assert proc.returncode == 2, (proc.returncode, err)

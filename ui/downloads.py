@@ -209,9 +209,15 @@ def exit_with_parent() -> None:
     """Child side: end this process when the app that started it is gone, even after a kill -9. The app holds the
     write end of our stdin; the OS closes it when the app dies, and the read below returns."""
 
+    # The raw descriptor, not sys.stdin: a daemon thread blocked inside the buffered reader holds its lock, and at a
+    # normal exit the interpreter's shutdown then aborts on that lock (SIGABRT, "could not acquire lock for
+    # <stdin> at interpreter shutdown"; a crash report on macOS) instead of ending with the worker's exit code.
+    fd = sys.stdin.fileno()
+
     def watch() -> None:
         try:
-            sys.stdin.buffer.read()
+            while os.read(fd, 4096):
+                pass
         finally:
             os._exit(3)
 
