@@ -206,7 +206,8 @@ def serve(args: argparse.Namespace):
                 "moment and start again.)"
             ) from exc
         # A second double-click while the app runs: show the running one instead of failing.
-        print(f"fmoe-local is already running at {url}; opening it in your browser.", flush=True)
+        opening = "" if args.no_browser else "; opening it in your browser"
+        print(f"fmoe-local is already running at {url}{opening}.", flush=True)
         if not args.no_browser:
             import webbrowser
 

@@ -228,6 +228,22 @@ def test_a_second_start_on_data_in_use_opens_the_running_app_instead_of_failing(
     assert opened == [url]
 
 
+def test_a_second_start_with_no_browser_does_not_say_it_opens_one(tmp_path, monkeypatch, capsys):
+    """Before: "fmoe-local is already running at …; opening it in your browser." under --no-browser too."""
+    from store import open_store
+
+    opened = []
+    monkeypatch.setattr("webbrowser.open", opened.append)
+    args = app.build_parser().parse_args(["--data-dir", str(tmp_path), "--no-browser"])
+    with open_store(tmp_path), _answering_server() as url:
+        (tmp_path / app.RUNNING_URL).write_text(url)
+        with pytest.raises(SystemExit) as second:
+            app.serve(args)
+    out = capsys.readouterr().out
+    assert second.value.code == 0 and opened == []
+    assert f"fmoe-local is already running at {url}.\n" in out and "browser" not in out
+
+
 @contextlib.contextmanager
 def _answering_server():
     import http.server
