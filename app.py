@@ -33,13 +33,17 @@ LOOPBACK = "127.0.0.1"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from fmoe_local.cli_args import SentenceParser, port
+
+    p = SentenceParser(
         prog="fmoe-local",
         description="Chat with Mixture-of-Experts models larger than your GPU, on this computer.",
         epilog="Sub-commands: `fmoe-local run --help`, `fmoe-local bench --help`.",
     )
     p.add_argument("--model", help="model folder, or the repo id of a downloaded model (default: the last one used)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to serve on (the next free one if taken)")
+    p.add_argument(
+        "--port", type=port, default=DEFAULT_PORT, help="port to serve on, 1 to 65535 (the next free one if taken)"
+    )
     p.add_argument("--no-browser", action="store_true", help="do not open a browser window")
     p.add_argument("--data-dir", help="where chats, settings and models are kept (default: your user data folder)")
     p.add_argument(
@@ -119,7 +123,10 @@ def bind_host(listen: bool) -> str:
 
 def free_port(host: str, start: int, tries: int = PORT_TRIES) -> int:
     """The first port from `start` that `host` can bind. Raises OSError with a sentence when none is free."""
-    for port in range(start, start + tries):
+    from fmoe_local.cli_args import MAX_PORT
+
+    last = min(start + tries - 1, MAX_PORT)  # past 65535 bind() raises OverflowError, not OSError
+    for port in range(start, last + 1):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             if os.name != "nt":
                 # As uvicorn does: a port left in TIME_WAIT by a previous run is free; on Windows the same
@@ -130,7 +137,7 @@ def free_port(host: str, start: int, tries: int = PORT_TRIES) -> int:
             except OSError:
                 continue
             return port
-    raise OSError(f"Ports {start}–{start + tries - 1} are all taken. Start with --port and another number.")
+    raise OSError(f"Ports {start}–{last} are all taken. Start with --port and another number from 1 to {MAX_PORT}.")
 
 
 def persistence_factory(store_path: Path, model_dir: Path):
@@ -241,7 +248,8 @@ def serve(args: argparse.Namespace):
                 "moment and start again.)"
             ) from exc
         # A second double-click while the app runs: show the running one instead of failing.
-        print(f"fmoe-local is already running at {url}; opening it in your browser.", flush=True)
+        opening = "" if args.no_browser else "; opening it in your browser"
+        print(f"fmoe-local is already running at {url}{opening}.", flush=True)
         if not args.no_browser:
             import webbrowser
 
@@ -276,7 +284,10 @@ def serve(args: argparse.Namespace):
         print(f"fmoe-local: {note}", flush=True)
     host = bind_host(args.listen)
     token = access_token(args)
-    port = free_port(host, args.port)
+    try:
+        port = free_port(host, args.port)
+    except OSError as exc:
+        raise SystemExit(f"fmoe-local: {exc}") from exc
     demo = build(session)
     demo.queue(default_concurrency_limit=1)
     from ui.openai_api import build_router

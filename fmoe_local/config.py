@@ -6,12 +6,14 @@ Scope: plain data. It does NOT probe hardware, read files or validate against a 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 POLICIES = ("fmoe", "moe_infinity", "lru", "lfu", "speculative", "on_demand", "cpu_moe")
 MISS_HANDLING = ("auto", "copy", "cpu")
 SEMANTIC_MODES = ("running_mean", "token")
 EXPERT_FORMATS = ("auto", "bf16", "int8", "nf4")  # expert_formats.py describes each
+MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes; a larger seed overflowed mid-request
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,20 @@ class Sampling:
     top_p: float = 0.9
     greedy: bool = False
     seed: int | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError with a sentence a user can act on. Written as `not <in range>` so that NaN, which
+        fails every comparison, is refused too (it made every sampled token a torch error)."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("Temperature must be 0 (the most likely reply) or a positive number, ~0.7 for variety.")
+        if not 0 <= self.top_p <= 1:
+            raise ValueError("Top-p must be a number from 0 to 1 (1 keeps every token, 0.9 the likeliest nine tenths).")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError("Max new tokens must be a whole number of at least 1.")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise ValueError(f"The seed must be a whole number from 0 to {MAX_SEED}, or left out.")
 
 
 @dataclass(frozen=True)
@@ -111,7 +127,7 @@ class RuntimeConfig:
             raise ValueError(
                 f"Unknown semantic mode '{self.semantic_mode}'. Choose one of: {', '.join(SEMANTIC_MODES)}."
             )
-        if self.cache_experts is None and self.cache_gb <= 0:
+        if self.cache_experts is None and not (math.isfinite(self.cache_gb) and self.cache_gb > 0):
             raise ValueError("The expert cache needs more than 0 GB. Set cache GB to a positive number.")
         if self.cache_experts is not None and self.cache_experts < 1:
             raise ValueError("The expert cache needs at least one expert slot.")
@@ -123,11 +139,14 @@ class RuntimeConfig:
             raise ValueError("Set the semantic sketch size to 0 (exact search) or a positive number of dimensions.")
         if self.sketch_candidates < 1:
             raise ValueError("Set the semantic sketch candidates to at least 1: that many maps are re-ranked exactly.")
-        if self.load_timeout_s <= 0:
+        if not (math.isfinite(self.load_timeout_s) and self.load_timeout_s > 0):
             raise ValueError("Set the load timeout to a positive number of seconds.")
-        if self.pinned_ram_gb is not None and not self.pinned_ram_gb >= 0:
+        if self.host_ram_gb is not None and not (math.isfinite(self.host_ram_gb) and self.host_ram_gb >= 0):
+            raise ValueError("Set the host RAM for experts to 0 GB or a positive number of GB, or leave it on auto.")
+        if self.pinned_ram_gb is not None and not (math.isfinite(self.pinned_ram_gb) and self.pinned_ram_gb >= 0):
             raise ValueError("Set the pinned RAM to 0 GB (never pin) or a positive number of GB, or leave it on auto.")
-        if not self.copy_chunk_mb > 0:
+        if not (math.isfinite(self.copy_chunk_mb) and self.copy_chunk_mb > 0):
             raise ValueError("Set the copy chunk to a positive number of MB (32 is a good size).")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"Unknown device '{self.device}'. Use auto, cpu or cuda.")
+        self.sampling.validate()

@@ -22,6 +22,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -65,10 +66,8 @@ def load_model(
     model_dir = Path(model_dir)
     config = config or RuntimeConfig()
     device = torch.device(device)
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"No config.json in {model_dir}. Choose the folder of a downloaded model.")
     hf_internals.check_installed()
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = read_config(model_dir)
     arch = architecture_for(hf_config)
     _drop_supported_quantization(hf_config, arch)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -83,6 +82,40 @@ def load_model(
     if unexpected:
         log.info("Ignored %d checkpoint tensors the model does not use (e.g. %s)", len(unexpected), unexpected[0])
     return LoadedModel(model, tokenizer, arch, host, moe_layers, dtype, unexpected)
+
+
+def read_config(model_dir: str | Path) -> PretrainedConfig:
+    """The checkpoint's config.json as transformers reads it. A file that is missing (FileNotFoundError), not JSON
+    or holding a value transformers refuses (ValueError) is a sentence naming the file and what to do: a
+    download cut short or a hand edit, which transformers reports as a traceback of its own types."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"No config.json in {model_dir}. Choose the folder of a downloaded model.")
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except ValueError:
+        raise  # transformers' own sentences, e.g. a model type this version does not know
+    except Exception as exc:  # noqa: BLE001 - OSError for broken JSON, huggingface_hub's validation errors, …
+        why = _config_fault(path) or " ".join(str(exc).split()) or type(exc).__name__
+        raise ValueError(
+            f"The config.json of {model_dir.name} cannot be read ({why.rstrip('.')}). Download the model again, "
+            "or correct the file."
+        ) from exc
+
+
+def _config_fault(path: Path) -> str:
+    """What is wrong with config.json's text itself, or "" when it is readable JSON (then transformers' reason
+    counts, not its "It looks like the config file … is not a valid JSON file" for any failure to read it)."""
+    import json
+
+    try:
+        json.loads(path.read_bytes())
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        return f"it is not valid JSON: {exc}"
+    return ""
 
 
 def _build(

@@ -31,10 +31,14 @@ def decode_layer_s(decode_s: float, waited_s: float, tokens: int, num_layers: in
     return compute / (tokens * num_layers) if compute > 0 else None
 
 
+def max_distance(num_layers: int) -> int:
+    """The furthest prefetch distance a model of `num_layers` MoE layers has a use for: L − 1 (a prefetch for
+    layer l + d must land on a layer of the same pass), 1 for a one-layer model (the next pass's)."""
+    return max(1, num_layers - 1)
+
+
 def distance_for(load_s: float, layer_s: float, num_layers: int) -> int:
     """The prefetch distance for experts that take `load_s` to copy and layers that compute for `layer_s`."""
     if load_s <= 0 or layer_s <= 0:
         raise ValueError("Give the expert copy time and the layer time as positive numbers of seconds.")
-    if num_layers < 2:
-        return 1  # one MoE layer: the only prefetch is the next forward pass's, one layer ahead
-    return max(1, min(num_layers - 1, math.ceil(load_s / layer_s) + 1))
+    return max(1, min(max_distance(num_layers), math.ceil(load_s / layer_s) + 1))

@@ -94,3 +94,13 @@ def unwritable_folder(folder: Path, strerror: str | None) -> str:
     files, owner = others_files([folder])
     why = f"; it belongs to {owner}, not to you" if owner else ""
     return f"Cannot write in {folder} ({strerror}{why}). Choose a folder you can write to with --data-dir."
+
+
+def read_only_file_system(db_path: Path) -> str:
+    """The disk holding the store takes no writes at all (mounted read-only, a locked SD card, a finished ISO):
+    no owner or permission to change, so the sentence names the disk, not the file."""
+    return (
+        f"The database {db_path} is on a read-only disk, so nothing you chat would be kept. Start with --data-dir "
+        "(or --store) pointing to a folder on a writable disk, or make this disk writable (remount it) and start "
+        "again. It was left as it is."
+    )

@@ -111,7 +111,7 @@ class ChatStore:
         now = time.time()
         row = {"title": title, "created": now, "updated": now, "model": model}
         row["settings_json"] = json.dumps(settings or {})
-        with self._s.lock:
+        with self._s.writing():  # as every write: a refusal of the disk is a sentence (db.write_refused)
             cid = self._s.db["conversations"].insert(row).last_pk
         return self.get(cid)
 

@@ -12,6 +12,7 @@ commits).
 
 from __future__ import annotations
 
+import errno
 import logging
 import sqlite3
 import threading
@@ -26,7 +27,7 @@ import sqlite_utils
 from store import access
 from store.errors import StoreError
 from store.header import SQLITE_MAGIC, read_header
-from store.lock import InstanceLock
+from store.lock import InstanceLock, holds_a_pid
 from store.migrations import SCHEMA_VERSION, check_not_newer, migrate, too_new
 from store.salvage import Recovery, salvage
 
@@ -38,6 +39,7 @@ WAL_LIMIT_BYTES = 64 << 20  # what a checkpoint truncates the WAL file to, at mo
 # PRAGMA application_id of our files ("fmoe"): how a file we did not name ourselves is recognised as ours.
 APPLICATION_ID = 0x666D6F65
 _OUR_TABLES = {"models", "maps", "conversations", "messages", "settings"}
+_DATABASE_SUFFIXES = {".db", ".sqlite", ".sqlite3", ".db3"}  # an empty file named so is one to be made
 
 
 class _Corrupt(sqlite3.DatabaseError):
@@ -87,14 +89,21 @@ class StoreDb:
         (SQLITE_BUSY_SNAPSHOT, no waiting) when the map writer committed in between."""
         with self.lock:
             conn = self.db.conn
-            conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self.db
-            except BaseException:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self.db
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                # A write the disk refused (full, read-only, failing) or that waited too long is the user's to act
+                # on: a sentence (every caller shows StoreError as it is), never "OperationalError: …".
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+                raise StoreError(write_refused(self.path, exc)) from exc
 
     def close(self) -> None:
         with self.lock:
@@ -132,6 +141,8 @@ def open_database(path: str | Path, check: bool = True, named_by_user: bool = Fa
     try:
         instance_lock.acquire()
     except OSError as exc:
+        if exc.errno == errno.EROFS:  # neither chmod nor chown helps: the disk itself takes no writes
+            raise StoreError(access.read_only_file_system(path)) from exc
         if instance_lock.path.exists():  # the folder may be writable: only the lock file is not
             raise StoreError(access.unopenable_lock(path, instance_lock.path, exc.strerror)) from exc
         raise StoreError(access.unwritable_folder(path.parent, exc.strerror)) from exc
@@ -201,6 +212,27 @@ def _prove_writable(db: sqlite_utils.Database) -> None:
             conn.execute("ROLLBACK")
 
 
+def write_refused(path: Path, exc: sqlite3.OperationalError) -> str:
+    """What a user reads when a write to the database failed: why, what to do, and that nothing was changed."""
+    name = getattr(exc, "sqlite_errorname", "")
+    said = str(exc).lower()
+    if name.startswith("SQLITE_FULL") or "full" in said:
+        return (
+            f"Nothing was saved: the disk holding {path.name} is full. Free some space on it (empty the bin, remove "
+            "downloads or models you no longer use), then try again."
+        )
+    if _is_read_only(exc):
+        return f"Nothing was saved. {access.unwritable_database(path)}"
+    if _is_contention(exc):
+        return f"Nothing was saved: the database {path} stayed busy for {BUSY_TIMEOUT_MS // 1000} s. Try again."
+    if name.startswith("SQLITE_IOERR") or "i/o error" in said:
+        return (
+            f"Nothing was saved: the disk holding {path} reported a read or write error ({exc}). Check that it is "
+            "still connected and healthy, then try again."
+        )
+    return f"Nothing was saved: the database {path} refused the change ({exc}). Try again; if it repeats, restart."
+
+
 def _is_read_only(exc: sqlite3.DatabaseError) -> bool:
     name = getattr(exc, "sqlite_errorname", "")
     return name.startswith("SQLITE_READONLY") if name else "readonly" in str(exc).lower()
@@ -240,9 +272,16 @@ def _refuse_if_not_ours(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(16)
     if not head:
-        return  # an empty file holds nothing to destroy (SQLite itself creates one on a plain connect)
+        # Empty: ours when a first open of ours was cut short (SQLite makes the file before writing to it; our lock
+        # file beside it says so) or when it is named as a database; any other (notes.txt) is the user's.
+        if path.suffix.lower() in _DATABASE_SUFFIXES or holds_a_pid(InstanceLock(path).path):
+            return
+        raise refusal
     if head != SQLITE_MAGIC:
         raise refusal
+    header = read_header(path)
+    if header is not None and header.application_id == APPLICATION_ID:
+        return  # ours by its header: no connection needed (one may fail for reasons of the disk, not the file)
     try:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
@@ -251,7 +290,13 @@ def _refuse_if_not_ours(path: Path) -> None:
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:
-        raise refusal from exc
+        if _is_corruption(exc):
+            raise refusal from exc
+        # e.g. a WAL file's -shm that cannot be made on a read-only disk: the file may well be ours
+        raise StoreError(
+            f"Could not read {path} to check that it is an fmoe-local database ({exc}); it was left untouched. "
+            "If its disk or folder is read-only, name a file on a writable one."
+        ) from exc
     if app_id != APPLICATION_ID and not (app_id == 0 and _OUR_TABLES <= tables):
         raise refusal
 

@@ -100,6 +100,19 @@ class InstanceLock:
         self.release()
 
 
+def holds_a_pid(lock_path: Path) -> bool:
+    """Is `lock_path` a lock file one of our instances wrote (a regular file holding a PID and nothing else)? Read
+    only; a lock file someone holds now still answers yes."""
+    if lock_path.is_symlink() or not lock_path.is_file():
+        return False
+    try:
+        with open(lock_path, "rb") as f:
+            text = f.read(65)
+    except OSError:
+        return False
+    return len(text) <= 64 and re.fullmatch(rb"\s*\d+\s*", text) is not None
+
+
 def _holds_only_a_pid(fd: int) -> bool:
     """What we write (a PID between newlines), or nothing: read under our own lock, so from byte 0."""
     if os.fstat(fd).st_size > 64:

@@ -77,7 +77,6 @@ class AppSettings:
         """Raise ValueError with a sentence a user can act on."""
         if not math.isfinite(self.cache_gb):  # NaN passes every comparison: refused before any
             raise ValueError(f"An expert cache of {self.cache_gb} GB is not possible. Set a positive number of GB.")
-        self.apply_to(RuntimeConfig()).validate()
         low, high = TEMPERATURE_RANGE
         if not low <= self.temperature <= high:  # written so that NaN fails it
             raise ValueError(
@@ -98,6 +97,8 @@ class AppSettings:
                 f"The system prompt is {len(self.system_prompt):,} characters long; it can be at most "
                 f"{SYSTEM_PROMPT_CHARS:,}. Shorten it."
             )
+        # After the page's own sentences above (they name the sliders' ranges): the runtime's checks of the rest.
+        self.apply_to(RuntimeConfig()).validate()
 
 
 _TYPES: dict[str, type] = {f.name: type(f.default) for f in fields(AppSettings)}
@@ -208,8 +209,14 @@ class SettingsStore:
         updated = self.check(**changes)
         # One transaction for all the keys of one Apply: a kill in the middle keeps all of them or none.
         with self._s.writing():
-            self._s.db["settings"].upsert_all(
-                [{"key": k, "value_json": json.dumps(getattr(updated, k), allow_nan=False)} for k in changes], pk="key"
+            # SQLite's upsert written out, not sqlite-utils': that one first probes ON CONFLICT support by creating a
+            # table, which a full disk refuses, and then keeps using its old form for the connection's life (INSERT
+            # OR IGNORE of the key alone, breaking value_json's NOT NULL, then UPDATE): a new key was dropped
+            # without a word, even after space was freed.
+            self._s.db.conn.executemany(
+                "INSERT INTO settings (key, value_json) VALUES (?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET value_json = excluded.value_json",
+                [(k, json.dumps(getattr(updated, k), allow_nan=False)) for k in changes],
             )
         return updated
 

@@ -35,6 +35,29 @@ def test_taken_port_moves_to_the_next_free_one():
             app.free_port("127.0.0.1", busy.getsockname()[1], tries=1)
 
 
+@pytest.mark.parametrize("port", ["99999", "-1", "0", "65536", "http"])
+def test_a_port_out_of_range_is_refused_in_one_line(port, capsys):
+    """Before: --port 99999 and -1 were OverflowError tracebacks; --port 0 served on a random port and recorded
+    http://127.0.0.1:0/ for the next start to open."""
+    with pytest.raises(SystemExit) as refused:
+        app.main(["--port", port, "--no-browser"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"Argument --port: give a whole number from 1 to 65535 (got {port if port != 'http' else repr(port)})" in err
+
+
+def test_the_ports_tried_never_pass_65535():
+    """From --port 65535 the next ports were 65536…: bind() raised OverflowError, a traceback, not "all taken"."""
+    with socket.socket() as busy:
+        try:
+            busy.bind(("127.0.0.1", 65535))
+            busy.listen()
+        except OSError:
+            pass  # taken by someone else: just as busy
+        with pytest.raises(OSError, match="Ports 65535–65535 are all taken. Start with --port and another number"):
+            app.free_port("127.0.0.1", 65535, tries=3)
+
+
 def test_model_resolution_order(tmp_path):
     models = tmp_path / "models"
     (models / "acme--moe").mkdir(parents=True)
@@ -203,6 +226,22 @@ def test_a_second_start_on_data_in_use_opens_the_running_app_instead_of_failing(
         with pytest.raises(SystemExit, match="already in use.*does not answer at .*wait a moment"):
             app.serve(args)
     assert opened == [url]
+
+
+def test_a_second_start_with_no_browser_does_not_say_it_opens_one(tmp_path, monkeypatch, capsys):
+    """Before: "fmoe-local is already running at …; opening it in your browser." under --no-browser too."""
+    from store import open_store
+
+    opened = []
+    monkeypatch.setattr("webbrowser.open", opened.append)
+    args = app.build_parser().parse_args(["--data-dir", str(tmp_path), "--no-browser"])
+    with open_store(tmp_path), _answering_server() as url:
+        (tmp_path / app.RUNNING_URL).write_text(url)
+        with pytest.raises(SystemExit) as second:
+            app.serve(args)
+    out = capsys.readouterr().out
+    assert second.value.code == 0 and opened == []
+    assert f"fmoe-local is already running at {url}.\n" in out and "browser" not in out
 
 
 @contextlib.contextmanager

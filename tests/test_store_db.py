@@ -273,3 +273,121 @@ def test_a_commit_by_another_connection_between_a_read_and_a_write_does_not_fail
         other.conn.close()
     finally:
         store.close()
+
+
+def test_an_existing_empty_file_is_refused_unless_named_or_left_as_a_database(tmp_path):
+    """Before: `--store notes.txt` on an empty notes.txt turned the user's file into a database."""
+    notes = tmp_path / "notes.txt"
+    notes.touch()
+    with pytest.raises(StoreError, match="notes.txt is not an fmoe-local database, so it was left untouched"):
+        open_store(notes)
+    assert notes.read_bytes() == b"" and not (tmp_path / "notes.txt-wal").exists()
+    assert not (tmp_path / "notes.txt.lock").exists()
+    named = tmp_path / "maps.db"  # `touch maps.db`: meant as a database
+    named.touch()
+    left = tmp_path / "mystore"  # a first open of ours killed before SQLite wrote a page: its lock says so
+    left.touch()
+    (tmp_path / "mystore.lock").write_text("\n4242\n")
+    for path in (named, left):
+        with open_store(path) as store:
+            store.chats.create("kept")
+        with open_store(path) as store:
+            assert [c.title for c in store.chats.list()] == ["kept"]
+
+
+def _read_only_disk(monkeypatch):
+    """What a read-only mount does to the store's first steps: SQLite cannot make the -shm a read-only connection
+    to a WAL file needs, and no file can be opened for writing."""
+    import errno
+    import os
+    import sqlite3
+
+    import store.db as db_module
+    import store.lock as lock_module
+
+    real_connect, real_open = sqlite3.connect, os.open
+
+    def connect(database, *args, **kwargs):
+        if "mode=ro" in str(database):
+            raise sqlite3.OperationalError("unable to open database file")
+        return real_connect(database, *args, **kwargs)
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(db_module.sqlite3, "connect", connect)
+    monkeypatch.setattr(lock_module.os, "open", open_)
+
+
+def test_a_database_on_a_read_only_disk_is_named_as_such(tmp_path, monkeypatch):
+    """Before: `run --store maps.db` on a read-only mount said the file "is not an fmoe-local database" (and from a
+    data folder, "make it writable (chmod u+w …)", which cannot help a read-only disk)."""
+    path = tmp_path / "maps.db"
+    with open_store(path) as store:
+        store.chats.create("kept")
+    before = path.read_bytes()
+    _read_only_disk(monkeypatch)
+    for location in (path, tmp_path / "data"):
+        if location.name == "data":
+            location.mkdir()
+            (location / "fmoe-local.db").write_bytes(before)
+            (location / "fmoe-local.db.lock").write_text("\n1\n")
+        with pytest.raises(StoreError, match=r"is on a read-only disk, so nothing you chat would be kept\. Start with"):
+            open_store(location)
+    assert path.read_bytes() == before
+
+
+def test_a_real_read_only_mount_says_the_disk_is_read_only(tmp_path):
+    """The same on a real read-only bind mount (Linux, where an unprivileged user namespace is allowed)."""
+    import shutil
+    from pathlib import Path
+
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        pytest.skip("needs Linux's unshare")
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("user namespaces are not allowed here")
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    path = folder / "maps.db"
+    with open_store(path) as store:
+        store.chats.create("kept")
+    before = path.read_bytes()
+    probe = (
+        "from store import StoreError, open_store\n"
+        f"try:\n    open_store({str(path)!r})\nexcept StoreError as exc:\n    print(exc)\n"
+    )
+    script = f'mount --bind "{folder}" "{folder}" && mount -o remount,bind,ro "{folder}" && exec "$0" -c "$1"'
+    repo = Path(__file__).resolve().parents[1]
+    said = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, sys.executable, probe],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if "mount" in said.stderr and said.returncode != 0:
+        pytest.skip(f"cannot mount read-only here: {said.stderr.strip()}")
+    assert "is on a read-only disk" in said.stdout, (said.stdout, said.stderr)
+    assert path.read_bytes() == before
+
+
+def test_every_write_a_full_disk_refuses_is_a_sentence_and_changes_nothing(tmp_path):
+    """Before: sqlite3.OperationalError "database or disk is full" reached the page raw (chat, settings)."""
+    with open_store(tmp_path) as store:
+        conv = store.chats.create("kept")
+        conn = store.db.db.conn
+        conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
+        for write in (
+            lambda: store.settings.set(system_prompt="z" * 90_000),  # within the page's limit, beyond the disk
+            lambda: store.chats.append(conv.id, "user", "x" * 2_000_000),
+            lambda: store.chats.create("y" * 2_000_000),
+        ):
+            with pytest.raises(StoreError, match=r"^Nothing was saved: the disk holding fmoe-local.db is full\."):
+                write()
+        assert [c.title for c in store.chats.list()] == ["kept"] and store.chats.messages(conv.id) == []
+        assert store.settings.load().system_prompt == ""
+        conn.execute("PRAGMA max_page_count = 1073741823")  # space freed: the same writes are kept again
+        store.settings.set(system_prompt="be brief")  # before: dropped without a word for the rest of the session
+        assert store.settings.load().system_prompt == "be brief"

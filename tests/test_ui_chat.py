@@ -383,3 +383,19 @@ def test_a_reply_the_model_s_context_cut_says_so_and_offers_no_continue(ui_sessi
     assert not chat_flow.can_continue(last)  # the Chat tab hides Continue
     with pytest.raises(chat_flow.Problem, match="context is full, so it cannot be continued. Start a new chat."):
         next(chat_flow.continue_reply(s, conv.id, "", Sampling(max_new_tokens=4096)))
+
+
+def test_sending_on_a_full_disk_says_so_in_a_sentence(app):
+    """Before: Send on a full disk showed "That did not work (OperationalError: database or disk is full)"."""
+    session, conv, fn = app
+    session.runtime = ScriptedRuntime(("Never shown.", "stop"))
+    conn = session.store.db.db.conn
+    # SQLite's own limit on the file's pages: the database cannot grow, exactly as when the disk has no room.
+    conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
+    *kept, said = next(fn("send")("A long message. " * 4000, conv.id, "", 0.7, 0.9, 16))
+    text = _notice_text(said)
+    assert "Nothing was saved: the disk holding fmoe-local.db is full. Free some space" in text, text
+    assert "OperationalError" not in text
+    assert [m.content for m in session.store.chats.messages(conv.id)] == ["Tell me about the sea."]
+    conn.execute("PRAGMA max_page_count = 1073741823")  # room again: the same Send works
+    assert session.store.chats.append(conv.id, "user", "short").content == "short"

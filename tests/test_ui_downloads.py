@@ -369,3 +369,97 @@ def test_download_keeps_the_child_s_stdin_open_for_the_watch(tmp_path):
         d.wait(60)
     finally:
         d.cancel()
+
+
+def test_a_refused_download_leaves_no_folder_behind(tmp_path, monkeypatch, capsys):
+    """Before: the plan (huggingface_hub's dry run) wrote <owner>--<name>/.cache, and a download refused for lack
+    of disk space left that folder: without a marker it was not listed, and Delete refused it as not the app's."""
+    import shutil
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    from ui.downloads import STARTED_MARKER, worker
+
+    def fake_hub(repo_id, local_dir, dry_run=False, **_):
+        assert dry_run, "a refused download must not start"
+        trees = local_dir / ".cache" / "huggingface" / "trees"  # what the real dry run writes
+        trees.mkdir(parents=True)
+        (trees / "0123.json").write_text("[]")
+        return [SimpleNamespace(file_size=50_000_000_000, will_download=True)]
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=1_000_000_000))
+    assert worker("acme/huge-moe", tmp_path / "acme--huge-moe", ["*"], []) == 2
+    assert "Not enough disk space" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    # A folder that was there before keeps what it had; only the plan's own .cache goes.
+    mine = tmp_path / "acme--huge-moe"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert worker("acme/huge-moe", mine, ["*"], []) == 2
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    # A download of ours (its started marker) keeps its .cache: a resumed download reads it.
+    (mine / STARTED_MARKER).write_text('{"repo_id": "acme/huge-moe"}')
+    assert worker("acme/huge-moe", mine, ["*"], []) == 2
+    assert (mine / ".cache").is_dir()
+
+
+class HugeHub(FakeHub):
+    """A real repo whose files are far larger than any disk: the download is refused after its plan."""
+
+    def _serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        path = h.path.split("?")[0]
+        if "/tree/" in path:
+            self.requests.append((h.command, path, None))
+            tree = [{"type": "file", "path": n, "size": 10**15, "oid": "0" * 40} for n in self.files]
+            self._send_json(h, tree)
+        elif "/resolve/" in path and not body:  # the plan's HEAD: the size it counts
+            self.requests.append((h.command, path, None))
+            h.send_response(200)
+            h.send_header("ETag", '"huge"')
+            h.send_header("X-Repo-Commit", SHA)
+            h.send_header("Content-Length", str(10**15))
+            h.end_headers()
+        else:
+            super()._serve(h, body)
+
+
+@pytest.mark.slow
+def test_a_download_refused_for_disk_space_leaves_no_folder_behind(tmp_path):
+    hub = HugeHub(_files())
+    try:
+        status = Download("acme/huge-moe", tmp_path, ALLOW, IGNORE, endpoint=hub.url).wait(120)
+    finally:
+        hub.close()
+    assert status.state == "error" and "Not enough disk space" in status.message
+    assert list(tmp_path.iterdir()) == []  # before: acme--huge-moe/.cache/huggingface/… stayed, unlisted
+
+
+def test_the_download_child_ends_with_its_own_exit_code_not_an_abort(tmp_path):
+    """Before: the parent watch, a daemon thread blocked in sys.stdin.buffer.read(), held stdin's lock when the
+    child ended normally: "Fatal Python error: _enter_buffered_busy: could not acquire lock for <stdin> at
+    interpreter shutdown", SIGABRT (on macOS a crash report for every finished download)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    downloads = Path(__file__).resolve().parents[1] / "ui" / "downloads.py"
+    child = (  # the module alone: importing the ui package would load gradio, seconds for nothing here
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('fmoe_downloads', {str(downloads)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['fmoe_downloads'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "module.exit_with_parent()\n"
+        "time.sleep(0.2)\n"  # the watch is blocked in its read, as during every download
+        "sys.exit(2)\n"  # as worker() does for a refused download
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        err = proc.stderr.read()
+        proc.wait(60)
+    finally:
+        proc.stdin.close()
+    assert "could not acquire lock" not in err, err
+    assert proc.returncode == 2, (proc.returncode, err)

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,13 +209,35 @@ def exit_with_parent() -> None:
     """Child side: end this process when the app that started it is gone, even after a kill -9. The app holds the
     write end of our stdin; the OS closes it when the app dies, and the read below returns."""
 
+    # The raw descriptor, not sys.stdin: a daemon thread blocked inside the buffered reader holds its lock, and at a
+    # normal exit the interpreter's shutdown then aborts on that lock (SIGABRT, "could not acquire lock for
+    # <stdin> at interpreter shutdown"; a crash report on macOS) instead of ending with the worker's exit code.
+    fd = sys.stdin.fileno()
+
     def watch() -> None:
         try:
-            sys.stdin.buffer.read()
+            while os.read(fd, 4096):
+                pass
         finally:
             os._exit(3)
 
     threading.Thread(target=watch, name="fmoe-parent-watch", daemon=True).start()
+
+
+def _nothing() -> None:
+    pass
+
+
+def _plan_leftovers(dest: Path) -> Callable[[], None]:
+    """A callable removing what a plan made under `dest` that was not there before: the whole folder when it did
+    not exist, else only a `.cache` it did not have (a folder that is already ours keeps its own, which a resumed
+    download reads)."""
+    if not dest.exists():
+        return lambda: shutil.rmtree(dest, ignore_errors=True)
+    cache = dest / ".cache"
+    if cache.exists() or (dest / STARTED_MARKER).exists() or (dest / COMPLETE_MARKER).exists():
+        return _nothing
+    return lambda: shutil.rmtree(cache, ignore_errors=True)
 
 
 def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int:
@@ -226,12 +249,16 @@ def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int
 
     from huggingface_hub import snapshot_download
 
+    # What the plan itself leaves (huggingface_hub's dry run writes its file listing under <dest>/.cache) is undone
+    # when the download does not start: a folder without our marker is neither listed nor deletable in the app.
+    undo = _plan_leftovers(dest)
     try:
         total, remaining = _plan(repo_id, dest, allow, ignore)
         say(event="plan", total=total, remaining=remaining)
         dest.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(dest.parent).free
         if remaining + DISK_MARGIN_BYTES > free:
+            undo()
             say(
                 event="error",
                 kind="disk",
@@ -242,8 +269,10 @@ def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int
         # Only now, with a plan for a real repo and room for it: a mistyped repo id leaves no folder behind.
         dest.mkdir(exist_ok=True)
         write_marker(dest, {"repo_id": repo_id, "total_bytes": total}, STARTED_MARKER)
+        undo = _nothing  # from here the folder is a download of ours: listed, resumable, deletable
         snapshot_download(repo_id, local_dir=dest, allow_patterns=allow, ignore_patterns=ignore)
     except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the user
+        undo()
         full = disk_full(error, dest, total)
         kind, message = ("disk", full) if full else explain(error)
         say(event="error", kind=kind, message=message)

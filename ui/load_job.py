@@ -39,12 +39,10 @@ class ModelShapeFacts:
 def shape_of(model_dir: Path) -> ModelShapeFacts:
     """Raises ValueError (a sentence) for a model the app can never load: not a MoE family it knows, or quantized
     in a way it cannot read. Reads config.json only, so that Load can refuse before unloading the model in use."""
-    from transformers import AutoConfig
-
     from fmoe_local.architectures import architecture_for
-    from fmoe_local.loading import check_quantization
+    from fmoe_local.loading import check_quantization, read_config
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = read_config(model_dir)
     arch = architecture_for(config)
     check_quantization(config, arch)
     text = getattr(config, "text_config", None) or config

@@ -32,7 +32,8 @@ from fmoe_local.bench.replay import (
     capacity_for,
 )
 from fmoe_local.bench.replay_pool import replay_all
-from fmoe_local.cli import distance_arg
+from fmoe_local.cli import check_distance, distance_arg
+from fmoe_local.cli_args import SentenceParser, number, whole
 from fmoe_local.config import MISS_HANDLING, SEMANTIC_MODES, RuntimeConfig
 from fmoe_local.policies.base import Policy
 from fmoe_local.prefetch_distance import distance_for
@@ -58,16 +59,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--expert-format", dest="dtype", choices=list(BITS), help="the same: bytes per expert follow the format"
     )
     size = r.add_mutually_exclusive_group()
-    size.add_argument("--cache-fraction", type=float, help="cache slots as a fraction of all experts (default 0.25)")
-    size.add_argument("--cache-experts", type=int, help="cache slots as a number of experts")
-    size.add_argument("--cache-gb", type=float, help="cache budget in GB (slots = floor(GB / expert size))")
+    size.add_argument(
+        "--cache-fraction", type=number(above=0, most=1), help="cache slots as a fraction of all experts (default 0.25)"
+    )
+    size.add_argument("--cache-experts", type=whole(1), help="cache slots as a number of experts")
+    size.add_argument("--cache-gb", type=number(above=0), help="cache budget in GB (slots = floor(GB / expert size))")
     r.add_argument(
         "--prefetch-distance",
         type=distance_arg,
-        default=RuntimeConfig.prefetch_distance,
-        help="d, or 'auto': ⌈expert copy time / layer time⌉ + 1 from the cost model (prefetch_distance.py)",
+        help="d, 1 to the trace's MoE layers less one, or 'auto': ⌈expert copy time / layer time⌉ + 1 from the cost "
+        f"model (prefetch_distance.py); default {RuntimeConfig.prefetch_distance}",
     )
-    r.add_argument("--store-capacity", type=int, default=RuntimeConfig.store_capacity, help="C: maps kept")
+    r.add_argument("--store-capacity", type=whole(1), default=RuntimeConfig.store_capacity, help="C: maps kept")
     r.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
     r.add_argument("--mode", default="offline", choices=MODES, help="offline: first 70%% of requests only warm up")
     r.add_argument(
@@ -105,12 +108,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     r.add_argument(
         "--cpu-gbs",
-        type=float,
+        type=number(above=0),
         help=f"GB/s of expert weights the CPU computes through (default {CPU_EXPERT_GBPS}: {CPU_SOURCE})",
     )
-    r.add_argument("--bandwidth-gbs", type=float, help="host→device GB/s (default 25, PCIe 4.0 x16)")
-    r.add_argument("--expert-mb", type=float, help="override the preset's expert size (MB)")
-    r.add_argument("--layer-time-ms", type=float, help="override the preset's decode time per MoE layer (ms)")
+    r.add_argument("--bandwidth-gbs", type=number(above=0), help="host→device GB/s (default 25, PCIe 4.0 x16)")
+    r.add_argument("--expert-mb", type=number(above=0), help="override the preset's expert size (MB)")
+    r.add_argument("--layer-time-ms", type=number(above=0), help="override the preset's decode time per MoE layer (ms)")
     r.add_argument(
         "--fold",
         metavar="JxK",
@@ -119,7 +122,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--json", type=Path, metavar="OUT", help="write config and results as JSON")
     r.add_argument("--plot", type=Path, metavar="OUT.png", help="plot hit rate vs cache fraction 0.1…0.6")
     r.add_argument("--sweep", choices=["prefetch-distance"], help="also vary d over 1…6")
-    r.add_argument("--jobs", type=int, default=2, help="policies replayed in parallel processes (default 2)")
+    r.add_argument("--jobs", type=whole(1), default=2, help="policies replayed in parallel processes (default 2)")
     matcher.add_parser(sub)
     live_cli.add_parser(sub)
     overhead.add_parser(sub)
@@ -211,6 +214,9 @@ def _capacity(args: argparse.Namespace, schedule: Schedule, cost: CostModel, fra
 
 def run_replay(args: argparse.Namespace) -> int:
     t0, cpu0 = time.perf_counter(), _cpu_s()
+    asked = args.prefetch_distance  # None: the default, which is never refused for a shallow trace
+    if asked is None:
+        args.prefetch_distance = RuntimeConfig.prefetch_distance
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     _check_policies(names)
     folding = parse_fold(args.fold) if args.fold else None
@@ -249,6 +255,7 @@ def run_replay(args: argparse.Namespace) -> int:
             trace = learned_first(learned, trace)
         if folding is not None:
             trace = fold(trace, *folding)
+        check_distance(asked, trace.num_layers, f"The trace {path.name}")
         schedule = build_schedule(trace, args.semantic_mode, args.semantic_fallback)
         schedules[path] = schedule
         capacity = _capacity(args, schedule, cost)
@@ -368,7 +375,7 @@ def _plot(rows: list[dict], names: list[str], path: Path, args: argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fmoe_local.bench.cli")
+    parser = SentenceParser(prog="python -m fmoe_local.bench.cli")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
     try:

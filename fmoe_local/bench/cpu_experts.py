@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from fmoe_local import bandwidth, cpu_experts
+from fmoe_local.cli_args import number, whole, whole_list
 
 
 @dataclass(frozen=True)
@@ -197,10 +198,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated (default {','.join(SHAPES)})")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated (default {','.join(FORMATS)})")
-    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens per call, comma-separated")
-    p.add_argument("--passes", type=int, default=3, help="timed passes over the experts; the best counts")
-    p.add_argument("--max-gb", type=float, default=1.5, help="most GB of experts held per (shape, format)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's own choice)")
+    p.add_argument(
+        "--tokens", type=whole_list(1), default=list(DEFAULT_TOKENS), help="tokens per call, comma-separated"
+    )
+    p.add_argument("--passes", type=whole(1), default=3, help="timed passes over the experts; the best counts")
+    p.add_argument("--max-gb", type=number(above=0), default=1.5, help="most GB of experts held per (shape, format)")
+    p.add_argument("--threads", type=whole(0), default=0, help="torch CPU threads (default: torch's own choice)")
     p.add_argument("--json", type=Path, help="also write the rows here")
 
 
@@ -215,16 +218,7 @@ def _choices(text: str, known: Sequence[str], what: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     shapes = _choices(args.shapes, list(SHAPES), "shape")
     formats = _choices(args.formats, FORMATS, "format")
-    try:
-        tokens = sorted({int(t) for t in args.tokens.split(",")})
-    except ValueError:
-        tokens = []
-    if not tokens or tokens[0] < 1:
-        raise ValueError("--tokens takes positive whole numbers separated by commas, e.g. 1,16.")
-    if args.passes < 1 or args.max_gb <= 0:
-        raise ValueError("--passes must be at least 1 and --max-gb a positive number.")
-    if args.threads < 0:
-        raise ValueError("--threads must be 0 (torch's choice) or a positive number.")
+    tokens = sorted(set(args.tokens))  # each checked by its argument type (cli_args.py)
     if args.threads:
         torch.set_num_threads(args.threads)
     dram = bandwidth.dram_read_gbps()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fmoe_local.bench.live import DEFAULT_POLICIES, DEFAULT_TRACE, LiveSettings, benchmark, print_table, run_synthetic
 from fmoe_local.bench.prompts import sample_prompts, shared_data_dir
+from fmoe_local.cli_args import number, seed, whole
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("live", help="real TTFT/TPOT/hit rate of every policy on a model, vs all experts resident")
     p.add_argument("--model", type=Path, help="model folder (a Hugging Face MoE checkpoint)")
     p.add_argument("--synthetic", choices=list(SYNTHETIC), help="random weights with this model's real shapes")
-    p.add_argument("--layers", type=int, default=4, help="--synthetic: number of layers (default 4)")
+    p.add_argument("--layers", type=whole(1), default=4, help="--synthetic: number of layers (default 4)")
     p.add_argument("--trace", type=Path, help=f"--synthetic: routing trace (default shared {DEFAULT_TRACE})")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
     p.add_argument(
@@ -28,15 +29,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="comma-separated auto, copy, cpu: each policy runs under each (cpu_moe once, it always uses the CPU)",
     )
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--cache-fraction", type=float, help="cache slots as a fraction of all experts (default 0.25)")
-    size.add_argument("--cache-gb", type=float, help="cache budget in GB")
-    size.add_argument("--cache-experts", type=int, help="cache slots as a number of experts")
-    p.add_argument("--prefetch-distance", type=int, default=LiveSettings.prefetch_distance, help="d")
+    size.add_argument(
+        "--cache-fraction", type=number(above=0, most=1), help="cache slots as a fraction of all experts (default 0.25)"
+    )
+    size.add_argument("--cache-gb", type=number(above=0), help="cache budget in GB")
+    size.add_argument("--cache-experts", type=whole(1), help="cache slots as a number of experts")
+    p.add_argument(
+        "--prefetch-distance",
+        type=whole(1),
+        help=f"d, 1 to the model's MoE layers less one (default {LiveSettings.prefetch_distance}, or the last layer)",
+    )
     p.add_argument("--prompts", type=Path, help="a .json/.jsonl prompts file or folder (default shared prompts)")
-    p.add_argument("--requests", type=int, default=8, help="prompts sampled (seeded) from --prompts (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample")
-    p.add_argument("--max-prompt-chars", type=int, default=1500, help="sample only prompts up to this length")
-    p.add_argument("--max-new-tokens", type=int, default=LiveSettings.max_new_tokens)
+    p.add_argument("--requests", type=whole(1), default=8, help="prompts sampled (seeded) from --prompts (default 8)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the prompt sample")
+    p.add_argument("--max-prompt-chars", type=whole(1), default=1500, help="sample only prompts up to this length")
+    p.add_argument("--max-new-tokens", type=whole(1), default=LiveSettings.max_new_tokens)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (--model only)")
     p.add_argument("--no-baseline", action="store_true", help="skip the all-resident run")
@@ -81,19 +88,26 @@ def settings_from_args(args: argparse.Namespace) -> LiveSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    from fmoe_local.cli import check_distance, moe_layer_count
+    from fmoe_local.prefetch_distance import max_distance
+
     if (args.model is None) == (args.synthetic is None):
         raise ValueError("Pass either --model DIR (a MoE checkpoint) or --synthetic NAME, not both or neither.")
     if args.requests < 1 or args.max_new_tokens < 1:
         raise ValueError("--requests and --max-new-tokens must be at least 1.")
+    if args.model is not None and not args.model.is_dir():
+        raise FileNotFoundError(f"No model folder at {args.model}: pass --model with a downloaded checkpoint.")
+    layers = args.layers if args.synthetic is not None else moe_layer_count(args.model)
+    check_distance(args.prefetch_distance, layers)  # the default is cut to a shallow model's last layer instead
+    if args.prefetch_distance is None:
+        args.prefetch_distance = min(LiveSettings.prefetch_distance, max_distance(layers))
+    settings = settings_from_args(args)
     prompts_path = args.prompts or shared_data_dir() / "prompts"
     prompts = sample_prompts(prompts_path, args.requests, args.seed, args.max_prompt_chars)
     if args.synthetic is not None:
         trace = args.trace or shared_data_dir() / "traces" / DEFAULT_TRACE
         result = run_synthetic(args.synthetic, args.layers, trace, prompts, settings)
     else:
-        if not args.model.is_dir():
-            raise FileNotFoundError(f"No model folder at {args.model}: pass --model with a downloaded checkpoint.")
         result = benchmark(args.model, settings, prompts)
     result["config"] |= {"prompts": str(prompts_path), "seed": args.seed, "max_prompt_chars": args.max_prompt_chars}
     result["prompts"] = prompts

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fmoe_local.cli_args import whole
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.maps import ExpertMap, MapStore
 from fmoe_local.policies.base import ModelShape
@@ -246,25 +247,25 @@ def _cosines(rows: np.ndarray, norms: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("matcher", help="time the fMoE matcher's map-store searches on a large store, on this CPU")
-    m.add_argument("--maps", type=int, default=32768, help="maps in the store (default 32768)")
-    m.add_argument("--layers", type=int, default=26, help="MoE layers (default 26, DeepSeek-V2-Lite)")
-    m.add_argument("--experts", type=int, default=64, help="experts per layer (default 64)")
-    m.add_argument("--embed-dim", type=int, default=2048, help="semantic embedding size (default 2048; 0 = none)")
+    m.add_argument("--maps", type=whole(1), default=32768, help="maps in the store (default 32768)")
+    m.add_argument("--layers", type=whole(1), default=26, help="MoE layers (default 26, DeepSeek-V2-Lite)")
+    m.add_argument("--experts", type=whole(1), default=64, help="experts per layer (default 64)")
+    m.add_argument("--embed-dim", type=whole(0), default=2048, help="semantic embedding size (default 2048; 0 = none)")
     m.add_argument(
         "--sketch-dim",
-        type=int,
+        type=whole(0),
         default=RuntimeConfig.sketch_dim,
         help=f"k of the semantic sketch (default {RuntimeConfig.sketch_dim}; 0 = exact full scan)",
     )
     m.add_argument(
         "--candidates",
-        type=int,
+        type=whole(1),
         default=RuntimeConfig.sketch_candidates,
         help=f"maps re-ranked exactly after the sketch (default {RuntimeConfig.sketch_candidates})",
     )
     m.add_argument(
         "--agreement-queries",
-        type=int,
+        type=whole(0),
         default=64,
         help="random queries checked against an exact twin store (default 64; 0 = skip, halves the memory)",
     )
@@ -276,7 +277,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--traces", nargs="*", default=[], help="also check the sketch's choices on these traces")
     m.add_argument(
         "--trace-capacity",
-        type=int,
+        type=whole(1),
         default=RuntimeConfig.store_capacity,
         help=f"store capacity for --traces (default {RuntimeConfig.store_capacity}, as the replay)",
     )

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fmoe_local.cli_args import SentenceParser, whole
+
 if TYPE_CHECKING:
     import torch
 
@@ -91,8 +93,8 @@ def print_table(rows: list[dict]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, action="append", required=True, help="model folder (repeatable)")
-    p.add_argument("--tokens", type=int, default=64, help="greedy tokens per generation (default 64)")
-    p.add_argument("--repeats", type=int, default=7, help="timed generations of each, median taken (default 7)")
+    p.add_argument("--tokens", type=whole(1), default=64, help="greedy tokens per generation (default 64)")
+    p.add_argument("--repeats", type=whole(1), default=7, help="timed generations of each, median taken (default 7)")
     p.add_argument("--policy", default="fmoe", help="the runtime's policy (default fmoe)")
     p.add_argument("--sync", action="store_true", help="matcher and copies inline instead of on the worker thread")
 
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fmoe_local.bench.overhead", description=__doc__)
+    p = SentenceParser(prog="python -m fmoe_local.bench.overhead", description=__doc__)
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fmoe_local.bench.prompts import read_prompts, shared_data_dir
+from fmoe_local.cli_args import whole
 
 DEFAULT_TEXT = "prompts/sharegpt-first-turn-2000.json"
 
@@ -78,15 +79,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, help="model folder (default: the built-in demo model)")
     p.add_argument("--formats", default="bf16,int8,nf4", help="comma-separated expert formats (default bf16,int8,nf4)")
     p.add_argument("--text", type=Path, help=f"held text: a prompts file (default shared {DEFAULT_TEXT})")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
-    p.add_argument("--windows", type=int, default=64, help="windows scored (default 64)")
+    p.add_argument("--seq-len", type=whole(2), default=256, help="tokens per window (default 256)")
+    p.add_argument("--windows", type=whole(1), default=64, help="windows scored (default 64)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
         "--families",
         help="also train one tiny model per family (comma-separated, or 'all') on part of the text and score it and "
         "the demo model on the rest (random weights would make perplexity meaningless)",
     )
-    p.add_argument("--train-steps", type=int, default=300, help="training steps per tiny model (default 300)")
+    p.add_argument("--train-steps", type=whole(1), default=300, help="training steps per tiny model (default 300)")
     p.add_argument("--train-dir", type=Path, help="keep the trained tiny models here (default: a temporary folder)")
 
 

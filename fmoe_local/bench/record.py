@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from fmoe_local.bench.prompts import sample_prompts, shared_data_dir
+from fmoe_local.cli_args import seed, whole
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,10 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out", type=Path, help="the trace file to write (.npz, format: DESIGN.md)")
     p.add_argument("--model", type=Path, help="model folder (default: the built-in demo model)")
     p.add_argument("--prompts", type=Path, help="a .json/.jsonl prompts file or folder (default shared prompts)")
-    p.add_argument("--requests", type=int, default=64, help="prompts sampled (seeded) from --prompts (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt sample")
-    p.add_argument("--max-prompt-chars", type=int, default=1500, help="sample only prompts up to this length")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--requests", type=whole(1), default=64, help="prompts sampled (seeded) from --prompts (default 64)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the prompt sample")
+    p.add_argument("--max-prompt-chars", type=whole(1), default=1500, help="sample only prompts up to this length")
+    p.add_argument("--max-new-tokens", type=whole(1), default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
 
