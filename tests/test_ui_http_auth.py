@@ -4,7 +4,6 @@ them, then on the real app (`app.serve --listen`) with the token it printed."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import re
@@ -12,6 +11,7 @@ import re
 import pytest
 
 import app
+from tests.asgi_call import call, response
 from ui import http_auth
 from ui.http_auth import MISSING, WRONG, TokenGate, cookie_name
 from ui.http_guard import LocalOnlyGuard
@@ -37,39 +37,13 @@ UI_ROUTES = [
 def _stack(method: str, target: str, headers: dict, client=LAN_CLIENT, token=TOKEN, kind="http"):
     """One request through LocalOnlyGuard(--listen) around TokenGate around an app answering 200 "ok", as
     ui/server.py stacks them: (status, headers with the body under "body", reached the app?)."""
-    reached = []
-
-    async def inner(scope, receive, send):
-        reached.append(scope["path"])
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.accept"})
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    sent = []
-
-    async def send(message):
-        sent.append(message)
-
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    path, _, query = target.partition("?")
-    scope = {
-        "type": kind,
-        "method": method,
-        "path": path,
-        "query_string": query.encode(),
-        "client": client,
-        "headers": [(k.lower().encode(), v.encode()) for k, v in ({"Host": HOST} | headers).items()],
-    }
-    guard = LocalOnlyGuard(TokenGate(inner, token, COOKIE), listen=True, api_origins=("app://obsidian.md",))
-    asyncio.run(guard(scope, receive, send))
+    sent, reached = call(
+        lambda app: LocalOnlyGuard(TokenGate(app, token, COOKIE), listen=True, api_origins=("app://obsidian.md",)),
+        method, target, {"Host": HOST} | headers, client, kind,
+    )  # fmt: skip
     if kind == "websocket":
-        return sent[0], bool(reached)
-    start, body = sent[0], sent[1]["body"].decode()
-    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]} | {"body": body}, bool(reached)
+        return sent[0], reached
+    return (*response(sent), reached)
 
 
 @pytest.mark.parametrize("client", [LAN_CLIENT, ("127.0.0.1", 40000)], ids=["lan", "loopback"])

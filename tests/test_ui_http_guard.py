@@ -193,34 +193,11 @@ def test_the_file_route_serves_neither_the_chats_nor_any_other_file(served, tmp_
 
 def _through_guard(method: str, path: str, headers: dict, api_origins=("app://obsidian.md",)):
     """One request through LocalOnlyGuard around an app that answers 200 "ok": (status, headers, reached app?)."""
-    import asyncio
-
+    from tests.asgi_call import call, response
     from ui.http_guard import LocalOnlyGuard
 
-    reached = []
-
-    async def inner(scope, receive, send):
-        reached.append(scope["path"])
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    sent = []
-
-    async def send(message):
-        sent.append(message)
-
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-    }
-    asyncio.run(LocalOnlyGuard(inner, api_origins=api_origins)(scope, receive, send))
-    start, body = sent[0], sent[1]["body"].decode()
-    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]} | {"body": body}, bool(reached)
+    sent, reached = call(lambda app: LocalOnlyGuard(app, api_origins=api_origins), method, path, headers)
+    return (*response(sent), reached)
 
 
 def test_an_origin_the_user_allowed_may_call_the_api_and_nothing_else():
