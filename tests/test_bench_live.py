@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fmoe_local.bench import live
 from fmoe_local.cli import main
@@ -84,3 +85,11 @@ def test_on_a_gpu_runs_with_cpu_computed_misses_are_counted_not_failed():
     broken = live.PolicyRow("lru", 4, "copy", requests=2, token_ids=[[1, 2], [9, 4]])
     ok, line = live.lossless_check([hybrid, broken, resident], "cuda")
     assert not ok and "lru+copy (requests 1)" in line and "1 of 2 replies identical" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_device_cuda_without_cuda_is_one_sentence_before_any_work(capsys):
+    # Before: a synthetic model was built, then "AssertionError: Torch not compiled with CUDA enabled" (issue 30).
+    assert main(["bench", "live", "--synthetic", "mixtral-8x7b", "--layers", "1", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "No CUDA GPU is available here" in err and "cpu" in err

@@ -89,6 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> LiveSettings:
 
 def run(args: argparse.Namespace) -> int:
     from fmoe_local.cli import check_distance, moe_layer_count
+    from fmoe_local.engine import resolve_device
     from fmoe_local.prefetch_distance import max_distance
 
     if (args.model is None) == (args.synthetic is None):
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--requests and --max-new-tokens must be at least 1.")
     if args.model is not None and not args.model.is_dir():
         raise FileNotFoundError(f"No model folder at {args.model}: pass --model with a downloaded checkpoint.")
+    resolve_device(args.device)  # a sentence now, not a CUDA traceback once a synthetic model has been built
     layers = args.layers if args.synthetic is not None else moe_layer_count(args.model)
     check_distance(args.prefetch_distance, layers)  # the default is cut to a shallow model's last layer instead
     if args.prefetch_distance is None:
