@@ -94,8 +94,6 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.model is None) == (args.synthetic is None):
         raise ValueError("Pass either --model DIR (a MoE checkpoint) or --synthetic NAME, not both or neither.")
-    if args.requests < 1 or args.max_new_tokens < 1:
-        raise ValueError("--requests and --max-new-tokens must be at least 1.")
     if args.model is not None and not args.model.is_dir():
         raise FileNotFoundError(f"No model folder at {args.model}: pass --model with a downloaded checkpoint.")
     resolve_device(args.device)  # a sentence now, not a CUDA traceback once a synthetic model has been built
