@@ -12,8 +12,9 @@ read goes on in the background and settles its slot when it ends.
 
 Threads: `Loader.submit` is called by the forward thread (cache.acquire); the loader thread runs `job()`; a
 Landing is set once, by whichever thread ran its load, and read by any thread. `Copier.copy` runs on the loader
-and prefetcher threads, each with its own copy stream and staging buffers; the forward thread never calls it and never waits on
-a copy's event on the host (on CUDA a landing means "issued": the compute stream waits for the event).
+and prefetcher threads, each with its own copy stream and staging buffers; the forward thread never calls it and
+never waits on a copy's event on the host (on CUDA a landing means "issued": the compute stream waits for the
+event).
 """
 
 from __future__ import annotations
@@ -244,9 +245,9 @@ class Loader:
 
     A job stuck in a read (a failing disk, a hung network mount) must not hold up the jobs queued behind it: when its
     waiter gives up (`abandon`: its deadline passed, or Stop), the stuck job keeps its thread, which ends once the
-    read returns, and a fresh thread takes the queue. Threads: `submit`, `abandon` and `close` from any
-    thread; jobs run on the loader's threads. A timeout therefore always names the read that hung: nothing queues
-    behind a read its waiter gave up on.
+    read returns, and a fresh thread takes the queue. A timeout therefore always names the read that hung: nothing
+    queues behind a read its waiter gave up on. Threads: `submit`, `abandon` and `close` from any thread; jobs run
+    on the loader's threads.
     """
 
     def __init__(self, name: str = "fmoe-loader") -> None:
