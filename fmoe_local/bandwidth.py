@@ -1,7 +1,7 @@
 """Measured speeds of this machine's memory and links: pinned host→GPU copies, DRAM reads, the CPU's last-level cache.
 
 Scope: each function measures (or reads) one figure when called, allocating what it measures with; callers decide
-when (miss_cost.py at a model's first load, bench/cpu_experts.py). It does NOT probe what the machine has
+when (miss_cost.py at a model's first load, fmoe_bench/cpu_experts.py). It does NOT probe what the machine has
 (hardware.py) or decide anything from the figures.
 """
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from fmoe_local.bench import cli
+from fmoe_bench import cli
 from fmoe_local.traces import save_trace
 
 from .test_oracle import synthetic_trace
@@ -41,7 +41,7 @@ def test_unknown_policy_is_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_bench_matcher_prints_every_search_of_a_pass(capsys) -> None:
-    from fmoe_local.cli import main
+    from app import main
 
     assert main(["bench", "matcher", "--maps", "64", "--layers", "3", "--experts", "8", "--embed-dim", "16"]) == 0
     out = capsys.readouterr().out
@@ -136,7 +136,7 @@ def test_replay_chooses_the_distance_from_the_costs(tmp_path: Path, capsys: pyte
 def test_bench_quality_scores_each_expert_format_on_held_text(tiny_model_dir, tmp_path, capsys):
     import argparse
 
-    from fmoe_local.bench import cli as bench_cli
+    from fmoe_bench import cli as bench_cli
 
     text = tmp_path / "held.json"
     text.write_text(json.dumps(["The quick brown fox jumps over the lazy dog. " * 20] * 4))

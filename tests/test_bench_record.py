@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from fmoe_local.bench import cli
+from fmoe_bench import cli
 from fmoe_local.traces import load_trace
 
 

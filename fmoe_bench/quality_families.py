@@ -1,7 +1,7 @@
 """`bench quality --families`: what quantising the experts costs on one briefly trained tiny model per family.
 
 Random weights make perplexity meaningless, so each supported family's tiny config (tiny_families.py) is first
-trained with the demo's own recipe (demo/train.py: its byte-level BPE tokenizer and `train_lm`) on the training part
+trained with the demo's own recipe (fmoe_bench/demo/train.py: its byte-level BPE tokenizer and `train_lm`) on the training part
 of the held-text file, saved with save_pretrained (float32, so the unquantised row is the trained model itself), and
 scored per expert format by `quality.perplexity` — loaded through `Runtime.load`, every expert resident — on the held
 part, which no model trained on. The demo model is scored on the same held part. It does NOT time anything and keeps nothing unless asked
@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fmoe_local.bench.quality import perplexity
-from fmoe_local.bench.tiny_families import FAMILIES
-from fmoe_local.demo.train import TrainBudget
+from fmoe_bench.demo.train import TrainBudget
+from fmoe_bench.quality import perplexity
+from fmoe_bench.tiny_families import FAMILIES
 
 HELD_FRACTION = 0.2
 VOCAB = 1024
@@ -43,7 +43,7 @@ class Trained:
 
 def split_texts(texts: Sequence[str], held_fraction: float = HELD_FRACTION) -> tuple[list[str], list[str]]:
     """(train, held): each text goes to one side by the hash of its content, the same on every run."""
-    from fmoe_local.demo.data import is_heldout
+    from fmoe_bench.demo.data import is_heldout
 
     if not 0 < held_fraction < 1:
         raise ValueError(f"The held fraction must be between 0 and 1 (exclusive), not {held_fraction}.")
@@ -57,8 +57,8 @@ def split_texts(texts: Sequence[str], held_fraction: float = HELD_FRACTION) -> t
 
 def train_tokenizer(train_texts: Sequence[str], vocab: int = VOCAB) -> object:
     """The demo's tokenizer recipe (byte-level BPE, ChatML) on the training texts rendered as user turns."""
-    from fmoe_local.demo.data import render_chat
-    from fmoe_local.demo.train import build_tokenizer
+    from fmoe_bench.demo.data import render_chat
+    from fmoe_bench.demo.train import build_tokenizer
 
     return build_tokenizer([render_chat([("user", t)]) for t in train_texts], vocab)
 
@@ -74,10 +74,10 @@ def train_family(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from fmoe_bench.demo.data import render_chat
+    from fmoe_bench.demo.train import encode_corpus, train_lm
+    from fmoe_bench.tiny_families import tiny_config
     from fmoe_local.architectures import architecture_for
-    from fmoe_local.bench.tiny_families import tiny_config
-    from fmoe_local.demo.data import render_chat
-    from fmoe_local.demo.train import encode_corpus, train_lm
 
     stream = encode_corpus(tokenizer, [render_chat([("user", t)]) for t in train_texts])
     config = tiny_config(family, tokenizer, len(tokenizer))
@@ -105,8 +105,8 @@ def loss_without_routed_experts(model_dir: Path, texts: Sequence[str], seq_len: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from fmoe_bench.quality import held_windows
     from fmoe_local.architectures import architecture_for
-    from fmoe_local.bench.quality import held_windows
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32).eval()
     rows = held_windows(AutoTokenizer.from_pretrained(model_dir), texts, seq_len, windows)

@@ -1,5 +1,5 @@
 """`fmoe-local bench live`'s command line: its arguments, checked into LiveSettings, and the run that prints the table
-and writes --json. The benchmark itself is bench/live.py.
+and writes --json. The benchmark itself is fmoe_bench/live.py.
 """
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import argparse
 import json
 from pathlib import Path
 
-from fmoe_local.bench.live import DEFAULT_POLICIES, DEFAULT_TRACE, LiveSettings, benchmark, print_table, run_synthetic
-from fmoe_local.bench.prompts import sample_prompts, shared_data_dir
+from fmoe_bench.live import DEFAULT_POLICIES, DEFAULT_TRACE, LiveSettings, benchmark, print_table, run_synthetic
+from fmoe_bench.prompts import sample_prompts, shared_data_dir
 from fmoe_local.cli_args import number, seed, whole
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from fmoe_local.bench.synthetic import SYNTHETIC
+    from fmoe_bench.synthetic import SYNTHETIC
     from fmoe_local.cli import add_expert_format_argument
 
     p = sub.add_parser("live", help="real TTFT/TPOT/hit rate of every policy on a model, vs all experts resident")

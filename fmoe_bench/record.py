@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from fmoe_local.bench.prompts import sample_prompts, shared_data_dir
+from fmoe_bench.prompts import sample_prompts, shared_data_dir
 from fmoe_local.cli_args import seed, whole
 
 

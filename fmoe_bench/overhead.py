@@ -2,7 +2,7 @@
 
 Scope: measures the cost of our machinery (hooks, matcher thread, cache bookkeeping) when offloading has nothing to
 do, on the same greedy tokens. Prints a table; asserts nothing (performance is measured, never a test).
-`fmoe-local bench overhead --model DIR [--tokens N] [--repeats R]`, or `python -m fmoe_local.bench.overhead …`.
+`fmoe-local bench overhead --model DIR [--tokens N] [--repeats R]`, or `python -m fmoe_bench.overhead …`.
 torch and transformers are imported when measuring, so that building the command line stays fast.
 """
 
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = SentenceParser(prog="python -m fmoe_local.bench.overhead", description=__doc__)
+    p = SentenceParser(prog="python -m fmoe_bench.overhead", description=__doc__)
     add_arguments(p)
     return run(p.parse_args(argv))
 

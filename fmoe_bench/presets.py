@@ -3,7 +3,7 @@
 Scope: published architecture dimensions of seven MoE models (from each model's config.json on the Hugging Face
 Hub, named in `source`), and the arithmetic that turns them into the replay's three costs: bytes of one expert
 (bf16 or 4-bit), host→device bandwidth, and the time one MoE layer computes on an RTX 4090-class GPU. It does NOT
-measure anything (bench/live.py does, on a real GPU) and does not know about traces or policies.
+measure anything (fmoe_bench/live.py does, on a real GPU) and does not know about traces or policies.
 
 Derivation of the compute time (decode, one token, one MoE layer): decoding is memory-bound, so the time is the
 bytes of weights the layer reads — attention + router + shared experts (bf16) + the K routed experts (bf16 or

@@ -4,7 +4,7 @@ Scope: `SYNTHETIC` (published shapes), `build_synthetic` (a checkpoint directory
 random weights and a small byte-level tokenizer, written with save_pretrained so that the runtime loads and
 offloads it like any download), `fold_trace` (a recorded trace folded onto the synthetic model's L × J) and
 `ForcedRouting` (router forward hooks that RETURN the trace's routing, the official hook API). It does NOT time
-anything or run policies (bench/live.py does), and the outputs of a random model mean nothing: only the copies,
+anything or run policies (fmoe_bench/live.py does), and the outputs of a random model mean nothing: only the copies,
 the compute and the routing are real.
 
 Shapes: R trace rows (tokens), T tokens in a forward pass, N model MoE layers, J model experts, K model top-k.

@@ -9,7 +9,7 @@ model's own, unaffected by any cache) and does NOT run the replay benchmark.
 
 Legend: T tokens, L MoE layers, J experts, K top-k, h hidden size.
 
-    python -m fmoe_local.demo.analysis --per-topic 30 --new-tokens 16 --trace build/demo-topics.npz
+    python -m fmoe_bench.demo.analysis --per-topic 30 --new-tokens 16 --trace build/demo-topics.npz
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fmoe_local.demo.data import load_topic_prompts
+from fmoe_bench.demo.data import load_topic_prompts
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
 

@@ -171,7 +171,7 @@ def trace_agreement(
     """Every map of a trace added in order, with the replay's semantic input, to a sketched store (what the fmoe
     policy does); before each add, its semantic search and most-redundant choice are scored against a brute-force
     cosine over a mirror of the store's contents. Returns (agreement, the semantic input's size h)."""
-    from fmoe_local.bench.replay import build_schedule
+    from fmoe_bench.replay import build_schedule
     from fmoe_local.traces import load_trace
 
     schedule = build_schedule(load_trace(path))
@@ -211,7 +211,7 @@ def embedding_agreement(
     from safetensors import safe_open
     from tokenizers import Tokenizer
 
-    from fmoe_local.bench.prompts import read_prompts, shared_data_dir
+    from fmoe_bench.prompts import read_prompts, shared_data_dir
     from fmoe_local.demo import demo_model_dir
 
     weights = demo_model_dir()

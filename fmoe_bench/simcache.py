@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fmoe_local.bench.presets import CostModel
+from fmoe_bench.presets import CostModel
 from fmoe_local.policies.base import CandidateKeys, ExpertKey, ModelShape, Policy
 from fmoe_local.prefetch_queue import PrefetchQueue
 from fmoe_local.stats import LayerCounters

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from fmoe_local.bench.presets import CostModel
-from fmoe_local.bench.replay import LIVE_ONLY, ReplayResult, Schedule, replay
+from fmoe_bench.presets import CostModel
+from fmoe_bench.replay import LIVE_ONLY, ReplayResult, Schedule, replay
 from fmoe_local.policies.base import Policy
 
 PolicyFactory = Callable[[str, Schedule, int], Policy]

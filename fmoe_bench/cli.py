@@ -1,11 +1,11 @@
 """`fmoe-local bench …`: argument parsing and printing for the benchmarks.
 
 Scope: `bench replay` (every policy on recorded traces, a table, --json, --plot, --sweep prefetch-distance),
-`bench matcher` (map-search cost), `bench cpu-experts` (bench/cpu_experts.py), and the wiring of `bench live` (bench/live_cli.py) and `bench overhead`
-(bench/overhead.py), whose modules own their arguments. The main CLI (fmoe_local/cli.py) calls
-`add_parser(subparsers)` and `run(args)`; `python -m fmoe_local.bench.cli …` works on its own too. It does NOT
-simulate anything itself (replay.py) and builds policies only through `policies.make_policy` (the oracle through
-bench/oracle.py).
+`bench matcher` (map-search cost), `bench cpu-experts` (cpu_experts.py), and the wiring of `bench live` (live_cli.py)
+and `bench overhead` (overhead.py), whose modules own their arguments. This module is the `bench` Commands of
+fmoe_local/cli.py: app.py hands it to `cli.main`, which calls `add_parser(subparsers)` and `run(args)`, so the runtime
+never imports the benchmarks; `python -m fmoe_bench.cli …` works on its own too. It does NOT simulate anything itself
+(replay.py) and builds policies only through `policies.make_policy` (the oracle through oracle.py).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_local.bench import cpu_experts, live_cli, matcher, overhead, quality, record, replay_report
-from fmoe_local.bench.fold import fold, parse_fold
-from fmoe_local.bench.oracle import OraclePolicy
-from fmoe_local.bench.parts import learned_first, parse_counts, select_requests
-from fmoe_local.bench.presets import BITS, CPU_EXPERT_GBPS, CPU_SOURCE, PRESETS, CostModel, cost_model
-from fmoe_local.bench.replay import (
+from fmoe_bench import cpu_experts, live_cli, matcher, overhead, quality, record, replay_report
+from fmoe_bench.fold import fold, parse_fold
+from fmoe_bench.oracle import OraclePolicy
+from fmoe_bench.parts import learned_first, parse_counts, select_requests
+from fmoe_bench.presets import BITS, CPU_EXPERT_GBPS, CPU_SOURCE, PRESETS, CostModel, cost_model
+from fmoe_bench.replay import (
     FALLBACKS,
     LIVE_ONLY,
     MODES,
@@ -31,7 +31,7 @@ from fmoe_local.bench.replay import (
     build_schedule,
     capacity_for,
 )
-from fmoe_local.bench.replay_pool import replay_all
+from fmoe_bench.replay_pool import replay_all
 from fmoe_local.cli import check_distance, distance_arg
 from fmoe_local.cli_args import SentenceParser, number, whole
 from fmoe_local.config import MISS_HANDLING, SEMANTIC_MODES, RuntimeConfig
@@ -39,6 +39,7 @@ from fmoe_local.policies.base import Policy
 from fmoe_local.prefetch_distance import distance_for
 from fmoe_local.traces import load_trace
 
+COMMAND = "bench"  # the sub-command fmoe_local/cli.py dispatches here (its Commands protocol)
 DEFAULT_POLICIES = "fmoe,moe_infinity,lru,lfu,on_demand,oracle"
 PLOT_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 SWEEP_DISTANCES = (1, 2, 3, 4, 5, 6)
@@ -47,7 +48,7 @@ D_INDEPENDENT = ("moe_infinity", "lru", "lfu", "on_demand", "oracle")  # policie
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
-        "bench", help="replay routing traces through every policy; live timings; map-search cost; overhead"
+        COMMAND, help="replay routing traces through every policy; live timings; map-search cost; overhead"
     )
     sub = bench.add_subparsers(dest="bench_command", required=True)
     r = sub.add_parser("replay", help="simulate every policy on recorded routing traces (.npz)")
@@ -78,7 +79,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="all",
         metavar="PART",
         help="replay only these requests of each trace: all, first-half, second-half (⌊n/2⌋ requests, then the "
-        "rest) or a slice A:B of request indices (bench/parts.py); default all",
+        "rest) or a slice A:B of request indices (fmoe_bench/parts.py); default all",
     )
     r.add_argument(
         "--learn-first",
@@ -117,7 +118,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--fold",
         metavar="JxK",
-        help="fold every trace onto J experts and top-K first (e.g. 8x2: a few-expert stand-in, bench/fold.py)",
+        help="fold every trace onto J experts and top-K first (e.g. 8x2: a few-expert stand-in, fmoe_bench/fold.py)",
     )
     r.add_argument("--json", type=Path, metavar="OUT", help="write config and results as JSON")
     r.add_argument("--plot", type=Path, metavar="OUT.png", help="plot hit rate vs cache fraction 0.1…0.6")
@@ -375,7 +376,7 @@ def _plot(rows: list[dict], names: list[str], path: Path, args: argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = SentenceParser(prog="python -m fmoe_local.bench.cli")
+    parser = SentenceParser(prog="python -m fmoe_bench.cli")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
     try:

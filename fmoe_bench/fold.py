@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fmoe_local.bench.synthetic import fold_trace
+from fmoe_bench.synthetic import fold_trace
 from fmoe_local.traces import Trace
 
 

@@ -7,7 +7,7 @@ minutes so the best-so-far survives an interruption. It does NOT ship anything b
 fmoe_local/demo/weights) and does NOT analyse routing (analysis.py).
 
 Run (the shipped weights came from exactly this; see weights/TRAINING.md):
-    python -m fmoe_local.demo.train --out build/demo-train --steps 1800 --max-minutes 52 --threads 1
+    python -m fmoe_bench.demo.train --out build/demo-train --steps 1800 --max-minutes 52 --threads 1
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from fmoe_local.demo.data import (
+from fmoe_bench.demo.data import (
     CHAT_TEMPLATE,
     END_OF_TEXT,
     IM_END,

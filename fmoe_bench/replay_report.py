@@ -6,9 +6,9 @@ NOT replay anything (replay.py, replay_pool.py) or parse arguments (cli.py).
 
 from __future__ import annotations
 
-from fmoe_local.bench.parts import first_requests
-from fmoe_local.bench.presets import CostModel
-from fmoe_local.bench.replay import ReplayResult, Schedule
+from fmoe_bench.parts import first_requests
+from fmoe_bench.presets import CostModel
+from fmoe_bench.replay import ReplayResult, Schedule
 
 
 def rows(results: list[ReplayResult], first: list[int] | None = None) -> list[dict]:

@@ -3,7 +3,7 @@
 Scope: read the log, write `loss_curve.png` and print a Markdown table of train/held-out loss by step. It does NOT
 write the prose of TRAINING.md (that is edited by hand around the table) and does NOT train or evaluate anything.
 
-    python -m fmoe_local.demo.report build/demo-train/log.jsonl fmoe_local/demo/weights/loss_curve.png
+    python -m fmoe_bench.demo.report build/demo-train/log.jsonl fmoe_local/demo/weights/loss_curve.png
 """
 
 from __future__ import annotations

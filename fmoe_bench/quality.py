@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from fmoe_local.bench.prompts import read_prompts, shared_data_dir
+from fmoe_bench.prompts import read_prompts, shared_data_dir
 from fmoe_local.cli_args import whole
 
 DEFAULT_TEXT = "prompts/sharegpt-first-turn-2000.json"
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     text_path = args.text or shared_data_dir() / DEFAULT_TEXT
     texts = read_prompts(text_path)
     if args.families:
-        from fmoe_local.bench.quality_families import run_families
+        from fmoe_bench.quality_families import run_families
 
         return run_families(args, formats, texts, text_path)
     print(f"model {model_dir}; held text {text_path}; {args.windows} windows x {args.seq_len} tokens")

@@ -5,7 +5,7 @@ handling (`--miss-handling copy,cpu,auto`) a fresh cold cache and an empty map s
 the same prompts greedily, and last the all-resident baseline (every expert in the cache, warmed by one untimed
 pass, its misses copied). Prints a table with the device's name, checks
 that the greedy tokens are identical across runs (loudly, without stopping), writes --json. `--synthetic` runs the
-same on a random model with real shapes whose routing is forced from a trace (bench/synthetic.py). It does NOT
+same on a random model with real shapes whose routing is forced from a trace (fmoe_bench/synthetic.py). It does NOT
 simulate anything (replay.py does) and uses the runtime only through its public API.
 """
 
@@ -311,8 +311,8 @@ def run_synthetic(
     """
     import torch
 
+    from fmoe_bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, experts_and_top_k, fold_trace
     from fmoe_local.architectures import architecture_for
-    from fmoe_local.bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, experts_and_top_k, fold_trace
     from fmoe_local.traces import load_trace
 
     if not Path(trace_path).exists():

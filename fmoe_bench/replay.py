@@ -2,7 +2,7 @@
 
 Scope: a simulated expert cache (slots, one in-flight prefetch copy, pins, on-demand loads) and the event order the
 runtime's prefetcher uses, timed by a `CostModel`; hit/miss/stall accounting and simulated TPOT. It does NOT
-implement any policy (policies/ and bench/oracle.py do), print tables (bench/cli.py) or run a model.
+implement any policy (policies/ and fmoe_bench/oracle.py do), print tables (fmoe_bench/cli.py) or run a model.
 
 Timeline of one iteration (the runtime's order, prefetcher.py + cache.py):
   begin_iteration(semantic) → prefetches queued; then for each MoE layer l:
@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from fmoe_local.bench.presets import CostModel
-from fmoe_local.bench.simcache import SimCache
+from fmoe_bench.presets import CostModel
+from fmoe_bench.simcache import SimCache
 from fmoe_local.config import MISS_HANDLING
 from fmoe_local.miss_cost import MissPlanner
 from fmoe_local.policies._common import learn_pass
@@ -202,7 +202,7 @@ class ReplayResult:
     layer_misses: list[int] = field(default_factory=list)
     layer_late: list[int] = field(default_factory=list)
     # Per measured request, in order: hits and accesses (hits + late + misses) — the hit rate over a replay's first
-    # n requests (bench/parts.py), e.g. a new user's first 10 online.
+    # n requests (fmoe_bench/parts.py), e.g. a new user's first 10 online.
     request_hits: list[int] = field(default_factory=list)
     request_accesses: list[int] = field(default_factory=list)
 
@@ -256,7 +256,7 @@ def replay(
     warm_requests: int | None = None,
 ) -> ReplayResult:
     """Replay `schedule` through `policy`. Offline: the first `warm_fraction` of the requests only warm the policy;
-    `warm_requests`, in either mode, names how many do (another trace's requests put first: bench/parts.py)."""
+    `warm_requests`, in either mode, names how many do (another trace's requests put first: fmoe_bench/parts.py)."""
     if mode not in MODES:
         raise ValueError(f"Unknown replay mode '{mode}'. Choose offline or online.")
     if miss_handling not in MISS_HANDLING:

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fmoe_local.bench.replay import ReplayResult
+from fmoe_bench.replay import ReplayResult
 from fmoe_local.traces import Trace
 
 PARTS = ("all", "first-half", "second-half")
