@@ -234,6 +234,10 @@ def _serve() -> None:
     os.dup2(devnull.fileno(), sys.stdout.fileno())  # so whatever prints to stdout goes nowhere instead
     try:
         from fmoe_local.hf_internals import render_chat_template
+
+        # Before "ready", not in the first request's budget: the first render imports transformers' template code,
+        # seconds on a busy machine, which stopped an honest template and disabled it for the session.
+        render_chat_template("{{ messages[0].content }}", [{"role": "user", "content": ""}], False, False, {})
     except Exception as exc:  # noqa: BLE001 - told to the app, which says it in a sentence
         out.write(json.dumps({"ready": False, "message": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
         out.flush()
