@@ -196,6 +196,15 @@ def _drop_supported_quantization(hf_config: object, arch: Architecture) -> None:
         del hf_config.quantization_config
 
 
+def checkpoint_dtype(model_dir: str | Path) -> torch.dtype:
+    """The dtype the checkpoint's weights are stored in (config.json's, else the first floating tensor's)."""
+    files = CheckpointFiles(Path(model_dir))
+    try:
+        return _checkpoint_dtype(read_config(model_dir), files)
+    finally:
+        files.close()
+
+
 def _checkpoint_dtype(hf_config: object, files: CheckpointFiles) -> torch.dtype:
     declared = getattr(hf_config, "dtype", None)
     if isinstance(declared, str):
