@@ -205,7 +205,7 @@ def min_cache_bytes(top_k: int, expert_bytes: int) -> int:
 def copy_bytes(entry: CatalogEntry, fmt: str) -> int:
     """Disk the quantised copy of the experts takes (quant_cache.py): int8/nf4 made from another form on the first
     load; 0 for the download's own form."""
-    made = fmt in ("int8", "nf4") and fmt != entry.native_format
+    made = fmt in ("int8", "int4", "nf4") and fmt != entry.native_format
     return entry.experts_bytes_for(fmt) if made else 0
 
 

@@ -165,7 +165,8 @@ def _build(
         host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
     else:
         transposed = hf_internals.is_transposed(moe_layers[0].experts)
-        host = build_packed_host(files, sources, param_shapes, dtype, fmt, transposed, config, progress)
+        products = device.type == "cpu"  # computed where they are stored: torch's weight-only CPU products
+        host = build_packed_host(files, sources, param_shapes, dtype, fmt, transposed, config, progress, products)
     return model, moe_layers, host, unexpected, dtype
 
 
