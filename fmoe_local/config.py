@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 POLICIES = ("fmoe", "moe_infinity", "lru", "lfu", "speculative", "on_demand", "cpu_moe")
 MISS_HANDLING = ("auto", "copy", "cpu")
 SEMANTIC_MODES = ("running_mean", "token")
-EXPERT_FORMATS = ("auto", "bf16", "int8", "nf4")  # expert_formats.py describes each
+EXPERT_FORMATS = ("auto", "bf16", "int8", "int4", "nf4")  # expert_formats.py describes each
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes; a larger seed overflowed mid-request
 
 
@@ -45,7 +45,8 @@ class Sampling:
 class RuntimeConfig:
     # Where the non-expert weights and the expert cache live: "auto" picks cuda when available.
     device: str = "auto"
-    # Compute dtype: "auto" keeps the checkpoint's dtype (bf16 → bf16), except fp32 on CPU for fp16 checkpoints.
+    # Compute dtype: "auto" keeps the checkpoint's dtype (bf16 → bf16); on the CPU bf16 only where this CPU decodes
+    # in it about as fast as in float32 (measured at load: engine.resolve_dtype), fp16 never, else float32.
     dtype: str = "auto"
     # Expert cache budget on the device. cache_experts (a count) wins over cache_gb when both are given.
     cache_gb: float = 4.0
@@ -76,7 +77,8 @@ class RuntimeConfig:
     # "Matcher").
     sketch_candidates: int = 128
     # How routed experts are stored in RAM and in the cache slots: "bf16" unquantised (the checkpoint's dtype),
-    # "int8" (~2× smaller), "nf4" (4-bit, ~4× smaller, slightly different answers), "auto" the checkpoint's own form
+    # "int8" (~2× smaller), "int4" and "nf4" (4-bit, ~4× smaller, slightly different answers; int4 is computed by
+    # torch's weight-only kernels on a CPU, nf4 dequantised), "auto" the checkpoint's own form
     # (a bf16 checkpoint stays bf16, GPT-OSS's MXFP4 stays packed, a bitsandbytes 4-bit checkpoint stays nf4).
     # Non-expert weights are never quantised. A quantised copy made from a bf16 checkpoint is kept in
     # `quant_cache_dir` (None = the user data folder's quantized/), so only the first load quantises.
@@ -121,7 +123,7 @@ class RuntimeConfig:
         if self.expert_format not in EXPERT_FORMATS:
             raise ValueError(
                 f"Unknown expert format '{self.expert_format}'. Choose auto (the checkpoint's own), bf16 (full size), "
-                "int8 (8-bit) or nf4 (4-bit)."
+                "int8 (8-bit), int4 or nf4 (4-bit)."
             )
         if self.semantic_mode not in SEMANTIC_MODES:
             raise ValueError(

@@ -12,21 +12,22 @@ calls on its caller's thread: encodings run one at a time (`_encoding`), and the
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
-from fmoe_local import cache_budget, chat_template, cpu_experts, hardware, miss_cost
+from fmoe_local import bandwidth, cache_budget, chat_template, cpu_experts, hardware, miss_cost
 from fmoe_local.cache import ExpertCache
 from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
 from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.cpu_experts import Kernel
 from fmoe_local.experts import OffloadedExperts
-from fmoe_local.loading import load_model
+from fmoe_local.loading import checkpoint_dtype, load_model
 from fmoe_local.maps import MapStore
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.observe import RoutingObserver
@@ -70,11 +71,24 @@ def pinned_budget(config: RuntimeConfig) -> int:
     return total // 2
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    """None = keep the checkpoint's dtype. On CPU half precision is slow or unsupported, so auto means float32."""
-    if name == "auto":
-        return None if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+def resolve_dtype(
+    name: str,
+    device: torch.device,
+    stored: Callable[[], torch.dtype] | None = None,
+    keeps_half: Callable[[torch.dtype], bool] = bandwidth.cpu_keeps_half,
+) -> torch.dtype | None:
+    """None = keep the checkpoint's dtype (`stored()` says which it is). On a GPU auto keeps it. On the CPU auto keeps
+    a bf16 checkpoint only where this CPU decodes in bf16 about as fast as in float32 (`keeps_half`, a measurement:
+    CPUs range from ones without bf16 units to AMX), so the model holds its own size in RAM; else, and for fp16
+    checkpoints (models trained in bf16 can overflow fp16, and CPUs' fp16 products are slow), float32."""
+    if name != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if device.type == "cuda" or stored is None:
+        return None
+    dtype = stored()
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and keeps_half(dtype)):
+        return None
+    return torch.float32
 
 
 class Engine:
@@ -97,7 +111,8 @@ class Engine:
         self.model_dir = model_dir
         self.config = config
         self.device = resolve_device(config.device)
-        loaded = load_model(model_dir, config, self.device, resolve_dtype(config.dtype, self.device), progress)
+        dtype = resolve_dtype(config.dtype, self.device, partial(checkpoint_dtype, model_dir))
+        loaded = load_model(model_dir, config, self.device, dtype, progress)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
         self._encoding = threading.Lock()  # tokenize_prompt: the worker's and Runtime.check's callers'
         # Why the model's chat template is not used any more ("" while it is): it ran over its budget once, and a
