@@ -208,7 +208,7 @@ def test_an_unknown_v1_route_is_an_openai_shaped_error_naming_the_served_ones(se
     assert r.status_code == status, r.text  # was: FastAPI's {"detail": "Not Found"}
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and f"{method} /v1/{path} is not served" in error["message"]
-    assert "GET /v1/models, POST /v1/chat/completions, POST /v1/completions" in error["message"]
+    assert "GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions" in error["message"]
 
 
 def test_a_503_while_a_model_loads_says_when_to_ask_again(served):
@@ -249,3 +249,11 @@ def test_what_a_request_leaves_out_takes_the_app_s_settings_but_not_its_reply_le
         session.store.settings.set(
             temperature=before.temperature, top_p=before.top_p, max_new_tokens=before.max_new_tokens
         )
+
+
+def test_the_loaded_model_is_retrieved_by_its_id_and_another_is_a_404(served):
+    _, session, client = served
+    assert client.models.retrieve(session.model_id).id == session.model_id  # was: a 404 for every id
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4o")
+    assert caught.value.body["param"] == "model" and f"'{session.model_id}'" in caught.value.body["message"]

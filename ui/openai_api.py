@@ -36,7 +36,7 @@ from ui.structured import shape
 
 LOST = "The request's worker thread ended without an answer. Send the request again."
 # What /v1 serves; any other request: a 404 naming them.
-ROUTES = ("GET /v1/models", "POST /v1/chat/completions", "POST /v1/completions")
+ROUTES = ("GET /v1/models", "GET /v1/models/{id}", "POST /v1/chat/completions", "POST /v1/completions")
 RETRY_AFTER_S = 5  # what a 503 during a model load asks a client to wait before it asks again
 _POLL_S = 0.2  # how often a wait for a request's next event checks that its pump thread still runs
 
@@ -61,6 +61,15 @@ def build_router(session: Session) -> APIRouter:
         if session.runtime is not None:
             data.append({"id": model_id(), "object": "model", "created": 0, "owned_by": "fmoe-local"})
         return {"object": "list", "data": data}
+
+    @router.get("/models/{ident:path}")
+    def model(ident: str) -> JSONResponse:
+        """One model by its id (OpenAI's retrieve): the loaded one, else a 404 naming what is served."""
+        if session.runtime is not None and ident == model_id():
+            return JSONResponse({"id": ident, "object": "model", "created": 0, "owned_by": "fmoe-local"})
+        served = f"'{model_id()}'" if session.runtime is not None else "none (no model is loaded)"
+        message = f"The model '{ident}' is not served here; the one this app serves is {served}."
+        return ApiError(404, message, "model").response()
 
     async def answer(request: Request, parse, prefix: str):  # noqa: ANN001, ANN202 - parse_chat or parse_completion
         try:
