@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_bench import cpu_experts, live_cli, matcher, overhead, quality, record, replay_report
+from fmoe_bench import constrained, cpu_experts, live_cli, matcher, overhead, quality, record, replay_report
 from fmoe_bench.fold import fold, parse_fold
 from fmoe_bench.oracle import OraclePolicy
 from fmoe_bench.parts import learned_first, parse_counts, select_requests
@@ -130,6 +130,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     quality.add_parser(sub)
     record.add_parser(sub)
     cpu_experts.add_parser(sub)
+    constrained.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         return live_cli.run(args)
     if args.bench_command == "overhead":
         return overhead.run(args)
+    if args.bench_command == "constrained":
+        return constrained.run(args)
     if args.bench_command == "quality":
         return quality.run(args)
     if args.bench_command == "record":

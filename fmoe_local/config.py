@@ -25,6 +25,12 @@ class Sampling:
     top_p: float = 0.9
     greedy: bool = False
     seed: int | None = None
+    # OpenAI's logits changes (logits_rules.py): penalties from -2 to 2, a bias per token id from -100 to 100.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The grammar the reply must follow (constrained.py's grammar text), or None: any text.
+    grammar: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError with a sentence a user can act on. Written as `not <in range>` so that NaN, which
@@ -39,6 +45,11 @@ class Sampling:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
         ):
             raise ValueError(f"The seed must be a whole number from 0 to {MAX_SEED}, or left out.")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"The {name.replace('_', ' ')} must be a number from -2 to 2.")
+        if not all(-100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise ValueError("Each logit bias must be a number from -100 to 100.")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from fmoe_local.cache import ExpertCache
 from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
 from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig
+from fmoe_local.constrained import Grammars
 from fmoe_local.cpu_experts import Kernel
 from fmoe_local.experts import OffloadedExperts
 from fmoe_local.loading import checkpoint_dtype, load_model
@@ -176,6 +177,9 @@ class Engine:
         self.offloaded = OffloadedExperts({id(ref.experts): ref.moe_index for ref in self.moe_layers}, self.offload)
         self.model.set_experts_implementation(self.offloaded.register())
         self.eos_ids = self._eos_ids()
+        # Grammars are compiled against this tokenizer, the model's logits' width and its end tokens.
+        self.grammars = Grammars(self.tokenizer, int(self.model.config.vocab_size), self.eos_ids)
+        self._tools_probe: bool | None = None  # supports_tools' answer, found once
         self.recorder = None
         if config.record_trace:
             shape = self.shape
@@ -238,11 +242,11 @@ class Engine:
             return self.model_dir.name
         return "the demo model" if self.model_dir.resolve() == demo else self.model_dir.name
 
-    def encode_prompt(self, prompt: list[dict] | str) -> torch.Tensor:
+    def encode_prompt(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> torch.Tensor:
         """Prompt ids [1, T] on the device: `tokenize_prompt` (which may raise PromptRefused) as a tensor."""
-        return torch.tensor([self.tokenize_prompt(prompt)], device=self.device)
+        return torch.tensor([self.tokenize_prompt(prompt, tools)], device=self.device)
 
-    def tokenize_prompt(self, prompt: list[dict] | str) -> list[int]:
+    def tokenize_prompt(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
         """Prompt ids of chat messages, from the tokenizer's own chat template (plain concatenation when it has none;
         a final assistant message is continued, not answered), or of a text to continue as it is (an API client's
         /v1/completions: the tokenizer's own special tokens, a BOS where the model has one, and no template).
@@ -250,12 +254,13 @@ class Engine:
         the prompt leaves no room for a reply: refused before any compute, so an over-long paste cannot occupy the
         model for minutes; TemplateRefused (a sentence) when the model's chat template rejects the messages (its
         raise_exception: e.g. roles that do not alternate); TemplateOverBudget (a sentence) when the template ran
-        over its budget of time, memory or output (chat_template.py), on these messages or earlier ones."""
+        over its budget of time, memory or output (chat_template.py), on these messages or earlier ones. `tools`:
+        the functions the model may call (OpenAI's `tools`), rendered by the template as it writes them."""
         with self._encoding:
             if isinstance(prompt, str):
                 text, special = prompt, True
             else:
-                text, special = self._chat_text(prompt)
+                text, special = self._chat_text(prompt, tools)
             ids = self._encode(text, special, isinstance(prompt, str))
         limit = self.context_length
         if limit is not None and len(ids) >= limit:
@@ -283,12 +288,26 @@ class Engine:
         ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
         return ids[0] if ids and isinstance(ids[0], list) else ids
 
-    def _chat_text(self, messages: list[dict]) -> tuple[str, bool]:
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template shows the model the tools it is given: a probe tool's name appears in
+        what it renders (a template that ignores `tools` would let the model answer without ever seeing them)."""
+        if self._tools_probe is None:
+            probe = "fmoe_probe_tool_q7"
+            tool = {"type": "function", "function": {"name": probe, "description": "", "parameters": {}}}
+            try:
+                with self._encoding:
+                    text, _ = self._chat_text([{"role": "user", "content": "hi"}], [tool])
+                self._tools_probe = probe in text
+            except PromptRefused:
+                self._tools_probe = False
+        return self._tools_probe
+
+    def _chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, bool]:
         """The prompt text of chat messages and whether the tokenizer adds its special tokens to it (only without a
         template: a template writes them itself)."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
-            return "\n".join(m["content"] for m in messages), True
+            return "\n".join(m.get("content") or "" for m in messages), True
         # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill): the
         # prompt ends inside it, where the model left off, instead of opening a new turn after it.
         cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
@@ -301,7 +320,7 @@ class Engine:
                 messages,
                 add_generation_prompt=not cont,
                 continue_final_message=cont,
-                variables=dict(tok.special_tokens_map),
+                variables=dict(tok.special_tokens_map) | ({"tools": tools} if tools else {}),
                 model=self.name,
             )
         except TemplateOverBudget as exc:

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from fmoe_local.config import Sampling
+from fmoe_local.logits_rules import LogitsRules
 
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
@@ -36,8 +37,10 @@ def generate_ids(
     eos_ids: set[int],
     stop: threading.Event,
     after_forward: Callable[[], None] = lambda: None,
+    rules: LogitsRules | None = None,
 ) -> Iterator[int]:
-    """Yield generated token ids until EOS, max_new_tokens or `stop` (checked before every forward pass)."""
+    """Yield generated token ids until EOS, max_new_tokens or `stop` (checked before every forward pass).
+    `rules`: the request's changes to the logits before each token is sampled (penalties, bias, a grammar)."""
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
@@ -49,7 +52,12 @@ def generate_ids(
                 return
             out = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
             after_forward()
-            token = sample_next(out.logits[0, -1].cpu(), sampling, generator)
+            logits = out.logits[0, -1].cpu()
+            if rules is not None:
+                logits = rules.apply(logits)
+            token = sample_next(logits, sampling, generator)
+            if rules is not None:
+                rules.advance(token)
             yield token
             if token in eos_ids:
                 return

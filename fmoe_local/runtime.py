@@ -30,9 +30,11 @@ from typing import TypeVar
 from fmoe_local.cache import ExpertLoadError
 from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.constrained import GrammarRefused
 from fmoe_local.copier import Interrupted, LoadTimeout
 from fmoe_local.engine import Engine, PromptRefused
 from fmoe_local.generate import Detokenizer, generate_ids
+from fmoe_local.logits_rules import LogitsRules
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.prefetch_distance import decode_layer_s
 from fmoe_local.prefetcher import PrefetcherFailed
@@ -43,7 +45,7 @@ from fmoe_local.stats import RequestStats
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 # Failures whose message is already a sentence for the user.
-_SENTENCES = (PromptRefused, TemplateOverBudget, ExpertLoadError, LoadTimeout, PrefetcherFailed)
+_SENTENCES = (PromptRefused, TemplateOverBudget, ExpertLoadError, LoadTimeout, PrefetcherFailed, GrammarRefused)
 CLOSED = (
     "The model was unloaded before this request ran (another model was loaded, or the app is closing). Send it again."
 )
@@ -56,6 +58,7 @@ class _Request:
     sampling: Sampling
     out: queue.Queue
     stop: threading.Event
+    tools: list[dict] | None = None  # the functions the model may call, rendered by its chat template
 
 
 _SENTINEL = object()
@@ -149,16 +152,21 @@ class Runtime:
         return self._engine
 
     def stream(
-        self, prompt: list[dict] | str, sampling: Sampling | None = None, stop: threading.Event | None = None
+        self,
+        prompt: list[dict] | str,
+        sampling: Sampling | None = None,
+        stop: threading.Event | None = None,
+        tools: list[dict] | None = None,
     ) -> Iterator[TextDelta | Finished]:
         """Queue a request; yields its TextDelta events, then one Finished. `stop`: the request's own stop flag, for
         a caller that must end this request from another thread (a server whose client went away) — setting it
-        ends the request within a token, or at once if it is still waiting for its turn."""
+        ends the request within a token, or at once if it is still waiting for its turn. `tools`: OpenAI-shaped
+        function tools, rendered into the prompt by the model's chat template (check `supports_tools` first)."""
         if self._closed:  # a caller holding a runtime that another thread just closed (a model being swapped)
             yield Finished.failed(CLOSED)
             return
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        request = _Request(prompt, sampling or self.config.sampling, queue.Queue(), stop or threading.Event())
+        request = _Request(prompt, sampling or self.config.sampling, queue.Queue(), stop or threading.Event(), tools)
         self._jobs.put(request)
         try:
             while True:
@@ -172,7 +180,7 @@ class Runtime:
             # A consumer that walks away (closed tab, broken pipe) must not leave the model generating.
             request.stop.set()
 
-    def check(self, prompt: list[dict] | str) -> int | None:
+    def check(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> int | None:
         """The prompt's length in tokens. Raises PromptRefused (ContextTooLong, TemplateRefused: a sentence) when
         this prompt cannot be one for this model: the request's own fault, told before it is queued (a
         server answers it 400 before its reply starts); TemplateOverBudget (a sentence) when the model's chat
@@ -182,12 +190,29 @@ class Runtime:
         if self._closed:
             return None
         try:
-            return len(self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt)))
+            return len(self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt), tools))
         except (PromptRefused, TemplateOverBudget):
             raise
         except Exception:  # noqa: BLE001 - not the prompt's fault: the worker's own encode decides and reports it
             log.debug("prompt check skipped", exc_info=True)
             return None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (its text), or None when it has none: what a server reads the model's tool-call
+        format from."""
+        tok = self._engine.tokenizer
+        return tok.get_chat_template() if getattr(tok, "chat_template", None) else None
+
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template shows it the tools a request gives (Engine.supports_tools); on the
+        caller's thread, like `check`."""
+        return self._engine.supports_tools()
+
+    def check_grammar(self, grammar: str, schema: dict | None = None, where: str = "schema") -> None:
+        """Raise GrammarRefused (a sentence naming `where` and the path in `schema`) when the reply could not be held
+        to `grammar` (Sampling.grammar). On the caller's thread, before the request is queued."""
+        self._engine.grammars.check(grammar, schema, where)
 
     def generate(self, prompt: list[dict] | str, sampling: Sampling | None = None) -> Finished:
         events = list(self.stream(prompt, sampling))
@@ -322,7 +347,7 @@ class Runtime:
     def _run(self, request: _Request) -> None:
         e = self._engine
         try:
-            prompt_ids = e.encode_prompt(request.prompt)
+            prompt_ids = e.encode_prompt(request.prompt, request.tools)
         except PromptRefused as exc:  # too long, or the chat template's own refusal: a sentence, not a crash
             request.out.put(Finished.failed(str(exc)))
             return
@@ -339,9 +364,10 @@ class Runtime:
         t0 = time.perf_counter()
         waited = 0.0  # the forward pass's waits for experts up to the first token (decode's are the rest)
         try:
+            rules = LogitsRules.for_request(sampling, e.grammars)  # penalties, bias, a grammar: None when none
             with e.request(request_id, stats, text=_request_text(request.prompt)):
                 for token in generate_ids(
-                    e.model, prompt_ids, sampling, e.eos_ids, request.stop, after_forward=e.end_iteration
+                    e.model, prompt_ids, sampling, e.eos_ids, request.stop, after_forward=e.end_iteration, rules=rules
                 ):
                     times.append(time.perf_counter())
                     if len(times) == 1:

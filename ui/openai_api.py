@@ -3,8 +3,9 @@
 Scope: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (a prompt continued as it is, no
 chat template: editors' code completion, base-model scripts), plain or `stream: true` (openai_stream.py writes both
 shapes), translating to `Runtime.stream` and back: max_tokens, temperature (0 = greedy) and top_p (left out: the
-app's Settings values), seed, stop, finish_reason, usage, errors in OpenAI's shape (the body is parsed and checked
-in openai_request.py; one over ui/body_limit.py's limit never reaches this router). Any bearer token is accepted
+app's Settings values), seed, stop, penalties and logit_bias, tools and response_format (checked against the model
+and turned into a grammar by structured.py), finish_reason, usage, errors in OpenAI's shape (the body is parsed and
+checked in openai_request.py; one over ui/body_limit.py's limit never reaches this router). Any bearer token is accepted
 here: who may call at all is decided before a request reaches this router (http_guard.py; with --listen or
 --api-key, http_auth.py's token). Any `model` in a request is accepted: the loaded model answers, listed under its
 short id (`Session.model_id`, "demo" for the built-in one). It does NOT hold model logic, queue requests itself (the
@@ -31,10 +32,11 @@ from fmoe_local.config import Sampling
 from ui.openai_request import ApiError, ApiRequest, parse_chat, parse_completion, read_body
 from ui.openai_stream import Generation, Shape, complete, sse, watch
 from ui.session import Session
+from ui.structured import shape
 
 LOST = "The request's worker thread ended without an answer. Send the request again."
 # What /v1 serves; any other request: a 404 naming them.
-ROUTES = ("GET /v1/models", "POST /v1/chat/completions", "POST /v1/completions")
+ROUTES = ("GET /v1/models", "GET /v1/models/{id}", "POST /v1/chat/completions", "POST /v1/completions")
 RETRY_AFTER_S = 5  # what a 503 during a model load asks a client to wait before it asks again
 _POLL_S = 0.2  # how often a wait for a request's next event checks that its pump thread still runs
 
@@ -60,6 +62,15 @@ def build_router(session: Session) -> APIRouter:
             data.append({"id": model_id(), "object": "model", "created": 0, "owned_by": "fmoe-local"})
         return {"object": "list", "data": data}
 
+    @router.get("/models/{ident:path}")
+    def model(ident: str) -> JSONResponse:
+        """One model by its id (OpenAI's retrieve): the loaded one, else a 404 naming what is served."""
+        if session.runtime is not None and ident == model_id():
+            return JSONResponse({"id": ident, "object": "model", "created": 0, "owned_by": "fmoe-local"})
+        served = f"'{model_id()}'" if session.runtime is not None else "none (no model is loaded)"
+        message = f"The model '{ident}' is not served here; the one this app serves is {served}."
+        return ApiError(404, message, "model").response()
+
     async def answer(request: Request, parse, prefix: str):  # noqa: ANN001, ANN202 - parse_chat or parse_completion
         try:
             # Whole and within body_limit.MAX_BODY_BYTES (the server refused a larger one unread); parsed and checked
@@ -71,18 +82,20 @@ def build_router(session: Session) -> APIRouter:
                 max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p
             )
             req: ApiRequest = parse(body, defaults)
-            await _check_prompt(runtime, req.prompt)
+            # tools, a forced call, a JSON reply: what the model must take, and the grammar it is held to
+            shaped = await asyncio.to_thread(shape, runtime, req)
+            await _check_prompt(runtime, req.prompt, shaped.tools)
         except ApiError as exc:
             return exc.response()
         stop = threading.Event()
         text = isinstance(req.prompt, str)
         echo = req.prompt if text and req.echo else ""
-        shape = Shape(f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), model_id(), text, echo)
-        events = _events(runtime, req.prompt, req.sampling, stop, router.finished)
+        reply = Shape(f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), model_id(), text, echo)
+        events = _events(runtime, req.prompt, shaped.sampling, stop, router.finished, shaped.tools)
         if req.stream:
-            chunks = sse(events, Generation(req.stops), shape, req.include_usage, stop)
+            chunks = sse(events, Generation(req.stops), reply, req.include_usage, stop, shaped.calls())
             return StreamingResponse(watch(chunks, request, stop), media_type="text/event-stream")
-        return await complete(events, Generation(req.stops), shape, request, stop)
+        return await complete(events, Generation(req.stops), reply, request, stop, shaped.calls())
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):  # noqa: ANN202
@@ -103,7 +116,7 @@ def build_router(session: Session) -> APIRouter:
     return router
 
 
-async def _check_prompt(runtime, prompt: list[dict] | str) -> None:  # noqa: ANN001
+async def _check_prompt(runtime, prompt: list[dict] | str, tools: list[dict]) -> None:  # noqa: ANN001
     """A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
     that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it. A
     chat template stopped over its budget is the model's: a 500 with the sentence, before a stream starts too."""
@@ -111,7 +124,8 @@ async def _check_prompt(runtime, prompt: list[dict] | str) -> None:  # noqa: ANN
     from fmoe_local.engine import ContextTooLong, PromptRefused
 
     try:
-        await asyncio.to_thread(runtime.check, prompt)  # tokenizing takes milliseconds; no turn is awaited
+        extra = (tools,) if tools else ()  # milliseconds; no turn is awaited
+        await asyncio.to_thread(runtime.check, prompt, *extra)
     except TemplateOverBudget as exc:
         raise ApiError(500, str(exc)) from exc
     except PromptRefused as exc:
@@ -119,7 +133,9 @@ async def _check_prompt(runtime, prompt: list[dict] | str) -> None:  # noqa: ANN
         raise ApiError(400, str(exc), "prompt" if isinstance(prompt, str) else "messages", code) from exc
 
 
-def _events(runtime, prompt: list[dict] | str, sampling: Sampling, stop: threading.Event, finished: deque) -> _Events:  # noqa: ANN001
+def _events(  # noqa: ANN001
+    runtime, prompt: list[dict] | str, sampling: Sampling, stop: threading.Event, finished: deque, tools: list[dict]
+) -> _Events:
     """Run the request on a pump thread that always reads the runtime's stream to its end (so its finish is
     recorded even after the client left) and posts each event to the async side. None marks the end."""
     events = _Events(asyncio.get_running_loop())
@@ -127,7 +143,7 @@ def _events(runtime, prompt: list[dict] | str, sampling: Sampling, stop: threadi
     def pump() -> None:
         final = None
         try:
-            for event in runtime.stream(prompt, sampling, stop=stop):
+            for event in runtime.stream(prompt, sampling, stop=stop, **({"tools": tools} if tools else {})):
                 final = event
                 events.post(event)
         except Exception as exc:  # noqa: BLE001 - the client gets the sentence instead of a bare 500 or a cut stream

@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ui.openai_request import ApiError
+from ui.tool_calls import CallStream
 
 # A reply cut by the model's context is "length" in OpenAI's terms: it ended at a token limit, not on its own.
 _FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -98,8 +99,11 @@ def _failure(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished
     return INTERRUPTED if final.reason == "cancelled" and not gen.stopped else ""
 
 
-async def complete(events, gen: Generation, shape: Shape, request: Request, stop: threading.Event) -> JSONResponse:  # noqa: ANN001
-    """The whole reply as one body, once it has ended."""
+async def complete(  # noqa: ANN001
+    events, gen: Generation, shape: Shape, request: Request, stop: threading.Event, calls: CallStream | None = None
+) -> JSONResponse:
+    """The whole reply as one body, once it has ended. `calls`: the reader of the reply's tool calls, when the
+    model may call tools (ui/tool_calls.py)."""
 
     async def watch() -> None:
         while not stop.is_set():
@@ -122,12 +126,28 @@ async def complete(events, gen: Generation, shape: Shape, request: Request, stop
         watcher.cancel()
     if failure := _failure(final, gen):
         return ApiError(500, failure).response()
-    choice = shape.choice(shape.echo + gen.text, _reason(final, gen))
+    content, found = gen.text, []
+    if calls is not None:
+        content = calls.add(content)
+        rest, found = calls.finish()
+        content += rest
+    choice = shape.choice(shape.echo + content, "tool_calls" if found else _reason(final, gen))
+    if found:
+        choice["message"] |= {"content": content or None, "tool_calls": [c.openai(i) for i, c in enumerate(found)]}
     return JSONResponse(shape.body([choice]) | {"usage": usage(final)})
 
 
-async def sse(events, gen: Generation, shape: Shape, include_usage: bool, stop: threading.Event) -> AsyncIterator[str]:  # noqa: ANN001
-    """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it."""
+async def sse(  # noqa: ANN001
+    events,
+    gen: Generation,
+    shape: Shape,
+    include_usage: bool,
+    stop: threading.Event,
+    calls: CallStream | None = None,
+) -> AsyncIterator[str]:
+    """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it. With
+    `calls`, text from a tool call's start on is held and sent at the end as `delta.tool_calls` (one chunk per call,
+    its arguments whole), or as content when it is not a well-formed call."""
 
     def chunk(choices: list[dict], **extra: object) -> str:
         return f"data: {json.dumps(shape.body(choices, chunk=True) | extra)}\n\n"
@@ -144,16 +164,24 @@ async def sse(events, gen: Generation, shape: Shape, include_usage: bool, stop: 
         text = gen.add(event.text)
         if gen.stopped:
             stop.set()
+        if calls is not None:
+            text = calls.add(text)
         if text:
             yield chunk([shape.choice(text, None, chunk=True)])
     if failure := _failure(final, gen):
         yield f"data: {json.dumps({'error': {'message': failure, 'type': 'server_error'}})}\n\n"
         yield "data: [DONE]\n\n"
         return
-    rest = gen.flush()
+    rest, found = gen.flush(), []
+    if calls is not None:
+        rest = calls.add(rest)
+        more, found = calls.finish()
+        rest += more
     if rest:
         yield chunk([shape.choice(rest, None, chunk=True)])
-    yield chunk([shape.choice("", _reason(final, gen), chunk=True)])
+    for i, call in enumerate(found):
+        yield chunk([{"index": 0, "delta": {"tool_calls": [call.openai(i)]}, "finish_reason": None, "logprobs": None}])
+    yield chunk([shape.choice("", "tool_calls" if found else _reason(final, gen), chunk=True)])
     if include_usage:
         yield chunk([], usage=usage(final))
     yield "data: [DONE]\n\n"
