@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_local.bench import cpu_experts, live_cli, matcher, overhead, quality, record, replay_report
+from fmoe_local.bench import cpu_experts, live_cli, matcher, overhead, prefix, quality, record, replay_report
 from fmoe_local.bench.fold import fold, parse_fold
 from fmoe_local.bench.oracle import OraclePolicy
 from fmoe_local.bench.parts import learned_first, parse_counts, select_requests
@@ -129,6 +129,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     quality.add_parser(sub)
     record.add_parser(sub)
     cpu_experts.add_parser(sub)
+    prefix.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         return quality.run(args)
     if args.bench_command == "record":
         return record.run(args)
+    if args.bench_command == "prefix":
+        return prefix.run(args)
     raise ValueError(f"Unknown bench command '{args.bench_command}'.")
 
 
