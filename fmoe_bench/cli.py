@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_bench import constrained, cpu_experts, live_cli, matcher, overhead, quality, record, replay_report
+from fmoe_bench import constrained, cpu_experts, live_cli, matcher, overhead, prefix, quality, record, replay_report
 from fmoe_bench.fold import fold, parse_fold
 from fmoe_bench.oracle import OraclePolicy
 from fmoe_bench.parts import learned_first, parse_counts, select_requests
@@ -131,6 +131,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     record.add_parser(sub)
     cpu_experts.add_parser(sub)
     constrained.add_parser(sub)
+    prefix.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         return quality.run(args)
     if args.bench_command == "record":
         return record.run(args)
+    if args.bench_command == "prefix":
+        return prefix.run(args)
     raise ValueError(f"Unknown bench command '{args.bench_command}'.")
 
 

@@ -169,6 +169,7 @@ def benchmark(
         cache_experts=1,  # resized below, once the model's shape is known
         prefetch_distance=settings.prefetch_distance,
         policy="on_demand",  # every measured policy is then built fresh by reconfigure
+        prefix_cache_gb=0.0,  # each prompt prefilled whole, as the policies' earlier figures were measured
     )
     rows: list[PolicyRow] = []
     with Runtime.load(model_dir, config) as runtime:

@@ -49,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
     prompts = sample_prompts(prompts_path, args.requests, args.seed, args.max_prompt_chars)
     args.out.unlink(missing_ok=True)  # the recorder writes everything it saw; an old file would only mislead
     sampling = Sampling(greedy=True, max_new_tokens=args.max_new_tokens)
-    config = RuntimeConfig(device=args.device, policy="lru", record_trace=str(args.out), sampling=sampling)
+    # Every prompt prefilled whole: a trace holds each prompt's own routing, not what a kept prefix left to run.
+    config = RuntimeConfig(
+        device=args.device, policy="lru", record_trace=str(args.out), sampling=sampling, prefix_cache_gb=0.0
+    )
     t0 = time.perf_counter()
     with Runtime.load(model, config) as runtime:
         for i, prompt in enumerate(prompts):

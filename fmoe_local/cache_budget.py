@@ -2,8 +2,8 @@
 
 Scope: the arithmetic between a size in GB and a slot count, for whoever sizes an expert cache (engine.py, `bench
 live`) and for the cache itself (cache.py checks its own capacity); the same for the map store's capacity against
-the RAM free (engine.py at load and on reconfigure, the Settings tab before a model is loaded). It does NOT allocate
-anything.
+the RAM free (engine.py at load and on reconfigure, the Settings tab before a model is loaded); the prefix cache's
+budget (prefix_cache.py). It does NOT allocate anything.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fmoe_local import hardware
+from fmoe_local.config import PREFIX_AUTO_MAX_GB
 from fmoe_local.hardware import GIB, KV_RESERVE_BYTES
 
 
@@ -108,3 +109,40 @@ def check_store_capacity(
         f"{max(1, fits):,} or fewer maps.",
         "store_capacity",
     )
+
+
+def kv_room_bytes(device: torch.device) -> int | None:
+    """Bytes free where the KV cache lives: the GPU's free memory less the reserve the running request's KV cache
+    and activations keep (hardware.KV_RESERVE_BYTES), or the RAM available on the CPU; None where the platform does
+    not say."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, int(free) - KV_RESERVE_BYTES)
+    total, available = hardware.ram_bytes()
+    return None if total <= 0 else available
+
+
+def kv_free_bytes(device: torch.device) -> int | None:
+    """GPU memory a KV cache can grow into now: free memory plus what torch's allocator holds unused; None off a
+    GPU, where the prefix cache's budget alone bounds it."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def prefix_budget_bytes(setting_gb: float | None, room_bytes: int | None) -> int:
+    """What the kept prefixes' KV caches may take (RuntimeConfig.prefix_cache_gb): the setting, or automatically a
+    quarter of `room_bytes` (kv_room_bytes after load) up to PREFIX_AUTO_MAX_GB (1 GB where the room is unknown).
+    A setting over the room is refused (SettingRefused, "prefix_cache_gb"): kept prefixes would take the memory the
+    running request's own KV cache needs."""
+    if setting_gb is None:
+        return int(GIB if room_bytes is None else min(room_bytes // 4, PREFIX_AUTO_MAX_GB * GIB))
+    asked = int(setting_gb * GIB)
+    if room_bytes is not None and asked > room_bytes:
+        raise SettingRefused(
+            f"The prefix cache was set to {setting_gb:g} GB, but only {room_bytes / GIB:.2f} GB are free where the KV "
+            "cache lives after loading this model. Set it to less, or leave it on auto.",
+            "prefix_cache_gb",
+        )
+    return asked

@@ -38,14 +38,21 @@ def generate_ids(
     stop: threading.Event,
     after_forward: Callable[[], None] = lambda: None,
     rules: LogitsRules | None = None,
+    cache: DynamicCache | None = None,
+    cached: int = 0,
 ) -> Iterator[int]:
     """Yield generated token ids until EOS, max_new_tokens or `stop` (checked before every forward pass).
-    `rules`: the request's changes to the logits before each token is sampled (penalties, bias, a grammar)."""
+    `rules`: the request's changes to the logits before each token is sampled (penalties, bias, a grammar). `cache`:
+    the KV cache to extend in place (a fresh one when None), already holding the first `cached` prompt tokens
+    (prefix_cache.py); only the rest is prefilled, at least the last token, whose logits give the first reply
+    token."""
+    if not 0 <= cached < prompt_ids.shape[1]:
+        raise ValueError(f"A cache holding {cached} of {prompt_ids.shape[1]} prompt tokens leaves nothing to prefill.")
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
-    cache = DynamicCache(config=model.config)
-    inputs = prompt_ids
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    inputs = prompt_ids[:, cached:]
     with torch.inference_mode():
         for _ in range(sampling.max_new_tokens):
             if stop.is_set():

@@ -3,7 +3,8 @@
 Scope: loading a checkpoint key by key the way `from_pretrained` does (key renaming, keep-in-fp32 rules, weight
 tying, computed buffers), the experts hook (`ExpertsInterface`), the attributes of the fused experts modules
 our experts implementation reads (layout flags, the gate), and rendering a chat template the way
-`apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child process. torch is
+`apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child process; what each
+layer of a DynamicCache holds (prefix_cache.py keeps and cuts them). torch is
 imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
 It does NOT decide anything: each function is a thin, named door to one internal.
 
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import DynamicCache
 
 # (module, attribute) pairs this file relies on; the experts modules' attributes are checked on a live module.
 _REQUIRED = (
@@ -35,6 +38,8 @@ _REQUIRED = (
     ("transformers", "PreTrainedModel.tie_weights"),
     ("transformers", "PreTrainedModel.set_experts_implementation"),
     ("transformers.utils.chat_template_utils", "render_jinja_template"),
+    ("transformers.cache_utils", "DynamicLayer"),
+    ("transformers.cache_utils", "DynamicSlidingWindowLayer"),
 )
 _EXPERTS_FLAGS = ("is_transposed", "has_bias", "has_gate", "num_experts")
 
@@ -172,3 +177,35 @@ def render_chat_template(
         **variables,
     )
     return rendered[0]
+
+
+# ---- KV cache layers -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """One layer of a DynamicCache as prefix_cache.py needs it."""
+
+    keys: torch.Tensor | None  # [B, heads, held, D]; None before the layer's first update
+    values: torch.Tensor | None
+    length: int  # tokens the layer has seen (a sliding-window layer holds only the last window − 1 of them)
+    window: int | None  # the sliding window, None for full attention
+
+
+def kv_layers(cache: DynamicCache) -> list[KVLayer] | None:
+    """Each layer of `cache`; None when one is of a kind other than transformers' plain or sliding-window dynamic
+    layer (linear attention, quantised, offloaded…), whose states a token prefix cannot be cut from as here."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    out = []
+    for layer in cache.layers:
+        if type(layer) is DynamicSlidingWindowLayer:
+            window = int(layer.sliding_window)
+        elif type(layer) is DynamicLayer:
+            window = None
+        else:
+            return None
+        held = layer.is_initialized and layer.keys is not None
+        keys, values = (layer.keys, layer.values) if held else (None, None)
+        out.append(KVLayer(keys, values, layer.get_seq_length(), window))
+    return out

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from fmoe_local.cache import ExpertLoadError
+from fmoe_local.cache_budget import kv_free_bytes
 from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.constrained import GrammarRefused
@@ -38,6 +39,7 @@ from fmoe_local.logits_rules import LogitsRules
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.prefetch_distance import decode_layer_s
 from fmoe_local.prefetcher import PrefetcherFailed
+from fmoe_local.prefix_cache import PrefixCache
 from fmoe_local.quant_cache import Progress
 from fmoe_local.runtime_types import Finished, ModelInfo, TextDelta
 from fmoe_local.stats import RequestStats
@@ -81,6 +83,10 @@ class Runtime:
         self._turn = threading.Lock()
         self._request_ids = itertools.count(1)
         self._closed = False
+        # The worker's own (prefix_cache.py says its threading rule): built here before the worker starts.
+        self._prefixes = PrefixCache(
+            engine.model.config, engine.prefix_budget, free_bytes=lambda: kv_free_bytes(engine.device)
+        )
         self._worker = threading.Thread(target=self._serve, name="fmoe-runtime", daemon=True)
         self._worker.start()
 
@@ -265,9 +271,15 @@ class Runtime:
         return self._between_requests(apply)
 
     def reset_cache(self) -> None:
-        """Empty the expert cache (waits for the current request) so the next request starts cold, as after a
-        fresh start; what the policy and the map store learned is kept (clear_maps forgets the maps)."""
-        self._between_requests(self._engine.reset_cache)
+        """Empty the expert cache and drop the kept KV caches (waits for the current request) so the next request
+        starts cold, as after a fresh start; what the policy and the map store learned is kept (clear_maps forgets
+        the maps)."""
+
+        def reset() -> None:
+            self._prefixes.clear()
+            self._engine.reset_cache()
+
+        self._between_requests(reset)
 
     def _between_requests(self, fn: Callable[[], T]) -> T:
         """Run fn on the worker thread between two requests and hand back its result or its exception."""
@@ -351,12 +363,14 @@ class Runtime:
         except PromptRefused as exc:  # too long, or the chat template's own refusal: a sentence, not a crash
             request.out.put(Finished.failed(str(exc)))
             return
-        stats = RequestStats(prompt_tokens=int(prompt_ids.shape[1]))
         sampling, full = request.sampling, "length"  # the reason a reply that reaches max_new_tokens ends with
         if e.context_length is not None and prompt_ids.shape[1] + sampling.max_new_tokens > e.context_length:
             # The reply ends where the model's context does ("context": neither more Max new tokens nor Continue
             # makes room), not in positions it was never trained on.
             sampling, full = replace(sampling, max_new_tokens=e.context_length - int(prompt_ids.shape[1])), "context"
+        prompt = prompt_ids[0].tolist()
+        kv_cache, reused = self._prefixes.take(prompt, sampling.max_new_tokens)
+        stats = RequestStats(prompt_tokens=len(prompt), cached_tokens=reused)
         detok = Detokenizer(e.tokenizer)
         reason, error = "length", ""
         times: list[float] = []
@@ -365,10 +379,19 @@ class Runtime:
         waited = 0.0  # the forward pass's waits for experts up to the first token (decode's are the rest)
         try:
             rules = LogitsRules.for_request(sampling, e.grammars)  # penalties, bias, a grammar: None when none
-            with e.request(request_id, stats, text=_request_text(request.prompt)):
-                for token in generate_ids(
-                    e.model, prompt_ids, sampling, e.eos_ids, request.stop, after_forward=e.end_iteration, rules=rules
-                ):
+            with e.request(request_id, stats, text=_request_text(request.prompt), reused_ids=prompt_ids[:, :reused]):
+                tokens = generate_ids(
+                    e.model,
+                    prompt_ids,
+                    sampling,
+                    e.eos_ids,
+                    request.stop,
+                    after_forward=e.end_iteration,
+                    rules=rules,
+                    cache=kv_cache,
+                    cached=reused,
+                )
+                for token in tokens:
                     times.append(time.perf_counter())
                     if len(times) == 1:
                         waited = e.counters.stall_s + e.counters.host_s
@@ -382,6 +405,9 @@ class Runtime:
                     reason = "cancelled"
                 elif reason == "length":
                     reason = full
+                # Ended between two forward passes: every layer holds the same tokens, so the cache can serve the
+                # next request (a pass cut short by an exception leaves it half-written, and it is dropped).
+                self._prefixes.put(prompt + detok.ids, kv_cache)
         except Interrupted:
             reason = "cancelled"
         except Exception as exc:  # noqa: BLE001 - the request ends with a sentence; the runtime goes on

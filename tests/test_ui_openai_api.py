@@ -49,6 +49,8 @@ def test_plain_and_streamed_replies_agree_and_count_usage(served):
     assert streamed == text  # greedy: the same reply either way
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens and chunks[-1].choices == []
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    # The same prompt again: all but its last token came from the first request's kept KV cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens - 1
     assert session.store.chats.list() == []  # API chats are not the user's chats
 
 

@@ -85,7 +85,13 @@ class Shape:
 
 def usage(final) -> dict:  # noqa: ANN001 - a Finished
     prompt, completion = final.stats.prompt_tokens, len(final.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        # As OpenAI reports it: the prompt tokens a kept KV cache held, not prefilled again (prefix_cache.py).
+        "prompt_tokens_details": {"cached_tokens": final.stats.cached_tokens},
+    }
 
 
 def _reason(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished

@@ -127,6 +127,8 @@ def summary(session: Session) -> str:
         )
         if s.on_host:
             line += f", {s.on_host} misses computed on the CPU ({1000 * s.host_s:.0f} ms)"
+        if s.prompt_tokens:
+            line += f", {s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens reused from the last replies"
     return f"{line}\n\n**Misses:** {literal(session.runtime.miss_explanation)}"
 
 
