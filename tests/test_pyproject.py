@@ -65,7 +65,8 @@ def test_every_package_the_app_imports_is_a_dependency():
     app += [*(REPO / "store").rglob("*.py"), *(REPO / "fmoe_bench").rglob("*.py")]
     # The demo's trainer reads its corpus with the `train` extra; nothing else needs it.
     declared = set(_requirements()) | set(_requirements("train"))
-    assert _undeclared(app, declared) == {}
+    # `bench constrained` times xgrammar beside llguidance when someone installed it; nothing installs it for them.
+    assert _undeclared(app, declared) == {"xgrammar": {"xgrammar"}}
 
 
 def test_every_package_the_tests_import_is_a_dependency_or_a_dev_one():
