@@ -1,7 +1,7 @@
 """RequestHandle: one request's life from `Runtime.submit` to its `Finished`, the one place it is cancelled.
 
-A caller iterates the handle synchronously (`for event in handle`) or asynchronously (`async for event in handle`):
-`TextDelta` events, then one `Finished`. Every iteration starts from the request's first event (the handle keeps
+A caller iterates the handle synchronously (`for event in handle`, or `batches()`) or asynchronously (`async for
+event in handle`): `TextDelta` events, then one `Finished`. Every iteration starts from the request's first event (the handle keeps
 them), so a chat page that comes back to a reply still being written shows it whole. `cancel()` ends the request
 within a token, or at once while it still waits for its turn; `result()` waits for the `Finished`.
 
@@ -33,7 +33,9 @@ def cancelled_in_queue() -> Finished:
 
 
 class RequestHandle:
-    def __init__(self, on_cancel: Callable[[RequestHandle], None] = lambda handle: None) -> None:
+    def __init__(self, on_cancel: Callable[[RequestHandle], None] = lambda handle: None, behind: bool = False) -> None:
+        # When submitted, another request was running or waiting ahead of this one (a snapshot: a page says it waits).
+        self.behind = behind
         # Set by cancel() or by the runtime's close(); the token loop checks it before every forward pass.
         self.stop = threading.Event()
         self._on_cancel = on_cancel  # the runtime's part: interrupt a wait for an expert if this request runs
@@ -95,16 +97,22 @@ class RequestHandle:
             return self._final
 
     def __iter__(self) -> Iterator[Event]:
+        for batch in self.batches():
+            yield from batch
+
+    def batches(self) -> Iterator[list[Event]]:
+        """The events in lists of whatever has arrived since the last one (the last list ends with the Finished): a
+        reader that comes late, or is slower than the model, redraws once per list instead of once per token."""
         seen = 0
         while True:
             with self._cond:
                 self._cond.wait_for(lambda n=seen: len(self._events) > n or self._final is not None)
                 batch, final = self._events[seen:], self._final
-            yield from batch
             seen += len(batch)
-            if final is not None:  # nothing is published after the final event: the batch held the rest
-                yield final
+            if final is not None:  # nothing is published after the final event: the batch holds the rest
+                yield [*batch, final]
                 return
+            yield batch
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()

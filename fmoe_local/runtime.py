@@ -176,7 +176,7 @@ class Runtime:
     def submit(self, prompt: list[dict] | str, sampling: Sampling | None = None) -> RequestHandle:
         """Queue a request; its handle yields TextDelta events, then one Finished, and cancels it. A runtime already
         closed (a caller that held it while another thread swapped the model) ends the handle at once with CLOSED."""
-        handle = RequestHandle(self._cancel)
+        handle = RequestHandle(self._cancel, behind=self._current is not None or not self._jobs.empty())
         request = _Request(
             prompt if isinstance(prompt, str) else list(prompt), sampling or self.config.sampling, handle
         )

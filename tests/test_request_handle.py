@@ -123,3 +123,16 @@ def test_a_result_that_does_not_come_in_time_is_a_sentence():
     handle = RequestHandle()
     with pytest.raises(TimeoutError, match="did not end within 0.05 s"):
         handle.result(timeout=0.05)
+
+
+def test_a_late_reader_gets_what_arrived_in_one_batch():
+    handle = RequestHandle()
+    handle.claim()
+    for i in range(3):
+        handle.publish(TextDelta(str(i), i))
+    batches = handle.batches()
+    assert [e.text for e in next(batches)] == ["0", "1", "2"]
+    handle.publish(TextDelta("3", 3))
+    handle.finish(_final("0123"))
+    assert [e.text for e in next(batches)] == ["3", "0123"]
+    assert next(batches, None) is None
