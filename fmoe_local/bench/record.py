@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("record", help="record a model's routing on a seeded sample of prompts as a trace (.npz)")
     p.add_argument("out", type=Path, help="the trace file to write (.npz, format: DESIGN.md)")
     p.add_argument("--model", type=Path, help="model folder (default: the built-in demo model)")
-    p.add_argument("--prompts", type=Path, help="a .json/.jsonl prompts file or folder (default shared prompts)")
+    p.add_argument("--prompts", type=Path, help="a .json/.jsonl prompts file or folder (default data/prompts)")
     p.add_argument("--requests", type=whole(1), default=64, help="prompts sampled (seeded) from --prompts (default 64)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the prompt sample")
     p.add_argument("--max-prompt-chars", type=whole(1), default=1500, help="sample only prompts up to this length")
