@@ -115,5 +115,8 @@ def run(args: argparse.Namespace) -> int:
     for fmt in formats:
         r = perplexity(model_dir, fmt, texts, args.seq_len, args.windows, args.device)
         name = r["format"] if r["format"] != "bf16" else f"unquantised ({r['dtype']})"
-        print(f"| {name} | {r['expert_bytes'] / 1e3:.1f} | {r['tokens']} | {r['loss']:.4f} | {r['ppl']:.2f} |")
+        # flush: each format takes minutes, and a pipe would hold every row until the end
+        print(
+            f"| {name} | {r['expert_bytes'] / 1e3:.1f} | {r['tokens']} | {r['loss']:.4f} | {r['ppl']:.2f} |", flush=True
+        )
     return 0

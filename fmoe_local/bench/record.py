@@ -13,6 +13,7 @@ folding cannot give (docs/bench.md, "Generalising").
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -56,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
             final = runtime.generate([{"role": "user", "content": prompt}])
             if final.reason == "error":
                 raise ValueError(f"Prompt {i} of the sample failed: {final.error}")
+            if (i + 1) % 8 == 0 or i + 1 == len(prompts):  # 64 prompts take minutes on a CPU: say how far
+                print(
+                    f"[{time.perf_counter() - t0:7.1f} s] {i + 1} of {len(prompts)} prompts recorded", file=sys.stderr
+                )
     trace = load_trace(args.out)
     print(
         f"{trace.model}: {len(trace.requests())} requests, {trace.num_rows} rows, {trace.num_layers} MoE layers, "
