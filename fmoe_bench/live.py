@@ -1,6 +1,6 @@
 """`fmoe-local bench live`: real TTFT, TPOT and hit rate of every policy on a real model, against all-resident.
 
-Scope: prompts (a seeded sample of ../shared/data/prompts or a file), one model load, then per policy and miss
+Scope: prompts (a seeded sample of data/prompts or a file), one model load, then per policy and miss
 handling (`--miss-handling copy,cpu,auto`) a fresh cold cache and an empty map store through `Runtime.reconfigure`,
 the same prompts greedily, and last the all-resident baseline (every expert in the cache, warmed by one untimed
 pass, its misses copied). Prints a table with the device's name, checks

@@ -13,6 +13,7 @@ import torch
 from fmoe_local import hardware
 from fmoe_local.config import PREFIX_AUTO_MAX_GB
 from fmoe_local.hardware import GIB, KV_RESERVE_BYTES
+from fmoe_local.units import BINARY, number, size, size_auto, unit_for
 
 
 class SettingRefused(ValueError):
@@ -45,16 +46,18 @@ def fitted_slots(capacity: int, expert_bytes: int, room_bytes: int | None) -> tu
     if room_bytes is None or capacity * expert_bytes <= room_bytes:
         return capacity, ""
     fitted = room_bytes // expert_bytes
-    asked, got = capacity * expert_bytes / GIB, fitted * expert_bytes / GIB
     if fitted < 1:
+        unit = unit_for(max(room_bytes, expert_bytes), BINARY)
         raise ValueError(
-            f"The GPU has {room_bytes / GIB:.2f} GB left for the expert cache after the model's resident part, less "
-            f"than one expert ({expert_bytes / GIB:.2f} GB). Close other programs that use the GPU, or choose a "
+            f"The GPU has {size(room_bytes, unit)} left for the expert cache after the model's resident part, less "
+            f"than one expert ({size(expert_bytes, unit)}). Close other programs that use the GPU, or choose a "
             "smaller model or a smaller expert format."
         )
+    # Each figure in its own unit: the two can differ by orders of magnitude ("4 GB; 96 KB", not "0.0000916 GB").
+    asked, got = size_auto(capacity * expert_bytes, BINARY), size_auto(fitted * expert_bytes, BINARY)
     return fitted, (
-        f" The expert cache was set to {asked:.1f} GB; {got:.1f} GB fit next to the model on this GPU, so it holds "
-        f"{fitted} experts (Settings shows what fits)."
+        f" The expert cache was set to {asked}; {got} fit next to the model on this GPU, so it holds {fitted} experts "
+        "(Settings shows what fits)."
     )
 
 
@@ -69,8 +72,7 @@ def check_capacity(capacity: int, expert_bytes: int) -> None:
 
 
 def _size(n_bytes: float) -> str:
-    unit, scale = next((u, f) for u, f in (("GB", GIB), ("MB", 1024**2), ("KB", 1024), ("bytes", 1)) if n_bytes >= f)
-    return f"{n_bytes / scale:.3g} {unit}"
+    return size_auto(n_bytes, BINARY) if n_bytes >= 1024 else f"{number(n_bytes)} bytes"
 
 
 def map_bytes(num_layers: int, num_experts: int, embed_dim: int, sketch_dim: int) -> int:

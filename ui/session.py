@@ -19,22 +19,11 @@ from fmoe_local.config import RuntimeConfig
 from fmoe_local.hardware import Machine, probe
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.stats import RequestStats
+from ui import sizes
 from ui.load_job import LoadCancelled, LoadJob, ModelLoadError, shape_of, stopped
 
 HISTORY = 200  # replies kept for the Stats tab's time series
 CLOSE_WAIT_S = 30.0  # how long closing waits for a load under way (the start-up one, when the app is quit early)
-
-
-def fmt_gb(gib: float) -> str:
-    """A cache size for people: GB for real models, MB for the tiny ones tests and the demo use."""
-    return f"{gib:.2f} GB" if gib >= 0.1 else f"{gib * 1024:.2f} MB"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def format_name(fmt: str) -> str:
@@ -316,7 +305,7 @@ class Session:
             return (
                 f"Loaded {model_label(model_dir, info.name)} on {info.device}, experts in {format_in_use(info.expert_format, info.dtype)}: "
                 f"{info.num_layers} MoE layers × {info.num_experts} experts, "
-                f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{self.runtime.load_notice}{notice}"
+                f"cache {sizes.cache_gib(info, info.cache_gb)} ({info.cache_experts} experts).{self.runtime.load_notice}{notice}"
             )
 
     def check_settings(self) -> str:
