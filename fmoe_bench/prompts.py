@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from fmoe_local.repo_data import data_dir
+from fmoe_bench.repo_data import data_dir
 
 
 def shared_data_dir() -> Path:

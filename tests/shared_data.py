@@ -1,10 +1,10 @@
-"""Where the read-only recordings and prompts live: the repository's data/ (fmoe_local/repo_data.py).
+"""Where the read-only recordings and prompts live: the repository's data/ (fmoe_bench/repo_data.py).
 
 FMOE_SHARED_DATA overrides it for other layouts.
 """
 
 from __future__ import annotations
 
-from fmoe_local.repo_data import data_dir
+from fmoe_bench.repo_data import data_dir
 
 SHARED_DATA = data_dir()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fmoe_bench.demo.data import load_topic_prompts
-from fmoe_local.repo_data import data_dir
+from fmoe_bench.repo_data import data_dir
 
 DEFAULT_PROMPTS = data_dir() / "prompts"
 
