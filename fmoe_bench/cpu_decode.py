@@ -82,6 +82,7 @@ class Sample:
     dram_gbps: float
     bytes: TokenBytes
     note: str = ""
+    kernel: str = ""  # the host experts' kernel the load's probe chose (miss_cost.probe)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Row:
     experts_ms: float  # host-compute ms per token
     experts_of_limit: float  # (expert bytes ÷ DRAM GB/s) ÷ the experts' time, per round, median
     note: str = ""
+    kernel: str = ""
 
 
 def token_bytes(runtime: object) -> TokenBytes:
@@ -174,7 +176,8 @@ def measure_format(
         counted = token_bytes(runtime)
     del runtime
     gc.collect()  # the engine holds reference cycles: without this the next format loads beside this one
-    return Sample(fmt, stats.tokens_per_s, stats.host_s / max(stats.tokens, 1), dram_gbps, counted, note)
+    per_token = stats.host_s / max(stats.tokens, 1)
+    return Sample(fmt, stats.tokens_per_s, per_token, dram_gbps, counted, note, saved[fmt].cpu_kernel)
 
 
 def summarise(samples: Sequence[Sample], dtype: str) -> list[Row]:
@@ -204,6 +207,7 @@ def summarise(samples: Sequence[Sample], dtype: str) -> list[Row]:
                     [t / s.experts_s if s.experts_s > 0 else 0.0 for s, t in zip(mine, experts_limit_s, strict=True)]
                 ),
                 note="; ".join(dict.fromkeys(s.note for s in mine if s.note)),
+                kernel=", ".join(dict.fromkeys(s.kernel for s in mine)),
             )
         )
     return rows
@@ -261,12 +265,12 @@ def table(rows: Sequence[Row], info: dict) -> str:
         "limit = DRAM read ÷ bytes per token; experts: the runtime's host-compute time per token against the active "
         "experts' bytes ÷ DRAM read\n\n"
         "| format | tok/s | MB / token (experts + rest) | limit tok/s | % of limit | experts ms / token "
-        "| experts % of their limit | rounds | note |\n|---|---|---|---|---|---|---|---|---|\n"
+        "| experts % of their limit | experts' kernel | rounds | note |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
         f"| {r.fmt} | {r.tok_s:.2f} | {r.bytes_per_token / 1e6:.1f} ({r.expert_bytes_per_token / 1e6:.1f} + "
         f"{(r.bytes_per_token - r.expert_bytes_per_token) / 1e6:.1f}) | {r.limit_tok_s:.1f} | {100 * r.of_limit:.0f} % "
-        f"| {r.experts_ms:.1f} | {100 * r.experts_of_limit:.0f} % | {r.rounds} | {r.note} |"
+        f"| {r.experts_ms:.1f} | {100 * r.experts_of_limit:.0f} % | {r.kernel} | {r.rounds} | {r.note} |"
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from fmoe_bench import cpu_decode, synthetic
 from fmoe_bench.synthetic import build_synthetic
+from fmoe_local.cpu_experts import INT8_BLOCKS_ON_CPU
 
 H, INTER, J, K, LAYERS = 64, 32, 8, 2, 2
 TINY = dict(
@@ -66,6 +67,8 @@ def test_rows_count_each_format_at_its_stored_size(tiny_dir, tmp_path, dtype):
     resident = expected_resident_bytes(tiny_dir, getattr(torch, dtype))
     for r in rows:
         assert r.rounds == 2 and r.dtype == dtype and r.tok_s > 0 and r.experts_ms > 0
+        native = "fp32 native" if dtype == "float32" else "bf16 native"
+        assert r.kernel in ((native, INT8_BLOCKS_ON_CPU.name) if (r.fmt, dtype) == ("int8", "float32") else (native,))
         assert r.expert_bytes_per_token == K * LAYERS * expected_expert_bytes(r.fmt, size), r.fmt
         assert r.bytes_per_token == r.expert_bytes_per_token + resident
         # the limit of each round is its own DRAM figure over the bytes; the median of the two rounds is their mean
