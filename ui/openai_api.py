@@ -41,16 +41,24 @@ RETRY_AFTER_S = 5  # what a 503 during a model load asks a client to wait before
 _POLL_S = 0.2  # how often a wait for a request's next event checks that its pump thread still runs
 
 
-def build_router(session: Session) -> APIRouter:
+def loaded_runtime(session: Session):  # noqa: ANN201 - a Runtime
+    """The loaded model's runtime, or an ApiError 503 saying why there is none."""
+    if session.runtime is None:
+        if session.still_loading:  # worth asking again soon: clients that honour Retry-After wait, then retry
+            raise ApiError(503, session.still_loading, headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise ApiError(503, session.load_error or "No model is loaded. Load one in the app's Models tab.")
+    return session.runtime
+
+
+def build_router(session: Session, others: tuple[APIRouter, ...] = ()) -> APIRouter:
+    """`others`: more routes served under /v1 (the Anthropic API's, ui/anthropic_api.py), each a router without the
+    prefix, matched before the answer to every other /v1 path."""
     router = APIRouter(prefix="/v1")
     router.finished = deque(maxlen=32)  # (finish reason, tokens) of recent API requests: for tests and debugging
+    served = ROUTES + tuple(f"{m} /v1{r.path}" for other in others for r in other.routes for m in sorted(r.methods))
 
     def runtime_or_error():
-        if session.runtime is None:
-            if session.still_loading:  # worth asking again soon: clients that honour Retry-After wait, then retry
-                raise ApiError(503, session.still_loading, headers={"Retry-After": str(RETRY_AFTER_S)})
-            raise ApiError(503, session.load_error or "No model is loaded. Load one in the app's Models tab.")
-        return session.runtime
+        return loaded_runtime(session)
 
     def model_id() -> str:
         return session.model_id
@@ -105,19 +113,22 @@ def build_router(session: Session) -> APIRouter:
     async def completions(request: Request):  # noqa: ANN202
         return await answer(request, parse_completion, "cmpl")
 
+    for other in others:
+        router.include_router(other)
+
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
     async def elsewhere(path: str, request: Request) -> JSONResponse:
         """Any other /v1 path, or a served one with another method: an OpenAI-shaped error naming what is served
         (instead of FastAPI's {"detail": "Not Found"}, which clients show as an unexplained failure)."""
-        known = any(route.split()[1] == f"/v1/{path}" for route in ROUTES)
-        message = f"{request.method} /v1/{path} is not served here: this app serves {', '.join(ROUTES)}."
+        known = any(route.split()[1] == f"/v1/{path}" for route in served)
+        message = f"{request.method} /v1/{path} is not served here: this app serves {', '.join(served)}."
         return ApiError(405 if known else 404, message).response()
 
     return router
 
 
-async def _check_prompt(runtime, prompt: list[dict] | str, tools: list[dict]) -> None:  # noqa: ANN001
-    """A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
+async def _check_prompt(runtime, prompt: list[dict] | str, tools: list[dict]) -> int | None:  # noqa: ANN001
+    """The prompt's length in tokens (None when the runtime cannot tell: Runtime.check). A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
     that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it. A
     chat template stopped over its budget is the model's: a 500 with the sentence, before a stream starts too."""
     from fmoe_local.chat_template import TemplateOverBudget
@@ -125,7 +136,7 @@ async def _check_prompt(runtime, prompt: list[dict] | str, tools: list[dict]) ->
 
     try:
         extra = (tools,) if tools else ()  # milliseconds; no turn is awaited
-        await asyncio.to_thread(runtime.check, prompt, *extra)
+        return await asyncio.to_thread(runtime.check, prompt, *extra)
     except TemplateOverBudget as exc:
         raise ApiError(500, str(exc)) from exc
     except PromptRefused as exc:

@@ -34,13 +34,15 @@ class Generation:
 
     def __init__(self, stops: list[str]) -> None:
         self.stops, self.text, self.sent, self.stopped = stops, "", 0, False
+        self.matched: str | None = None  # the stop sequence the text was cut at (Anthropic's stop_sequence)
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def add(self, delta: str) -> str:
         """New text that may be sent now."""
         self.text += delta
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(at, s) for s in self.stops if (at := self.text.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             self.text, self.stopped = self.text[:cut], True
             return self.flush()
         safe = len(self.text) - self.hold
