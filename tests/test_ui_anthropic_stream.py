@@ -120,3 +120,21 @@ def test_a_failed_reply_ends_with_an_error_in_anthropic_s_shape():
     events = _streamed(Scripted(["par"], "error", "The model failed. Send it again."), ReplyParts([]))
     assert events[-1] == ("error", body)  # no message_stop: the reply did not complete
     assert "message_stop" not in [name for name, _ in events]
+
+
+def test_a_thought_is_a_thinking_block_before_the_text():
+    from ui.reasoning import THINK, ThinkSplit
+
+    pieces = ["<think>\nHm", "m.\n</th", "ink>\n\nHi!"]
+    status, body = _whole(Scripted(pieces), ReplyParts([], ThinkSplit(THINK)))
+    assert status == 200
+    assert body["content"] == [
+        {"type": "thinking", "thinking": "Hmm.", "signature": ""},
+        {"type": "text", "text": "Hi!"},
+    ]
+    events = _streamed(Scripted(pieces), ReplyParts([], ThinkSplit(THINK)))
+    starts = [b["content_block"]["type"] for n, b in events if n == "content_block_start"]
+    deltas = [(b["index"], b["delta"]) for n, b in events if n == "content_block_delta"]
+    assert starts == ["thinking", "text"] and [b["index"] for n, b in events if n == "content_block_stop"] == [0, 1]
+    assert "".join(d["thinking"] for i, d in deltas if i == 0 and d["type"] == "thinking_delta") == "Hmm."
+    assert "".join(d["text"] for i, d in deltas if i == 1 and d["type"] == "text_delta") == "Hi!"

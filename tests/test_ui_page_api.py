@@ -21,6 +21,8 @@ NAN, INF = float("nan"), float("inf")
 class FakeRuntime:
     """Answers "Hi." to anything and keeps the Sampling of every request (the API's and the chat's)."""
 
+    chat_template = None  # no thinking format: the reply is content
+
     def __init__(self) -> None:
         from types import SimpleNamespace
 

@@ -28,7 +28,6 @@ from ui.anthropic_request import parse_count, parse_messages
 from ui.anthropic_stream import Head, complete, error_response, new_id, sse, watch
 from ui.openai_api import _check_prompt, _events, loaded_runtime
 from ui.openai_request import ApiError, read_body
-from ui.reply_parts import ReplyParts
 from ui.session import Session
 from ui.structured import Shaped, shape
 
@@ -54,7 +53,7 @@ def build_router(session: Session) -> APIRouter:
         except ApiError as exc:
             return error_response(exc.status, exc.message, exc.headers)
         head = Head(new_id(), session.model_id, length or 0)
-        parts = ReplyParts(req.stops, calls=shaped.calls())
+        parts = shaped.parts(req.stops)
         running = _submit(runtime, req.prompt, shaped, router.finished)
         if req.stream:
             return StreamingResponse(watch(sse(running, parts, head), request, running), media_type="text/event-stream")

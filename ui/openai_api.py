@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from fmoe_local.config import Sampling
 from ui.openai_request import ApiError, ApiRequest, parse_chat, parse_completion, read_body
-from ui.openai_stream import Generation, Shape, complete, sse, watch
+from ui.openai_stream import Shape, complete, sse, watch
 from ui.session import Session
 from ui.structured import shape
 
@@ -101,9 +101,9 @@ def build_router(session: Session, others: tuple[APIRouter, ...] = ()) -> APIRou
         reply = Shape(f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), model_id(), text, echo)
         events = _events(runtime, req.prompt, shaped.sampling, stop, router.finished, shaped.tools)
         if req.stream:
-            chunks = sse(events, Generation(req.stops), reply, req.include_usage, stop, shaped.calls())
+            chunks = sse(events, shaped.parts(req.stops), reply, req.include_usage, stop)
             return StreamingResponse(watch(chunks, request, stop), media_type="text/event-stream")
-        return await complete(events, Generation(req.stops), reply, request, stop, shaped.calls())
+        return await complete(events, shaped.parts(req.stops), reply, request, stop)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):  # noqa: ANN202

@@ -1,9 +1,10 @@
 """A reply in OpenAI's shapes: one JSON body, or server-sent events ending with `data: [DONE]`, for a chat
 (`chat.completion`, each chunk a `delta`) or a text completion (`text_completion`, each chunk a piece of `text`).
 
-Scope: the text cut at the first stop sequence (`Generation`), the finish reason, usage, the error a failed or
-interrupted request ends with, and stopping the generation once its client has gone or a stop sequence has made
-the rest useless. It does NOT parse requests (openai_request.py) or talk to the runtime (openai_api.py hands it
+Scope: the text cut at the first stop sequence (`Generation`), the model's thought apart from its content
+(`reasoning_content`, as DeepSeek's and vLLM's servers send it) and its tool calls (both read by reply_parts.py),
+the finish reason, usage, the error a failed or interrupted request ends with, and stopping the generation once its
+client has gone or a stop sequence has made the rest useless. It does NOT parse requests (openai_request.py) or talk to the runtime (openai_api.py hands it
 the request's events).
 """
 
@@ -14,12 +15,16 @@ import json
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ui.openai_request import ApiError
-from ui.tool_calls import CallStream
+from ui.reasoning import REASONING
+
+if TYPE_CHECKING:
+    from ui.reply_parts import ReplyParts  # which imports Generation from here
 
 # A reply cut by the model's context is "length" in OpenAI's terms: it ended at a token limit, not on its own.
 _FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -90,22 +95,28 @@ def usage(final) -> dict:  # noqa: ANN001 - a Finished
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _reason(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished
-    return "stop" if gen.stopped else _FINISH.get(final.reason, "stop")
+def _reason(final, parts: ReplyParts) -> str:  # noqa: ANN001 - a Finished
+    return "stop" if parts.stopped else _FINISH.get(final.reason, "stop")
 
 
-def _failure(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished
+def _failure(final, parts: ReplyParts) -> str:  # noqa: ANN001 - a Finished
     """The sentence a request that did not complete ends with; "" when it completed."""
     if final.reason == "error":
         return final.error
-    return INTERRUPTED if final.reason == "cancelled" and not gen.stopped else ""
+    return INTERRUPTED if final.reason == "cancelled" and not parts.stopped else ""
+
+
+def _joined(pieces: list) -> tuple[str, str]:
+    """(reasoning, content) of a reply's pieces (reply_parts.py)."""
+    reasoning = "".join(text for kind, text in pieces if kind == REASONING)
+    return reasoning, "".join(text for kind, text in pieces if kind != REASONING)
 
 
 async def complete(  # noqa: ANN001
-    events, gen: Generation, shape: Shape, request: Request, stop: threading.Event, calls: CallStream | None = None
+    events, parts: ReplyParts, shape: Shape, request: Request, stop: threading.Event
 ) -> JSONResponse:
-    """The whole reply as one body, once it has ended. `calls`: the reader of the reply's tool calls, when the
-    model may call tools (ui/tool_calls.py)."""
+    """The whole reply as one body, once it has ended: the model's thought as `reasoning_content` when it has
+    one, its tool calls as `tool_calls` (`parts`: the reply's reader, structured.Shaped.parts)."""
 
     async def watch() -> None:
         while not stop.is_set():
@@ -115,44 +126,46 @@ async def complete(  # noqa: ANN001
             await asyncio.sleep(_POLL_S)
 
     watcher = asyncio.create_task(watch())
+    pieces = []
     try:
         final = None
         while (event := await events.next()) is not None:
             if hasattr(event, "reason"):
                 final = event
-            elif not gen.stopped:
-                gen.add(event.text)
-                if gen.stopped:
+            elif not parts.stopped:
+                pieces += parts.add(event.text)
+                if parts.stopped:
                     stop.set()  # the rest would be thrown away: stop generating it
     finally:
         watcher.cancel()
-    if failure := _failure(final, gen):
+    if failure := _failure(final, parts):
         return ApiError(500, failure).response()
-    content, found = gen.text, []
-    if calls is not None:
-        content = calls.add(content)
-        rest, found = calls.finish()
-        content += rest
-    choice = shape.choice(shape.echo + content, "tool_calls" if found else _reason(final, gen))
+    rest, found = parts.finish()
+    reasoning, content = _joined(pieces + rest)
+    choice = shape.choice(shape.echo + content, "tool_calls" if found else _reason(final, parts))
     if found:
         choice["message"] |= {"content": content or None, "tool_calls": [c.openai(i) for i, c in enumerate(found)]}
+    if reasoning:
+        choice["message"]["reasoning_content"] = reasoning
     return JSONResponse(shape.body([choice]) | {"usage": usage(final)})
 
 
 async def sse(  # noqa: ANN001
-    events,
-    gen: Generation,
-    shape: Shape,
-    include_usage: bool,
-    stop: threading.Event,
-    calls: CallStream | None = None,
+    events, parts: ReplyParts, shape: Shape, include_usage: bool, stop: threading.Event
 ) -> AsyncIterator[str]:
-    """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it. With
-    `calls`, text from a tool call's start on is held and sent at the end as `delta.tool_calls` (one chunk per call,
-    its arguments whole), or as content when it is not a well-formed call."""
+    """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it: the
+    model's thought as `delta.reasoning_content`, the rest as `delta.content`. Text from a tool call's start on is
+    held and sent at the end as `delta.tool_calls` (one chunk per call, its arguments whole), or as content when it
+    is not a well-formed call."""
 
     def chunk(choices: list[dict], **extra: object) -> str:
         return f"data: {json.dumps(shape.body(choices, chunk=True) | extra)}\n\n"
+
+    def piece(kind: str, text: str) -> str:
+        if kind != REASONING:
+            return chunk([shape.choice(text, None, chunk=True)])
+        delta = {"reasoning_content": text}
+        return chunk([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
 
     for opening in shape.opening():
         yield chunk([opening])
@@ -161,29 +174,23 @@ async def sse(  # noqa: ANN001
         if hasattr(event, "reason"):
             final = event
             continue
-        if gen.stopped:
+        if parts.stopped:
             continue
-        text = gen.add(event.text)
-        if gen.stopped:
+        pieces = parts.add(event.text)
+        if parts.stopped:
             stop.set()
-        if calls is not None:
-            text = calls.add(text)
-        if text:
-            yield chunk([shape.choice(text, None, chunk=True)])
-    if failure := _failure(final, gen):
+        for kind, text in pieces:
+            yield piece(kind, text)
+    if failure := _failure(final, parts):
         yield f"data: {json.dumps({'error': {'message': failure, 'type': 'server_error'}})}\n\n"
         yield "data: [DONE]\n\n"
         return
-    rest, found = gen.flush(), []
-    if calls is not None:
-        rest = calls.add(rest)
-        more, found = calls.finish()
-        rest += more
-    if rest:
-        yield chunk([shape.choice(rest, None, chunk=True)])
+    rest, found = parts.finish()
+    for kind, text in rest:
+        yield piece(kind, text)
     for i, call in enumerate(found):
         yield chunk([{"index": 0, "delta": {"tool_calls": [call.openai(i)]}, "finish_reason": None, "logprobs": None}])
-    yield chunk([shape.choice("", "tool_calls" if found else _reason(final, gen), chunk=True)])
+    yield chunk([shape.choice("", "tool_calls" if found else _reason(final, parts), chunk=True)])
     if include_usage:
         yield chunk([], usage=usage(final))
     yield "data: [DONE]\n\n"

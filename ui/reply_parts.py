@@ -4,7 +4,7 @@ calls in that content — the one reading both APIs share (the OpenAI API's `rea
 
 Scope: the order of the three readers each piece of text goes through: cut at the first stop sequence
 (openai_stream.Generation: stops apply to everything the model wrote, as OpenAI and Anthropic apply them), split
-into reasoning and content (when the model thinks in a format we read), and the content's
+into reasoning and content (reasoning.ThinkSplit, when the model thinks in a format we read), and the content's
 tool calls held back and parsed at the end (tool_calls.CallStream, when the model may call tools). It does NOT
 write any API's shapes (openai_stream.py, anthropic_stream.py).
 """
@@ -12,16 +12,16 @@ write any API's shapes (openai_stream.py, anthropic_stream.py).
 from __future__ import annotations
 
 from ui.openai_stream import Generation
+from ui.reasoning import CONTENT, REASONING, Piece, ThinkSplit
 from ui.tool_calls import CallStream, ToolCall
 
-REASONING, CONTENT = "reasoning", "content"
-Piece = tuple[str, str]  # (REASONING or CONTENT, text)
+__all__ = ("CONTENT", "REASONING", "Piece", "ReplyParts", "merged")
 
 
 class ReplyParts:
-    def __init__(self, stops: list[str], think=None, calls: CallStream | None = None) -> None:  # noqa: ANN001
-        """`think`: the splitter of the reply's reasoning (pieces of text → REASONING and CONTENT pieces), or None
-        when it has none; `calls`: the reader of the reply's tool calls, or None when the model may call none."""
+    def __init__(self, stops: list[str], think: ThinkSplit | None = None, calls: CallStream | None = None) -> None:
+        """`think`: the splitter of the reply's reasoning, or None when it has none; `calls`: the reader of the
+        reply's tool calls, or None when the model may call none."""
         self.gen, self.think, self.calls = Generation(stops), think, calls
 
     @property
