@@ -164,3 +164,11 @@ def test_a_prefilled_reply_continues_the_assistant_s_text_as_the_openai_api_does
     ]
     other = openai.chat.completions.create(model="x", messages=[*flat, prefill], max_tokens=8, temperature=0)
     assert reply.content[0].text == other.choices[0].message.content
+
+
+def test_the_anthropic_client_lists_and_retrieves_the_served_model(served):
+    _, session, openai, client = served
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [session.model_id] and listed.data[0].type == "model"
+    assert client.models.retrieve(session.model_id).display_name == session.model_id
+    assert [m.id for m in openai.models.list().data] == [session.model_id]  # the same list, OpenAI's shape

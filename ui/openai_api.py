@@ -63,19 +63,29 @@ def build_router(session: Session, others: tuple[APIRouter, ...] = ()) -> APIRou
     def model_id() -> str:
         return session.model_id
 
+    def served_id() -> str:
+        """The model this app serves: the loaded one, or the one loading — listed while it loads, so a client that
+        lists the models before it asks finds it and gets a 503 with Retry-After until it has loaded."""
+        return model_id() if session.runtime is not None else session.loading_id
+
+    def entry(ident: str) -> dict:
+        # OpenAI's model object, and Anthropic's fields beside it (its clients' models.list reads type, id,
+        # display_name and created_at): each client ignores the other's.
+        model = {"id": ident, "object": "model", "created": 0, "owned_by": "fmoe-local"}
+        return model | {"type": "model", "display_name": ident, "created_at": "1970-01-01T00:00:00Z"}
+
     @router.get("/models")
     def models() -> dict:
-        data = []
-        if session.runtime is not None:
-            data.append({"id": model_id(), "object": "model", "created": 0, "owned_by": "fmoe-local"})
-        return {"object": "list", "data": data}
+        data = [entry(ident)] if (ident := served_id()) else []
+        ends = {"first_id": data[0]["id"], "last_id": data[-1]["id"]} if data else {"first_id": None, "last_id": None}
+        return {"object": "list", "data": data, "has_more": False} | ends
 
     @router.get("/models/{ident:path}")
     def model(ident: str) -> JSONResponse:
-        """One model by its id (OpenAI's retrieve): the loaded one, else a 404 naming what is served."""
-        if session.runtime is not None and ident == model_id():
-            return JSONResponse({"id": ident, "object": "model", "created": 0, "owned_by": "fmoe-local"})
-        served = f"'{model_id()}'" if session.runtime is not None else "none (no model is loaded)"
+        """One model by its id (OpenAI's retrieve): the one served, else a 404 naming it."""
+        if ident and ident == served_id():
+            return JSONResponse(entry(ident))
+        served = f"'{served_id()}'" if served_id() else "none (no model is loaded)"
         message = f"The model '{ident}' is not served here; the one this app serves is {served}."
         return ApiError(404, message, "model").response()
 
