@@ -14,10 +14,11 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_bench import constrained, cpu_experts, live_cli, matcher, overhead, quality, record, replay_report
+from fmoe_bench import constrained, cpu_experts, live_cli, matcher, overhead, prefix, quality, record, replay_report
 from fmoe_bench.fold import fold, parse_fold
 from fmoe_bench.oracle import OraclePolicy
 from fmoe_bench.parts import learned_first, parse_counts, select_requests
@@ -131,6 +132,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     record.add_parser(sub)
     cpu_experts.add_parser(sub)
     constrained.add_parser(sub)
+    prefix.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         return quality.run(args)
     if args.bench_command == "record":
         return record.run(args)
+    if args.bench_command == "prefix":
+        return prefix.run(args)
     raise ValueError(f"Unknown bench command '{args.bench_command}'.")
 
 
@@ -218,6 +222,7 @@ def _capacity(args: argparse.Namespace, schedule: Schedule, cost: CostModel, fra
 
 def run_replay(args: argparse.Namespace) -> int:
     t0, cpu0 = time.perf_counter(), _cpu_s()
+    args.started = t0  # the progress lines of the sweep and the curve count from here too
     asked = args.prefetch_distance  # None: the default, which is never refused for a shallow trace
     if asked is None:
         args.prefetch_distance = RuntimeConfig.prefetch_distance
@@ -266,6 +271,7 @@ def run_replay(args: argparse.Namespace) -> int:
         config.setdefault("cache_experts", {})[path.name] = capacity
         distance = _distance(args, schedule, cost)
         config.setdefault("prefetch_distance_used", {})[path.name] = distance
+        print(f"[{time.perf_counter() - t0:7.1f} s] {path.name}: replaying {', '.join(names)}", file=sys.stderr)
         results = replay_all(
             schedule,
             names,
@@ -277,6 +283,7 @@ def run_replay(args: argparse.Namespace) -> int:
             args.jobs,
             args.miss_handling,
             args.warm_requests,
+            progress=_progress(path.name, t0),
         )
         replay_report.print_table(path.name, trace.model, schedule, capacity, cost, results, distance)
         rows = replay_report.rows(results, counts)
@@ -298,6 +305,16 @@ def run_replay(args: argparse.Namespace) -> int:
         f"total wall time {time.perf_counter() - t0:.1f} s, {_cpu_s() - cpu0:.1f} s CPU (this process and its workers)"
     )
     return 0
+
+
+def _progress(trace: str, t0: float) -> Callable[[ReplayResult, int, int], None]:
+    """A line on stderr per finished replay (one trace's policies take minutes), with the time since the start."""
+
+    def say(r: ReplayResult, done: int, total: int) -> None:
+        line = f"[{time.perf_counter() - t0:7.1f} s] {trace}: {r.policy}/{r.miss_handling} replayed ({done}/{total})"
+        print(line, file=sys.stderr, flush=True)
+
+    return say
 
 
 def _cpu_s() -> float:
@@ -325,7 +342,7 @@ def _sweep(args: argparse.Namespace, schedules: dict, names: list[str], cost: Co
             todo = varying + (fixed if d == SWEEP_DISTANCES[0] else [])
             factory = _policy_factory(args, d)
             rest = (capacity, cost, args.mode, path.name, args.jobs, first, args.warm_requests)
-            for r in replay_all(schedule, todo, factory, *rest):
+            for r in replay_all(schedule, todo, factory, *rest, progress=_progress(f"{path.name} d={d}", args.started)):
                 rates.setdefault(r.policy, []).append(r.hit_rate)
                 rows.append({"trace": path.name, "policy": r.policy, "prefetch_distance": d, **_brief(r)})
         for name in varying + fixed:
@@ -342,7 +359,8 @@ def _curve(args: argparse.Namespace, schedules: dict, names: list[str], cost: Co
             capacity = _capacity(args, schedule, cost, fraction=f)
             factory = _policy_factory(args, _distance(args, schedule, cost))
             rest = (capacity, cost, args.mode, path.name, args.jobs, first, args.warm_requests)
-            for r in replay_all(schedule, names, factory, *rest):
+            said = _progress(f"{path.name} cache {f:.0%}", args.started)
+            for r in replay_all(schedule, names, factory, *rest, progress=said):
                 if not r.note:
                     rows.append({"trace": path.name, "policy": r.policy, "cache_fraction": f, **_brief(r)})
     return rows

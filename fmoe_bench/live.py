@@ -1,6 +1,6 @@
 """`fmoe-local bench live`: real TTFT, TPOT and hit rate of every policy on a real model, against all-resident.
 
-Scope: prompts (a seeded sample of ../shared/data/prompts or a file), one model load, then per policy and miss
+Scope: prompts (a seeded sample of data/prompts or a file), one model load, then per policy and miss
 handling (`--miss-handling copy,cpu,auto`) a fresh cold cache and an empty map store through `Runtime.reconfigure`,
 the same prompts greedily, and last the all-resident baseline (every expert in the cache, warmed by one untimed
 pass, its misses copied). Prints a table with the device's name, checks
@@ -169,6 +169,7 @@ def benchmark(
         cache_experts=1,  # resized below, once the model's shape is known
         prefetch_distance=settings.prefetch_distance,
         policy="on_demand",  # every measured policy is then built fresh by reconfigure
+        prefix_cache_gb=0.0,  # each prompt prefilled whole, as the policies' earlier figures were measured
     )
     rows: list[PolicyRow] = []
     with Runtime.load(model_dir, config) as runtime:

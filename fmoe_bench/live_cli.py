@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, help="model folder (a Hugging Face MoE checkpoint)")
     p.add_argument("--synthetic", choices=list(SYNTHETIC), help="random weights with this model's real shapes")
     p.add_argument("--layers", type=whole(1), default=4, help="--synthetic: number of layers (default 4)")
-    p.add_argument("--trace", type=Path, help=f"--synthetic: routing trace (default shared {DEFAULT_TRACE})")
+    p.add_argument("--trace", type=Path, help=f"--synthetic: routing trace (default data/traces/{DEFAULT_TRACE})")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
     p.add_argument(
         "--miss-handling",
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=whole(1),
         help=f"d, 1 to the model's MoE layers less one (default {LiveSettings.prefetch_distance}, or the last layer)",
     )
-    p.add_argument("--prompts", type=Path, help="a .json/.jsonl prompts file or folder (default shared prompts)")
+    p.add_argument("--prompts", type=Path, help="a .json/.jsonl prompts file or folder (default data/prompts)")
     p.add_argument("--requests", type=whole(1), default=8, help="prompts sampled (seeded) from --prompts (default 8)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the prompt sample")
     p.add_argument("--max-prompt-chars", type=whole(1), default=1500, help="sample only prompts up to this length")

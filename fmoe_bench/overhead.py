@@ -53,7 +53,12 @@ def measure(
 
     # Copy misses: the warm-up then leaves every expert resident, which is what this benchmark compares.
     config = RuntimeConfig(
-        device="cpu", cache_experts=10**9, policy=policy, synchronous_prefetch=synchronous, miss_handling="copy"
+        device="cpu",
+        cache_experts=10**9,
+        policy=policy,
+        synchronous_prefetch=synchronous,
+        miss_handling="copy",
+        prefix_cache_gb=0.0,  # the same prompt each time: plain transformers prefills it whole, so do we
     )
     sampling = Sampling(greedy=True, max_new_tokens=tokens)
     plain_model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)

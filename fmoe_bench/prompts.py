@@ -1,6 +1,6 @@
 """Prompts for the live benchmark: the shared prompt files (or any like them) → first user turns → a seeded sample.
 
-Scope: reading .json (a list) and .jsonl files of the formats in ../shared/data/prompts (alpaca seed tasks, dolly,
+Scope: reading .json (a list) and .jsonl files of the formats in data/prompts (alpaca seed tasks, dolly,
 lmsys, sharegpt) and chat logs ("messages"/"conversations"), and sampling from them reproducibly. It does NOT
 tokenise or truncate prompts.
 """
@@ -8,14 +8,15 @@ tokenise or truncate prompts.
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
+from fmoe_bench.repo_data import data_dir
+
 
 def shared_data_dir() -> Path:
-    """../shared/data beside the checkout (FMOE_SHARED_DATA overrides it), as the tests find it."""
-    return Path(os.environ.get("FMOE_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+    """The repository's data/ (FMOE_SHARED_DATA overrides it), as the tests find it."""
+    return data_dir()
 
 
 def first_user_turn(row: object) -> str:

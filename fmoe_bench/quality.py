@@ -78,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quality", help="perplexity on held text for each expert format (bf16 vs int8 vs nf4)")
     p.add_argument("--model", type=Path, help="model folder (default: the built-in demo model)")
     p.add_argument("--formats", default="bf16,int8,nf4", help="comma-separated expert formats (default bf16,int8,nf4)")
-    p.add_argument("--text", type=Path, help=f"held text: a prompts file (default shared {DEFAULT_TEXT})")
+    p.add_argument("--text", type=Path, help=f"held text: a prompts file (default data/{DEFAULT_TEXT})")
     p.add_argument("--seq-len", type=whole(2), default=256, help="tokens per window (default 256)")
     p.add_argument("--windows", type=whole(1), default=64, help="windows scored (default 64)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -115,5 +115,8 @@ def run(args: argparse.Namespace) -> int:
     for fmt in formats:
         r = perplexity(model_dir, fmt, texts, args.seq_len, args.windows, args.device)
         name = r["format"] if r["format"] != "bf16" else f"unquantised ({r['dtype']})"
-        print(f"| {name} | {r['expert_bytes'] / 1e3:.1f} | {r['tokens']} | {r['loss']:.4f} | {r['ppl']:.2f} |")
+        # flush: each format takes minutes, and a pipe would hold every row until the end
+        print(
+            f"| {name} | {r['expert_bytes'] / 1e3:.1f} | {r['tokens']} | {r['loss']:.4f} | {r['ppl']:.2f} |", flush=True
+        )
     return 0

@@ -13,6 +13,7 @@ folding cannot give (docs/bench.md, "Generalising").
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("record", help="record a model's routing on a seeded sample of prompts as a trace (.npz)")
     p.add_argument("out", type=Path, help="the trace file to write (.npz, format: DESIGN.md)")
     p.add_argument("--model", type=Path, help="model folder (default: the built-in demo model)")
-    p.add_argument("--prompts", type=Path, help="a .json/.jsonl prompts file or folder (default shared prompts)")
+    p.add_argument("--prompts", type=Path, help="a .json/.jsonl prompts file or folder (default data/prompts)")
     p.add_argument("--requests", type=whole(1), default=64, help="prompts sampled (seeded) from --prompts (default 64)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the prompt sample")
     p.add_argument("--max-prompt-chars", type=whole(1), default=1500, help="sample only prompts up to this length")
@@ -49,13 +50,20 @@ def run(args: argparse.Namespace) -> int:
     prompts = sample_prompts(prompts_path, args.requests, args.seed, args.max_prompt_chars)
     args.out.unlink(missing_ok=True)  # the recorder writes everything it saw; an old file would only mislead
     sampling = Sampling(greedy=True, max_new_tokens=args.max_new_tokens)
-    config = RuntimeConfig(device=args.device, policy="lru", record_trace=str(args.out), sampling=sampling)
+    # Every prompt prefilled whole: a trace holds each prompt's own routing, not what a kept prefix left to run.
+    config = RuntimeConfig(
+        device=args.device, policy="lru", record_trace=str(args.out), sampling=sampling, prefix_cache_gb=0.0
+    )
     t0 = time.perf_counter()
     with Runtime.load(model, config) as runtime:
         for i, prompt in enumerate(prompts):
             final = runtime.generate([{"role": "user", "content": prompt}])
             if final.reason == "error":
                 raise ValueError(f"Prompt {i} of the sample failed: {final.error}")
+            if (i + 1) % 8 == 0 or i + 1 == len(prompts):  # 64 prompts take minutes on a CPU: say how far
+                print(
+                    f"[{time.perf_counter() - t0:7.1f} s] {i + 1} of {len(prompts)} prompts recorded", file=sys.stderr
+                )
     trace = load_trace(args.out)
     print(
         f"{trace.model}: {len(trace.requests())} requests, {trace.num_rows} rows, {trace.num_layers} MoE layers, "

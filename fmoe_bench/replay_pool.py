@@ -10,7 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from fmoe_bench.presets import CostModel
 from fmoe_bench.replay import LIVE_ONLY, ReplayResult, Schedule, replay
@@ -71,6 +71,7 @@ def replay_all(
     jobs: int = 1,
     miss_handling: Sequence[str] = ("copy",),
     warm_requests: int | None = None,
+    progress: Callable[[ReplayResult, int, int], None] | None = None,
 ) -> list[ReplayResult]:
     """Every named policy under every miss handling on the same schedule, cache and costs; live-only policies get
     a note, not numbers. A policy that forces its own miss handling (cpu_moe) is replayed once.
@@ -78,7 +79,7 @@ def replay_all(
     `warm_requests`: how many of the first requests only warm the policies (replay.replay), in either mode.
     `jobs` > 1 replays in that many processes (the factory must then be picklable where processes are spawned, not
     forked); results keep the order of `names` (then of `miss_handling`) either way, and each result does not
-    depend on `jobs`.
+    depend on `jobs`. `progress(result, done, total)` is called as each run finishes (a replay takes minutes).
     """
     tasks = [
         (n, m)
@@ -91,11 +92,20 @@ def replay_all(
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         workers = min(jobs, len(todo))
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_share, initargs=shared) as pool:
-            done = list(pool.map(_replay_one, todo))  # handed out in this order as workers come free
+            futures = [pool.submit(_replay_one, t) for t in todo]  # handed out in this order as workers come free
+            done = []
+            for future in as_completed(futures):
+                done.append(future.result())
+                if progress is not None:
+                    progress(done[-1], len(done), len(todo))
     else:
         _share(*shared)
         try:
-            done = [_replay_one(n) for n in todo]
+            done = []
+            for t in todo:
+                done.append(_replay_one(t))
+                if progress is not None:
+                    progress(done[-1], len(done), len(todo))
         finally:
             _share()
     by_task = {(r.policy, r.miss_handling): r for r in done}

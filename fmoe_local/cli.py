@@ -194,7 +194,7 @@ def run_command(args: argparse.Namespace, persistence_factory: PersistenceFactor
     try:
         with runtime:
             final = None
-            for event in runtime.stream(messages):
+            for event in runtime.submit(messages):  # Ctrl+C: close() below ends the request
                 if isinstance(event, TextDelta) and not args.json:
                     print(event.text, end="", flush=True)
                 elif isinstance(event, Finished):

@@ -146,6 +146,10 @@ class Engine:
             self._capacity(config), self.host.expert_bytes, cache_budget.device_room_bytes(self.device)
         )
         check_capacity(capacity, self.host.expert_bytes)
+        # Measured before the expert cache's slots are allocated, so they are counted out by hand.
+        room = cache_budget.kv_room_bytes(self.device)
+        room = None if room is None else max(0, room - capacity * self.host.expert_bytes)
+        self.prefix_budget = cache_budget.prefix_budget_bytes(config.prefix_cache_gb, room)
         if self.cache_notice:
             self.config = config = config.with_changes(cache_experts=capacity)
         self.miss_costs, kernel = self._measure_misses(saved_costs)
@@ -359,12 +363,15 @@ class Engine:
         return text, False
 
     @contextmanager
-    def request(self, request_id: int, stats: RequestStats, text: str = "") -> Iterator[None]:
+    def request(
+        self, request_id: int, stats: RequestStats, text: str = "", reused_ids: torch.Tensor | None = None
+    ) -> Iterator[None]:
         """Bracket one request. A background failure during it raises PrefetcherFailed here (unless the request
-        already failed), so it reaches the request that was running."""
+        already failed), so it reaches the request that was running. `reused_ids`: the prompt's first tokens, held
+        by a kept KV cache and not prefilled again (the observer's semantic embedding still counts them)."""
         self._request_id, self._iteration_in_request = request_id, 0
         before = self.counters.snapshot()
-        self.observer.begin_request()
+        self.observer.begin_request(reused_ids)
         self.offload.begin_request(request_id)
         failed = False
         try:

@@ -54,7 +54,7 @@ def _reference_words() -> set[str]:
     return {w.lower() for w in re.findall(r"[A-Za-z]+", text)}
 
 
-@pytest.mark.skipif(not PROMPTS_DIR.is_dir(), reason="needs ../shared/data/prompts for the reference word list")
+@pytest.mark.skipif(not PROMPTS_DIR.is_dir(), reason="needs data/prompts for the reference word list")
 def test_greedy_answer_is_mostly_english_words(demo):
     model, tokenizer = demo
     ids = tokenizer.apply_chat_template(

@@ -65,3 +65,17 @@ def test_the_offload_state_has_one_owner():
     assert {k: v for k, v in offenders.items() if v} == {}
     forward = _imports(ROOT / "experts.py")
     assert not {m for m in forward if m.split(".")[:2] in (["fmoe_local", "cache"], ["fmoe_local", "prefetcher"])}
+
+
+def test_the_ui_never_reaches_into_the_runtime_s_engine():
+    """`Runtime.engine` belongs to the runtime's worker thread; tests and benchmarks may inspect it, the UI uses what
+    Runtime offers (submit, info, check, reconfigure, …): no `.engine` attribute anywhere in ui/ or app.py."""
+    top = ROOT.parent
+    sources = sorted((top / "ui").rglob("*.py")) + [top / "app.py"]
+    offenders = {
+        str(p.relative_to(top))
+        for p in sources
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute) and node.attr in ("engine", "_engine")
+    }
+    assert offenders == set()

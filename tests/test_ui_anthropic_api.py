@@ -58,12 +58,13 @@ def test_a_reply_is_the_openai_api_s_greedy_reply_with_anthropic_s_usage(served)
     ]
     other = openai.chat.completions.create(model="x", messages=same, max_tokens=12, temperature=0)
     assert reply.content[0].text == other.choices[0].message.content
-    assert (
-        reply.usage.input_tokens == other.usage.prompt_tokens
-        and reply.usage.output_tokens == other.usage.completion_tokens
-    )
+    prompt = reply.usage.input_tokens + reply.usage.cache_read_input_tokens  # Anthropic counts the cached apart
+    assert prompt == other.usage.prompt_tokens and reply.usage.output_tokens == other.usage.completion_tokens
     counted = client.messages.count_tokens(model="x", system=SYSTEM, messages=TURNS)
-    assert counted.input_tokens == reply.usage.input_tokens
+    assert counted.input_tokens == prompt
+    # The same prompt again: the KV cache the last request kept holds all of it but its last token.
+    again = client.messages.create(model="x", system=SYSTEM, messages=TURNS, max_tokens=12, extra_body=GREEDY)
+    assert (again.usage.input_tokens, again.usage.cache_read_input_tokens) == (1, prompt - 1)
 
 
 def test_a_streamed_reply_is_the_same_reply_as_events(served):
@@ -77,8 +78,9 @@ def test_a_streamed_reply_is_the_same_reply_as_events(served):
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
     assert "content_block_start" in kinds and "content_block_stop" in kinds
     assert final.content[0].text == whole.content[0].text and final.stop_reason == whole.stop_reason
-    assert (
-        final.usage.output_tokens == whole.usage.output_tokens and final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == (
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
     )
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+from fmoe_local.request_handle import RequestHandle
 from fmoe_local.runtime_types import Finished, TextDelta
 from fmoe_local.stats import RequestStats
 from ui.anthropic_stream import Head, complete, sse
+from ui.openai_stream import Streamed
 from ui.reply_parts import ReplyParts
 from ui.tool_calls import HERMES, CallStream
 
@@ -19,22 +21,26 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"t
 class Scripted:
     """A running reply that yields `pieces` as TextDelta events, then a Finished with `reason`."""
 
-    def __init__(self, pieces: list[str], reason: str = "stop", error: str = "") -> None:
-        self.pieces, self.reason, self.error, self.cancelled = pieces, reason, error, False
+    def __init__(self, pieces: list[str], reason: str = "stop", error: str = "", cached: int = 0) -> None:
+        self.pieces, self.reason, self.error, self.cached = pieces, reason, error, cached
+        self.cancelled = self.ended = False
 
     def cancel(self) -> None:
-        self.cancelled = True
+        self.cancelled |= not self.ended  # as RequestHandle.cancel: nothing once the reply has ended
 
     async def __aiter__(self):
         for i, text in enumerate(self.pieces):
             yield TextDelta(text, i)
-        stats = RequestStats(prompt_tokens=9)
+        self.ended = True
+        stats = RequestStats(prompt_tokens=9, cached_tokens=self.cached)
         yield Finished("".join(self.pieces), list(range(len(self.pieces))), stats, self.reason, self.error)
 
 
 class Connected:
-    async def is_disconnected(self) -> bool:
-        return False
+    """A request whose client stays: its next connection event never comes."""
+
+    async def receive(self) -> dict:
+        await asyncio.Event().wait()
 
 
 def _streamed(running: Scripted, parts: ReplyParts) -> list[tuple[str, dict]]:
@@ -72,7 +78,7 @@ def test_a_streamed_reply_is_anthropic_s_event_sequence():
     assert "".join(body["delta"]["text"] for name, body in events if name == "content_block_delta") == "Hello!"
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert delta["usage"] == {"input_tokens": 9, "output_tokens": 3}
+    assert delta["usage"] == {"input_tokens": 9, "cache_read_input_tokens": 0, "output_tokens": 3}
 
 
 def test_a_stop_sequence_cuts_the_reply_and_is_named():
@@ -138,3 +144,66 @@ def test_a_thought_is_a_thinking_block_before_the_text():
     assert starts == ["thinking", "text"] and [b["index"] for n, b in events if n == "content_block_stop"] == [0, 1]
     assert "".join(d["thinking"] for i, d in deltas if i == 0 and d["type"] == "thinking_delta") == "Hmm."
     assert "".join(d["text"] for i, d in deltas if i == 1 and d["type"] == "text_delta") == "Hi!"
+
+
+def test_usage_counts_the_prompt_tokens_a_kept_cache_held_apart():
+    """As Anthropic counts: input_tokens are those prefilled, cache_read_input_tokens those the kept KV cache held."""
+    status, body = _whole(Scripted(["Hi"], cached=7), ReplyParts([]))
+    assert status == 200 and body["usage"] == {"input_tokens": 2, "cache_read_input_tokens": 7, "output_tokens": 1}
+    events = _streamed(Scripted(["Hi"], cached=7), ReplyParts([]))
+    assert events[-2][1]["usage"] == {"input_tokens": 2, "cache_read_input_tokens": 7, "output_tokens": 1}
+
+
+def _running() -> RequestHandle:
+    """A request that has written one word and produces no other: only a cancel ends it (its worker sees the stop
+    flag at its next token and ends it, as the runtime's does)."""
+
+    def worker_sees_the_stop(handle: RequestHandle) -> None:
+        handle.finish(Finished("Once", [1], RequestStats(finish_reason="cancelled"), "cancelled"))
+
+    handle = RequestHandle(on_cancel=worker_sees_the_stop)
+    handle.claim()
+    handle.publish(TextDelta("Once", 1))
+    return handle
+
+
+SCOPE = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/v1/messages"}
+
+
+def test_a_streamed_reply_s_client_gone_mid_reply_cancels_it():
+    handle = _running()
+    sent: list[dict] = []
+
+    async def main() -> None:
+        gone = asyncio.Event()
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if b"Once" in message.get("body", b""):
+                gone.set()  # the client read the first word and went away
+
+        async def receive() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        response = Streamed(sse(handle, ReplyParts([]), HEAD), handle)
+        await asyncio.wait_for(response(SCOPE, receive, send), 10)  # without the watch: waits for a token forever
+
+    asyncio.run(main())
+    assert handle.cancelled and handle.result(timeout=0).reason == "cancelled"
+    assert any(b"Once" in m.get("body", b"") for m in sent)
+
+
+def test_a_plain_reply_s_client_gone_cancels_it():
+    from starlette.requests import Request
+
+    handle = _running()
+
+    async def main() -> None:
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}
+
+        await asyncio.wait_for(complete(handle, ReplyParts([]), HEAD, Request(SCOPE, receive)), 10)
+
+    asyncio.run(main())
+    assert handle.cancelled and handle.result(timeout=0).reason == "cancelled"

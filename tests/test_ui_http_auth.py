@@ -195,12 +195,12 @@ def test_listen_serves_only_whoever_has_the_printed_token(tmp_path, capsys):
         assert status == 200 and b"<html" in text.lower()
         status, _, text = _request(port, "POST", "/gradio_api/call/search_chats", cookie | call, body)
         assert status == 200 and b"event_id" in text
-        # The Anthropic API behind the same gate: its key as x-api-key reaches it (no model: a 503 in its shape).
-        messages = json.dumps({"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-        status, _, text = _request(port, "POST", "/v1/messages", call, messages.encode())
+        # The Anthropic API behind the same gate: its key as x-api-key reaches it. A body that is not JSON gets the
+        # same answer whether the demo model is still loading or not: a 400 in Anthropic's shape, from the route.
+        status, _, text = _request(port, "POST", "/v1/messages", call, b"{")
         assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
-        status, _, text = _request(port, "POST", "/v1/messages", call | {"x-api-key": token}, messages.encode())
-        assert status == 503 and json.loads(text)["error"]["type"] == "overloaded_error", text
+        status, _, text = _request(port, "POST", "/v1/messages", call | {"x-api-key": token}, b"{")
+        assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error", text
         assert session.api_key_required
     finally:
         server.close()

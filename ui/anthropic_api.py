@@ -9,25 +9,26 @@ then run, and written in Anthropic's shapes (anthropic_stream.py); every error i
 /v1 (http_guard.py; the token, which Anthropic clients send as x-api-key: http_auth.py); a body over the limit
 never gets here (body_limit.py). It does NOT hold model logic or store API chats in the user's chat list.
 
-Threads: as openai_api.py's requests (each runs on a pump thread of its own, which posts its events into the event
-loop); `_submit` is the one place a request is handed to the runtime.
+Threads: none of its own, as openai_api.py's requests: each request's handle is iterated on the event loop (a request
+waiting its turn holds no thread) and cancelled when its client goes; `_submit` is the one place a request is handed
+to the runtime.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import deque
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from fmoe_local.config import Sampling
+from fmoe_local.request_handle import RequestHandle
 from ui.anthropic_request import parse_count, parse_messages
-from ui.anthropic_stream import Head, complete, error_response, new_id, sse, watch
-from ui.openai_api import _check_prompt, _events, loaded_runtime
+from ui.anthropic_stream import Head, complete, error_response, new_id, sse
+from ui.openai_api import _check_prompt, loaded_runtime
 from ui.openai_request import ApiError, read_body
+from ui.openai_stream import Streamed
 from ui.session import Session
 from ui.structured import Shaped, shape
 
@@ -54,10 +55,10 @@ def build_router(session: Session) -> APIRouter:
             return error_response(exc.status, exc.message, exc.headers)
         head = Head(new_id(), session.model_id, length or 0)
         parts = shaped.parts(req.stops)
-        running = _submit(runtime, req.prompt, shaped, router.finished)
+        handle = _submit(runtime, req.prompt, shaped, router.finished)
         if req.stream:
-            return StreamingResponse(watch(sse(running, parts, head), request, running), media_type="text/event-stream")
-        return await complete(running, parts, head, request)
+            return Streamed(sse(handle, parts, head), handle)
+        return await complete(handle, parts, head, request)
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
@@ -77,22 +78,9 @@ def build_router(session: Session) -> APIRouter:
     return router
 
 
-class _Running:
-    """A request running on the runtime, as its caller sees it: `async for` its events (TextDelta…, then one
-    Finished), `cancel()` to end it (within a token, or at once while it waits for its turn)."""
-
-    def __init__(self, events, stop: threading.Event) -> None:  # noqa: ANN001 - openai_api._Events
-        self.events, self.stop = events, stop
-
-    def cancel(self) -> None:
-        self.stop.set()
-
-    async def __aiter__(self) -> AsyncIterator:
-        while (event := await self.events.next()) is not None:
-            yield event
-
-
-def _submit(runtime, prompt: list[dict], shaped: Shaped, finished: deque) -> _Running:  # noqa: ANN001 - a Runtime
-    """Hand the request to the runtime: the one place this API does (openai_api's pump thread, today)."""
-    stop = threading.Event()
-    return _Running(_events(runtime, prompt, shaped.sampling, stop, finished, shaped.tools), stop)
+def _submit(runtime, prompt: list[dict], shaped: Shaped, finished: deque) -> RequestHandle:  # noqa: ANN001 - a Runtime
+    """Hand the request to the runtime: the one place this API does."""
+    handle = runtime.submit(prompt, shaped.sampling, **({"tools": shaped.tools} if shaped.tools else {}))
+    # Recorded when the request ends, even after its client left (the worker runs this; a deque is thread-safe).
+    handle.add_done_callback(lambda final: finished.append((final.reason, len(final.token_ids))))
+    return handle

@@ -7,7 +7,8 @@ input sent whole as one input_json_delta once the reply has ended), the stop rea
 stop_sequence with the sequence, tool_use, model_context_window_exceeded), usage, errors in Anthropic's shape
 (anthropic_errors.py), and stopping the generation once its client has gone or a stop sequence has made the rest
 useless. It does NOT parse requests (anthropic_request.py) or submit them (anthropic_api.py hands it the request's
-running reply: `async for` its events, `cancel()` to end it).
+handle, which it iterates on the event loop and cancels; a stream is sent by openai_stream.Streamed, which cancels
+the handle when its client goes).
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from fmoe_local.request_handle import RequestHandle
 from ui.anthropic_errors import error_body, error_type
-from ui.openai_stream import INTERRUPTED
+from ui.openai_stream import INTERRUPTED, disconnected
 from ui.reply_parts import REASONING, Piece, ReplyParts, merged
 from ui.tool_calls import ToolCall
 
 # The runtime's finish reasons in Anthropic's terms; a stop sequence or a tool call decides before these.
 _STOP = {"stop": "end_turn", "length": "max_tokens", "context": "model_context_window_exceeded"}
-_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 
 
 @dataclass(frozen=True)
@@ -83,36 +84,41 @@ def _stop(final, parts: ReplyParts, calls: list[ToolCall]) -> tuple[str, str | N
 
 
 def _usage(final) -> dict:  # noqa: ANN001 - a Finished
-    return {"input_tokens": final.stats.prompt_tokens, "output_tokens": len(final.token_ids)}
+    """As Anthropic counts: input_tokens are the prompt tokens prefilled for this request, cache_read_input_tokens
+    those a kept KV cache held (prefix_cache.py), so the two add up to the prompt."""
+    cached = final.stats.cached_tokens
+    return {
+        "input_tokens": final.stats.prompt_tokens - cached,
+        "cache_read_input_tokens": cached,
+        "output_tokens": len(final.token_ids),
+    }
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(error_body(status, message), status_code=status, headers=headers, media_type="application/json")
 
 
-async def complete(running, parts: ReplyParts, head: Head, request: Request) -> Response:  # noqa: ANN001
-    """The whole reply as one `message` body, once it has ended."""
+async def complete(handle: RequestHandle, parts: ReplyParts, head: Head, request: Request) -> Response:
+    """The whole reply as one `message` body, once it has ended; a client that goes away before that cancels it."""
 
     async def watch() -> None:
-        while True:
-            if await request.is_disconnected():
-                running.cancel()
-                return
-            await asyncio.sleep(_POLL_S)
+        await disconnected(request.receive)
+        handle.cancel()
 
     watcher = asyncio.create_task(watch())
     pieces: list[Piece] = []
     final = None
     try:
-        async for event in running:
+        async for event in handle:
             if hasattr(event, "reason"):
                 final = event
             elif not parts.stopped:
                 pieces += parts.add(event.text)
                 if parts.stopped:
-                    running.cancel()  # the rest would be thrown away: stop generating it
+                    handle.cancel()  # the rest would be thrown away: stop generating it
     finally:
         watcher.cancel()
+        handle.cancel()  # no-op once ended; a cancelled await (the server stopping) must not leave it running
     if failure := _failure(final, parts):
         return error_response(500, failure)
     rest, calls = parts.finish()
@@ -159,14 +165,14 @@ class _Blocks:
         return [_event("content_block_stop", {"index": self.index})]
 
 
-async def sse(running, parts: ReplyParts, head: Head) -> AsyncIterator[str]:  # noqa: ANN001
+async def sse(handle: RequestHandle, parts: ReplyParts, head: Head) -> AsyncIterator[str]:
     """The reply as server-sent events, each piece as soon as no stop sequence (or tool call) can still begin in
     it; tool calls at the end, one tool_use block each."""
     usage = {"input_tokens": head.input_tokens, "output_tokens": 0}
     yield _event("message_start", {"message": head.message([], None, None, usage)})
     yield _event("ping", {})
     blocks, final = _Blocks(), None
-    async for event in running:
+    async for event in handle:
         if hasattr(event, "reason"):
             final = event
             continue
@@ -176,7 +182,7 @@ async def sse(running, parts: ReplyParts, head: Head) -> AsyncIterator[str]:  # 
             for out in blocks.piece(kind, text):
                 yield out
         if parts.stopped:
-            running.cancel()
+            handle.cancel()  # the rest would be thrown away: stop generating it
     if failure := _failure(final, parts):
         yield _event("error", {"error": {"type": error_type(500), "message": failure}})
         return
@@ -192,14 +198,3 @@ async def sse(running, parts: ReplyParts, head: Head) -> AsyncIterator[str]:  # 
     reason, sequence = _stop(final, parts, calls)
     yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(final)})
     yield _event("message_stop", {})
-
-
-async def watch(events: AsyncIterator[str], request: Request, running) -> AsyncIterator[str]:  # noqa: ANN001
-    """Pass the events on; a client gone away (a cancelled send, or a disconnect noticed) ends its generation."""
-    try:
-        async for e in events:
-            if await request.is_disconnected():
-                return
-            yield e
-    finally:
-        running.cancel()  # no-op after a normal end; otherwise the runtime stops this request within a token

