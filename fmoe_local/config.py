@@ -24,6 +24,9 @@ class Sampling:
     max_new_tokens: int = 512
     temperature: float = 0.7
     top_p: float = 0.9
+    # Only the k likeliest tokens may be sampled (the Anthropic API's top_k); 0 keeps every token, as transformers'
+    # top_k=0 does.
+    top_k: int = 0
     greedy: bool = False
     seed: int | None = None
     # OpenAI's logits changes (logits_rules.py): penalties from -2 to 2, a bias per token id from -100 to 100.
@@ -40,6 +43,8 @@ class Sampling:
             raise ValueError("Temperature must be 0 (the most likely reply) or a positive number, ~0.7 for variety.")
         if not 0 <= self.top_p <= 1:
             raise ValueError("Top-p must be a number from 0 to 1 (1 keeps every token, 0.9 the likeliest nine tenths).")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError("Top-k must be a whole number: 0 keeps every token, k the k likeliest.")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError("Max new tokens must be a whole number of at least 1.")
         if self.seed is not None and (

@@ -20,7 +20,11 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
     """Pick the next token from `logits` [V]."""
     if sampling.greedy or sampling.temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    logits = logits.float()
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th likeliest stay in
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p  # always keeps the first

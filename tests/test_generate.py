@@ -1,6 +1,7 @@
-"""The streaming detokenizer: its deltas, joined, are the tokenizer's own decode of every id, for the tokenizers the
-supported families use (byte-level BPE: the tiny families' and the demo model's; SentencePiece with byte fallback:
-Llama and Mixtral's), multi-byte characters and special tokens included, and a token costs a small window's decode."""
+"""fmoe_local/generate.py. The streaming detokenizer: its deltas, joined, are the tokenizer's own decode of every
+id, for the tokenizers the supported families use (byte-level BPE: the tiny families' and the demo model's;
+SentencePiece with byte fallback: Llama and Mixtral's), multi-byte characters and special tokens included, and a
+token costs a small window's decode. Sampling a token (sample_next): top_k keeps only the k likeliest tokens."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import json
 import random
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from fmoe_local.config import Sampling
 from fmoe_local.demo import demo_model_dir
-from fmoe_local.generate import Detokenizer
+from fmoe_local.generate import Detokenizer, sample_next
 from tests.tiny import FALLBACK_TEXT, train_tokenizer
 
 TEXT = (
@@ -170,3 +173,24 @@ def test_every_tokenizer_here_is_the_kind_it_stands_for(tokenizers):
     assert any(t.startswith("<0x") for t in tok.convert_ids_to_tokens(tok.encode("🦀", add_special_tokens=False)))
     wp = tokenizers["wordpiece, cleaned up"]
     assert wp.decode(wp.encode("a , b .", add_special_tokens=False)) == "a, b."
+
+
+LOGITS = torch.tensor([4.0, 3.9, 3.8, 3.7, 0.0])  # four near-equal tokens, one unlikely
+
+
+def _drawn(sampling: Sampling, draws: int = 400) -> set[int]:
+    gen = torch.Generator().manual_seed(0)
+    return {sample_next(LOGITS, sampling, gen) for _ in range(draws)}
+
+
+def test_top_k_samples_only_the_k_likeliest_tokens():
+    assert _drawn(Sampling(temperature=1.0, top_p=1.0, top_k=2)) == {0, 1}
+    assert _drawn(Sampling(temperature=1.0, top_p=1.0, top_k=1)) == {0}
+    assert {0, 1, 2, 3} <= _drawn(Sampling(temperature=1.0, top_p=1.0, top_k=0))  # 0: every token may be drawn
+    assert {0, 1, 2, 3} <= _drawn(Sampling(temperature=1.0, top_p=1.0, top_k=99))  # more than there are: all
+
+
+@pytest.mark.parametrize("top_k", [-1, 1.5, True])
+def test_a_top_k_that_cannot_be_one_is_refused_in_a_sentence(top_k):
+    with pytest.raises(ValueError, match="Top-k must be a whole number"):
+        Sampling(top_k=top_k).validate()
