@@ -33,7 +33,7 @@ MACHINES = (
     ("24 GB GPU, 64 GB RAM", 24, 64),
     ("24 GB GPU, 128 GB RAM", 24, 128),
 )
-SHORT = {"bf16": "bf16", "int8": "8-bit", "nf4": "4-bit", "mxfp4": "MXFP4"}
+SHORT = {"bf16": "bf16", "int8": "8-bit", "int4": "4-bit", "nf4": "4-bit nf4", "mxfp4": "MXFP4"}
 
 
 def machine(vram_gb: int, ram_gb: int) -> Machine:
