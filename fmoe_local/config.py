@@ -18,11 +18,19 @@ MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes; a larger seed ov
 
 @dataclass(frozen=True)
 class Sampling:
-    """How one reply is sampled. `greedy` overrides temperature/top_p."""
+    """How one reply is sampled. `greedy` overrides temperature, top_p and top_k; the penalties apply either way
+    (generate.penalised). Defaults leave the model's distribution as it is but for temperature and top-p."""
 
     max_new_tokens: int = 512
     temperature: float = 0.7
     top_p: float = 0.9
+    top_k: int = 0  # keep only the k likeliest tokens; 0 = no limit
+    # > 1 makes every token already in the prompt or the reply less likely (transformers' rule: logit / p if
+    # positive, · p if negative); 1 = off.
+    repetition_penalty: float = 1.0
+    # OpenAI's penalties on the reply's own tokens: logit − frequency · count − presence · (count > 0); 0 = off.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     greedy: bool = False
     seed: int | None = None
 
@@ -35,6 +43,13 @@ class Sampling:
             raise ValueError("Top-p must be a number from 0 to 1 (1 keeps every token, 0.9 the likeliest nine tenths).")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError("Max new tokens must be a whole number of at least 1.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError("Top-k must be a whole number: 0 keeps every token, 40 the likeliest forty.")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("The repetition penalty must be a positive number: 1 is off, 1.1 a mild penalty.")
+        for name, value in (("frequency", self.frequency_penalty), ("presence", self.presence_penalty)):
+            if not -2 <= value <= 2:
+                raise ValueError(f"The {name} penalty must be a number from -2 to 2 (0 is off).")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
         ):
