@@ -111,13 +111,18 @@ class ImportedChat:
 _WHAT_TO_DO = "Import a file that fmoe-local's “Export all chats (JSON)” wrote, as it was written."
 
 
-def parse_export(raw: bytes) -> list[ImportedChat]:
-    """The chats in an exported file's bytes; ImportRefused (a sentence) for anything else."""
-    if len(raw) > MAX_IMPORT_BYTES:
+def check_size(size: int) -> None:
+    """ImportRefused for a file of `size` bytes that is too large to import (checked before it is read)."""
+    if size > MAX_IMPORT_BYTES:
         raise ImportRefused(
-            f"This file is {len(raw) / 1024**2:.1f} MB; an import can be at most {MAX_IMPORT_BYTES // 1024**2} MB. "
+            f"This file is {size / 1024**2:.1f} MB; an import can be at most {MAX_IMPORT_BYTES // 1024**2} MB. "
             "Export fewer chats, or split the file."
         )
+
+
+def parse_export(raw: bytes) -> list[ImportedChat]:
+    """The chats in an exported file's bytes; ImportRefused (a sentence) for anything else."""
+    check_size(len(raw))
     try:
         doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):

@@ -2,8 +2,9 @@
 
 Scope: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (a prompt continued as it is, no
 chat template: editors' code completion, base-model scripts), plain or `stream: true` (openai_stream.py writes both
-shapes), translating to `Runtime.stream` and back: max_tokens, temperature (0 = greedy) and top_p (left out: the
-app's Settings values), seed, stop, finish_reason, usage, errors in OpenAI's shape (the body is parsed and checked
+shapes), translating to `Runtime.stream` and back: max_tokens, temperature (0 = greedy), top_p, top_k and the
+penalties (left out: the app's own defaults, RuntimeConfig.sampling — never a chat's values, nor the defaults the
+Chat tab saves for new chats), seed, stop, finish_reason, usage, errors in OpenAI's shape (the body is parsed and checked
 in openai_request.py; one over ui/body_limit.py's limit never reaches this router). Any bearer token is accepted
 here: who may call at all is decided before a request reaches this router (http_guard.py; with --listen or
 --api-key, http_auth.py's token). Any `model` in a request is accepted: the loaded model answers, listed under its
@@ -66,11 +67,7 @@ def build_router(session: Session) -> APIRouter:
             # on a thread, since megabytes of JSON would otherwise hold up every other request on the event loop.
             body = await asyncio.to_thread(read_body, await request.body())
             runtime = runtime_or_error()
-            settings = session.store.settings.load()
-            defaults = Sampling(
-                max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p
-            )
-            req: ApiRequest = parse(body, defaults)
+            req: ApiRequest = parse(body, session.config.sampling)
             await _check_prompt(runtime, req.prompt)
         except ApiError as exc:
             return exc.response()

@@ -5,7 +5,8 @@ Two layers. `read_body` checks the JSON as a whole before any field is looked at
 and every string, wherever it is (a field the app ignores today may be read tomorrow, and a value that cannot be
 represented breaks whoever reads it: a seed of 2**80 overflowed torch, a lone surrogate broke the tokenizer, JSON
 nested 100,000 deep overflowed the parser's stack — each a 500). Then `parse_chat` and `parse_completion` check
-what each field means. Scope of the second: messages (chat) or prompt and echo (completions), sampling (max_tokens, temperature, top_p, seed, n), stop,
+what each field means. Scope of the second: messages (chat) or prompt and echo (completions), sampling (max_tokens, temperature, top_p, top_k, the
+penalties, seed, n), stop,
 stream and stream_options, and the refusal of what the app cannot do (response_format other than text, logprobs,
 tool calls, a suffix to fill in, several prompts or token ids). It does NOT talk to the runtime or the session
 (ui/openai_api.py does), so every check here runs before a request is queued.
@@ -284,10 +285,26 @@ def _sampling(body: dict, defaults: Sampling) -> Sampling:
         raise ApiError(400, "'seed' must be a whole number.", "seed")
     temperature = number("temperature", defaults.temperature, 0.0, 2.0)
     top_p = number("top_p", defaults.top_p, 0.0, 1.0)  # OpenAI's range; 0 keeps only the likeliest token: greedy
+    # Not OpenAI's, but what vLLM, llama.cpp and LM Studio take and their clients send: top_k (-1 or 0: no limit)
+    # and repetition_penalty (1: off).
+    top_k = body.get("top_k", defaults.top_k)
+    if top_k is None:
+        top_k = defaults.top_k
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+        raise ApiError(
+            400, "'top_k' must be a whole number: -1 or 0 for no limit, else how many tokens to keep.", "top_k"
+        )
+    repetition = number("repetition_penalty", defaults.repetition_penalty, 0.0, 2.0)
+    if repetition == 0.0:
+        raise ApiError(400, "'repetition_penalty' must be more than 0 (1 is off).", "repetition_penalty")
     return Sampling(
         max_new_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
+        top_k=max(top_k, 0),
+        repetition_penalty=repetition,
+        frequency_penalty=number("frequency_penalty", defaults.frequency_penalty, -2.0, 2.0),
+        presence_penalty=number("presence_penalty", defaults.presence_penalty, -2.0, 2.0),
         greedy=temperature == 0.0 or top_p == 0.0,
         seed=seed,
     )

@@ -45,8 +45,9 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
             assert "reply-stats" not in chat.inner_text()
             page.screenshot(path=SHOTS / "chat-stats-after-code.png", full_page=True)
 
+            page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 300
+            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
             set_max_tokens(page, 300)
-            page.locator("#new-chat").click()
             send(page, "Tell me a very long story.")
             button = page.locator("#send")
             page.wait_for_function("() => document.querySelector('#send').disabled === true", timeout=30_000)
@@ -79,7 +80,7 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
             assert "tok/s" in ending, ending  # a stats line: the reply was saved (stopped, or finished)
             page.screenshot(path=SHOTS / "chat-kept-after-reload.png", full_page=True)
 
-            page.reload()  # the saved generation settings come back, not the start-up ones
+            page.reload()  # the chat's own generation settings come back, not the start-up ones
             page.get_by_role("tab", name="Chat").wait_for()
             page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
             page.get_by_text("Generation", exact=True).click()
