@@ -28,7 +28,13 @@ def build(session: Session) -> gr.Blocks:
             top = gr.Markdown(header(session), elem_id="app-title")
             # Beside the system's own setting, the page can be kept light or dark (remembered by this browser).
             theme_choice = gr.Radio(
-                list(THEME_CHOICES), value="System", show_label=False, container=False, elem_id="theme-choice"
+                list(THEME_CHOICES),
+                value="System",
+                show_label=False,
+                container=False,
+                scale=0,
+                min_width=330,
+                elem_id="theme-choice",
             )
         with gr.Tabs(elem_id="tabs") as tabs:
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):

@@ -24,7 +24,7 @@ CSS = """
 footer { display: none !important; }
 /* Present for the page's scripts (back/forward opens the chat of the address), never shown. */
 .fmoe-hidden { display: none !important; }
-#theme-choice { flex-grow: 0; min-width: 300px; }
+#theme-choice { flex-grow: 0; }
 #theme-choice .wrap { flex-wrap: nowrap; }
 /* Gradio's trash icon above the chat looks like "delete this chat" but only blanks the view: New chat and the
    sidebar's Delete (which asks first) are the two clear ways. */
