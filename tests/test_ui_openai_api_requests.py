@@ -252,7 +252,7 @@ def test_what_a_request_leaves_out_takes_the_app_s_own_defaults_never_a_chat_s(s
     chat = session.store.chats.create("a chat", generation={"temperature": 2.0, "max_new_tokens": 1})
     try:
         reply = _post(server, max_tokens=None, seed=1).json()  # no temperature, no top_p, a null max_tokens
-        assert "usage" in reply and "usage" in asked, (reply, asked)
+        assert "usage" in reply and "usage" in asked, (reply, asked)  # a failure's error, shown whole
         assert reply["usage"] == asked["usage"]  # the app's max_new_tokens, 4
         assert reply["choices"][0]["message"] == asked["choices"][0]["message"]  # the app's temperature 0
     finally:
