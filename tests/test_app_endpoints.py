@@ -119,8 +119,9 @@ def test_conversation_list_new_search_rename_delete(served):
     found, _ = client.predict("poem", api_name="/search_chats")
     assert [c[1] for c in found["choices"]] == [first.id]
     # Switching back shows the first conversation's history.
-    chatbot, title, _ = client.predict(first.id, api_name="/open_chat")  # the State output stays server-side
-    assert title == first.title
+    # The State output stays server-side; then the list, the title, the address and the chat's Generation values.
+    chatbot, _, title, address, system, *_ = client.predict(first.id, api_name="/open_chat")
+    assert (title, address, system) == (first.title, str(first.id), "")
     assert _text(chatbot[0]) == "Write a short poem about the sea."
     client.predict("Sea poems", api_name="/rename_chat")
     assert session.store.chats.get(first.id).title == "Sea poems"
