@@ -6,7 +6,8 @@
 Scope: command line → store + Session (+ the model to load) → ui.build() → ui.server (guarded, on 127.0.0.1; the
 next free port when the asked one is taken; `--listen` opts in to the local network, behind an access token made
 here unless --api-key names one). Sub-commands (`run`, `bench`) go to fmoe_local.cli with a map-persistence
-factory, since only this module may import store/. It does NOT hold any UI or model logic itself.
+factory, since only this module may import store/, and the bench's commands (fmoe_bench.cli), since the runtime
+never imports the benchmarks. It does NOT hold any UI or model logic itself.
 """
 
 from __future__ import annotations
@@ -344,9 +345,10 @@ def stop_on_signals() -> threading.Event:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SUBCOMMANDS:
+        from fmoe_bench import cli as bench_cli
         from fmoe_local import cli
 
-        return cli.main(argv, persistence_factory=persistence_factory)
+        return cli.main(argv, persistence_factory=persistence_factory, extra=(bench_cli,))
     args = build_parser().parse_args(argv)
     stopping = stop_on_signals()  # before serving: "serving on" may be the last line a terminal shows before it closes
     server, session, _ = serve(args)

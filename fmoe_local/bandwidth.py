@@ -1,7 +1,7 @@
 """Measured speeds of this machine's memory and links: pinned host→GPU copies, DRAM reads, the CPU's last-level cache.
 
 Scope: each function measures (or reads) one figure when called, allocating what it measures with; callers decide
-when (miss_cost.py at a model's first load, bench/cpu_experts.py). It does NOT probe what the machine has
+when (miss_cost.py at a model's first load, fmoe_bench/cpu_experts.py). It does NOT probe what the machine has
 (hardware.py) or decide anything from the figures.
 """
 
@@ -61,3 +61,45 @@ def dram_read_gbps(size_mb: int = 0, repeats: int = 3) -> float:
         data.sum()
         best = min(best, time.perf_counter() - start)
     return n * 4 / best / GB
+
+
+# Half precision is kept on the CPU when its one-token product is at most this much slower than float32's: it holds
+# half the RAM (a model that fits in bf16 may spill to disk in fp32), which is worth a little compute.
+HALF_DECODE_SLACK = 1.1
+HALF_PROBE_IN, HALF_PROBE_OUT = 2048, 4096  # a non-expert projection's shape (Qwen3-30B-A3B's q_proj)
+
+
+def half_decode_ratio(dtype: object, repeats: int = 7) -> float:
+    """Seconds of a one-token product x·Wᵀ with W in half precision `dtype` over the same with W in float32: below
+    1 the half product decodes faster. W is [4096, 2048] × as many matrices as make twice the last-level cache in
+    float32, so both read DRAM as decode does. Each pass times float32 then half back to back and the median of the
+    passes' ratios counts: a busy machine slows both of a pair alike. A dtype this torch cannot compute on the CPU
+    measures as infinitely slow."""
+    import torch
+    import torch.nn.functional as F
+
+    count = max(2, -(-2 * llc_bytes() // (HALF_PROBE_IN * HALF_PROBE_OUT * 4)))
+    full = [torch.full((HALF_PROBE_OUT, HALF_PROBE_IN), 0.01) for _ in range(count)]
+    try:
+        half = [w.to(dtype) for w in full]
+        pairs = ((torch.full((1, HALF_PROBE_IN), 0.5), full), (torch.full((1, HALF_PROBE_IN), 0.5, dtype=dtype), half))
+        ratios = []
+        with torch.inference_mode():
+            for x, ws in pairs:
+                F.linear(x, ws[0])  # warm-up: the first call picks the kernel
+            for _ in range(repeats):
+                seconds = []
+                for x, ws in pairs:
+                    start = time.perf_counter()
+                    for w in ws:
+                        F.linear(x, w)
+                    seconds.append(time.perf_counter() - start)
+                ratios.append(seconds[1] / seconds[0])
+    except (RuntimeError, TypeError):  # e.g. "not implemented for 'BFloat16'" on an old CPU build
+        return float("inf")
+    return sorted(ratios)[len(ratios) // 2]
+
+
+def cpu_keeps_half(dtype: object) -> bool:
+    """Does this CPU decode with weights in half precision `dtype` about as fast as in float32 (measured)?"""
+    return half_decode_ratio(dtype) <= HALF_DECODE_SLACK

@@ -2,8 +2,8 @@
 
 Scope: the arithmetic between a size in GB and a slot count, for whoever sizes an expert cache (engine.py, `bench
 live`) and for the cache itself (cache.py checks its own capacity); the same for the map store's capacity against
-the RAM free (engine.py at load and on reconfigure, the Settings tab before a model is loaded). It does NOT allocate
-anything.
+the RAM free (engine.py at load and on reconfigure, the Settings tab before a model is loaded); the prefix cache's
+budget (prefix_cache.py). It does NOT allocate anything.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from fmoe_local import hardware
+from fmoe_local.config import PREFIX_AUTO_MAX_GB
 from fmoe_local.hardware import GIB, KV_RESERVE_BYTES
+from fmoe_local.units import BINARY, number, size, size_auto, unit_for
 
 
 class SettingRefused(ValueError):
@@ -44,16 +46,18 @@ def fitted_slots(capacity: int, expert_bytes: int, room_bytes: int | None) -> tu
     if room_bytes is None or capacity * expert_bytes <= room_bytes:
         return capacity, ""
     fitted = room_bytes // expert_bytes
-    asked, got = capacity * expert_bytes / GIB, fitted * expert_bytes / GIB
     if fitted < 1:
+        unit = unit_for(max(room_bytes, expert_bytes), BINARY)
         raise ValueError(
-            f"The GPU has {room_bytes / GIB:.2f} GB left for the expert cache after the model's resident part, less "
-            f"than one expert ({expert_bytes / GIB:.2f} GB). Close other programs that use the GPU, or choose a "
+            f"The GPU has {size(room_bytes, unit)} left for the expert cache after the model's resident part, less "
+            f"than one expert ({size(expert_bytes, unit)}). Close other programs that use the GPU, or choose a "
             "smaller model or a smaller expert format."
         )
+    # Each figure in its own unit: the two can differ by orders of magnitude ("4 GB; 96 KB", not "0.0000916 GB").
+    asked, got = size_auto(capacity * expert_bytes, BINARY), size_auto(fitted * expert_bytes, BINARY)
     return fitted, (
-        f" The expert cache was set to {asked:.1f} GB; {got:.1f} GB fit next to the model on this GPU, so it holds "
-        f"{fitted} experts (Settings shows what fits)."
+        f" The expert cache was set to {asked}; {got} fit next to the model on this GPU, so it holds {fitted} experts "
+        "(Settings shows what fits)."
     )
 
 
@@ -68,8 +72,7 @@ def check_capacity(capacity: int, expert_bytes: int) -> None:
 
 
 def _size(n_bytes: float) -> str:
-    unit, scale = next((u, f) for u, f in (("GB", GIB), ("MB", 1024**2), ("KB", 1024), ("bytes", 1)) if n_bytes >= f)
-    return f"{n_bytes / scale:.3g} {unit}"
+    return size_auto(n_bytes, BINARY) if n_bytes >= 1024 else f"{number(n_bytes)} bytes"
 
 
 def map_bytes(num_layers: int, num_experts: int, embed_dim: int, sketch_dim: int) -> int:
@@ -108,3 +111,40 @@ def check_store_capacity(
         f"{max(1, fits):,} or fewer maps.",
         "store_capacity",
     )
+
+
+def kv_room_bytes(device: torch.device) -> int | None:
+    """Bytes free where the KV cache lives: the GPU's free memory less the reserve the running request's KV cache
+    and activations keep (hardware.KV_RESERVE_BYTES), or the RAM available on the CPU; None where the platform does
+    not say."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, int(free) - KV_RESERVE_BYTES)
+    total, available = hardware.ram_bytes()
+    return None if total <= 0 else available
+
+
+def kv_free_bytes(device: torch.device) -> int | None:
+    """GPU memory a KV cache can grow into now: free memory plus what torch's allocator holds unused; None off a
+    GPU, where the prefix cache's budget alone bounds it."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def prefix_budget_bytes(setting_gb: float | None, room_bytes: int | None) -> int:
+    """What the kept prefixes' KV caches may take (RuntimeConfig.prefix_cache_gb): the setting, or automatically a
+    quarter of `room_bytes` (kv_room_bytes after load) up to PREFIX_AUTO_MAX_GB (1 GB where the room is unknown).
+    A setting over the room is refused (SettingRefused, "prefix_cache_gb"): kept prefixes would take the memory the
+    running request's own KV cache needs."""
+    if setting_gb is None:
+        return int(GIB if room_bytes is None else min(room_bytes // 4, PREFIX_AUTO_MAX_GB * GIB))
+    asked = int(setting_gb * GIB)
+    if room_bytes is not None and asked > room_bytes:
+        raise SettingRefused(
+            f"The prefix cache was set to {setting_gb:g} GB, but only {room_bytes / GIB:.2f} GB are free where the KV "
+            "cache lives after loading this model. Set it to less, or leave it on auto.",
+            "prefix_cache_gb",
+        )
+    return asked

@@ -56,9 +56,14 @@ class TemplateOverBudget(RuntimeError):
 def output_budget(messages: list[dict], variables: dict) -> int:
     """The most characters a template may write for these messages: four times what they and the template's
     variables hold, plus 1 MiB for a preamble (a date, a default system prompt). Templates wrap each message in a
-    few markers; none we know writes a message more than twice."""
-    held = sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
-    held += sum(len(v) for v in variables.values() if isinstance(v, str))
+    few markers; none we know writes a message more than twice. Values that are not text (a message's tool calls,
+    the request's tools) count as their JSON."""
+
+    def size(value: object) -> int:
+        return len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False, default=str))
+
+    held = sum(size(v) for m in messages for v in m.values() if v is not None)
+    held += sum(size(v) for v in variables.values() if v is not None)
     return 4 * held + (1 << 20)
 
 
@@ -234,6 +239,10 @@ def _serve() -> None:
     os.dup2(devnull.fileno(), sys.stdout.fileno())  # so whatever prints to stdout goes nowhere instead
     try:
         from fmoe_local.hf_internals import render_chat_template
+
+        # Before "ready", not in the first request's budget: the first render imports transformers' template code,
+        # seconds on a busy machine, which stopped an honest template and disabled it for the session.
+        render_chat_template("{{ messages[0].content }}", [{"role": "user", "content": ""}], False, False, {})
     except Exception as exc:  # noqa: BLE001 - told to the app, which says it in a sentence
         out.write(json.dumps({"ready": False, "message": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
         out.flush()

@@ -1,8 +1,10 @@
-"""Command line: `fmoe-local run …` (one prompt through the runtime) and `fmoe-local bench …`.
+"""Command line: `fmoe-local run …` (one prompt through the runtime), and the commands other packages add.
 
 Scope: argument parsing and printing. It does NOT open the SQLite store itself (fmoe_local never imports store/):
 app.py passes `persistence_for(store_path, model_dir, shape)` when it dispatches `run`, which is how `--store`
-reaches the runtime. With `--json` the LAST stdout line is one JSON object {"text", "token_ids", "stats"}.
+reaches the runtime. It does NOT know the benchmarks either: app.py hands `main` the bench's `Commands`
+(fmoe_bench/cli.py), which add `bench …` to the parser and run it. With `--json` the LAST stdout line is one JSON
+object {"text", "token_ids", "stats"}.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,6 +25,16 @@ from fmoe_local.config import EXPERT_FORMATS, POLICIES, RuntimeConfig, Sampling 
 
 # (store path, model dir) → (MapPersistence, close callable); provided by app.py, which may import store/.
 PersistenceFactory = Callable[[Path, Path], tuple[object, Callable[[], None]]]
+
+
+class Commands(Protocol):
+    """A package's sub-command (fmoe_bench/cli.py's `bench`): it adds its parser and runs what it parsed."""
+
+    COMMAND: str
+
+    def add_parser(self, subparsers: argparse._SubParsersAction) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -181,7 +194,7 @@ def run_command(args: argparse.Namespace, persistence_factory: PersistenceFactor
     try:
         with runtime:
             final = None
-            for event in runtime.stream(messages):
+            for event in runtime.submit(messages):  # Ctrl+C: close() below ends the request
                 if isinstance(event, TextDelta) and not args.json:
                     print(event.text, end="", flush=True)
                 elif isinstance(event, Finished):
@@ -209,24 +222,26 @@ def could_not_load(model_dir: Path, exc: BaseException) -> int:
     return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra: Sequence[Commands] = ()) -> argparse.ArgumentParser:
     parser = SentenceParser(prog="fmoe-local", description="Chat with MoE models larger than your GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
-    from fmoe_local.bench import cli as bench_cli
-
-    bench_cli.add_parser(sub)
+    for commands in extra:
+        commands.add_parser(sub)
     return parser
 
 
-def main(argv: list[str] | None = None, persistence_factory: PersistenceFactory | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(
+    argv: list[str] | None = None,
+    persistence_factory: PersistenceFactory | None = None,
+    extra: Sequence[Commands] = (),
+) -> int:
+    args = build_parser(extra).parse_args(argv)
     try:
         if args.command == "run":
             return run_command(args, persistence_factory)
-        from fmoe_local.bench import cli as bench_cli
-
-        return bench_cli.run(args) or 0
+        (commands,) = [c for c in extra if c.COMMAND == args.command]
+        return commands.run(args) or 0
     except (ValueError, FileNotFoundError) as exc:
         print(f"fmoe-local: {exc}", file=sys.stderr)
         return 2

@@ -12,14 +12,15 @@ from dataclasses import dataclass, field, replace
 POLICIES = ("fmoe", "moe_infinity", "lru", "lfu", "speculative", "on_demand", "cpu_moe")
 MISS_HANDLING = ("auto", "copy", "cpu")
 SEMANTIC_MODES = ("running_mean", "token")
-EXPERT_FORMATS = ("auto", "bf16", "int8", "nf4")  # expert_formats.py describes each
+EXPERT_FORMATS = ("auto", "bf16", "int8", "int4", "nf4")  # expert_formats.py describes each
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes; a larger seed overflowed mid-request
+PREFIX_AUTO_MAX_GB = 4.0  # the automatic prefix cache size's ceiling (RuntimeConfig.prefix_cache_gb)
 
 
 @dataclass(frozen=True)
 class Sampling:
     """How one reply is sampled. `greedy` overrides temperature, top_p and top_k; the penalties apply either way
-    (generate.penalised). Defaults leave the model's distribution as it is but for temperature and top-p."""
+    (logits_rules.py). Defaults leave the model's distribution as it is but for temperature and top-p."""
 
     max_new_tokens: int = 512
     temperature: float = 0.7
@@ -33,6 +34,10 @@ class Sampling:
     presence_penalty: float = 0.0
     greedy: bool = False
     seed: int | None = None
+    # OpenAI's logit changes (logits_rules.py applies every penalty and the bias): a bias per token id, -100 to 100.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The grammar the reply must follow (constrained.py's grammar text), or None: any text.
+    grammar: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError with a sentence a user can act on. Written as `not <in range>` so that NaN, which
@@ -54,13 +59,16 @@ class Sampling:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
         ):
             raise ValueError(f"The seed must be a whole number from 0 to {MAX_SEED}, or left out.")
+        if not all(-100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise ValueError("Each logit bias must be a number from -100 to 100.")
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     # Where the non-expert weights and the expert cache live: "auto" picks cuda when available.
     device: str = "auto"
-    # Compute dtype: "auto" keeps the checkpoint's dtype (bf16 → bf16), except fp32 on CPU for fp16 checkpoints.
+    # Compute dtype: "auto" keeps the checkpoint's dtype (bf16 → bf16); on the CPU bf16 only where this CPU decodes
+    # in it about as fast as in float32 (measured at load: engine.resolve_dtype), fp16 never, else float32.
     dtype: str = "auto"
     # Expert cache budget on the device. cache_experts (a count) wins over cache_gb when both are given.
     cache_gb: float = 4.0
@@ -91,7 +99,8 @@ class RuntimeConfig:
     # "Matcher").
     sketch_candidates: int = 128
     # How routed experts are stored in RAM and in the cache slots: "bf16" unquantised (the checkpoint's dtype),
-    # "int8" (~2× smaller), "nf4" (4-bit, ~4× smaller, slightly different answers), "auto" the checkpoint's own form
+    # "int8" (~2× smaller), "int4" and "nf4" (4-bit, ~4× smaller, slightly different answers; int4 is computed by
+    # torch's weight-only kernels on a CPU, nf4 dequantised), "auto" the checkpoint's own form
     # (a bf16 checkpoint stays bf16, GPT-OSS's MXFP4 stays packed, a bitsandbytes 4-bit checkpoint stays nf4).
     # Non-expert weights are never quantised. A quantised copy made from a bf16 checkpoint is kept in
     # `quant_cache_dir` (None = the user data folder's quantized/), so only the first load quantises.
@@ -120,6 +129,12 @@ class RuntimeConfig:
     copy_chunk_mb: float = 32.0
     # Record what the runtime saw to this .npz (trace format, DESIGN.md). None = no recording.
     record_trace: str | None = None
+    # Memory for the KV caches kept after each request, so that the next request sharing a prompt prefix (the next
+    # turn of a chat, an agent's long system prompt, a regenerate or edit) prefills only what is new
+    # (prefix_cache.py). It lives where the KV cache does (the GPU, else RAM) and comes on top of the running
+    # request's own KV cache. None = a quarter of what is free there after load, at most PREFIX_AUTO_MAX_GB: a
+    # 20,000-token conversation of a 48-layer model with 4 KV heads of 128 is ~2 GB in bf16; 0 = keep nothing.
+    prefix_cache_gb: float | None = None
 
     def with_changes(self, **changes: object) -> RuntimeConfig:
         return replace(self, **changes)
@@ -136,7 +151,7 @@ class RuntimeConfig:
         if self.expert_format not in EXPERT_FORMATS:
             raise ValueError(
                 f"Unknown expert format '{self.expert_format}'. Choose auto (the checkpoint's own), bf16 (full size), "
-                "int8 (8-bit) or nf4 (4-bit)."
+                "int8 (8-bit), int4 or nf4 (4-bit)."
             )
         if self.semantic_mode not in SEMANTIC_MODES:
             raise ValueError(
@@ -162,6 +177,11 @@ class RuntimeConfig:
             raise ValueError("Set the pinned RAM to 0 GB (never pin) or a positive number of GB, or leave it on auto.")
         if not (math.isfinite(self.copy_chunk_mb) and self.copy_chunk_mb > 0):
             raise ValueError("Set the copy chunk to a positive number of MB (32 is a good size).")
+        if self.prefix_cache_gb is not None and not (math.isfinite(self.prefix_cache_gb) and self.prefix_cache_gb >= 0):
+            raise ValueError(
+                "Set the prefix cache to 0 GB (prefill every prompt whole) or a positive number of GB, or leave it on "
+                "auto."
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"Unknown device '{self.device}'. Use auto, cpu or cuda.")
         self.sampling.validate()

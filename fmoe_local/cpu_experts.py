@@ -30,14 +30,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fmoe_local import expert_formats
 from fmoe_local.cache import ExpertLoadError
 from fmoe_local.copier import Interrupted, Landing, Loader, LoadTimeout
+from fmoe_local.expert_formats import Int4Weight, Int8Weight
 
 Tensor = torch.Tensor
 # Rows upcast per block: a few MB of fp32 stays in the core's L2 while the product reads it.
 UPCAST_BLOCK_BYTES = 1 << 20
 FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-INT4_GROUP = 32  # weights per int4 scale/zero pair (the smallest group torch's CPU int4 product accepts)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ class Kernel:
 
 
 # ---- float formats ---------------------------------------------------------------------------------------------------
-def _native_linear(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+def _native_linear(x: Tensor, w: Tensor | Int8Weight | Int4Weight, bias: Tensor | None) -> Tensor:
+    if isinstance(w, (Int8Weight, Int4Weight)):  # a packed parameter on a CPU device (PackedRows' products)
+        return w.linear(x, bias)
     return F.linear(x.to(w.dtype), w, bias)
 
 
@@ -116,25 +119,25 @@ def _float_kernels(fmt: str, dtype: torch.dtype) -> list[Kernel]:
     ]
 
 
-# ---- packed integer formats (torch's CPU layouts) ----------------------------------------------------------------------
-@dataclass
-class Int8Weight:
-    """Symmetric per-output-row int8: w ≈ q · scale. q [out, in] int8, scale [out] float32."""
-
-    q: Tensor
-    scale: Tensor
-
-
+# ---- packed integer formats (torch's weight-only CPU products, expert_formats.Int8Weight / Int4Weight) ---------------
 def pack_int8(w: Tensor) -> Int8Weight:
-    w = w.float()
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scale.contiguous())
+    parts = expert_formats.pack_int8(w)
+    return Int8Weight(parts["q"], parts["scale"])
 
 
-def _int8_linear(x: Tensor, w: Int8Weight, bias: Tensor | None) -> Tensor:
-    out = torch._weight_int8pack_mm(x.float().contiguous(), w.q, w.scale)
-    return out if bias is None else out + bias.float()
+def _int4_packer(dtype: torch.dtype) -> Callable[[Tensor], Int4Weight]:
+    def pack(w: Tensor) -> Int4Weight:
+        parts = expert_formats.pack_int4(w, dtype)
+        return Int4Weight(Int4Weight.from_portable(parts["q"]), parts["sz"], expert_formats.int4_group(w.shape[1]))
+
+    return pack
+
+
+def _product_in(dtype: torch.dtype) -> Callable[[Tensor, object, Tensor | None], Tensor]:
+    def linear(x: Tensor, w: Int8Weight | Int4Weight, bias: Tensor | None) -> Tensor:
+        return w.linear(x.to(dtype), None if bias is None else bias.to(dtype))
+
+    return linear
 
 
 def _int8_upcast_linear(x: Tensor, w: Int8Weight, bias: Tensor | None) -> Tensor:
@@ -147,50 +150,32 @@ def _int8_upcast_linear(x: Tensor, w: Int8Weight, bias: Tensor | None) -> Tensor
     return out if bias is None else out + bias.float()
 
 
-@dataclass
-class Int4Weight:
-    """Asymmetric int4 in groups of INT4_GROUP along `in`, packed by torch for its CPU product.
-
-    packed [out, in/2] uint8; scales_zeros [in/group, out, 2] float32 with w = (q − 8) · scale + zero."""
-
-    packed: Tensor
-    scales_zeros: Tensor
-
-
-def pack_int4(w: Tensor) -> Int4Weight:
-    w = w.float()
-    out_f, in_f = w.shape
-    g = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
-    low, high = g.amin(-1), g.amax(-1)
-    scale = ((high - low) / 15).clamp(min=1e-12)
-    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    zeros = low + 8 * scale  # torch's form: (q - 8) · scale + zero
-    return Int4Weight(packed, torch.stack([scale.t(), zeros.t()], dim=-1).contiguous())
-
-
-def _int4_linear(x: Tensor, w: Int4Weight, bias: Tensor | None) -> Tensor:
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.float().contiguous(), w.packed, INT4_GROUP, w.scales_zeros)
-    return out if bias is None else out + bias.float()
-
-
-def _int4_bf16_linear(x: Tensor, w: Int4Weight, bias: Tensor | None) -> Tensor:
-    sz = w.scales_zeros.to(torch.bfloat16)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w.packed, INT4_GROUP, sz)
-    return out.float() if bias is None else out.float() + bias.float()
-
-
 KERNELS: dict[str, list[Kernel]] = {
     "fp32": _float_kernels("fp32", torch.float32),
     "bf16": _float_kernels("bf16", torch.bfloat16),
     "fp16": _float_kernels("fp16", torch.float16),
     "int8": [
-        Kernel("int8 _weight_int8pack_mm", "int8", "fp32 activations", _int8_linear, pack=pack_int8),
+        Kernel(
+            "int8 _weight_int8pack_mm bf16", "int8", "bf16 activations", _product_in(torch.bfloat16), pack=pack_int8
+        ),
+        Kernel("int8 _weight_int8pack_mm", "int8", "fp32 activations", _product_in(torch.float32), pack=pack_int8),
         Kernel("int8→fp32 blocks", "int8", "fp32", _int8_upcast_linear, pack=pack_int8),
     ],
     "int4": [
-        Kernel("int4 _weight_int4pack_mm_for_cpu", "int4", "fp32 activations", _int4_linear, pack=pack_int4),
-        Kernel("int4 _weight_int4pack_mm_for_cpu bf16", "int4", "bf16 activations", _int4_bf16_linear, pack=pack_int4),
+        Kernel(
+            "int4 _weight_int4pack_mm_for_cpu bf16",
+            "int4",
+            "bf16 activations",
+            _product_in(torch.bfloat16),
+            pack=_int4_packer(torch.bfloat16),
+        ),
+        Kernel(
+            "int4 _weight_int4pack_mm_for_cpu",
+            "int4",
+            "fp32 activations",
+            _product_in(torch.float32),
+            pack=_int4_packer(torch.float32),
+        ),
     ],
 }
 

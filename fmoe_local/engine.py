@@ -12,21 +12,23 @@ calls on its caller's thread: encodings run one at a time (`_encoding`), and the
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
-from fmoe_local import cache_budget, chat_template, cpu_experts, hardware, miss_cost
+from fmoe_local import bandwidth, cache_budget, chat_template, cpu_experts, hardware, miss_cost
 from fmoe_local.cache import ExpertCache
 from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
 from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig
+from fmoe_local.constrained import Grammars
 from fmoe_local.cpu_experts import Kernel
 from fmoe_local.experts import OffloadedExperts
-from fmoe_local.loading import load_model
+from fmoe_local.loading import checkpoint_dtype, load_model
 from fmoe_local.maps import MapStore
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.observe import RoutingObserver
@@ -70,11 +72,24 @@ def pinned_budget(config: RuntimeConfig) -> int:
     return total // 2
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    """None = keep the checkpoint's dtype. On CPU half precision is slow or unsupported, so auto means float32."""
-    if name == "auto":
-        return None if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+def resolve_dtype(
+    name: str,
+    device: torch.device,
+    stored: Callable[[], torch.dtype] | None = None,
+    keeps_half: Callable[[torch.dtype], bool] = bandwidth.cpu_keeps_half,
+) -> torch.dtype | None:
+    """None = keep the checkpoint's dtype (`stored()` says which it is). On a GPU auto keeps it. On the CPU auto keeps
+    a bf16 checkpoint only where this CPU decodes in bf16 about as fast as in float32 (`keeps_half`, a measurement:
+    CPUs range from ones without bf16 units to AMX), so the model holds its own size in RAM; else, and for fp16
+    checkpoints (models trained in bf16 can overflow fp16, and CPUs' fp16 products are slow), float32."""
+    if name != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if device.type == "cuda" or stored is None:
+        return None
+    dtype = stored()
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and keeps_half(dtype)):
+        return None
+    return torch.float32
 
 
 class Engine:
@@ -97,7 +112,8 @@ class Engine:
         self.model_dir = model_dir
         self.config = config
         self.device = resolve_device(config.device)
-        loaded = load_model(model_dir, config, self.device, resolve_dtype(config.dtype, self.device), progress)
+        dtype = resolve_dtype(config.dtype, self.device, partial(checkpoint_dtype, model_dir))
+        loaded = load_model(model_dir, config, self.device, dtype, progress)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
         self._encoding = threading.Lock()  # tokenize_prompt: the worker's and Runtime.check's callers'
         # Why the model's chat template is not used any more ("" while it is): it ran over its budget once, and a
@@ -130,6 +146,10 @@ class Engine:
             self._capacity(config), self.host.expert_bytes, cache_budget.device_room_bytes(self.device)
         )
         check_capacity(capacity, self.host.expert_bytes)
+        # Measured before the expert cache's slots are allocated, so they are counted out by hand.
+        room = cache_budget.kv_room_bytes(self.device)
+        room = None if room is None else max(0, room - capacity * self.host.expert_bytes)
+        self.prefix_budget = cache_budget.prefix_budget_bytes(config.prefix_cache_gb, room)
         if self.cache_notice:
             self.config = config = config.with_changes(cache_experts=capacity)
         self.miss_costs, kernel = self._measure_misses(saved_costs)
@@ -161,6 +181,9 @@ class Engine:
         self.offloaded = OffloadedExperts({id(ref.experts): ref.moe_index for ref in self.moe_layers}, self.offload)
         self.model.set_experts_implementation(self.offloaded.register())
         self.eos_ids = self._eos_ids()
+        # Grammars are compiled against this tokenizer, the model's logits' width and its end tokens.
+        self.grammars = Grammars(self.tokenizer, int(self.model.config.vocab_size), self.eos_ids)
+        self._tools_probe: bool | None = None  # supports_tools' answer, found once
         self.recorder = None
         if config.record_trace:
             shape = self.shape
@@ -223,11 +246,11 @@ class Engine:
             return self.model_dir.name
         return "the demo model" if self.model_dir.resolve() == demo else self.model_dir.name
 
-    def encode_prompt(self, prompt: list[dict] | str) -> torch.Tensor:
+    def encode_prompt(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> torch.Tensor:
         """Prompt ids [1, T] on the device: `tokenize_prompt` (which may raise PromptRefused) as a tensor."""
-        return torch.tensor([self.tokenize_prompt(prompt)], device=self.device)
+        return torch.tensor([self.tokenize_prompt(prompt, tools)], device=self.device)
 
-    def tokenize_prompt(self, prompt: list[dict] | str) -> list[int]:
+    def tokenize_prompt(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
         """Prompt ids of chat messages, from the tokenizer's own chat template (plain concatenation when it has none;
         a final assistant message is continued, not answered), or of a text to continue as it is (an API client's
         /v1/completions: the tokenizer's own special tokens, a BOS where the model has one, and no template).
@@ -235,12 +258,13 @@ class Engine:
         the prompt leaves no room for a reply: refused before any compute, so an over-long paste cannot occupy the
         model for minutes; TemplateRefused (a sentence) when the model's chat template rejects the messages (its
         raise_exception: e.g. roles that do not alternate); TemplateOverBudget (a sentence) when the template ran
-        over its budget of time, memory or output (chat_template.py), on these messages or earlier ones."""
+        over its budget of time, memory or output (chat_template.py), on these messages or earlier ones. `tools`:
+        the functions the model may call (OpenAI's `tools`), rendered by the template as it writes them."""
         with self._encoding:
             if isinstance(prompt, str):
                 text, special = prompt, True
             else:
-                text, special = self._chat_text(prompt)
+                text, special = self._chat_text(prompt, tools)
             ids = self._encode(text, special, isinstance(prompt, str))
         limit = self.context_length
         if limit is not None and len(ids) >= limit:
@@ -268,12 +292,26 @@ class Engine:
         ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
         return ids[0] if ids and isinstance(ids[0], list) else ids
 
-    def _chat_text(self, messages: list[dict]) -> tuple[str, bool]:
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template shows the model the tools it is given: a probe tool's name appears in
+        what it renders (a template that ignores `tools` would let the model answer without ever seeing them)."""
+        if self._tools_probe is None:
+            probe = "fmoe_probe_tool_q7"
+            tool = {"type": "function", "function": {"name": probe, "description": "", "parameters": {}}}
+            try:
+                with self._encoding:
+                    text, _ = self._chat_text([{"role": "user", "content": "hi"}], [tool])
+                self._tools_probe = probe in text
+            except PromptRefused:
+                self._tools_probe = False
+        return self._tools_probe
+
+    def _chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, bool]:
         """The prompt text of chat messages and whether the tokenizer adds its special tokens to it (only without a
         template: a template writes them itself)."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
-            return "\n".join(m["content"] for m in messages), True
+            return "\n".join(m.get("content") or "" for m in messages), True
         # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill): the
         # prompt ends inside it, where the model left off, instead of opening a new turn after it.
         cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
@@ -286,7 +324,7 @@ class Engine:
                 messages,
                 add_generation_prompt=not cont,
                 continue_final_message=cont,
-                variables=dict(tok.special_tokens_map),
+                variables=dict(tok.special_tokens_map) | ({"tools": tools} if tools else {}),
                 model=self.name,
             )
         except TemplateOverBudget as exc:
@@ -299,12 +337,15 @@ class Engine:
         return text, False
 
     @contextmanager
-    def request(self, request_id: int, stats: RequestStats, text: str = "") -> Iterator[None]:
+    def request(
+        self, request_id: int, stats: RequestStats, text: str = "", reused_ids: torch.Tensor | None = None
+    ) -> Iterator[None]:
         """Bracket one request. A background failure during it raises PrefetcherFailed here (unless the request
-        already failed), so it reaches the request that was running."""
+        already failed), so it reaches the request that was running. `reused_ids`: the prompt's first tokens, held
+        by a kept KV cache and not prefilled again (the observer's semantic embedding still counts them)."""
         self._request_id, self._iteration_in_request = request_id, 0
         before = self.counters.snapshot()
-        self.observer.begin_request()
+        self.observer.begin_request(reused_ids)
         self.offload.begin_request(request_id)
         failed = False
         try:

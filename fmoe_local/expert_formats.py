@@ -10,6 +10,11 @@ Parts of a packed parameter `name` are stored under `name.<part>`; biases and ot
 compute dtype under their own name. Shapes per parameter of n = out·in weights (dense shape [a, b] as the model
 holds one expert's row, e.g. gate_up_proj [2I, H]):
 - int8: `q` int8 [a, b], `scale` float32 [a]: w = q · scale (symmetric, per row of the stored layout).
+- int4: `q` uint8 [a, b/2], `sz` [b/g, a, 2] in the compute dtype (g = INT4_GROUP, or 32 where b is not a multiple
+  of it): asymmetric 4-bit per group of g along b, w = (code − 8) · scale + zero with (scale, zero) = sz[b/g, a],
+  two codes per byte along b, the first in the low nibble — the function torch's weight-only int4 products compute,
+  so a CPU runs them on it (`products`); on a CPU device RAM holds `q` in torch's CPU layout instead
+  (`Int4Weight.from_portable`), which only those products read.
 - nf4: `q` uint8 [ceil(n/2)], `absmax` float32 [ceil(n/64)]: the flattened weights in blocks of 64, each block
   scaled by its largest magnitude onto the 16 NormalFloat4 levels; two codes per byte, the first in the high nibble
   (bitsandbytes' layout and its NF4 table, so a bitsandbytes nf4 checkpoint's bytes are used as they are).
@@ -36,8 +41,9 @@ from fmoe_local.host import dequantize_mxfp4
 Tensor = torch.Tensor
 
 FORMATS = EXPERT_FORMATS  # what a user chooses; mxfp4 is what auto picks for an MXFP4 checkpoint
-PACKED = ("int8", "nf4", "mxfp4")
+PACKED = ("int8", "int4", "nf4", "mxfp4")
 NF4_BLOCK = 64
+INT4_GROUP = 64  # weights per int4 scale and zero: 4.5 bits per weight with bf16 ones, as nf4's 64-blocks
 # bitsandbytes' NormalFloat4 levels (bitsandbytes/functional.py, get_4bit_type("nf4")), ascending.
 NF4_CODE = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -46,17 +52,18 @@ NF4_CODE = (
 )  # fmt: skip
 # Bits per weight of each format, scales included (int8's per-row scale is negligible for real rows): sizes of
 # models that are not loaded (catalog, fit estimates, replay presets) are derived from these.
-BITS = {"bf16": 16.0, "int8": 8.0, "nf4": 4.0 + 32 / NF4_BLOCK, "mxfp4": 4.0 + 8 / 32}
+BITS = {"bf16": 16.0, "int8": 8.0, "int4": 4.0 + 32 / INT4_GROUP, "nf4": 4.0 + 32 / NF4_BLOCK, "mxfp4": 4.0 + 8 / 32}
 LABELS = {
     "auto": "Auto: the checkpoint's own form (bf16 stays bf16, MXFP4 stays MXFP4, a 4-bit download stays 4-bit)",
     "bf16": "bf16: full size, the model's exact answers",
     "int8": "8-bit: ~2× smaller, nearly the same answers",
+    "int4": "4-bit int4 (groups of 64): ~4× smaller, slightly different answers, the fastest 4-bit on a CPU",
     "nf4": "4-bit: ~4× smaller, slightly different answers",
     "mxfp4": "MXFP4 (GPT-OSS's own 4-bit): ~4× smaller, the released model's answers",
 }
 
 # Short names for places with no room for a label (a table column, a status line).
-NAMES = {"auto": "Auto", "bf16": "bf16", "int8": "8-bit", "nf4": "4-bit", "mxfp4": "MXFP4"}
+NAMES = {"auto": "Auto", "bf16": "bf16", "int8": "8-bit", "int4": "4-bit int4", "nf4": "4-bit", "mxfp4": "MXFP4"}
 
 
 def bytes_per_expert(dense_bf16_bytes: int, fmt: str) -> int:
@@ -85,6 +92,9 @@ class PackedParam:
             return {"": (self.shape, dtype)}
         if self.fmt == "int8":
             return {"q": (self.shape, torch.int8), "scale": (self.shape[:1], torch.float32)}
+        if self.fmt == "int4":
+            a, b = self.shape
+            return {"q": ((a, b // 2), torch.uint8), "sz": ((b // int4_group(b), a, 2), dtype)}
         if self.fmt == "nf4":
             return {"q": (((n + 1) // 2,), torch.uint8), "absmax": ((-(-n // NF4_BLOCK),), torch.float32)}
         if self.fmt == "mxfp4":
@@ -116,14 +126,63 @@ def stored_shapes(
     return {part_key(n, s): v for n, p in params.items() for s, v in p.parts(dtype).items()}
 
 
+# Rows quantised per step: a few MB of float32 temporaries stay in the core's caches (a whole Mixtral weight's 700 MB
+# of temporaries made quantising memory-bound: docs/bench.md, "Quantise-on-load").
+PACK_BLOCK_BYTES = 1 << 21
+
+
+def _row_blocks(w: Tensor) -> range:
+    rows = max(1, PACK_BLOCK_BYTES // (4 * w.shape[-1]))
+    return range(0, w.shape[0], rows)
+
+
 def pack_int8(w: Tensor) -> dict[str, Tensor]:
-    w = w.float()
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return {"q": q.contiguous(), "scale": scale.contiguous()}
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    step = _row_blocks(w).step
+    for start in _row_blocks(w):
+        block = w[start : start + step].float()
+        s = (block.abs().amax(1) / 127).clamp_(min=1e-12)
+        q[start : start + step] = torch.round(block / s[:, None]).clamp_(-127, 127)
+        scale[start : start + step] = s
+    return {"q": q, "scale": scale}
+
+
+def int4_group(in_features: int) -> int:
+    """The int4 group along a row of `in_features`: INT4_GROUP, or 32 (the smallest torch's products take)."""
+    return INT4_GROUP if in_features % INT4_GROUP == 0 else 32
+
+
+def pack_int4(w: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Asymmetric 4-bit per group: w [a, b] → codes with (code − 8) · scale + zero ≈ w, scale and zero rounded to
+    `dtype` first so that the codes are chosen against the values every reader uses. Vectorised per block of rows."""
+    a, b = w.shape
+    g = int4_group(b)
+    q = torch.empty(a, b // 2, dtype=torch.uint8)
+    sz = torch.empty(b // g, a, 2, dtype=dtype)
+    step = _row_blocks(w).step
+    for start in _row_blocks(w):
+        groups = w[start : start + step].float().reshape(-1, b // g, g)
+        low, high = groups.amin(-1), groups.amax(-1)  # [rows, b/g]
+        scale = ((high - low) / 15).clamp_(min=1e-6).to(dtype).float()
+        zero = (low + 8 * scale).to(dtype).float()
+        codes = (groups - zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15).to(torch.uint8)
+        codes = codes.reshape(-1, b)
+        q[start : start + step] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        sz[:, start : start + step] = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype)
+    return {"q": q, "sz": sz}
 
 
 def pack_nf4(w: Tensor) -> dict[str, Tensor]:
+    if w.dim() == 2 and w.shape[1] % NF4_BLOCK == 0 and w.shape[1] % 2 == 0:
+        # Whole blocks in every row: a block of rows at a time is the same packing, with cache-sized temporaries.
+        step = _row_blocks(w).step
+        parts = [_pack_nf4_flat(w[start : start + step]) for start in _row_blocks(w)]
+        return {k: torch.cat([p[k] for p in parts]) for k in ("q", "absmax")}
+    return _pack_nf4_flat(w)
+
+
+def _pack_nf4_flat(w: Tensor) -> dict[str, Tensor]:
     flat = w.float().reshape(-1)
     n = flat.numel()
     blocks = -(-n // NF4_BLOCK)
@@ -133,8 +192,12 @@ def pack_nf4(w: Tensor) -> dict[str, Tensor]:
     absmax = padded.abs().amax(1)
     normed = padded / absmax.clamp(min=1e-12)[:, None]
     code = torch.tensor(NF4_CODE, dtype=torch.float32)
-    # Nearest level: the midpoints between ascending levels split the line into 16 bins.
-    q = torch.bucketize(normed.reshape(-1)[:n], (code[1:] + code[:-1]) / 2).to(torch.uint8)
+    # Nearest level: the midpoints between ascending levels split the line into 16 bins; counting the midpoints below
+    # each weight is bucketize's answer at half its time (vectorised compares).
+    normed = normed.reshape(-1)[:n]
+    q = torch.zeros(n, dtype=torch.uint8)
+    for mid in ((code[1:] + code[:-1]) / 2).tolist():
+        q += normed > mid
     if n % 2:
         q = torch.cat([q, q.new_zeros(1)])
     return {"q": ((q[0::2] << 4) | q[1::2]).contiguous(), "absmax": absmax.contiguous()}
@@ -146,6 +209,8 @@ def pack(param: PackedParam, dense: Tensor, dtype: torch.dtype) -> dict[str, Ten
         return {"": dense.to(dtype).contiguous()}
     if param.fmt == "int8":
         return pack_int8(dense)
+    if param.fmt == "int4":
+        return pack_int4(dense, dtype)
     if param.fmt == "nf4":
         return pack_nf4(dense)
     raise ValueError(f"Experts are not packed into '{param.fmt}' here; it is read packed from the checkpoint.")
@@ -172,6 +237,13 @@ def unpack(param: PackedParam, parts: Mapping[str, Tensor], dtype: torch.dtype) 
     if param.fmt == "int8":
         q, scale = parts["q"], parts["scale"]
         return (q.float() * scale[:, None]).to(dtype)
+    if param.fmt == "int4":
+        q, sz = parts["q"], parts["sz"].float()
+        a, b = param.shape
+        g = int4_group(b)
+        codes = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(a, b // g, g).float()
+        scale, zero = sz[..., 0].t(), sz[..., 1].t()  # [a, b/g]
+        return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(a, b).to(dtype)
     if param.fmt == "nf4":
         q, absmax = parts["q"], parts["absmax"]
         n = math.prod(param.shape)
@@ -189,20 +261,81 @@ def unpack(param: PackedParam, parts: Mapping[str, Tensor], dtype: torch.dtype) 
     raise ValueError(f"Unknown packed format '{param.fmt}'.")
 
 
+# ---- weight-only products (torch's CPU kernels on the stored form) ---------------------------------------------------
+@dataclass(frozen=True)
+class Int8Weight:
+    """An int8 parameter as torch's weight-only int8 product reads it: x·(q · scale)ᵀ, accumulated in float32."""
+
+    q: Tensor  # [out, in] int8
+    scale: Tensor  # [out] float32
+
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        out = torch._weight_int8pack_mm(x.contiguous(), self.q, self.scale.to(x.dtype))
+        return out if bias is None else out + bias
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """An int4 parameter in torch's CPU layout, as its weight-only int4 product reads it."""
+
+    packed: Tensor  # torch's CPU layout of the [out, in] codes (per build: blocked for its vector width)
+    sz: Tensor  # [in/g, out, 2] scale and zero, the compute dtype
+    group: int
+
+    @staticmethod
+    def from_portable(q: Tensor) -> Tensor:
+        """Our stored `q` [out, in/2] (low nibble first) in torch's CPU layout: made where RAM is filled, since the
+        layout depends on the CPU torch was built for and so is never written to disk."""
+        codes = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(q.shape[0], -1).to(torch.int32)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.sz.to(x.dtype))
+        return out if bias is None else out + bias
+
+
+PRODUCTS = ("int8", "int4")  # the formats a CPU computes with a library product instead of dequantising
+
+
+def has_products(params: Mapping[str, PackedParam]) -> bool:
+    """Does a CPU compute these parameters with torch's products? Only [out, in] rows (not GPT-OSS's [in, out])."""
+    return any(p.fmt in PRODUCTS for p in params.values()) and not any(p.transpose for p in params.values())
+
+
+def to_cpu_layout(params: Mapping[str, PackedParam], stored: dict[str, Tensor]) -> dict[str, Tensor]:
+    """One stored expert with its int4 codes in torch's CPU layout (what a CPU device's RAM and slots hold)."""
+    for name, param in params.items():
+        if param.fmt == "int4":
+            stored[part_key(name, "q")] = Int4Weight.from_portable(stored[part_key(name, "q")])
+    return stored
+
+
 class PackedRows(Mapping[str, Tensor]):
     """One stored expert read as dense parameters: a packed parameter is dequantised when the expert reads it (once
-    per read: the dense copy lives only while the product needs it)."""
+    per read: the dense copy lives only while the product needs it). With `products` (a CPU device, whose store
+    holds int4 in torch's CPU layout), int8 and int4 parameters are read as Int8Weight / Int4Weight instead, which
+    the compute paths multiply with torch's weight-only kernels: no dense copy at all."""
 
-    __slots__ = ("_stored", "_params", "_dtype")
+    __slots__ = ("_stored", "_params", "_dtype", "_products")
 
-    def __init__(self, stored: Mapping[str, Tensor], params: Mapping[str, PackedParam], dtype: torch.dtype) -> None:
-        self._stored, self._params, self._dtype = stored, params, dtype
+    def __init__(
+        self,
+        stored: Mapping[str, Tensor],
+        params: Mapping[str, PackedParam],
+        dtype: torch.dtype,
+        products: bool = False,
+    ) -> None:
+        self._stored, self._params, self._dtype, self._products = stored, params, dtype, products
 
     def __getitem__(self, name: str) -> Tensor:
         param = self._params[name]
         if param.fmt == "dense":
             return self._stored[name]
         parts = {s: self._stored[part_key(name, s)] for s in param.parts(self._dtype)}
+        if self._products and param.fmt == "int8":
+            return Int8Weight(parts["q"], parts["scale"])
+        if self._products and param.fmt == "int4":
+            return Int4Weight(parts["q"], parts["sz"], int4_group(param.shape[1]))
         return unpack(param, parts, self._dtype)
 
     def __contains__(self, name: object) -> bool:

@@ -10,28 +10,10 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import DynamicCache, RepetitionPenaltyLogitsProcessor
+from transformers import DynamicCache
 
 from fmoe_local.config import Sampling
-
-
-def penalised(logits: torch.Tensor, sampling: Sampling, prompt_ids: torch.Tensor, generated: list[int]) -> torch.Tensor:
-    """`logits` [V] with the sampling's penalties applied: repetition on every token of the prompt and the reply
-    (as transformers' RepetitionPenaltyLogitsProcessor), frequency and presence on the reply's own tokens (OpenAI's
-    and vLLM's rule). The same tensor when every penalty is off."""
-    rep, freq, pres = sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty
-    if rep == 1.0 and freq == 0.0 and pres == 0.0:
-        return logits
-    vocab = logits.shape[-1]
-    logits = logits.float()
-    if rep != 1.0:
-        seen = torch.cat([prompt_ids.reshape(-1).cpu(), torch.tensor(generated, dtype=torch.long)]).unique()
-        seen = seen[(seen >= 0) & (seen < vocab)]  # a tokenizer's extra ids past the model's vocabulary have no logit
-        logits = RepetitionPenaltyLogitsProcessor(rep)(seen[None], logits[None])[0]
-    if generated and (freq or pres):
-        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=vocab)[:vocab].float()  # [V]
-        logits = logits - freq * counts - pres * (counts > 0).float()
-    return logits
+from fmoe_local.logits_rules import LogitsRules
 
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
@@ -59,23 +41,37 @@ def generate_ids(
     eos_ids: set[int],
     stop: threading.Event,
     after_forward: Callable[[], None] = lambda: None,
+    rules: LogitsRules | None = None,
+    cache: DynamicCache | None = None,
+    cached: int = 0,
 ) -> Iterator[int]:
-    """Yield generated token ids until EOS, max_new_tokens or `stop` (checked before every forward pass)."""
+    """Yield generated token ids until EOS, max_new_tokens or `stop` (checked before every forward pass).
+    `rules`: the request's changes to the logits before each token is sampled (penalties, bias, a grammar; None:
+    the penalties `sampling` asks for, no grammar). `cache`:
+    the KV cache to extend in place (a fresh one when None), already holding the first `cached` prompt tokens
+    (prefix_cache.py); only the rest is prefilled, at least the last token, whose logits give the first reply
+    token."""
+    if not 0 <= cached < prompt_ids.shape[1]:
+        raise ValueError(f"A cache holding {cached} of {prompt_ids.shape[1]} prompt tokens leaves nothing to prefill.")
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
-    cache = DynamicCache(config=model.config)
-    inputs = prompt_ids
-    generated: list[int] = []  # the reply's tokens so far, for the penalties
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    inputs = prompt_ids[:, cached:]
+    if rules is None:
+        rules = LogitsRules.for_request(sampling, None, prompt_ids)
     with torch.inference_mode():
         for _ in range(sampling.max_new_tokens):
             if stop.is_set():
                 return
             out = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
             after_forward()
-            logits = penalised(out.logits[0, -1].cpu(), sampling, prompt_ids, generated)
+            logits = out.logits[0, -1].cpu()
+            if rules is not None:
+                logits = rules.apply(logits)
             token = sample_next(logits, sampling, generator)
-            generated.append(token)
+            if rules is not None:
+                rules.advance(token)
             yield token
             if token in eos_ids:
                 return
@@ -83,21 +79,85 @@ def generate_ids(
 
 
 class Detokenizer:
-    """Streams text for a growing list of ids without splitting multi-byte characters."""
+    """Streams text for a growing list of ids: each `add` decodes a window of the last few ids, not every id, and the
+    deltas joined (then `rest()`) are exactly `decode(ids, skip_special_tokens=True)`.
+
+    A window starts where all text before it was whole and sent, one id or more before the text still to send (their
+    left context: a decoder may render a sequence's first id differently, as SentencePiece's drops its leading space),
+    so the decoder cannot tell the split from the whole (UTF-8 decoding starts afresh after a whole character; special
+    tokens decode to nothing and never start a window). A delta never ends inside a multi-byte character (the
+    decoder's U+FFFD: wait for the next id), nor on a byte piece (<0xE2>: byte fallback decodes a run of them
+    together, all to U+FFFD if the run is not UTF-8 as a whole), nor, for tokenizers that clean up spaces before
+    punctuation (" ." → "."), within a short last word a later id could change.
+    """
+
+    WINDOW = 16  # ids in a window before it moves on (a little later if its text is not whole then)
+    CLEANUP_SPAN = 4  # the longest text transformers' clean_up_tokenization rewrites (" n't"), a space first
 
     def __init__(self, tokenizer: object) -> None:
         self._tok = tokenizer
         self.ids: list[int] = []
-        self._text = ""
+        self._content: list[int] = []  # ids that produce text: the skipped special tokens are left out
+        self._skipped = self._skipped_ids(tokenizer)
+        self._byte_pieces = self._byte_piece_ids(tokenizer)
+        self._cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self._start = 0  # the window: self._content[self._start:]
+        self._sent = 0  # characters of the window's text already sent
+        self._clean = 0  # the last length of self._content whose text was whole and sent: where a window may start
+
+    @staticmethod
+    def _skipped_ids(tokenizer: object) -> frozenset[int]:
+        """The ids decode(skip_special_tokens=True) drops: they must not open a window, where the id after them
+        would be decoded as a sequence's first."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        return frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+    @staticmethod
+    def _byte_piece_ids(tokenizer: object) -> frozenset[int]:
+        pieces = [f"<0x{b:02X}>" for b in range(256)]
+        convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+        if convert is None:
+            return frozenset()
+        ids = [i for i in convert(pieces) if i is not None]
+        back = tokenizer.convert_ids_to_tokens(ids)
+        return frozenset(i for i, piece in zip(ids, back, strict=True) if piece in pieces)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def _ready(self, text: str) -> int:
+        """How much of the window's text no later id can change."""
+        if text.endswith("\ufffd") or self._content[-1] in self._byte_pieces:
+            return self._sent
+        space = text.rfind(" ")
+        if self._cleans_up and space >= 0 and len(text) - space < self.CLEANUP_SPAN:
+            return max(self._sent, space)
+        return len(text)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self._tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        if token_id in self._skipped:
             return ""
-        delta, self._text = text[len(self._text) :], text
+        self._content.append(token_id)
+        text = self._decode(self._content[self._start :])
+        ready = self._ready(text)
+        delta, self._sent = text[self._sent : ready], ready
+        if ready == len(text):
+            if len(self._content) - self._start >= self.WINDOW and self._clean > self._start:
+                # Everything is sent, so the new window's text is all sent too, however the decoder renders its
+                # first id ("foo" for "▁foo", "##ing" as it is): only its length matters.
+                self._start, self._sent = self._clean, len(self._decode(self._content[self._clean :]))
+            self._clean = len(self._content)
         return delta
+
+    def rest(self) -> str:
+        """What `add` held back at the end (an incomplete character, a short last word): the reply's last delta."""
+        text = self._decode(self._content[self._start :])
+        rest, self._sent = text[self._sent :], len(text)
+        return rest
 
     @property
     def text(self) -> str:
-        return self._tok.decode(self.ids, skip_special_tokens=True)
+        return self._decode(self.ids)

@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from fmoe_local import bandwidth
 from fmoe_local.catalog import GB, CatalogEntry
 
 # The runtime counts cache_gb in binary gigabytes (cache.py); every cache figure here does the same, while sizes
@@ -40,6 +41,9 @@ class Machine:
     os_name: str = field(default_factory=platform.system)
     # Why an NVIDIA GPU that is present is not used ("" when none is, or it is used): a sentence saying what to do.
     unused_gpu: str = ""
+    # Without a CUDA GPU: does this CPU decode with bf16 weights about as fast as with float32 (measured by probe(),
+    # bandwidth.cpu_keeps_half)? Then a bf16 model stays bf16 in RAM, else the runtime computes it in float32.
+    cpu_keeps_bf16: bool = False
 
     @property
     def has_gpu(self) -> bool:
@@ -164,8 +168,17 @@ def probe(data_dir: str | os.PathLike = ".") -> Machine:
         device = "mps"
     ram_total, ram_avail = ram_bytes()
     unused = unused_gpu_reason(torch.version.cuda) if device == "cpu" else ""
+    keeps_bf16 = device != "cuda" and bandwidth.cpu_keeps_half(torch.bfloat16)
     return Machine(
-        device, name, int(total), int(free), ram_total, ram_avail, disk_free_bytes(data_dir), unused_gpu=unused
+        device,
+        name,
+        int(total),
+        int(free),
+        ram_total,
+        ram_avail,
+        disk_free_bytes(data_dir),
+        unused_gpu=unused,
+        cpu_keeps_bf16=keeps_bf16,
     )
 
 
@@ -192,7 +205,7 @@ def min_cache_bytes(top_k: int, expert_bytes: int) -> int:
 def copy_bytes(entry: CatalogEntry, fmt: str) -> int:
     """Disk the quantised copy of the experts takes (quant_cache.py): int8/nf4 made from another form on the first
     load; 0 for the download's own form."""
-    made = fmt in ("int8", "nf4") and fmt != entry.native_format
+    made = fmt in ("int8", "int4", "nf4") and fmt != entry.native_format
     return entry.experts_bytes_for(fmt) if made else 0
 
 
@@ -217,20 +230,29 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: st
 
 
 def cpu_widening(entry: CatalogEntry, fmt: str, machine: Machine) -> int:
-    """How many times larger than on disk the model's bf16 weights are in RAM here: 2 without a CUDA GPU, where the
-    runtime computes in float32 (engine.resolve_dtype: half precision is slow or missing on CPUs), else 1. Packed
-    formats (int8, nf4, MXFP4) stay packed either way."""
+    """How many times larger than on disk the model's bf16 weights are in RAM here: 2 without a CUDA GPU on a CPU
+    that computes bf16 slowly, where the runtime computes in float32 (engine.resolve_dtype), else 1. Packed formats
+    (int8, nf4, MXFP4) stay packed either way."""
     stored = entry.native_format if fmt == "auto" else fmt
-    return 2 if not machine.has_gpu and stored == "bf16" else 1
+    return 2 if stored == "bf16" and _widens(machine) else 1
+
+
+def resident_widening(machine: Machine) -> int:
+    """How many times larger than on disk the non-expert (bf16) weights are in RAM here (see cpu_widening)."""
+    return 2 if _widens(machine) else 1
+
+
+def _widens(machine: Machine) -> bool:
+    return not machine.has_gpu and not machine.cpu_keeps_bf16
 
 
 def _fit(entry: CatalogEntry, machine: Machine, downloaded: bool, fmt: str) -> FitVerdict:
     reasons: list[str] = []
     expert_bytes, experts_bytes = entry.expert_bytes_for(fmt), entry.experts_bytes_for(fmt)
-    if not machine.has_gpu:  # float32 on the CPU: the resident part always, bf16 experts too
+    if not machine.has_gpu:  # float32 on a CPU slow in bf16: the resident part always, bf16 experts too
         expert_bytes *= cpu_widening(entry, fmt, machine)
         experts_bytes *= cpu_widening(entry, fmt, machine)
-        entry = replace(entry, resident_bytes=2 * entry.resident_bytes)
+        entry = replace(entry, resident_bytes=resident_widening(machine) * entry.resident_bytes)
     min_cache = min_cache_bytes(entry.top_k, expert_bytes)
     disk_needed = 0 if downloaded else entry.download_bytes + DISK_MARGIN_BYTES
     if disk_needed and machine.disk_free < disk_needed:
@@ -328,7 +350,7 @@ def format_fits(entry: CatalogEntry, machine: Machine, downloaded: bool = False)
                 fmt,
                 "auto" if fmt == entry.native_format and fmt != "bf16" else fmt,
                 entry.download_bytes + copy_bytes(entry, fmt),
-                experts + (0 if machine.has_gpu else 2 * entry.resident_bytes),  # float32 on the CPU
+                experts + (0 if machine.has_gpu else resident_widening(machine) * entry.resident_bytes),
                 gpu,
                 verdict,
                 fmt == best and verdict.level != "no",  # nothing is recommended where nothing fits

@@ -3,38 +3,67 @@
 Scope: loading a checkpoint key by key the way `from_pretrained` does (key renaming, keep-in-fp32 rules, weight
 tying, computed buffers), the experts hook (`ExpertsInterface`), the attributes of the fused experts modules
 our experts implementation reads (layout flags, the gate), and rendering a chat template the way
-`apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child process. torch is
+`apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child process; what each
+layer of a DynamicCache holds (prefix_cache.py keeps and cuts them). torch is
 imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
 It does NOT decide anything: each function is a thin, named door to one internal.
 
 Why: these internals change between transformers releases without notice. pyproject pins the range the tests ran
-on; `missing_internals()` says by name which one moved when another version is installed, and the loader calls
-it first so a user on a broken combination gets a sentence instead of an AttributeError deep inside loading.
+on; `missing_internals()` says by name which one moved, or no longer takes the arguments we pass it (its signature,
+checked with inspect), when another version is installed, and the loader calls it first so a user on a broken
+combination gets a sentence instead of an AttributeError or a TypeError deep inside loading.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import DynamicCache
 
-# (module, attribute) pairs this file relies on; the experts modules' attributes are checked on a live module.
+
+@dataclass(frozen=True)
+class _Internal:
+    """One internal this file uses and how it calls it: the parameters it passes by position (their names, in
+    order; `self` first for a method looked up on its class) and by name ("**": names of its own choosing). A class
+    we only test with isinstance has `called=False`."""
+
+    module: str
+    name: str
+    positional: tuple[str, ...] = ()
+    keywords: tuple[str, ...] = ()
+    called: bool = True
+
+
+# The experts modules' attributes are checked on a live module (missing_experts_attributes).
 _REQUIRED = (
-    ("transformers.conversion_mapping", "get_model_conversion_mapping"),
-    ("transformers.core_model_loading", "WeightConverter"),
-    ("transformers.core_model_loading", "WeightRenaming"),
-    ("transformers.core_model_loading", "build_glob_alternation"),
-    ("transformers.core_model_loading", "rename_source_key"),
-    ("transformers.integrations.moe", "ExpertsInterface"),
-    ("transformers", "PreTrainedModel._get_dtype_plan"),
-    ("transformers", "PreTrainedModel._init_weights"),
-    ("transformers", "PreTrainedModel.tie_weights"),
-    ("transformers", "PreTrainedModel.set_experts_implementation"),
-    ("transformers.utils.chat_template_utils", "render_jinja_template"),
+    _Internal("transformers.conversion_mapping", "get_model_conversion_mapping", ("model",)),
+    _Internal("transformers.core_model_loading", "WeightConverter", called=False),
+    _Internal("transformers.core_model_loading", "WeightRenaming", called=False),
+    _Internal("transformers.core_model_loading", "build_glob_alternation", ("globs",)),
+    _Internal(
+        "transformers.core_model_loading",
+        "rename_source_key",
+        ("source_key", "weight_renamings", "weight_converters", "base_model_prefix", "meta_state_dict"),
+    ),
+    _Internal("transformers.integrations.moe", "ExpertsInterface.register", ("key", "value")),
+    _Internal("transformers", "PreTrainedModel._get_dtype_plan", ("self", "dtype")),
+    _Internal("transformers", "PreTrainedModel._init_weights", ("self", "module")),
+    _Internal("transformers", "PreTrainedModel.tie_weights", ("self",), ("missing_keys", "recompute_mapping")),
+    _Internal("transformers", "PreTrainedModel.set_experts_implementation", ("self", "experts_implementation")),
+    _Internal(
+        "transformers.utils.chat_template_utils",
+        "render_jinja_template",
+        keywords=("conversations", "chat_template", "add_generation_prompt", "continue_final_message", "**"),
+    ),
+    _Internal("transformers.cache_utils", "DynamicLayer", called=False),
+    _Internal("transformers.cache_utils", "DynamicSlidingWindowLayer", called=False),
 )
 _EXPERTS_FLAGS = ("is_transposed", "has_bias", "has_gate", "num_experts")
 
@@ -46,26 +75,53 @@ def _lookup(module: str, dotted: str) -> object:
     return obj
 
 
+def _signature_changed(internal: _Internal, obj: object) -> str | None:
+    """How `obj` no longer takes the call this file makes, or None when it does."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "has no signature to check"
+    n = len(internal.positional)
+    leading = list(sig.parameters.values())[:n]
+    by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    named = {k: None for k in internal.keywords if k != "**"}
+    if "**" in internal.keywords:
+        named["a_template_variable"] = None
+    fits = [p.name for p in leading] == list(internal.positional) and all(p.kind in by_position for p in leading)
+    try:
+        sig.bind(*internal.positional, **named)
+    except TypeError:
+        fits = False
+    return None if fits else f"now takes {sig}"
+
+
 def missing_internals() -> list[str]:
-    """The internals this module needs that the installed transformers lacks, as `module.name` strings."""
-    missing = []
-    for module, dotted in _REQUIRED:
+    """The internals this module needs that the installed transformers lacks, as `module.name` strings, and those
+    whose signature no longer takes our call, as `module.name (now takes (...))`."""
+    problems = []
+    for internal in _REQUIRED:
+        where = f"{internal.module}.{internal.name}"
         try:
-            _lookup(module, dotted)
+            obj = _lookup(internal.module, internal.name)
         except (ImportError, AttributeError):
-            missing.append(f"{module}.{dotted}")
-    return missing
+            problems.append(where)
+            continue
+        changed = _signature_changed(internal, obj) if internal.called else None
+        if changed:
+            problems.append(f"{where} ({changed})")
+    return problems
 
 
 def check_installed() -> None:
-    """Raise a sentence naming what moved when the installed transformers lacks an internal we use."""
+    """Raise a sentence naming what moved or changed when the installed transformers lacks an internal we use."""
     missing = missing_internals()
     if missing:
         import transformers
 
         raise RuntimeError(
             f"transformers {transformers.__version__} lacks {', '.join(missing)}, which fmoe-local needs to load "
-            "models. Reinstall with the launcher's --repair (it installs the tested transformers version)."
+            "models in the form it calls them. Reinstall with the launcher's --repair (it installs the tested "
+            "transformers version)."
         )
 
 
@@ -172,3 +228,35 @@ def render_chat_template(
         **variables,
     )
     return rendered[0]
+
+
+# ---- KV cache layers -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """One layer of a DynamicCache as prefix_cache.py needs it."""
+
+    keys: torch.Tensor | None  # [B, heads, held, D]; None before the layer's first update
+    values: torch.Tensor | None
+    length: int  # tokens the layer has seen (a sliding-window layer holds only the last window − 1 of them)
+    window: int | None  # the sliding window, None for full attention
+
+
+def kv_layers(cache: DynamicCache) -> list[KVLayer] | None:
+    """Each layer of `cache`; None when one is of a kind other than transformers' plain or sliding-window dynamic
+    layer (linear attention, quantised, offloaded…), whose states a token prefix cannot be cut from as here."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    out = []
+    for layer in cache.layers:
+        if type(layer) is DynamicSlidingWindowLayer:
+            window = int(layer.sliding_window)
+        elif type(layer) is DynamicLayer:
+            window = None
+        else:
+            return None
+        held = layer.is_initialized and layer.keys is not None
+        keys, values = (layer.keys, layer.values) if held else (None, None)
+        out.append(KVLayer(keys, values, layer.get_seq_length(), window))
+    return out

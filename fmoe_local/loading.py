@@ -165,7 +165,8 @@ def _build(
         host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
     else:
         transposed = hf_internals.is_transposed(moe_layers[0].experts)
-        host = build_packed_host(files, sources, param_shapes, dtype, fmt, transposed, config, progress)
+        products = device.type == "cpu"  # computed where they are stored: torch's weight-only CPU products
+        host = build_packed_host(files, sources, param_shapes, dtype, fmt, transposed, config, progress, products)
     return model, moe_layers, host, unexpected, dtype
 
 
@@ -194,6 +195,15 @@ def _drop_supported_quantization(hf_config: object, arch: Architecture) -> None:
     check_quantization(hf_config, arch)
     if getattr(hf_config, "quantization_config", None):
         del hf_config.quantization_config
+
+
+def checkpoint_dtype(model_dir: str | Path) -> torch.dtype:
+    """The dtype the checkpoint's weights are stored in (config.json's, else the first floating tensor's)."""
+    files = CheckpointFiles(Path(model_dir))
+    try:
+        return _checkpoint_dtype(read_config(model_dir), files)
+    finally:
+        files.close()
 
 
 def _checkpoint_dtype(hf_config: object, files: CheckpointFiles) -> torch.dtype:

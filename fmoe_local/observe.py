@@ -38,6 +38,9 @@ class RoutingObserver:
         self.rows_embed: torch.Tensor | None = None  # [T, h]
         self._sum: torch.Tensor | None = None  # running sum of the request's token embeddings [h]
         self._count = 0
+        # The embeddings' sum and count of prompt tokens a kept KV cache holds (prefix_cache.py): not run through
+        # the model in this request, they still count in its first iteration's semantic embedding.
+        self._reused: tuple[torch.Tensor, int] | None = None
         self._in_lookahead = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -51,17 +54,38 @@ class RoutingObserver:
             h.remove()
         self._handles.clear()
 
-    def begin_request(self) -> None:
-        self._sum, self._count = None, 0
+    def begin_request(self, reused_ids: torch.Tensor | None = None) -> None:
+        """`reused_ids` [1, m]: the prompt's first tokens, which a kept KV cache holds and the prefill skips. The
+        semantic embedding still covers them, so the semantic match sees the whole prompt, as without reuse."""
+        self._sum, self._count, self._reused = None, 0, None
+        if reused_ids is not None and reused_ids.numel():
+            self._reused = (self._embedding_sum(reused_ids.reshape(-1)), reused_ids.numel())
+
+    def _embedding_sum(self, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """Sum of the embedding layer's output over `ids`, in chunks (a long prompt's [T, h] at once is large);
+        `forward` directly, so that the hooks do not take it for an iteration."""
+        total = None
+        with torch.inference_mode():
+            for start in range(0, ids.numel(), chunk):
+                out = self._embedding.forward(ids[start : start + chunk].unsqueeze(0))
+                part = out.reshape(-1, out.shape[-1]).float().sum(0)
+                total = part if total is None else total + part
+        return total
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
     def _on_embedding(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         tokens = output.detach().reshape(-1, output.shape[-1]).float()  # [T, h]
+        reused, self._reused = self._reused, None
         if self.semantic_mode == "running_mean":
             total = tokens.sum(0)
+            if reused is not None:
+                total = total + reused[0]
+                self._count += reused[1]
             self._sum = total if self._sum is None else self._sum + total
             self._count += tokens.shape[0]
             semantic = self._sum / self._count
+        elif reused is not None:
+            semantic = (tokens.sum(0) + reused[0]) / (tokens.shape[0] + reused[1])
         else:
             semantic = tokens.mean(0)
         if self.recording:

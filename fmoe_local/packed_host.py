@@ -42,8 +42,11 @@ class PackedHostStore(TieredHostStore):
         dtype: torch.dtype,
         host_ram_gb: float | None = None,
         on_close: Callable[[], None] = lambda: None,
+        products: bool = False,
     ) -> None:
         self.params = dict(params)
+        # A CPU device: int8/int4 computed by torch's products on the stored form, int4 held in torch's CPU layout.
+        self.products = products and expert_formats.has_products(self.params)
         self.expert_format = fmt
         self._fetch_fn = fetch
         self._on_close = on_close
@@ -61,10 +64,11 @@ class PackedHostStore(TieredHostStore):
         self.dense_shapes = {name: p.shape for name, p in self.params.items()}
 
     def _fetch(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        return self._fetch_fn(layer, expert)
+        rows = self._fetch_fn(layer, expert)
+        return expert_formats.to_cpu_layout(self.params, rows) if self.products else rows
 
     def view(self, rows: Mapping[str, torch.Tensor]) -> PackedRows:
-        return PackedRows(rows, self.params, self.param_dtype)
+        return PackedRows(rows, self.params, self.param_dtype, self.products)
 
     def close(self) -> None:
         super().close()
@@ -135,17 +139,18 @@ def build_packed_host(
     transposed: bool,
     config: RuntimeConfig,
     progress: Progress | None = None,
+    products: bool = False,
 ) -> PackedHostStore:
     """The packed host store of a checkpoint in `fmt`. MXFP4 is read packed from the checkpoint; int8 and nf4 come
     from the quantise-on-load cache (built on the first load, quant_cache.py) or, when it cannot be kept (no room
     on the disk, a folder that refuses it), are quantised in memory for this load only, and the store's `notice`
-    tells the user why and what to do."""
+    tells the user why and what to do. `products`: the experts are computed on a CPU device (PackedHostStore)."""
     params = expert_formats.layout(fmt, param_shapes, transposed)
     fetch: Fetch = CheckpointPackedSource(files, sources, params, dtype)
     on_close = files.close
     cache = None
     notice = ""
-    if fmt in ("int8", "nf4") and not (fmt == "nf4" and _bnb_packed(sources[0][0], files)):
+    if fmt in ("int8", "int4", "nf4") and not (fmt == "nf4" and _bnb_packed(sources[0][0], files)):
         cache = QuantCache(config.quant_cache_dir, files.model_dir, fmt, dtype, len(sources))
         stored = expert_formats.stored_shapes(params, dtype)
         expert_bytes = sum(torch.Size(shape).numel() * d.itemsize for shape, d in stored.values())
@@ -164,7 +169,9 @@ def build_packed_host(
         keys = list(expert_formats.stored_shapes(params, dtype))
         fetch = partial(_read_cached, cache, keys)
         on_close = partial(_close_both, cache, files)
-    host = PackedHostStore(fetch, params, fmt, len(sources), len(sources[0]), dtype, config.host_ram_gb, on_close)
+    host = PackedHostStore(
+        fetch, params, fmt, len(sources), len(sources[0]), dtype, config.host_ram_gb, on_close, products
+    )
     host.quant_cache, host.notice = cache, notice
     return host
 

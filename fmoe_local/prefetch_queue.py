@@ -1,7 +1,7 @@
 """PrefetchQueue: the prefetches a forward pass still wants, highest priority first.
 
 Scope: ordering and staleness only — which (layer, expert) the copy engine should take next. The runtime's prefetcher
-(prefetcher.py) and the replay's simulated cache (bench/simcache.py) both take work from this one class, so their
+(prefetcher.py) and the replay's simulated cache (fmoe_bench/simcache.py) both take work from this one class, so their
 hit counts agree by construction. It does NOT know residency, copy anything, or lock: callers hold their own lock.
 
 Rules:

@@ -1,15 +1,19 @@
 """Runtime: the one API the CLI, the UI and the benchmarks consume (mlx-lm style).
 
-`Runtime.load(model_dir, config)` builds the offloaded model; `stream(prompt)` (chat messages, or a text to continue
-as it is) yields `TextDelta` events and one
-final `Finished` with the request's statistics (both in runtime_types.py, with `ModelInfo`); `stop()` ends the
-generation within one token; `reconfigure()` changes cache size, prefetch distance, policy, store capacity or miss
-handling without reloading the model; `reset_cache()` empties the expert cache so the next request starts cold
-(benchmarks); `check(prompt)` says before queueing whether the prompt can be one at all
-(engine.PromptRefused); `close()` stops every thread. One worker thread owns the model; each request has its own
-response queue and its own stop flag. Callers wait on the worker only through `_wait` (bounded: it notices a worker
-that has ended); after close() the worker ends whatever is still queued with the sentence CLOSED instead of running
-it under a model being closed.
+`Runtime.load(model_dir, config)` builds the offloaded model; `submit(prompt)` (chat messages, or a text to continue
+as it is) queues a request and returns its `RequestHandle` (request_handle.py): iterate it for `TextDelta` events and
+one final `Finished` with the request's statistics (runtime_types.py, with `ModelInfo`), `cancel()` it, or wait for
+its `result()`; `reconfigure()` changes cache size, prefetch distance, policy, store capacity or miss handling
+without reloading the model; `reset_cache()` empties the expert cache so the next request starts cold (benchmarks);
+`check(prompt)` says before queueing whether the prompt can be one at all (engine.PromptRefused); `close()` ends the
+running request and every queued one, and stops every thread.
+
+Threads: one worker thread (`_serve`) owns the engine and everything it holds: the model, the offload state, the
+map store. Callers hand it requests (handles) and calls (futures) through `_jobs`; `_turn` is held while the worker
+changes which request runs and while a cancel looks at it, so a cancel aimed at one request never lands on the next.
+`info` and `miss_explanation` are snapshots the worker takes after each job (`_describe`), read without waiting. No
+caller's wait polls or is unbounded: the worker's `finally` ends every handle and call still queued (with CLOSED)
+whether it ends by close() or by a crash, and a submit after that ends at once (`_accepting`).
 
 It does NOT persist anything (the app passes a MapPersistence from store/, and may save `miss_costs`), nor probe
 hardware beyond resolving "auto" device/dtype and measuring the miss costs once at load (miss_cost.py).
@@ -22,40 +26,55 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
 from fmoe_local.cache import ExpertLoadError
+from fmoe_local.cache_budget import kv_free_bytes
 from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.constrained import GrammarRefused
 from fmoe_local.copier import Interrupted, LoadTimeout
 from fmoe_local.engine import Engine, PromptRefused
 from fmoe_local.generate import Detokenizer, generate_ids
+from fmoe_local.logits_rules import LogitsRules
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.prefetch_distance import decode_layer_s
 from fmoe_local.prefetcher import PrefetcherFailed
+from fmoe_local.prefix_cache import PrefixCache
 from fmoe_local.quant_cache import Progress
+from fmoe_local.request_handle import RequestHandle
 from fmoe_local.runtime_types import Finished, ModelInfo, TextDelta
 from fmoe_local.stats import RequestStats
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 # Failures whose message is already a sentence for the user.
-_SENTENCES = (PromptRefused, TemplateOverBudget, ExpertLoadError, LoadTimeout, PrefetcherFailed)
+_SENTENCES = (PromptRefused, TemplateOverBudget, ExpertLoadError, LoadTimeout, PrefetcherFailed, GrammarRefused)
 CLOSED = (
     "The model was unloaded before this request ran (another model was loaded, or the app is closing). Send it again."
 )
-_POLL_S = 0.5  # how often a caller waiting on the worker checks that the worker still runs
 
 
 @dataclass
 class _Request:
+    """What the worker runs for one submit; the handle is how its caller sees it and how it is cancelled."""
+
     prompt: list[dict] | str  # chat messages, or a text the reply continues as it is (Engine.tokenize_prompt)
     sampling: Sampling
-    out: queue.Queue
-    stop: threading.Event
+    handle: RequestHandle
+    tools: list[dict] | None = None  # the functions the model may call, rendered by its chat template
+
+
+@dataclass
+class _Call:
+    """A function the worker runs between two requests (reconfigure, reset_cache, clear_maps)."""
+
+    fn: Callable[[], object]
+    future: Future
 
 
 _SENTINEL = object()
@@ -72,12 +91,21 @@ class Runtime:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._jobs: queue.Queue = queue.Queue()
-        self._current: _Request | None = None
-        # Held while stop() reads `_current` and sets the engine's interrupt, and while the worker changes `_current`
-        # and clears the interrupt for the next request: a stop aimed at one request never lands on the next.
+        self._current: RequestHandle | None = None
+        # Held while a cancel reads `_current` and sets the engine's interrupt, and while the worker changes
+        # `_current` and clears the interrupt for the next request: a cancel aimed at one request never lands on the
+        # next.
         self._turn = threading.Lock()
+        # Held while a job is queued and while the ending worker drains the queue: nothing is queued after that.
+        self._accepting = threading.Lock()
         self._request_ids = itertools.count(1)
-        self._closed = False
+        self._closed = False  # close() was called
+        self._ended = False  # the worker has ended (close, or a crash): a submit ends at once
+        self._described = self._describe()  # taken here, before the worker owns the engine
+        # The worker's own (prefix_cache.py says its threading rule): built here before the worker starts.
+        self._prefixes = PrefixCache(
+            engine.model.config, engine.prefix_budget, free_bytes=lambda: kv_free_bytes(engine.device)
+        )
         self._worker = threading.Thread(target=self._serve, name="fmoe-runtime", daemon=True)
         self._worker.start()
 
@@ -105,6 +133,11 @@ class Runtime:
 
     @property
     def info(self) -> ModelInfo:
+        """The model and the settings in force, as the worker last described them (after the last job)."""
+        return self._described[0]
+
+    def _describe(self) -> tuple[ModelInfo, str]:
+        """Read the offload state on its owner's thread (the worker's, or the constructor's before it starts)."""
         e = self._engine
         return ModelInfo(
             name=e.model_dir.name,
@@ -125,7 +158,7 @@ class Runtime:
             expert_format=e.host.expert_format,
             prefetch_distance=e.config.prefetch_distance,
             store_capacity=e.config.store_capacity,
-        )
+        ), e.offload.explain_misses()
 
     @property
     def miss_costs(self) -> MissCosts:
@@ -135,7 +168,7 @@ class Runtime:
     @property
     def miss_explanation(self) -> str:
         """One sentence: what the current miss handling does with those figures, and why (the Stats tab shows it)."""
-        return self._engine.offload.explain_misses()
+        return self._described[1]
 
     @property
     def load_notice(self) -> str:
@@ -145,44 +178,36 @@ class Runtime:
 
     @property
     def engine(self) -> Engine:
-        """The offloading machinery, for tests and benchmarks that inspect the cache or the policy."""
+        """The offloading machinery, for tests and benchmarks that inspect the cache or the policy; never the UI
+        (tests/test_layering.py): it belongs to the worker thread, and what the UI needs, Runtime offers."""
         return self._engine
 
-    def stream(
-        self, prompt: list[dict] | str, sampling: Sampling | None = None, stop: threading.Event | None = None
-    ) -> Iterator[TextDelta | Finished]:
-        """Queue a request; yields its TextDelta events, then one Finished. `stop`: the request's own stop flag, for
-        a caller that must end this request from another thread (a server whose client went away) — setting it
-        ends the request within a token, or at once if it is still waiting for its turn."""
-        if self._closed:  # a caller holding a runtime that another thread just closed (a model being swapped)
-            yield Finished.failed(CLOSED)
-            return
-        prompt = prompt if isinstance(prompt, str) else list(prompt)
-        request = _Request(prompt, sampling or self.config.sampling, queue.Queue(), stop or threading.Event())
-        self._jobs.put(request)
-        try:
-            while True:
-                item = self._wait(request.out)
-                if isinstance(item, BaseException):  # the worker ended without serving this request
-                    item = Finished.failed(CLOSED)
-                yield item
-                if isinstance(item, Finished):
-                    return
-        finally:
-            # A consumer that walks away (closed tab, broken pipe) must not leave the model generating.
-            request.stop.set()
+    def submit(
+        self, prompt: list[dict] | str, sampling: Sampling | None = None, tools: list[dict] | None = None
+    ) -> RequestHandle:
+        """Queue a request; its handle yields TextDelta events, then one Finished, and cancels it. A runtime already
+        closed (a caller that held it while another thread swapped the model) ends the handle at once with CLOSED.
+        `tools`: OpenAI-shaped function tools, rendered into the prompt by the model's chat template (check
+        `supports_tools` first)."""
+        handle = RequestHandle(self._cancel, behind=self._current is not None or not self._jobs.empty())
+        request = _Request(
+            prompt if isinstance(prompt, str) else list(prompt), sampling or self.config.sampling, handle, tools
+        )
+        if not self._enqueue(request):
+            handle.finish(Finished.failed(CLOSED))
+        return handle
 
-    def check(self, prompt: list[dict] | str) -> int | None:
+    def check(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> int | None:
         """The prompt's length in tokens. Raises PromptRefused (ContextTooLong, TemplateRefused: a sentence) when
         this prompt cannot be one for this model: the request's own fault, told before it is queued (a
         server answers it 400 before its reply starts); TemplateOverBudget (a sentence) when the model's chat
         template was stopped, the model's fault (a server's 500). Runs on the caller's thread, without waiting for the
         worker; the worker encodes again when the request runs. None when it cannot tell (the runtime is closed,
-        or the tokenizer failed otherwise): `stream` then gives the verdict."""
+        or the tokenizer failed otherwise): the request's handle then gives the verdict."""
         if self._closed:
             return None
         try:
-            return len(self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt)))
+            return len(self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt), tools))
         except (PromptRefused, TemplateOverBudget):
             raise
         except Exception:  # noqa: BLE001 - not the prompt's fault: the worker's own encode decides and reports it
@@ -190,18 +215,29 @@ class Runtime:
             return None
 
     def generate(self, prompt: list[dict] | str, sampling: Sampling | None = None) -> Finished:
-        events = list(self.stream(prompt, sampling))
-        return events[-1]
+        return self.submit(prompt, sampling).result()
 
-    def stop(self, request: threading.Event | None = None) -> None:
-        """End the running request within a token, or at once if it is waiting for an expert to load. `request`:
-        end only the request streamed with that stop flag (running or still queued), not whichever one runs."""
-        if request is not None:
-            request.set()
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (its text), or None when it has none: what a server reads the model's tool-call
+        format from."""
+        tok = self._engine.tokenizer
+        return tok.get_chat_template() if getattr(tok, "chat_template", None) else None
+
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template shows it the tools a request gives (Engine.supports_tools); on the
+        caller's thread, like `check`."""
+        return self._engine.supports_tools()
+
+    def check_grammar(self, grammar: str, schema: dict | None = None, where: str = "schema") -> None:
+        """Raise GrammarRefused (a sentence naming `where` and the path in `schema`) when the reply could not be held
+        to `grammar` (Sampling.grammar). On the caller's thread, before the request is queued."""
+        self._engine.grammars.check(grammar, schema, where)
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        """A running handle was cancelled: end a wait for an expert too, if that request is still the one running."""
         with self._turn:
-            current = self._current
-            if current is not None and (request is None or current.stop is request):
-                current.stop.set()
+            if self._current is handle:
                 self._engine.interrupt.set()
 
     def reconfigure(
@@ -240,32 +276,30 @@ class Runtime:
         return self._between_requests(apply)
 
     def reset_cache(self) -> None:
-        """Empty the expert cache (waits for the current request) so the next request starts cold, as after a
-        fresh start; what the policy and the map store learned is kept (clear_maps forgets the maps)."""
-        self._between_requests(self._engine.reset_cache)
+        """Empty the expert cache and drop the kept KV caches (waits for the current request) so the next request
+        starts cold, as after a fresh start; what the policy and the map store learned is kept (clear_maps forgets
+        the maps)."""
+
+        def reset() -> None:
+            self._prefixes.clear()
+            self._engine.reset_cache()
+
+        self._between_requests(reset)
 
     def _between_requests(self, fn: Callable[[], T]) -> T:
-        """Run fn on the worker thread between two requests and hand back its result or its exception."""
-        done: queue.Queue = queue.Queue()
-        self._jobs.put((fn, done))
-        result = self._wait(done)
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        """Run fn on the worker thread between two requests and hand back its result or its exception. The wait is
+        bounded by the request running before it: the worker ends every call it was given, even when it ends."""
+        call = _Call(fn, Future())
+        if not self._enqueue(call):
+            raise RuntimeError(CLOSED)
+        return call.future.result()
 
-    def _wait(self, answers: queue.Queue) -> object:
-        """The worker's next answer on `answers`; a RuntimeError (CLOSED) instead once the worker has ended without
-        giving one (a job queued behind close()'s sentinel), so no caller waits for ever. Each answer is bounded by
-        the job: a token, a request's end, or a reconfiguration between requests."""
-        while True:
-            try:
-                return answers.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not self._worker.is_alive():
-                    try:
-                        return answers.get_nowait()  # given just before the worker ended
-                    except queue.Empty:
-                        return RuntimeError(CLOSED)
+    def _enqueue(self, job: _Request | _Call) -> bool:
+        with self._accepting:
+            if self._closed or self._ended:
+                return False
+            self._jobs.put(job)
+            return True
 
     def clear_maps(self) -> None:
         """Forget every expert map of this model (in memory and, through its persistence, on disk). Waits for the
@@ -273,12 +307,17 @@ class Runtime:
         self._between_requests(self._engine.map_store.clear)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.stop()
-        self._engine.interrupt.set()
-        self._jobs.put(_SENTINEL)
+        """End the running request (within a token; its Finished says "cancelled", and its handle is not marked
+        cancelled: its owner did not ask), end every queued one with CLOSED, stop the worker and the engine."""
+        with self._accepting:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(_SENTINEL)
+        with self._turn:
+            if self._current is not None:
+                self._current.stop.set()
+            self._engine.interrupt.set()
         self._worker.join(timeout=30)
         self._engine.close()
 
@@ -290,59 +329,103 @@ class Runtime:
 
     # ---- worker thread -------------------------------------------------------------------------------------------
     def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _SENTINEL:
-                self._engine.finish_recording()  # the recorder belongs to this thread: it writes the last part
-                return
-            if self._closed:  # queued before close(): ended at once, not run while the model is being closed
-                if isinstance(job, tuple):
-                    job[1].put(RuntimeError(CLOSED))
+        job = None
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is _SENTINEL:
+                    self._engine.finish_recording()  # the recorder belongs to this thread: it writes the last part
+                    return
+                if isinstance(job, _Call):
+                    self._call(job)
                 else:
-                    job.out.put(Finished.failed(CLOSED))
-                continue
-            if isinstance(job, tuple):
-                fn, done = job
-                try:
-                    done.put(fn())
-                except Exception as exc:  # noqa: BLE001 - handed back to the caller's thread
-                    done.put(exc)
-                continue
+                    self._serve_request(job)
+                self._redescribe()
+        finally:
+            # Whatever ended the worker, nobody waits for ever: the job it was on and everything still queued end now.
+            with self._accepting:
+                self._ended = True
+                left = [job] if isinstance(job, _Request | _Call) else []
+                while not self._jobs.empty():
+                    left.append(self._jobs.get_nowait())
+            for job in left:
+                if isinstance(job, _Call):
+                    if not job.future.done():
+                        job.future.set_exception(RuntimeError(CLOSED))
+                elif isinstance(job, _Request):
+                    job.handle.stop.set()
+                    job.handle.finish(Finished.failed(CLOSED))
+
+    def _redescribe(self) -> None:
+        try:
+            self._described = self._describe()
+        except Exception:  # noqa: BLE001 - the last description stands; the worker must go on serving
+            log.exception("could not describe the runtime's state")
+
+    def _call(self, call: _Call) -> None:
+        if self._closed:  # queued before close(): not run while the model is being closed
+            call.future.set_exception(RuntimeError(CLOSED))
+            return
+        try:
+            call.future.set_result(call.fn())
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller's thread
+            call.future.set_exception(exc)
+
+    def _serve_request(self, request: _Request) -> None:
+        handle = request.handle
+        with self._turn:
+            if self._closed:  # queued before close(): ended at once, not run while the model is being closed
+                handle.finish(Finished.failed(CLOSED))
+                return
+            if not handle.claim():  # cancelled while it waited for its turn: already ended
+                return
+            self._current = handle
+            self._engine.interrupt.clear()  # a cancel of the previous request must not end this one
+        try:
+            self._run(request)
+        except Exception as exc:  # noqa: BLE001 - a failed request must end its handle, not the worker
+            handle.finish(Finished.failed(str(exc)))
+        finally:
             with self._turn:
-                self._current = job
-                self._engine.interrupt.clear()  # a stop for the previous request must not end this one
-            try:
-                self._run(job)
-            except Exception as exc:  # noqa: BLE001 - a failed request must end its stream, not the worker
-                job.out.put(Finished.failed(str(exc)))
-            finally:
-                with self._turn:
-                    self._current = None
+                self._current = None
 
     def _run(self, request: _Request) -> None:
         e = self._engine
         try:
-            prompt_ids = e.encode_prompt(request.prompt)
+            prompt_ids = e.encode_prompt(request.prompt, request.tools)
         except PromptRefused as exc:  # too long, or the chat template's own refusal: a sentence, not a crash
-            request.out.put(Finished.failed(str(exc)))
+            request.handle.finish(Finished.failed(str(exc)))
             return
-        stats = RequestStats(prompt_tokens=int(prompt_ids.shape[1]))
         sampling, full = request.sampling, "length"  # the reason a reply that reaches max_new_tokens ends with
         if e.context_length is not None and prompt_ids.shape[1] + sampling.max_new_tokens > e.context_length:
             # The reply ends where the model's context does ("context": neither more Max new tokens nor Continue
             # makes room), not in positions it was never trained on.
             sampling, full = replace(sampling, max_new_tokens=e.context_length - int(prompt_ids.shape[1])), "context"
+        prompt = prompt_ids[0].tolist()
+        kv_cache, reused = self._prefixes.take(prompt, sampling.max_new_tokens)
+        stats = RequestStats(prompt_tokens=len(prompt), cached_tokens=reused)
         detok = Detokenizer(e.tokenizer)
         reason, error = "length", ""
         times: list[float] = []
         request_id = next(self._request_ids)
         t0 = time.perf_counter()
         waited = 0.0  # the forward pass's waits for experts up to the first token (decode's are the rest)
+        stop = request.handle.stop
         try:
-            with e.request(request_id, stats, text=_request_text(request.prompt)):
-                for token in generate_ids(
-                    e.model, prompt_ids, sampling, e.eos_ids, request.stop, after_forward=e.end_iteration
-                ):
+            rules = LogitsRules.for_request(sampling, e.grammars, prompt_ids)  # penalties, bias, a grammar, or None
+            with e.request(request_id, stats, text=_request_text(request.prompt), reused_ids=prompt_ids[:, :reused]):
+                tokens = generate_ids(
+                    e.model,
+                    prompt_ids,
+                    sampling,
+                    e.eos_ids,
+                    stop,
+                    after_forward=e.end_iteration,
+                    rules=rules,
+                    cache=kv_cache,
+                    cached=reused,
+                )
+                for token in tokens:
                     times.append(time.perf_counter())
                     if len(times) == 1:
                         waited = e.counters.stall_s + e.counters.host_s
@@ -351,17 +434,23 @@ class Runtime:
                         reason = "stop"
                         break
                     delta = detok.add(token)
-                    request.out.put(TextDelta(delta, token))
-                if request.stop.is_set() and reason == "length" and len(times) < sampling.max_new_tokens:
+                    request.handle.publish(TextDelta(delta, token))
+                if stop.is_set() and reason == "length" and len(times) < sampling.max_new_tokens:
                     reason = "cancelled"
                 elif reason == "length":
                     reason = full
+                # Ended between two forward passes: every layer holds the same tokens, so the cache can serve the
+                # next request (a pass cut short by an exception leaves it half-written, and it is dropped).
+                self._prefixes.put(prompt + detok.ids, kv_cache)
         except Interrupted:
             reason = "cancelled"
         except Exception as exc:  # noqa: BLE001 - the request ends with a sentence; the runtime goes on
             reason, error = "error", self._sentence(exc)
             if isinstance(exc, PrefetcherFailed):
                 e.recover_policy()
+        tail = detok.rest()  # what the detokenizer held back for a later id (a short last word, half a character)
+        if tail:
+            request.handle.publish(TextDelta(tail, detok.ids[-1]))
         stats.tokens = len(times)
         if times:
             stats.ttft_s = times[0] - t0
@@ -370,7 +459,7 @@ class Runtime:
         if reason in ("stop", "length", "context") and len(times) > 1:
             decode_waits = e.counters.stall_s + e.counters.host_s - waited
             e.adapt_distance(decode_layer_s(times[-1] - times[0], decode_waits, len(times) - 1, e.shape.num_layers))
-        request.out.put(Finished(detok.text, list(detok.ids), stats, reason, error=error))
+        request.handle.finish(Finished(detok.text, list(detok.ids), stats, reason, error=error))
 
     @staticmethod
     def _sentence(exc: Exception) -> str:

@@ -16,6 +16,7 @@ class RequestStats:
     tpot_s: float = 0.0  # mean time per output token after the first
     tokens: int = 0  # generated tokens
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those a kept KV cache held (prefix_cache.py): not prefilled again
     hits: int = 0  # resident and copied when needed
     late: int = 0  # being prefetched when needed: the forward pass waited for the rest of the copy
     misses: int = 0  # not in the cache when needed: loaded on demand, or computed on the host (on_host)

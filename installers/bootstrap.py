@@ -6,7 +6,8 @@ app.py. `--repair` rebuilds the venv; `--smoke` starts the app headless on a fre
 127.0.0.1, stops it and exits 0 (tests and CI). Standard library only: it runs before any venv exists, and it parses
 on old Pythons so that it can say "too old" instead of crashing.
 It does NOT: download models, configure the app (unknown arguments are passed through to app.py), open the browser
-(the app does), or change anything outside the data dir (except the Linux menu entry on first install).
+(the app does), or change anything outside the data dir but the menu entry and the `fmoe-local` command that
+shortcuts.py makes on the first start whose environment is ready.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 # Run as a script (the launchers) or imported by tests: either way its sibling module must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shortcuts  # noqa: E402
 from install_plan import (  # noqa: E402
     APP_NAME,
     BootstrapError,
@@ -295,13 +297,14 @@ def smoke(venv: Path, project: Project, log: Log, timeout: float) -> None:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def install_desktop_entry(template: Path, launcher: Path, apps_dir: Path) -> Path:
-    """Copy the .desktop template into the user's menu with the launcher's absolute path filled in."""
-    text = template.read_text(encoding="utf-8").replace("@LAUNCHER@", str(launcher))
-    target = apps_dir / template.name
-    apps_dir.mkdir(parents=True, exist_ok=True)
-    target.write_text(text, encoding="utf-8")
-    return target
+def add_shortcuts(system: str, where: Path, log: Log) -> None:
+    """The menu entry and the `fmoe-local` command, on the first start whose environment is ready (shortcuts.py).
+    A failure here is said and the start goes on: the app runs without them."""
+    try:
+        for line in shortcuts.install(system, REPO, Path.home(), where, dict(os.environ)):
+            log.say(line)
+    except OSError as err:
+        log.say(f"Could not add the menu entry or the fmoe-local command ({err}); the app starts anyway.")
 
 
 def parse_args(argv: list) -> tuple:
@@ -340,15 +343,15 @@ def main(argv: list | None = None) -> int:
         elif decision.retry_cuda:
             with install_lock(where / "install.lock"):
                 retry_cuda(venv, decision, project, log)
-            template = REPO / "installers" / "linux" / "fmoe-local.desktop"
-            if probes.system == "Linux" and not args.smoke and template.is_file():
-                apps = data_dir("Linux", dict(os.environ), Path.home()).parent / "applications"
-                entry = install_desktop_entry(template, REPO / "installers" / "linux" / "fmoe-local.sh", apps)
-                log.say(f"Added fmoe-local to your applications menu ({entry}).")
         if args.smoke:
             smoke(venv, project, log, args.smoke_timeout)
+            add_shortcuts(probes.system, where, log)
             return 0
-        log.say("Starting fmoe-local; your browser opens when it is ready. Close this window to stop it.")
+        add_shortcuts(probes.system, where, log)
+        if app_args[:1] in (["run"], ["bench"]):  # the command line's tools (`fmoe-local run ...`): no browser
+            log.write(f"Running app.py {' '.join(app_args[:1])}")
+        else:
+            log.say("Starting fmoe-local; your browser opens when it is ready. Close this window to stop it.")
         proc = subprocess.Popen([str(venv_python(venv)), str(REPO / "app.py")] + app_args, cwd=str(REPO), env=app_env())
         try:
             code = proc.wait()

@@ -21,14 +21,16 @@ STRICT_TEMPLATE = (
 
 
 @contextmanager
-def serving(model: Path, data: Path, port: int, strict_template: bool = False) -> Iterator[tuple]:
-    """(server, session, openai client) with `model` loaded; a copy of it gets the strict template."""
+def serving(
+    model: Path, data: Path, port: int, strict_template: bool = False, template: str | None = None
+) -> Iterator[tuple]:
+    """(server, session, openai client) with `model` loaded; a copy of it gets the strict template, or `template`."""
     import openai
 
-    if strict_template:
-        copy = data.parent / f"{data.name}-model" / "mixtral-strict"
+    if strict_template or template is not None:
+        copy = data.parent / f"{data.name}-model" / ("mixtral-strict" if strict_template else "templated")
         shutil.copytree(model, copy)
-        (copy / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+        (copy / "chat_template.jinja").write_text(STRICT_TEMPLATE if strict_template else template)
         model = copy
     args = ["--no-browser", "--data-dir", str(data), "--port", str(port), "--model", str(model)]
     server, session, url = app.serve(app.build_parser().parse_args(args))

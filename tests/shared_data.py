@@ -1,11 +1,10 @@
-"""Where the read-only recordings and prompts live: ../shared/data beside the checkout (CI clones put it there too).
+"""Where the read-only recordings and prompts live: the repository's data/ (fmoe_bench/repo_data.py).
 
 FMOE_SHARED_DATA overrides it for other layouts.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from fmoe_bench.repo_data import data_dir
 
-SHARED_DATA = Path(os.environ.get("FMOE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SHARED_DATA = data_dir()

@@ -15,3 +15,11 @@ def test_host_to_device_probe_needs_cuda():
 def test_dram_and_cache_figures_are_measured():
     assert bandwidth.llc_bytes() > 0
     assert bandwidth.dram_read_gbps(size_mb=64, repeats=1) > 0
+
+
+def test_half_precision_decode_is_measured_against_float32():
+    import torch
+
+    ratio = bandwidth.half_decode_ratio(torch.bfloat16, repeats=1)
+    assert 0 < ratio < float("inf")
+    assert bandwidth.half_decode_ratio(torch.bool, repeats=1) == float("inf")  # a dtype the product cannot take

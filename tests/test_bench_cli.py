@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from fmoe_local.bench import cli
+from fmoe_bench import cli
 from fmoe_local.traces import save_trace
 
 from .test_oracle import synthetic_trace
@@ -33,6 +33,22 @@ def test_replay_command_writes_table_json_and_plot(tmp_path: Path, capsys: pytes
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_replay_says_on_stderr_as_each_policy_run_finishes(tmp_path: Path, capsys, jobs: str) -> None:
+    trace = tmp_path / "syn.npz"
+    save_trace(synthetic_trace(0, requests=3, length=6), trace)
+    argv = ["replay", str(trace), "--cache-experts", "8", "--prefetch-distance", "1", "--jobs", jobs]
+    argv += ["--policies", "fmoe,lru,cpu_moe", "--miss-handling", "copy,cpu", "--layer-time-ms", "1"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0].endswith("syn.npz: replaying fmoe, lru, cpu_moe")
+    runs = sorted(line.split("syn.npz: ")[1].split(" replayed")[0] for line in lines[1:])
+    assert runs == ["cpu_moe/cpu", "fmoe/copy", "fmoe/cpu", "lru/copy", "lru/cpu"]  # cpu_moe once: it forces cpu
+    assert all(line.startswith("[") and " s] " in line for line in lines) and lines[-1].endswith("(5/5)")
+    assert "replayed" not in out  # the table on stdout stays as it was
+
+
 def test_unknown_policy_is_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     trace = tmp_path / "syn.npz"
     save_trace(synthetic_trace(0, requests=2, length=2), trace)
@@ -41,7 +57,7 @@ def test_unknown_policy_is_a_sentence(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_bench_matcher_prints_every_search_of_a_pass(capsys) -> None:
-    from fmoe_local.cli import main
+    from app import main
 
     assert main(["bench", "matcher", "--maps", "64", "--layers", "3", "--experts", "8", "--embed-dim", "16"]) == 0
     out = capsys.readouterr().out
@@ -136,7 +152,7 @@ def test_replay_chooses_the_distance_from_the_costs(tmp_path: Path, capsys: pyte
 def test_bench_quality_scores_each_expert_format_on_held_text(tiny_model_dir, tmp_path, capsys):
     import argparse
 
-    from fmoe_local.bench import cli as bench_cli
+    from fmoe_bench import cli as bench_cli
 
     text = tmp_path / "held.json"
     text.write_text(json.dumps(["The quick brown fox jumps over the lazy dog. " * 20] * 4))

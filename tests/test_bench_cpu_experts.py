@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fmoe_local.bench import cpu_experts as bench
-from fmoe_local.bench.cli import main
+from fmoe_bench import cpu_experts as bench
+from fmoe_bench.cli import main
 from fmoe_local.cpu_experts import KERNELS
 
 

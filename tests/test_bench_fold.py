@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from fmoe_local.bench.fold import fold, parse_fold
-from fmoe_local.bench.replay import build_schedule
-from fmoe_local.bench.synthetic import fold_trace
+from fmoe_bench.fold import fold, parse_fold
+from fmoe_bench.replay import build_schedule
+from fmoe_bench.synthetic import fold_trace
 from fmoe_local.traces import DECODE, Trace
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from fmoe_local.bench import live
-from fmoe_local.cli import main
+from app import main
+from fmoe_bench import live
 
 PROMPTS = ["Write a short poem about the sea.", "Explain how a router picks two experts for every token."]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from fmoe_local.cli import main
+from app import main
 
 
 def test_overhead_subcommand_prints_one_row_with_every_expert_resident(tiny_model_dir, capsys):
@@ -28,6 +28,6 @@ def test_overhead_missing_model_is_one_sentence(tmp_path, capsys):
 
 def test_overhead_module_stays_runnable_on_its_own():
     done = subprocess.run(
-        [sys.executable, "-m", "fmoe_local.bench.overhead", "--help"], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "fmoe_bench.overhead", "--help"], capture_output=True, text=True, check=False
     )
     assert done.returncode == 0 and "--repeats" in done.stdout and "--model" in done.stdout

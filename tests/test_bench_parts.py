@@ -1,8 +1,8 @@
 import pytest
 
-from fmoe_local.bench.fold import fold
-from fmoe_local.bench.parts import first_requests, learned_first, parse_counts, request_range, select_requests
-from fmoe_local.bench.replay import ReplayResult
+from fmoe_bench.fold import fold
+from fmoe_bench.parts import first_requests, learned_first, parse_counts, request_range, select_requests
+from fmoe_bench.replay import ReplayResult
 
 from .test_oracle import synthetic_trace
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fmoe_local.bench import prompts
+from fmoe_bench import prompts
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fmoe_local.bench import cli as bench_cli
-from fmoe_local.bench.quality import held_windows
-from fmoe_local.bench.quality_families import format_table, measure_families, split_texts, training_line
-from fmoe_local.demo.train import TrainBudget
+from fmoe_bench import cli as bench_cli
+from fmoe_bench.demo.train import TrainBudget
+from fmoe_bench.quality import held_windows
+from fmoe_bench.quality_families import format_table, measure_families, split_texts, training_line
 from tests.test_runtime_quantized import dequantise_experts
 
 WORDS = "sea wave tide ocean fish boat sail wind storm shore sand rock cliff light moon star night day".split()

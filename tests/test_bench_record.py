@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from fmoe_local.bench import cli
+from fmoe_bench import cli
 from fmoe_local.traces import load_trace
 
 
@@ -17,7 +17,9 @@ def test_record_writes_the_models_routing_per_prompt(tiny_model_dir, tmp_path: P
     trace = load_trace(out)
     assert len(trace.requests()) == 3 and (trace.num_layers, trace.num_experts, trace.top_k) == (4, 8, 2)
     assert trace.embeddings is not None and trace.embeddings.shape[0] == trace.num_rows
-    assert f"3 requests, {trace.num_rows} rows" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert f"3 requests, {trace.num_rows} rows" in out
+    assert err.rstrip().endswith("3 of 3 prompts recorded")  # progress on stderr while it records
 
 
 def test_record_refuses_a_file_that_is_not_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

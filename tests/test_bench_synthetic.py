@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fmoe_local.bench import live
-from fmoe_local.bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, fold_trace
+from fmoe_bench import live
+from fmoe_bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, fold_trace
 from fmoe_local.traces import Trace, load_trace, save_trace
 
 PROMPTS = ["Write a short poem about the sea.", "Explain how a router picks two experts for every token."]
@@ -26,7 +26,7 @@ TRACE_LAYERS, TRACE_EXPERTS, TRACE_K = 3, 16, 4
 
 
 def test_synthetic_mixtral_shapes_agree_with_the_replay_preset():
-    from fmoe_local.bench.presets import PRESETS
+    from fmoe_bench.presets import PRESETS
 
     shapes, preset = SYNTHETIC["mixtral-8x7b"], PRESETS["mixtral-8x7b"]
     assert (shapes["hidden_size"], shapes["intermediate_size"]) == (preset.hidden, preset.expert_intermediate)
@@ -34,8 +34,8 @@ def test_synthetic_mixtral_shapes_agree_with_the_replay_preset():
 
 
 def test_synthetic_qwen3_shapes_agree_with_the_replay_preset_and_name_their_experts():
-    from fmoe_local.bench.presets import PRESETS
-    from fmoe_local.bench.synthetic import experts_and_top_k
+    from fmoe_bench.presets import PRESETS
+    from fmoe_bench.synthetic import experts_and_top_k
 
     shapes, preset = SYNTHETIC["qwen3-30b-a3b"], PRESETS["qwen3-30b-a3b"]
     assert (shapes["hidden_size"], shapes["moe_intermediate_size"]) == (preset.hidden, preset.expert_intermediate)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from fmoe_bench.demo.train import build_tokenizer
+from fmoe_bench.tiny_families import FAMILIES, HIDDEN, NUM_EXPERTS, TOP_K, tiny_config
 from fmoe_local.architectures import SUPPORTED, architecture_for
-from fmoe_local.bench.tiny_families import FAMILIES, HIDDEN, NUM_EXPERTS, TOP_K, tiny_config
-from fmoe_local.demo.train import build_tokenizer
 
 
 def test_every_supported_family_has_a_tiny_config_with_the_tokenizers_ids():

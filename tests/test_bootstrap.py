@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -159,13 +160,112 @@ def test_smoke_fails_when_the_app_exits(project: plan.Project, home: Path, tmp_p
         bootstrap.smoke(fake_venv(tmp_path), project, log, timeout=60)
 
 
-def test_desktop_entry_points_at_the_launcher(tmp_path: Path):
-    template = REPO / "installers/linux/fmoe-local.desktop"
-    launcher = REPO / "installers/linux/fmoe-local.sh"
-    entry = bootstrap.install_desktop_entry(template, launcher, tmp_path / "applications")
+# ---- the menu entry and the command on PATH (installers/shortcuts.py) ----
+
+
+def fake_repo(tmp_path: Path) -> Path:
+    """A repository whose Linux launcher echoes its arguments, with the real .desktop template."""
+    repo = tmp_path / "repo dir"  # a space: every path the shortcuts write must be quoted
+    (repo / "installers/linux").mkdir(parents=True)
+    (repo / "installers/linux/fmoe-local.desktop").write_text(
+        (REPO / "installers/linux/fmoe-local.desktop").read_text()
+    )
+    sh = repo / "installers/linux/fmoe-local.sh"
+    sh.write_text('#!/bin/sh\nfor a in "$@"; do echo "[$a]"; done\n')
+    sh.chmod(0o755)
+    return repo
+
+
+@pytest.mark.skipif(os.name == "nt", reason="runs the POSIX command script")
+def test_first_start_adds_the_menu_entry_and_a_command_that_runs_the_launcher(tmp_path: Path):
+    repo, home = fake_repo(tmp_path), tmp_path / "home"
+    data = home / ".local/share/fmoe-local"
+    said = bootstrap.shortcuts.install("Linux", repo, home, data, {"PATH": f"/usr/bin:{home}/.local/bin"})
+    entry = home / ".local/share/applications/fmoe-local.desktop"
     lines = entry.read_text().splitlines()
-    assert f'Exec="{launcher}"' in lines and "Terminal=true" in lines
+    assert f'Exec="{repo}/installers/linux/fmoe-local.sh"' in lines and "Terminal=true" in lines
     assert "@LAUNCHER@" not in entry.read_text()
+    command = home / ".local/bin/fmoe-local"
+    assert os.access(command, os.X_OK)
+    ran = subprocess.run([str(command), "run", "--prompt", "it's two words"], capture_output=True, text=True)
+    assert ran.stdout.splitlines() == ["[run]", "[--prompt]", "[it's two words]"]
+    assert any(str(entry) in line for line in said) and any("type fmoe-local in a terminal" in s for s in said)
+    # Made once: an entry the user removed is not made again at the next start.
+    entry.unlink()
+    assert bootstrap.shortcuts.install("Linux", repo, home, data, {}) == [] and not entry.exists()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX paths")
+def test_a_file_that_is_not_ours_is_never_replaced(tmp_path: Path):
+    repo, home = fake_repo(tmp_path), tmp_path / "home"
+    theirs = home / ".local/bin/fmoe-local"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("#!/bin/sh\necho the user's own fmoe-local\n")
+    said = bootstrap.shortcuts.install("Linux", repo, home, home / ".local/share/fmoe-local", {"PATH": "/usr/bin"})
+    assert theirs.read_text() == "#!/bin/sh\necho the user's own fmoe-local\n"
+    assert any(f"Left {theirs} as it is" in s for s in said)
+    assert (home / ".local/share/applications/fmoe-local.desktop").is_file()  # the rest is still made
+    assert not any("not on your PATH" in s for s in said)  # no command was made, so nothing to say about PATH
+
+
+def test_an_older_file_of_ours_is_replaced_and_a_missing_path_entry_is_explained(tmp_path: Path):
+    repo, home = fake_repo(tmp_path), tmp_path / "home"
+    ours = home / ".local/bin/fmoe-local"
+    ours.parent.mkdir(parents=True)
+    ours.write_text(f"#!/bin/sh\n# {bootstrap.shortcuts.MARKER}\nexec /old/checkout/fmoe-local.sh\n")
+    said = bootstrap.shortcuts.install("Linux", repo, home, home / ".local/share/fmoe-local", {"PATH": "/usr/bin"})
+    assert "/old/checkout" not in ours.read_text() and str(repo) in ours.read_text()
+    assert any("is not on your PATH yet" in s and "~/.profile" in s for s in said)
+
+
+def test_macos_bundle_opens_the_command_in_terminal_and_leaves_a_foreign_bundle_alone(tmp_path: Path):
+    repo, home = tmp_path / "repo", tmp_path / "home"
+    data = home / "Library/Application Support/fmoe-local"
+    said = bootstrap.shortcuts.install("Darwin", repo, home, data, {"PATH": f"{home}/.local/bin"})
+    app = home / "Applications/fmoe-local.app/Contents"
+    assert "<key>CFBundleExecutable</key><string>fmoe-local</string>" in (app / "Info.plist").read_text()
+    assert f"open -a Terminal '{repo}/installers/macos/fmoe-local.command'" in (app / "MacOS/fmoe-local").read_text()
+    assert str(repo / "installers/macos/fmoe-local.command") in (home / ".local/bin/fmoe-local").read_text()
+    assert any("Added fmoe-local to your Applications" in s for s in said)
+    # Another app of that name: nothing is written into it.
+    other = tmp_path / "other"
+    (other / "Applications/fmoe-local.app/Contents").mkdir(parents=True)
+    (other / "Applications/fmoe-local.app/Contents/Info.plist").write_text("<plist>someone else's</plist>")
+    said = bootstrap.shortcuts.install("Darwin", repo, other, other / "data", {})
+    assert not (other / "Applications/fmoe-local.app/Contents/MacOS").exists()
+    assert any("is not one fmoe-local made" in s for s in said) and any("~/.zprofile" in s for s in said)
+
+
+def test_windows_command_calls_the_batch_launcher_and_joins_the_user_path_once(tmp_path: Path):
+    repo, data = tmp_path / "repo", tmp_path / "AppData/Local/fmoe-local"
+    [cmd] = bootstrap.shortcuts.plan("Windows", repo, tmp_path, data, {})
+    assert cmd.path == data / "bin/fmoe-local.cmd"
+    assert cmd.text.endswith(f'call "{repo / "installers/windows/fmoe-local.bat"}" %*\r\n')
+    assert bootstrap.shortcuts.MARKER in cmd.text and "\n" not in cmd.text.replace("\r\n", "")
+    folder = data / "bin"
+    assert bootstrap.shortcuts.windows_path_with(folder, "C:\\Tools;") == f"C:\\Tools;{folder}"
+    assert bootstrap.shortcuts.windows_path_with(folder, f"C:\\Tools;{folder}") is None
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the fake interpreter is a symlink to this one")
+def test_the_launcher_makes_them_after_a_successful_smoke_start_only(home: Path, tmp_path: Path, monkeypatch):
+    venv = home / "venv"
+    bootstrap.venv_python(venv).parent.mkdir(parents=True)
+    bootstrap.venv_python(venv).symlink_to(sys.executable)
+    wanted = plan.decide(bootstrap.probe(home), plan.read_project(REPO), None, False, False, home).stamp
+    (venv / bootstrap.STAMP_NAME).write_text(json.dumps(dict(wanted, torch_cuda="")))
+    entry = home.parent / "applications/fmoe-local.desktop"
+
+    def fails(*args, **kwargs):
+        raise plan.BootstrapError("The app exited with code 4 before it answered.")
+
+    monkeypatch.setattr(bootstrap, "smoke", fails)
+    assert bootstrap.main(["--smoke"]) == 1
+    assert not entry.exists() and not (tmp_path / ".local/bin/fmoe-local").exists()
+    monkeypatch.setattr(bootstrap, "smoke", lambda *args, **kwargs: None)
+    assert bootstrap.main(["--smoke"]) == 0
+    assert entry.is_file() and os.access(tmp_path / ".local/bin/fmoe-local", os.X_OK)
+    assert "Added fmoe-local to your applications menu" in (home / "logs/launcher.log").read_text()
 
 
 @pytest.mark.slow

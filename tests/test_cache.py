@@ -253,3 +253,22 @@ def test_after_stop_a_stuck_read_keeps_its_claim_but_no_load_waits_behind_it():
     slots = cache.acquire(0, [0])
     assert holds(cache, slots[0], 0, 0) and host.reads.count((0, 0)) == 1
     cache.close()
+
+
+def test_a_slot_is_not_overwritten_before_the_kernels_reading_its_last_expert_are_done():
+    """The slot-reuse guard (CUDA logic on the fake streams): `release` records an event after the layer's kernels
+    (`last_use`), and the copy of the next expert into that slot waits for it on its copy stream. Without it a copy
+    could overwrite weights a kernel still reads, and nothing else would notice."""
+    from tests.fake_streams import FakeStreams
+
+    fake = FakeStreams()
+    cache = ExpertCache(ValueHost(), 1, torch.device("cpu"), RecordingPolicy(), LayerCounters(L, J), streams=fake)
+    (s,) = cache.acquire(0, [0])
+    cache.before_use(s)
+    cache.release([s])
+    kernels_done = next(e for e in reversed(fake.log) if e[0] == "record" and e[2] == "compute")[1]
+    cache.unhold()  # the next forward pass: expert (0, 0) is no longer in use and may be evicted
+    assert cache.acquire(0, [1]) == [s]  # the one slot, reused
+    copy_waits = [e for e in fake.log if e[0] == "wait_event" and e[1].startswith("copy")]
+    assert kernels_done in [e[2] for e in copy_waits], fake.log
+    cache.close()

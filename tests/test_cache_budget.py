@@ -42,7 +42,7 @@ def test_a_cache_the_gpu_cannot_hold_gets_what_fits_and_says_so():
     slots, said = fitted_slots(16, gib // 4, int(2.6 * gib))  # a 4 GB cache next to the model on an 8 GB card
     assert slots == 10
     assert said == (
-        " The expert cache was set to 4.0 GB; 2.5 GB fit next to the model on this GPU, so it holds 10 experts "
+        " The expert cache was set to 4 GB; 2.5 GB fit next to the model on this GPU, so it holds 10 experts "
         "(Settings shows what fits)."
     )
     with pytest.raises(ValueError, match="less than one expert .* Close other programs that use the GPU"):

@@ -13,6 +13,7 @@ import math
 import pytest
 
 import app
+from fmoe_bench import cli as bench_cli
 from fmoe_local import cli, cli_args
 from fmoe_local.config import RuntimeConfig, Sampling
 
@@ -26,7 +27,7 @@ def _parsers(parser: argparse.ArgumentParser, name: str = ""):
 
 
 def _every_option():
-    for top in (app.build_parser(), cli.build_parser()):
+    for top in (app.build_parser(), cli.build_parser((bench_cli,))):
         for name, parser in _parsers(top):
             for action in parser._actions:
                 if action.option_strings or action.dest not in ("help",):
@@ -60,11 +61,11 @@ def test_every_numeric_flag_refuses_nan_infinity_negatives_and_words():
 
 
 def test_every_parser_refuses_in_one_line_with_exit_code_2(capsys):
-    for top in (app.build_parser(), cli.build_parser()):
+    for top in (app.build_parser(), cli.build_parser((bench_cli,))):
         for _, parser in _parsers(top):
             assert isinstance(parser, cli_args.SentenceParser), parser.prog
     with pytest.raises(SystemExit) as refused:
-        cli.build_parser().parse_args(["bench", "cpu-experts", "--tokens", "0,16"])
+        cli.build_parser((bench_cli,)).parse_args(["bench", "cpu-experts", "--tokens", "0,16"])
     err = capsys.readouterr().err
     assert refused.value.code == 2 and err.count("\n") == 1
     assert err == (

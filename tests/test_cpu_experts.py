@@ -3,7 +3,6 @@ measured one, and the host path's reads are bounded like the cache's loads."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 
@@ -150,13 +149,11 @@ def test_stop_ends_a_request_whose_cpu_miss_is_stuck_in_a_disk_read(tiny_model_d
             return real_read(layer, expert)
 
         host.read = read
-        events: queue.Queue = queue.Queue()
-        consumer = threading.Thread(target=lambda: [events.put(e) for e in runtime.stream(PROMPT)], daemon=True)
-        consumer.start()
+        request = runtime.submit(PROMPT)
         assert entered.wait(10), "the request never reached the host store"
         t0 = time.perf_counter()
-        runtime.stop()
-        final = events.get(timeout=5)
+        request.cancel()
+        final = request.result(timeout=5)
         assert isinstance(final, Finished) and final.reason == "cancelled"
         assert time.perf_counter() - t0 < 1.0
         release.set()

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fmoe_bench.demo.analysis import Recording, record_request, topic_report, write_trace
+from fmoe_bench.demo.data import CHAT_TEMPLATE, is_heldout, iter_sharegpt_raw, render_chat
+from fmoe_bench.demo.train import TrainBudget, build_tokenizer, lr_at, train_lm
 from fmoe_local.demo import demo_model_dir
-from fmoe_local.demo.analysis import Recording, record_request, topic_report, write_trace
-from fmoe_local.demo.data import CHAT_TEMPLATE, is_heldout, iter_sharegpt_raw, render_chat
-from fmoe_local.demo.train import TrainBudget, build_tokenizer, lr_at, train_lm
 from tests.shared_data import SHARED_DATA
 
 PROMPTS_DIR = SHARED_DATA / "prompts"
@@ -54,7 +54,7 @@ def _reference_words() -> set[str]:
     return {w.lower() for w in re.findall(r"[A-Za-z]+", text)}
 
 
-@pytest.mark.skipif(not PROMPTS_DIR.is_dir(), reason="needs ../shared/data/prompts for the reference word list")
+@pytest.mark.skipif(not PROMPTS_DIR.is_dir(), reason="needs data/prompts for the reference word list")
 def test_greedy_answer_is_mostly_english_words(demo):
     model, tokenizer = demo
     ids = tokenizer.apply_chat_template(

@@ -16,7 +16,7 @@ def _weights(out_f: int = 48, in_f: int = 64, seed: int = 0) -> torch.Tensor:
     return torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize(("fmt", "tolerance"), [("int8", 0.01), ("nf4", 0.2)])
+@pytest.mark.parametrize(("fmt", "tolerance"), [("int8", 0.01), ("int4", 0.1), ("nf4", 0.2)])
 def test_dequantised_weights_are_close_to_the_original_and_deterministic(fmt, tolerance):
     w = _weights()
     param = ef.layout(fmt, {"w": tuple(w.shape)})["w"]
@@ -28,6 +28,33 @@ def test_dequantised_weights_are_close_to_the_original_and_deterministic(fmt, to
     assert not torch.equal(dense, w)
     again = ef.unpack(param, ef.pack(param, w, torch.float32), torch.float32)
     assert torch.equal(dense, again)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_int4_and_int8_products_compute_the_dequantised_weights(dtype):
+    # What a CPU device runs (PackedRows' products) is the product with the weights every other path dequantises.
+    w, x = _weights(64, 128), _weights(3, 128, seed=1).to(dtype)
+    for fmt in ("int8", "int4"):
+        param = ef.layout(fmt, {"w": (64, 128)})["w"]
+        stored = {f"w.{k}": v for k, v in ef.pack(param, w, dtype).items()}
+        dense = ef.PackedRows(stored, {"w": param}, dtype)["w"]
+        product = ef.PackedRows(ef.to_cpu_layout({"w": param}, dict(stored)), {"w": param}, dtype, products=True)["w"]
+        assert isinstance(product, ef.Int8Weight if fmt == "int8" else ef.Int4Weight)
+        got, want = product.linear(x, None), x @ dense.t()
+        assert got.dtype == dtype
+        # The same sums, accumulated in another order (and in float32 for bf16 rather than rounded per product).
+        assert torch.allclose(got.float(), want.float(), rtol=0.02 if dtype == torch.bfloat16 else 1e-4, atol=0.05)
+
+
+def test_int4_keeps_each_groups_ends_within_half_a_step():
+    w = _weights(16, 96)  # 96 is no multiple of 64: groups of 32
+    param = ef.layout("int4", {"w": (16, 96)})["w"]
+    stored = ef.pack(param, w, torch.float32)
+    assert stored["q"].shape == (16, 48) and stored["sz"].shape == (3, 16, 2)
+    dense = ef.unpack(param, stored, torch.float32).reshape(16, 3, 32)
+    groups = w.reshape(16, 3, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    assert ((dense - groups).abs().amax(-1) <= step / 2 + 1e-5).all()
 
 
 def test_nf4_keeps_block_maxima_exactly_and_handles_a_partial_block():
@@ -72,7 +99,7 @@ def test_sizes_follow_the_format():
     bf16 = 3 * 4096 * 14336 * 2  # one Mixtral-8x7B expert
     assert ef.bytes_per_expert(bf16, "bf16") == bf16 == ef.bytes_per_expert(bf16, "auto")
     assert ef.bytes_per_expert(bf16, "int8") == bf16 // 2
-    assert ef.bytes_per_expert(bf16, "nf4") == int(bf16 * 4.5 / 16)
+    assert ef.bytes_per_expert(bf16, "nf4") == int(bf16 * 4.5 / 16) == ef.bytes_per_expert(bf16, "int4")
     with pytest.raises(ValueError, match="Known formats"):
         ef.bytes_per_expert(bf16, "fp3")
 
@@ -82,7 +109,7 @@ def test_an_unknown_format_is_refused_with_the_choices():
         RuntimeConfig(expert_format="q3").validate()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
 def test_host_ram_and_cache_slots_hold_the_packed_form(fmt, tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("qwen3_moe")
     dense = RuntimeConfig(device="cpu", cache_experts=3, expert_format="bf16")
@@ -91,11 +118,11 @@ def test_host_ram_and_cache_slots_hold_the_packed_form(fmt, tiny_model_dir, tmp_
     config = dense.with_changes(expert_format=fmt, quant_cache_dir=str(tmp_path))
     with Runtime.load(model_dir, config) as runtime:
         host, cache = runtime.engine.host, runtime.engine.cache
-        ratio = {"int8": 4, "nf4": 8}[fmt]  # the tiny model is float32: 32 bits → 8 or 4.5
+        ratio = {"int8": 4, "int4": 6, "nf4": 8}[fmt]  # the tiny model is float32: 32 bits → 8, 4 + 64/32, 4.5
         assert runtime.info.expert_bytes < dense_bytes * 1.2 / ratio
         assert host.ram_bytes() == host.ram_experts * host.expert_bytes
         assert host.ram_experts == runtime.info.num_layers * runtime.info.num_experts
-        packed = {"int8": torch.int8, "nf4": torch.uint8}[fmt]
+        packed = {"int8": torch.int8, "int4": torch.uint8, "nf4": torch.uint8}[fmt]
         assert cache.tensors["down_proj.q"].dtype == packed
         assert cache.allocated_bytes() == 3 * host.expert_bytes
         final = runtime.generate([{"role": "user", "content": "Hello"}], Sampling(greedy=True, max_new_tokens=3))

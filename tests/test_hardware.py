@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -113,6 +114,10 @@ def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
         cpu["nf4"].gpu_bytes == 0 and cpu["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + 2 * OLMOE.resident_bytes
     )
     assert cpu["bf16"].ram_bytes == 2 * (OLMOE.experts_bytes + OLMOE.resident_bytes)
+    # On a CPU measured to decode bf16 about as fast as float32, a bf16 model stays bf16: its own size in RAM.
+    keeps = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_keeps_bf16=True))}
+    assert keeps["bf16"].ram_bytes == OLMOE.experts_bytes + OLMOE.resident_bytes
+    assert keeps["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + OLMOE.resident_bytes
     gpt_oss = format_fits(find("openai/gpt-oss-20b"), desktop)
     assert (gpt_oss[0].fmt, gpt_oss[0].choice) == ("mxfp4", "auto")
     assert gpt_oss[0].disk_bytes == find("openai/gpt-oss-20b").download_bytes  # its own form: no copy

@@ -1,5 +1,6 @@
 """The per-OS launchers (installers/): which Python they pick, what they say when there is none, and the end-to-end
-double-click path on Linux (`fmoe-local.sh --smoke` in a fresh HOME, twice: the second run must skip the install)."""
+double-click path on Linux (`fmoe-local.sh --smoke` in a fresh HOME, twice: the second run must skip the install;
+the first one leaves the menu entry and the `fmoe-local` command)."""
 
 from __future__ import annotations
 
@@ -126,8 +127,23 @@ def test_linux_launcher_smoke_installs_once_then_starts_fast(tmp_path: Path):
             assert torch_version.split("+")[0] == pin.split("==")[1]
             if shutil.which("nvidia-smi") is None:
                 assert torch_version.endswith("+cpu"), "no GPU here: the CPU build must be installed"
-    # The second start found the stamp, installed nothing and left the stamp untouched.
-    assert "Environment up to date" in log and "Installing" not in log
+            # The first successful start made the menu entry and the command on PATH, pointing at this checkout.
+            entry = home / ".local/share/applications/fmoe-local.desktop"
+            assert f'Exec="{LINUX}"' in entry.read_text() and "Added fmoe-local to your applications menu" in log
+            command = home / ".local/bin/fmoe-local"
+            assert os.access(command, os.X_OK) and "Added the fmoe-local command" in log
+    # The command runs the launcher from anywhere, arguments passed through (here: the plan, fast and headless).
+    planned = subprocess.run(
+        ["fmoe-local", "--plan"],
+        env=dict(smoke_env(home), PATH=f"{command.parent}{os.pathsep}{os.environ['PATH']}"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=home,
+    )
+    assert planned.returncode == 0 and "Environment up to date" in planned.stdout, planned.stdout + planned.stderr
+    # The second start found the stamp, installed nothing and left the stamp untouched (and made no entry again).
+    assert "Environment up to date" in log and "Installing" not in log and "Added fmoe-local" not in log
     assert stamp.stat().st_mtime_ns == stamp_written
     print(f"\nlauncher --smoke: first run (install + start) {timings[0]:.0f} s, second run {timings[1]:.0f} s")
     shutil.rmtree(home, ignore_errors=True)  # ~2 GB of venv; pytest would keep it in its last three tmp dirs

@@ -1,14 +1,15 @@
 """The house rules on imports, checked on the source: the runtime (fmoe_local) never imports the UI, the store or
-SQLite, nor bitsandbytes (a test-only dependency: the app does not install it), and nothing in it but the command
-line's `bench` dispatch imports the benchmarks."""
+SQLite, nor bitsandbytes (a test-only dependency: the app does not install it), nor the benchmarks and the demo's
+trainer (fmoe_bench), nor the tests; the benchmarks never import the tests."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "fmoe_local"
-FORBIDDEN = ("gradio", "sqlite3", "sqlite_utils", "store", "ui", "bitsandbytes")
+REPO = Path(__file__).resolve().parent.parent
+ROOT = REPO / "fmoe_local"
+FORBIDDEN = ("gradio", "sqlite3", "sqlite_utils", "store", "ui", "bitsandbytes", "fmoe_bench", "tests")
 
 
 def _imports(path: Path) -> set[str]:
@@ -22,23 +23,33 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def _modules() -> list[Path]:
-    return sorted(ROOT.rglob("*.py"))
+def _modules(root: Path = ROOT) -> list[Path]:
+    return sorted(root.rglob("*.py"))
 
 
-def test_the_runtime_never_imports_the_ui_the_store_sqlite_or_bitsandbytes():
-    offenders = {
-        str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[0] in FORBIDDEN) for p in _modules()
+def _offenders(root: Path, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {
+        str(p.relative_to(root)): sorted(m for m in _imports(p) if m.split(".")[0] in forbidden) for p in _modules(root)
     }
-    assert {k: v for k, v in offenders.items() if v} == {}
+    return {k: v for k, v in found.items() if v}
 
 
-def test_nothing_in_the_runtime_imports_the_benchmarks():
-    outside = [p for p in _modules() if p.relative_to(ROOT).parts[0] not in ("bench", "cli.py")]
-    offenders = {
-        str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.startswith("fmoe_local.bench")) for p in outside
+def test_the_runtime_never_imports_the_ui_the_store_sqlite_bitsandbytes_the_benchmarks_or_the_tests():
+    assert len(_modules()) > 30  # the walk finds the runtime's modules, so an empty result means something
+    assert _offenders(ROOT, FORBIDDEN) == {}
+
+
+def test_the_benchmarks_never_import_the_ui_the_store_or_the_tests():
+    """Tests take their fixtures from tests/ or fmoe_bench (tiny_families.py), never the reverse."""
+    assert len(_modules(REPO / "fmoe_bench")) > 10
+    assert _offenders(REPO / "fmoe_bench", ("gradio", "store", "ui", "tests")) == {}
+
+
+def test_the_walk_sees_a_forbidden_import_however_it_is_written(tmp_path: Path):
+    (tmp_path / "m.py").write_text("import fmoe_bench.cli\n\ndef f():\n    from fmoe_bench.replay import replay\n")
+    assert _offenders(tmp_path, FORBIDDEN) == {
+        "m.py": ["fmoe_bench.cli", "fmoe_bench.replay", "fmoe_bench.replay.replay"]
     }
-    assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_the_offload_state_has_one_owner():
@@ -49,8 +60,22 @@ def test_the_offload_state_has_one_owner():
         "fmoe_local.miss_cost.MissPlanner",
         "fmoe_local.cpu_experts.HostExperts",
     }
-    runtime = [p for p in _modules() if p.relative_to(ROOT).parts[0] != "bench" and p.name != "offload.py"]
+    runtime = [p for p in _modules() if p.name != "offload.py"]
     offenders = {str(p.relative_to(ROOT)): sorted(_imports(p) & owned) for p in runtime}
     assert {k: v for k, v in offenders.items() if v} == {}
     forward = _imports(ROOT / "experts.py")
     assert not {m for m in forward if m.split(".")[:2] in (["fmoe_local", "cache"], ["fmoe_local", "prefetcher"])}
+
+
+def test_the_ui_never_reaches_into_the_runtime_s_engine():
+    """`Runtime.engine` belongs to the runtime's worker thread; tests and benchmarks may inspect it, the UI uses what
+    Runtime offers (submit, info, check, reconfigure, …): no `.engine` attribute anywhere in ui/ or app.py."""
+    top = ROOT.parent
+    sources = sorted((top / "ui").rglob("*.py")) + [top / "app.py"]
+    offenders = {
+        str(p.relative_to(top))
+        for p in sources
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute) and node.attr in ("engine", "_engine")
+    }
+    assert offenders == set()

@@ -214,3 +214,10 @@ def test_resident_weights_go_straight_to_the_gpu(tiny_model_dir, family):
         got = loaded.model(ids.cuda()).logits.float().cpu()
         expected = ref.cuda()(ids.cuda()).logits.float().cpu()
     torch.testing.assert_close(got, expected)
+
+
+def test_checkpoint_dtype_is_what_the_weights_are_stored_in(tiny_model_dir):
+    from fmoe_local.loading import checkpoint_dtype
+
+    assert checkpoint_dtype(tiny_model_dir("mixtral", dtype=torch.bfloat16)) == torch.bfloat16
+    assert checkpoint_dtype(tiny_model_dir("mixtral")) == torch.float32

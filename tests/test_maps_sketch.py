@@ -161,7 +161,7 @@ def test_config_rejects_impossible_sketch_settings():
 
 
 def test_bench_agreement_counts_every_choice_and_agrees_when_every_map_is_reranked(tmp_path):
-    from fmoe_local.bench.matcher import trace_agreement
+    from fmoe_bench.matcher import trace_agreement
     from fmoe_local.traces import save_trace
     from tests.test_oracle import synthetic_trace
 

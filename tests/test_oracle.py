@@ -4,9 +4,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from fmoe_local.bench.oracle import OraclePolicy
-from fmoe_local.bench.presets import CostModel
-from fmoe_local.bench.replay import build_schedule, replay
+from fmoe_bench.oracle import OraclePolicy
+from fmoe_bench.presets import CostModel
+from fmoe_bench.replay import build_schedule, replay
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.policies.base import ExpertKey, Prefetch
 from fmoe_local.traces import DECODE, Trace

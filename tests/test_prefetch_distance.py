@@ -2,7 +2,7 @@ from dataclasses import replace
 
 import pytest
 
-from fmoe_local.bench.presets import cost_model
+from fmoe_bench.presets import cost_model
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.prefetch_distance import decode_layer_s, distance_for
 from fmoe_local.runtime import Runtime

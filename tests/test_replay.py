@@ -3,9 +3,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from fmoe_local.bench.presets import CostModel
-from fmoe_local.bench.replay import build_schedule, capacity_for, replay
-from fmoe_local.bench.replay_pool import replay_all
+from fmoe_bench.presets import CostModel
+from fmoe_bench.replay import build_schedule, capacity_for, replay
+from fmoe_bench.replay_pool import replay_all
 from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
 from fmoe_local.traces import DECODE, PREFILL, Trace
 
@@ -214,7 +214,7 @@ def test_capacity_and_live_only_policies() -> None:
 
 def test_sim_cache_keeps_candidates_apart_from_held_experts() -> None:
     """Random pins, copies and loads: the candidate rows are exactly the resident experts not pinned or in flight."""
-    from fmoe_local.bench.simcache import SimCache
+    from fmoe_bench.simcache import SimCache
     from fmoe_local.prefetch_queue import PrefetchQueue
 
     rng = np.random.default_rng(0)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fmoe_local.bench.cli import main
-from fmoe_local.bench.presets import CostModel, cost_model
-from fmoe_local.bench.replay import build_schedule, replay
-from fmoe_local.bench.replay_pool import replay_all
+from fmoe_bench.cli import main
+from fmoe_bench.presets import CostModel, cost_model
+from fmoe_bench.replay import build_schedule, replay
+from fmoe_bench.replay_pool import replay_all
 from fmoe_local.traces import DECODE, PREFILL, save_trace
 from tests.test_oracle import synthetic_trace
 from tests.test_replay import LRU, make_trace

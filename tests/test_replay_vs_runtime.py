@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from fmoe_local.bench.presets import cost_model
-from fmoe_local.bench.replay import build_schedule, replay
+from fmoe_bench.presets import cost_model
+from fmoe_bench.replay import build_schedule, replay
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.policies import make_policy
 from fmoe_local.runtime import Runtime

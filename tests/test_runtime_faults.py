@@ -27,6 +27,11 @@ def _config(**changes) -> RuntimeConfig:
     return RuntimeConfig(device="cpu", cache_experts=3, miss_handling="copy", sampling=GREEDY).with_changes(**changes)
 
 
+def cancel_running(runtime: Runtime) -> None:
+    """Stop pressed for the request that runs now (from a hook inside it, where its handle is not at hand)."""
+    runtime._current.cancel()  # noqa: SLF001
+
+
 def _works(runtime: Runtime) -> Finished:
     final = runtime.generate(PROMPT)
     assert final.reason in ("stop", "length", "context") and final.error == "", final.error
@@ -210,7 +215,7 @@ def test_stop_reaches_a_prefill_at_the_next_moe_layer(tiny_model_dir):
     with Runtime.load(tiny_model_dir("mixtral"), _config(cache_experts=None, cache_gb=1.0)) as runtime:
         _works(runtime)  # every expert resident: no load to interrupt, only the forward pass itself
         first = runtime.engine.moe_layers[0].experts
-        handle = first.register_forward_pre_hook(lambda module, args: runtime.stop())
+        handle = first.register_forward_pre_hook(lambda module, args: cancel_running(runtime))
         try:
             final = runtime.generate(PROMPT)
         finally:
@@ -224,7 +229,7 @@ def test_a_background_failure_in_a_stopped_request_does_not_end_the_next(tiny_mo
         expected = _works(runtime).token_ids
 
         def broken(*args, **kwargs):
-            runtime.stop()  # the user presses Stop just as prediction fails in the background
+            cancel_running(runtime)  # the user presses Stop just as prediction fails in the background
             raise IndexError("index 7 is out of bounds")
 
         runtime.engine.policy.observe_layer = broken

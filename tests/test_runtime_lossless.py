@@ -91,14 +91,15 @@ def test_stop_ends_generation_within_a_token(tiny_model_dir):
     model_dir = tiny_model_dir("qwen3_moe")
     config = RuntimeConfig(device="cpu", cache_experts=4, sampling=Sampling(greedy=True, max_new_tokens=5000))
     with Runtime.load(model_dir, config) as runtime:
-        stream = runtime.stream([{"role": "user", "content": "Keep talking."}])
+        request = runtime.submit([{"role": "user", "content": "Keep talking."}])
         deltas = 0
-        for _event in stream:
+        for _event in request:
             deltas += 1
             if deltas == 5:
-                runtime.stop()
+                request.cancel()
                 break
-        # The stream's own stop flag was set when we left it; the next request runs normally afterwards.
+        assert request.result(timeout=30).stats.tokens <= 6  # within a token of the cancel
+        # The next request runs normally afterwards.
         final = runtime.generate([{"role": "user", "content": "Hello"}], Sampling(greedy=True, max_new_tokens=3))
         assert final.reason in ("length", "stop", "context") and final.stats.tokens <= 3
 
@@ -113,10 +114,11 @@ def test_stop_reports_cancelled_and_no_forward_pass_starts_after_it(tiny_model_d
         handle = embedding.register_forward_hook(lambda *a: started_after_stop.append(1) if stopped else None)
         final = None
         try:
-            for event in runtime.stream([{"role": "user", "content": "Keep talking."}]):
+            request = runtime.submit([{"role": "user", "content": "Keep talking."}])
+            for event in request:
                 if hasattr(event, "token_id") and not stopped:
                     stopped.append(1)
-                    runtime.stop()
+                    request.cancel()
                 final = event
         finally:
             handle.remove()
@@ -169,7 +171,7 @@ def test_clear_maps_waits_for_the_running_request_then_forgets_every_map(tiny_mo
     config = RuntimeConfig(device="cpu", cache_experts=4, sampling=Sampling(greedy=True, max_new_tokens=12))
     with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
         store = runtime.engine.map_store
-        stream = runtime.stream([{"role": "user", "content": "Tell me about the ocean and the waves."}])
+        stream = iter(runtime.submit([{"role": "user", "content": "Tell me about the ocean and the waves."}]))
         next(stream)  # the request is running
         clearing = threading.Thread(target=runtime.clear_maps)
         clearing.start()

@@ -6,6 +6,7 @@ import gradio as gr
 import pytest
 
 from store.chats import Message
+from tests.fake_runtime import FakeRuntime
 from ui.chat_view import display, stats_line
 
 
@@ -27,18 +28,17 @@ def test_stats_line_under_replies_only():
 
 
 def test_a_failed_reply_shows_its_sentence_inline_and_keeps_the_partial_text(tmp_path):
-    from types import SimpleNamespace
-
-    from fmoe_local.config import Sampling
+    from fmoe_local.config import RuntimeConfig, Sampling
     from fmoe_local.runtime_types import Finished, TextDelta
     from fmoe_local.stats import RequestStats
     from store import open_store
     from ui.chat_flow import reply
+    from ui.session import Session
 
     sentence = "Could not load expert 3 of MoE layer 1: disk error. Download the model again."
 
-    class FailingRuntime:
-        def stream(self, messages, sampling, stop=None):
+    class FailingRuntime(FakeRuntime):
+        def events(self, messages, sampling, stop):
             yield TextDelta("The sea", 5)
             yield Finished("The sea", [5], RequestStats(finish_reason="error"), "error", error=sentence)
 
@@ -46,9 +46,8 @@ def test_a_failed_reply_shows_its_sentence_inline_and_keeps_the_partial_text(tmp
     try:
         conv = store.chats.create("sea")
         store.chats.append(conv.id, "user", "Tell me about the sea.")
-        session = SimpleNamespace(
-            store=store, runtime=FailingRuntime(), record=lambda stats: None, chat_reply=lambda stop, running: None
-        )
+        session = Session(store=store, config=RuntimeConfig())
+        session.runtime = FailingRuntime()
         *_, shown = list(reply(session, conv.id, "", Sampling()))
         assert shown[-1] == {"role": "assistant", "content": f"⚠️ {sentence}"}  # a bubble, not an exception
         assert shown[-2]["content"].startswith("The sea")
@@ -122,14 +121,19 @@ def test_export_all_chats_gives_one_json_file_of_every_conversation(app):
     assert titles == {"about the sea": ["Tell me about the sea."], "empty one": []}
 
 
-class ScriptedRuntime:
+class ScriptedRuntime(FakeRuntime):
     """Streams the given replies in turn (each as two deltas) and records what the model was asked to read."""
 
     def __init__(self, *replies: tuple[str, str]) -> None:
+        import threading
+
+        super().__init__()
         self.replies = list(replies)  # (text, finish reason)
         self.seen: list[list[dict]] = []
+        self.second_word = threading.Event()  # cleared: each reply waits after its first delta until it is set
+        self.second_word.set()
 
-    def stream(self, messages, sampling, stop=None):
+    def events(self, messages, sampling, stop):
         from fmoe_local.runtime_types import Finished, TextDelta
         from fmoe_local.stats import RequestStats
 
@@ -137,6 +141,7 @@ class ScriptedRuntime:
         text, reason = self.replies.pop(0)
         half = len(text) // 2
         yield TextDelta(text[:half], 1)
+        self.second_word.wait(10)
         yield TextDelta(text[half:], 2)
         yield Finished(text, [1, 2], RequestStats(tokens=2, finish_reason=reason), reason)
 
@@ -163,8 +168,11 @@ def test_continue_appends_to_the_cut_reply_and_the_model_reads_it_as_unfinished(
 
     session, conv_id = chat
     session.runtime = ScriptedRuntime((" a time.", "stop"))
-    *streamed, shown = list(chat_flow.continue_reply(session, conv_id, "", Sampling()))
-    assert streamed[0][-1]["content"] == "Once upon a t"  # the same bubble grows
+    session.runtime.second_word.clear()
+    replies = chat_flow.continue_reply(session, conv_id, "", Sampling())
+    assert next(replies)[-1]["content"] == "Once upon a t"  # the same bubble grows
+    session.runtime.second_word.set()
+    *_, shown = list(replies)
     assert session.runtime.seen[0][-1] == {"role": "assistant", "content": "Once upon"}
     stored = session.store.chats.messages(conv_id)
     assert [m.content for m in stored] == ["Tell me a story.", "Once upon a time."]
@@ -207,15 +215,16 @@ def test_editing_an_earlier_message_drops_what_followed_and_replies_again(chat):
         next(chat_flow.edit(session, conv_id, 1, "x", "", Sampling()))  # index 1 is the reply
 
 
-class SlowRuntime:
+class SlowRuntime(FakeRuntime):
     """Tokens every 10 ms until its request's stop flag is set, or 40 of them, like the real runtime."""
 
     def __init__(self) -> None:
         import threading
 
+        super().__init__()
         self.release = threading.Event()
 
-    def stream(self, messages, sampling, stop=None):
+    def events(self, messages, sampling, stop):
         from fmoe_local.runtime_types import Finished, TextDelta
         from fmoe_local.stats import RequestStats
 
@@ -229,9 +238,6 @@ class SlowRuntime:
             yield TextDelta(" on", 7)
         yield Finished(text, [7] * 40, RequestStats(tokens=40, finish_reason="length"), "length")
 
-    def stop(self, request=None) -> None:
-        request.set()
-
 
 def _saved_reply(session, conv_id: int, count: int):
     import time
@@ -242,23 +248,23 @@ def _saved_reply(session, conv_id: int, count: int):
     return session.store.chats.messages(conv_id)[-1]
 
 
-def test_a_reply_whose_page_went_away_is_kept_whether_or_not_the_page_s_stream_is_closed(chat):
+def test_a_reply_whose_page_went_away_runs_to_its_end_and_is_saved_in_its_chat(chat):
     from fmoe_local.config import Sampling
     from ui import chat_flow
 
     session, conv_id = chat
     session.runtime = SlowRuntime()
-    # The server closes the page's stream at a yield (a reload, a closed tab): the model stops, the text is kept.
+    # The server closes the page's stream at a yield (a reload, a closed tab, another chat opened): the reply
+    # belongs to its chat, not to the page, and goes on.
     session.store.chats.append(conv_id, "user", "Go on.")
     replies = chat_flow.reply(session, conv_id, "", Sampling())
     for _ in range(3):
         next(replies)
     replies.close()
     last = _saved_reply(session, conv_id, 4)
-    assert last.role == "assistant" and last.content.startswith(" on on on") and last.content.count(" on") < 40
-    assert last.stats["finish_reason"] == "cancelled" and stats_line(last.stats).endswith("stopped")
-    # The server cannot close it (it was waiting for a token) and simply stops reading: the reply runs to its end
-    # on its own thread and is saved whole (before: nothing was saved until the generator was collected).
+    assert last.role == "assistant" and last.content == " on" * 40 and last.stats["finish_reason"] == "length"
+    # The server cannot close it and simply stops reading: the same (before: nothing was saved until the
+    # generator was collected).
     session.store.chats.append(conv_id, "user", "Again.")
     abandoned = chat_flow.reply(session, conv_id, "", Sampling())
     next(abandoned)
@@ -281,12 +287,44 @@ def test_the_chat_s_stop_also_ends_a_reply_whose_page_was_reloaded(chat):
     other = session.store.chats.create("Other")
     session.store.chats.append(other.id, "user", "Hello?")
     newest = chat_flow.reply(session, other.id, "", Sampling())
-    next(newest)
+    waiting = next(newest)
+    assert "Waiting for its turn" in waiting[-1]["content"]  # said plainly, not a silent spinner
     session.stop_chat()  # before: only the newest reply's flag was reachable, the reloaded one ran to 40 tokens
     list(newest)
-    for conv, count in ((conv_id, 2), (other.id, 2)):
+    for conv, count in ((conv_id, 4), (other.id, 2)):
         last = _saved_reply(session, conv, count)
         assert last.role == "assistant" and last.stats["finish_reason"] == "cancelled", (conv, last.content)
+
+
+def test_a_reply_goes_on_in_its_own_chat_while_the_page_reads_and_writes_in_others(chat):
+    """Issue 30: switching chats while a reply streams. The reply lands in its chat, never in the one shown; a reply
+    sent meanwhile in another chat waits its turn and says so; going back to the first chat streams it from its
+    first word (or shows it finished)."""
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    session.runtime = runtime = SlowRuntime()
+    session.store.chats.append(conv_id, "user", "Go on.")
+    first = chat_flow.reply(session, conv_id, "", Sampling())
+    assert next(first)[-1]["content"].startswith(" on")  # nothing ahead of it: no waiting notice
+    first.close()  # the page opens another chat: it stops following, the reply goes on
+    other = session.store.chats.create("Other")
+    session.store.chats.append(other.id, "user", "Hello?")
+    assert list(chat_flow.follow_chat(session, other.id)) == []  # reading another chat: nothing of the reply there
+    with pytest.raises(chat_flow.Problem, match="still answering"):
+        next(chat_flow.reply(session, conv_id, "", Sampling()))  # one reply at a time in a chat
+    second = chat_flow.reply(session, other.id, "", Sampling())
+    back = list(chat_flow.follow_chat(session, conv_id))  # back to the first chat: it streams to its end
+    assert back and back[-1][-1]["content"].startswith(" on" * 40)
+    assert all(m["content"] != "Hello?" for shown in back for m in shown)  # never the other chat's bubbles
+    *_, shown = list(second)
+    assert shown[-1]["content"].startswith(" on" * 40)
+    stored = {c: [m.content for m in session.store.chats.messages(c)] for c in (conv_id, other.id)}
+    assert stored[conv_id][-2:] == ["Go on.", " on" * 40]
+    assert stored[other.id] == ["Hello?", " on" * 40]
+    assert runtime.turn.acquire(timeout=5)  # both done; nothing left running
+    assert not session.chat_replies
 
 
 def test_a_reply_the_database_cannot_store_stays_on_the_page_with_what_to_do(chat, monkeypatch):

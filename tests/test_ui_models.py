@@ -80,7 +80,7 @@ def test_deleting_a_model_also_deletes_its_quantised_copies_and_no_other(ui_sess
     delete = next(f for f in build(ui_session).fns.values() if f.api_name == "delete_model")
     status, _ = delete.fn(str(mine))
     # before: gigabytes of copies stayed behind, and a model downloaded again (new file times) never reads them
-    assert status == "Deleted acme--tiny and its quantised copy (0.3 GB)."
+    assert status == "Deleted acme--tiny and its quantised copy (300 MB)."  # was "0.3 GB"
     assert not any(c.exists() for c in copies) and kept.is_dir()
 
 
@@ -307,7 +307,7 @@ def test_an_interrupted_download_is_listed_as_incomplete_and_delete_removes_it(u
     with open(left / "model-00001-of-00002.safetensors", "wb") as f:
         f.truncate(300_000_000)  # a shard finished before the cancel or the crash
     write_marker(left, {"repo_id": "acme/tiny"}, STARTED_MARKER)  # what the download wrote when it started
-    incomplete = ("acme/tiny (incomplete download, 0.3 GB: Download resumes it)", str(left))
+    incomplete = ("acme/tiny (incomplete download, 300 MB: Download resumes it)", str(left))  # not "0.3 GB"
     assert downloaded_choices(ui_session)[0] == incomplete
     demo = build(ui_session)
     monkeypatch.setattr(

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.api_server import serving
+from tests.fake_runtime import FakeRuntime
 
 openai = pytest.importorskip("openai")
 
@@ -49,6 +50,8 @@ def test_plain_and_streamed_replies_agree_and_count_usage(served):
     assert streamed == text  # greedy: the same reply either way
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens and chunks[-1].choices == []
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    # The same prompt again: all but its last token came from the first request's kept KV cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens - 1
     assert session.store.chats.list() == []  # API chats are not the user's chats
 
 
@@ -166,15 +169,12 @@ def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
 
     _, session, client = served
 
-    class UnloadedMidReply:
+    class UnloadedMidReply(FakeRuntime):
         """A reply that a model unload ended after its first words (a stop the client did not ask for)."""
 
         info = session.runtime.info
 
-        def check(self, messages):
-            return None
-
-        def stream(self, messages, sampling, stop=None):
+        def events(self, messages, sampling, stop):
             yield TextDelta("Once upon", 7)
             yield Finished("Once upon", [7], RequestStats(finish_reason="cancelled"), "cancelled")
 
@@ -196,15 +196,12 @@ def test_a_reply_cut_by_the_model_s_context_is_length_in_openai_s_terms(served):
 
     _, session, client = served
 
-    class ContextFull:
+    class ContextFull(FakeRuntime):
         """A reply the model's context ended (the runtime's own reason "context")."""
 
         info = session.runtime.info
 
-        def check(self, messages):
-            return None
-
-        def stream(self, messages, sampling, stop=None):
+        def events(self, messages, sampling, stop):
             yield TextDelta("Once upon", 7)
             yield Finished("Once upon", [7], RequestStats(finish_reason="context"), "context")
 
@@ -218,43 +215,40 @@ def test_a_reply_cut_by_the_model_s_context_is_length_in_openai_s_terms(served):
         session.runtime = loaded
 
 
-class _OneAtATime:
-    """A runtime that serves one request at a time, like the real one: the first request holds the turn and writes
-    each word only when the test hands it one; the others wait for the turn, counted in `waiting`."""
+class _OneAtATime(FakeRuntime):
+    """A runtime that serves one request at a time, like the real one: the first request writes each word only when
+    the test hands it one; the others wait for their turn, counted in `waiting`."""
 
     def __init__(self, info) -> None:  # noqa: ANN001
-        self.info, self.turn, self.words = info, threading.Lock(), queue.Queue()
-        self.waiting, self._count = 0, threading.Lock()
+        super().__init__()
+        self.info, self.words = info, queue.Queue()
+        self.waiting, self.served, self._count = 0, 0, threading.Lock()
 
-    def check(self, messages) -> None:  # noqa: ANN001
-        return None
+    def submit(self, prompt, sampling=None):  # noqa: ANN001, ANN201
+        with self._count:
+            self.waiting += self.served > 0
+            self.served += 1
+        return super().submit(prompt, sampling)
 
-    def stream(self, messages, sampling, stop=None):  # noqa: ANN001, ANN201
+    def events(self, messages, sampling, stop):  # noqa: ANN001, ANN201
         from fmoe_local.runtime_types import Finished, TextDelta
         from fmoe_local.stats import RequestStats
 
-        first = self.turn.acquire(blocking=False)
-        if not first:
-            with self._count:
-                self.waiting += 1
-            if not self.turn.acquire(timeout=60):
-                yield Finished.failed("no turn")
-                return
-        try:
-            words = iter(lambda: self.words.get(timeout=60), None) if first else iter(["ok"])
-            text, ids = "", []
-            for word in words:
-                text, ids = text + word, [*ids, len(ids)]
-                yield TextDelta(word, ids[-1])
-            yield Finished(text, ids, RequestStats(prompt_tokens=3, finish_reason="stop"), "stop")
-        finally:
-            self.turn.release()
+        first = self.served == 1 and self.words is not None
+        words = iter(lambda: self.words.get(timeout=60), None) if first else iter(["ok"])
+        text, ids = "", []
+        for word in words:
+            text, ids = text + word, [*ids, len(ids)]
+            yield TextDelta(word, ids[-1])
+        self.words = None  # the first reply has ended: the others answer "ok"
+        yield Finished(text, ids, RequestStats(prompt_tokens=3, finish_reason="stop"), "stop")
 
 
 def test_a_reply_keeps_streaming_while_many_requests_wait_their_turn(served):
     """Before the fix each waiting request held one of the event loop's executor threads (asyncio.to_thread on its
     queue); with them all taken, the reply being generated found no thread to read its next word and froze (for
-    good here, since the others wait for it). More waiting requests than the executor has threads shows it."""
+    good here, since the others wait for it). More waiting requests than the executor has threads shows it: the
+    handles are iterated on the event loop itself, so a waiting request holds no thread of the server's."""
     import httpx
 
     server, session, _ = served
@@ -288,5 +282,6 @@ def test_a_reply_keeps_streaming_while_many_requests_wait_their_turn(served):
             t.join(120)
         assert answers == [200] * waiters  # and then each got its turn
     finally:
-        fake.words.put(None)
+        if fake.words is not None:
+            fake.words.put(None)
         session.runtime = loaded

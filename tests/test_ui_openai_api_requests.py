@@ -4,6 +4,8 @@ whose chat template is Mixtral-Instruct's strict one (roles alternate after one 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import httpx
 import pytest
 
@@ -73,15 +75,18 @@ TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tools": [TOOL]}, "tools"),  # tool_choice "auto" by default: the model could never call it
-        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tool_choice"),
+        # Mixtral's strict template shows the model no tools: it could never call them, whatever tool_choice says
+        ({"tools": [TOOL]}, "tools"),
+        ({"tools": [TOOL], "tool_choice": "required"}, "tools"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tool_choice"),  # no such tool
         ({"functions": [TOOL["function"]]}, "functions"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
         ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"messages": [*PROMPT, {"role": "tool", "tool_call_id": "1", "content": "sunny"}]}, "messages"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
+        ({"logit_bias": {"word": 3}}, "logit_bias"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"messages": [*PROMPT, {"role": "tool", "content": "sunny"}]}, "messages"),  # answers no call
     ],
 )
 def test_what_the_app_cannot_do_is_refused_by_name_not_ignored(served, extra, param):
@@ -97,6 +102,8 @@ def test_what_the_app_cannot_do_is_refused_by_name_not_ignored(served, extra, pa
     "extra",
     [
         {"response_format": {"type": "text"}},
+        {"response_format": {"type": "json_object"}},  # held to JSON by constrained decoding
+        {"frequency_penalty": 1.5, "presence_penalty": -0.5, "logit_bias": {"5": -100}},
         {"logprobs": False},
         {"tools": [TOOL], "tool_choice": "none"},  # "none" promises a text reply: that is what it gets
         {"tool_choice": "auto"},
@@ -206,7 +213,7 @@ def test_an_unknown_v1_route_is_an_openai_shaped_error_naming_the_served_ones(se
     assert r.status_code == status, r.text  # was: FastAPI's {"detail": "Not Found"}
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and f"{method} /v1/{path} is not served" in error["message"]
-    assert "GET /v1/models, POST /v1/chat/completions, POST /v1/completions" in error["message"]
+    assert "GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions" in error["message"]
 
 
 def test_a_503_while_a_model_loads_says_when_to_ask_again(served):
@@ -238,13 +245,14 @@ def test_top_k_and_the_penalties_reach_the_sampler():
     assert parse_chat({"messages": PROMPT, "top_k": -1}, Sampling(top_k=9)).sampling.top_k == 0  # vLLM's "no limit"
 
 
-def test_what_a_request_leaves_out_takes_the_app_s_own_defaults_never_a_chat_s(served):
-    from ui.openai_request import parse_chat
+def test_what_a_request_leaves_out_takes_the_app_s_own_defaults_never_a_chat_s_nor_its_reply_length(served):
+    from ui.openai_request import UNTIL_CONTEXT, parse_chat
 
     server, session, _ = served
     settings = Sampling(max_new_tokens=5, temperature=0.3, top_p=0.4)
-    assert parse_chat({"messages": PROMPT, "top_p": None}, settings).sampling == settings  # was: 1.0 and 1.0
-    asked = _post(server, temperature=0, max_tokens=4, seed=1).json()
+    got = parse_chat({"messages": PROMPT, "top_p": None}, settings).sampling
+    assert got == replace(settings, max_new_tokens=UNTIL_CONTEXT)  # was: 1.0 and 1.0; and the chat's 5 tokens
+    asked = _post(server, temperature=0, max_tokens=8, seed=1).json()
     config, before = session.config, session.store.settings.load()
     session.config = config.with_changes(sampling=Sampling(max_new_tokens=4, temperature=0.0))
     # What the Chat tab keeps: its "Save as default" values and a chat's own. Before, /v1 took the chat's last Send.
@@ -253,9 +261,18 @@ def test_what_a_request_leaves_out_takes_the_app_s_own_defaults_never_a_chat_s(s
     try:
         reply = _post(server, max_tokens=None, seed=1).json()  # no temperature, no top_p, a null max_tokens
         assert "usage" in reply and "usage" in asked, (reply, asked)  # a failure's error, shown whole
-        assert reply["usage"] == asked["usage"]  # the app's max_new_tokens, 4
-        assert reply["choices"][0]["message"] == asked["choices"][0]["message"]  # the app's temperature 0
+        assert reply["usage"]["completion_tokens"] > 4  # was: cut at a Max new tokens (the chat's or the app's)
+        text = reply["choices"][0]["message"]["content"]  # the app's temperature 0, not the chat's 2.0
+        assert text.startswith(asked["choices"][0]["message"]["content"])
     finally:
         session.config = config
         session.store.chats.delete(chat.id)
         session.store.settings.set(**before.generation())
+
+
+def test_the_loaded_model_is_retrieved_by_its_id_and_another_is_a_404(served):
+    _, session, client = served
+    assert client.models.retrieve(session.model_id).id == session.model_id  # was: a 404 for every id
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4o")
+    assert caught.value.body["param"] == "model" and f"'{session.model_id}'" in caught.value.body["message"]

@@ -14,23 +14,19 @@ import pytest
 from fmoe_local.config import RuntimeConfig
 from store import open_store
 from store.settings import AppSettings
+from tests.fake_runtime import FakeRuntime
 
 NAN, INF = float("nan"), float("inf")
 
 
-class FakeRuntime:
+class HiRuntime(FakeRuntime):
     """Answers "Hi." to anything and keeps the Sampling of every request (the API's and the chat's)."""
 
     def __init__(self) -> None:
-        from types import SimpleNamespace
-
-        self.info = SimpleNamespace(name="fake-moe")
+        super().__init__()
         self.sampled: list = []
 
-    def check(self, prompt) -> None:
-        pass
-
-    def stream(self, prompt, sampling, stop=None):
+    def events(self, prompt, sampling, stop):
         from fmoe_local.runtime_types import Finished, TextDelta
         from fmoe_local.stats import RequestStats
 
@@ -51,7 +47,7 @@ def page(tmp_path):
     store.chats.append(conv.id, "user", "Tell me about the sea.")
     store.chats.append(conv.id, "assistant", "Once upon", {"finish_reason": "length", "tokens": 2})
     demo = build(session)
-    session.runtime = FakeRuntime()  # after the page is built: its header would describe a real model
+    session.runtime = HiRuntime()  # after the page is built: its header would describe a real model
 
     def fn(api_name: str):
         return next(f for f in demo.fns.values() if f.api_name == api_name).fn
@@ -200,7 +196,7 @@ def test_saved_values_that_fail_the_check_are_not_used_and_the_page_says_so(tmp_
         shown = on_load("")
         system, temperature, top_p, _, max_tokens = shown[5:10]  # after the chat, its list, title and address
         assert (system, temperature, top_p, max_tokens) == ("", defaults.temperature, defaults.top_p, 512)
-        session.runtime = FakeRuntime()
+        session.runtime = HiRuntime()
         app = FastAPI()
         app.include_router(build_router(session))
         answer = TestClient(app).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})

@@ -198,7 +198,8 @@ def test_the_load_message_says_when_the_cache_was_cut_to_what_the_gpu_holds(ui_s
         ui_session.load(tiny_model_dir("mixtral"))
     monkeypatch.setattr(cache_budget, "device_room_bytes", lambda device: 4 * 24 * 1024)  # four tiny experts
     said = ui_session.load(tiny_model_dir("mixtral"))
-    assert said.endswith("so it holds 4 experts (Settings shows what fits).") and "cache 0.09 MB (4 experts)" in said
+    assert said.endswith("so it holds 4 experts (Settings shows what fits).") and "cache 96 KB (4 experts)" in said
+    assert "; 96 KB fit next to the model" in said  # before: "0.09 MB" beside "0.0 GB fit"
 
 
 def test_what_fits_is_judged_with_the_app_s_own_model_counted_as_free(ui_session, tiny_model_dir, monkeypatch):

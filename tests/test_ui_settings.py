@@ -30,7 +30,10 @@ def test_the_demo_cache_is_shown_in_mb_and_in_experts(session):
     _, size, experts, *_ = settings.refresh(session)
     assert (size.label, size.value) == ("Expert cache (MB)", 27.0)  # not 0.0263671875 GB
     assert experts == "27 MB = 48 experts of 0.562 MB each"
-    assert "at least one expert (0.562 MB)" in size.info
+    assert "at least one expert (0.563 MB)" in size.info  # rounded up: typed back, it holds one expert
+    # Every size of the tab in the field's unit: before, "one expert 589.8 KB" stood beside "0.562 MB".
+    line = settings.describe(session)
+    assert "one expert 0.562 MB" in line and "cache 27 MB" in line and " KB" not in line and " GB" not in line
 
 
 def test_every_field_has_one_line_of_help(session):
@@ -51,7 +54,7 @@ def test_every_field_has_one_line_of_help(session):
 @pytest.mark.parametrize(
     "cache, capacity, distance, sentence",
     [
-        (-1, 10, 1, "-1 MB is too small: the expert cache must hold at least one expert (0.562 MB)"),
+        (-1, 10, 1, "-1 MB is too small: the expert cache must hold at least one expert (0.563 MB)"),
         (0.5, 10, 1, "0.5 MB is too small"),  # less than one expert: the old slider's minimum allowed this
         (999_999, 10, 1, "999999 MB is more than this machine has free"),
         (999, 10, 1, "999 MB is more than all of this model's experts take (27 MB)"),
@@ -82,6 +85,18 @@ def test_one_expert_is_the_smallest_cache_and_is_applied(session):
     one_mb = session.runtime.info.expert_bytes / 1024**2
     _, status = apply.fn(one_mb, 1, "fmoe", 10)
     assert "Applied without reloading" in status and "(1 experts)" in status
+    _, status = apply.fn(0.563, 1, "fmoe", 10)  # the minimum as the refusal and the help write it
+    assert "Applied without reloading" in status and "(1 experts)" in status
+
+
+def test_the_most_this_machine_has_is_written_without_an_exponent_and_can_be_typed_back(session):
+    demo = build(session)
+    apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+    _, status = apply.fn(999_999, 1, "fmoe", 10)
+    most = status.split("room for at most ")[1].split(" MB")[0]
+    assert "e+" not in status and most.replace(",", "").isdigit()  # was "1.94e+04 MB"
+    top_mb = settings.cache_bounds(session)[0] * 1024
+    assert float(most.replace(",", "")) <= top_mb < float(most.replace(",", "")) + 1
 
 
 def test_miss_handling_applies_without_reloading_is_saved_and_explained(session):

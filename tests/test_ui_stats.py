@@ -68,6 +68,10 @@ def test_the_summary_says_what_happens_to_a_miss_and_counts_the_ones_the_cpu_com
         text = summary(session)
         assert "**Misses:** No GPU: every miss is computed on the CPU, the only meaningful choice here" in text
         assert f"{final.stats.on_host} misses computed on the CPU" in text and final.stats.on_host > 0
+        again = session.runtime.generate([{"role": "user", "content": "Tell me about the ocean."}])
+        session.record(again.stats)
+        n = again.stats.prompt_tokens
+        assert f"{n - 1} of {n} prompt tokens reused from the last replies" in summary(session)
     finally:
         session.close()
         store.close()

@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from fmoe_local.bench.tiny_families import FAMILIES, NUM_EXPERTS, TOP_K, tiny_config
+from fmoe_bench.tiny_families import FAMILIES, NUM_EXPERTS, TOP_K, tiny_config
 from tests.shared_data import SHARED_DATA
 
 __all__ = ("FAMILIES", "NUM_EXPERTS", "TOP_K", "build_tiny_model", "tiny_config", "train_tokenizer")

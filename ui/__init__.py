@@ -8,19 +8,38 @@ launch() arguments in Gradio 6 (ui/theme.py).
 
 from __future__ import annotations
 
-import gradio as gr
+from typing import TYPE_CHECKING
 
-from ui import chat, model_formats, models, settings, stats
-from ui.page_header import TITLE, header
-from ui.session import Session
-from ui.theme import THEME_CHOICES, THEME_JS, THEME_LOAD_JS
+if TYPE_CHECKING:
+    import gradio as gr
+
+    from ui.session import Session
 
 __all__ = ["TITLE", "build", "header"]
+
+
+def __getattr__(name: str) -> object:
+    # The page's title and header are imported on first use, not with the package: `python -m ui.downloads` (a
+    # download's child process) imports this package first, and the header's imports (torch, via the session) cost
+    # that child seconds of start-up.
+    if name in ("TITLE", "header"):
+        from ui import page_header
+
+        return getattr(page_header, name)
+    raise AttributeError(f"module 'ui' has no attribute {name!r}")
+
 
 HEADER_REFRESH_S = 2.0
 
 
 def build(session: Session) -> gr.Blocks:
+    # Imported here, not with the package, for the same reason as the header (gradio alone costs seconds).
+    import gradio as gr
+
+    from ui import chat, model_formats, models, settings, stats
+    from ui.page_header import TITLE, header
+    from ui.theme import THEME_CHOICES, THEME_JS, THEME_LOAD_JS
+
     # Before the tabs read the saved settings: what the store refuses is reset and said in the header.
     session.check_settings()
     with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as demo:

@@ -2,8 +2,9 @@
 
 Scope: components and their events. Conversations live in the store; the chatbot only displays them, so what
 the model sees is always the stored text (the stats line under a reply is display-only). It does NOT load
-models (Models tab) or change the runtime's settings (Settings tab). One request at a time: the send and
-regenerate events share one concurrency slot, Stop has its own so that it is never queued behind a reply.
+models (Models tab) or change the runtime's settings (Settings tab). A reply belongs to its chat (chat_flow.py): the
+page follows it while it shows that chat, and switching chats, starting one or reading another leaves it running;
+going back shows it streaming. The runtime answers one request at a time: a reply sent meanwhile says it waits.
 A problem is said in the notice line under the chat (`guarded`); deleting a chat asks first. The last reply
 offers Continue when the token limit cut it and "< 1/2 >" when Regenerate made other versions; every message of
 the user's has Gradio's edit pencil (the chat goes on from the edited message).
@@ -117,6 +118,7 @@ class ChatTab:
     frequency_penalty: gr.Slider
     presence_penalty: gr.Slider
     save_default: gr.Button
+    view: gr.State  # the page's PageView
 
     @property
     def generation(self) -> list:
@@ -127,9 +129,39 @@ class ChatTab:
         ]  # fmt: skip
 
 
+@dataclass
+class PageView:
+    """The chat one page shows, as the reply streams see it: gr.State gives each page its own copy, and a handler
+    that shows another chat changes this object in place, which a stream already running reads at its next word
+    (gr.State's value is passed by reference; a returned value would replace it instead)."""
+
+    conv_id: int | None = None
+
+
+def showing(view: PageView | None, conv_id: int | None) -> None:
+    if view is not None:
+        view.conv_id = conv_id
+
+
+def while_shown(view: PageView | None, conv_id: int, chatbots):  # noqa: ANN001, ANN201 - Chatbot message lists
+    """The reply's redraws while the page shows its chat; once it shows another, one None (the handler then yields
+    only gr.skip(): Gradio applies an event's last yield again when it ends, which would draw this chat over the
+    one shown) and the page stops drawing it. The reply goes on and is saved in its own chat (chat_flow.py)."""
+    for chatbot in chatbots:
+        if view is not None and view.conv_id != conv_id:
+            yield None
+            return
+        yield chatbot
+
+
+def _drawn(chatbot: list[dict] | None):  # noqa: ANN202 - the Chatbot's value, or gr.skip()
+    return gr.skip() if chatbot is None else chatbot
+
+
 def build(session: Session) -> ChatTab:
     settings = session.store.settings.load()
     conv_id = gr.State(None)
+    view = gr.State(PageView())
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=220, elem_id="chat-sidebar"):
             new_chat = gr.Button("+ New chat", variant="primary", elem_id="new-chat")
@@ -232,7 +264,7 @@ def build(session: Session) -> ChatTab:
         alt_prev=alt_prev, alt_label=alt_label, alt_next=alt_next, import_file=import_file, address=address, nav=nav,
         system=system, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
         repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        save_default=save_default,
+        save_default=save_default, view=view,
     )  # fmt: skip
 
 
@@ -383,50 +415,67 @@ def import_chats(session: Session, path: str | None) -> tuple:
     return shown_chat(session, ids[0], done(f"Imported {count} (added beside yours; none was replaced)."))
 
 
+def _with_view(values: tuple) -> tuple[tuple, PageView | None]:
+    """The Generation values and the page's PageView, which the page sends after them (a handler called directly,
+    as the tests do, sends none)."""
+    if values and isinstance(values[-1], PageView):
+        return values[:-1], values[-1]
+    return values, None
+
+
 def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     """Attach the events; returns the events after which a reply has finished (the Stats tab chains on them)."""
     chats = session.store.chats
 
     def send(text, conv_id, *values):
+        values, view = _with_view(values)
         if not isinstance(text, str) or not text.strip():
             raise Problem("Type a message first.")
         text = text.strip()
         own, sampling = generation(session, values)
         runtime = chat_flow.runtime_of(session)
+        if conv_id is not None and session.chat_reply(conv_id) is not None:
+            raise Problem(chat_flow.STILL_ANSWERING)
         if conv_id is None:
             model = session.model_id or runtime.info.name
             conv_id = chats.create(title=text[:TITLE_CHARS], model=model, generation=own).id
         else:
             chats.set_generation(conv_id, own)
         chats.append(conv_id, "user", text)
+        showing(view, conv_id)
         choices = gr.Radio(choices=conversation_choices(session), value=conv_id)
         shown = display(chats.messages(conv_id))
         yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, str(conv_id), notice()
-        for chatbot in chat_flow.reply(session, conv_id, own["system_prompt"], sampling):
-            yield chatbot, conv_id, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        replies = chat_flow.reply(session, conv_id, own["system_prompt"], sampling)
+        for chatbot in while_shown(view, conv_id, replies):
+            yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
     def regenerate(conv_id, *values):
+        values, view = _with_view(values)
         system, sampling = chat_generation(session, conv_id, values)
         replies = chat_flow.regenerate(session, conv_id, system, sampling)
         first = next(replies)  # a Problem (nothing to regenerate, no model) is raised before the notice is cleared
         yield first, notice()
-        for chatbot in replies:
-            yield chatbot, gr.skip()
+        for chatbot in while_shown(view, conv_id, replies):
+            yield _drawn(chatbot), gr.skip()
 
     def continue_reply(conv_id, *values):
+        values, view = _with_view(values)
         system, sampling = chat_generation(session, conv_id, values)
         replies = chat_flow.continue_reply(session, conv_id, system, sampling)
         first = next(replies)
         yield first, notice()
-        for chatbot in replies:
-            yield chatbot, gr.skip()
+        for chatbot in while_shown(view, conv_id, replies):
+            yield _drawn(chatbot), gr.skip()
 
-    def take_edit(data: gr.EditData):
-        # Only the event's own handler receives its data; the reply runs later in the chain, in the model's slot.
-        stop()  # the reply being generated answers the old text: end it
+    def take_edit(conv_id, data: gr.EditData):
+        # Only the event's own handler receives its data; the reply runs later in the chain.
+        if conv_id is not None:
+            session.stop_chat(conv_id)  # the reply being generated answers the old text: end it
         return (data.index, data.value if isinstance(data.value, str) else str(data.value))
 
     def edit(pending, conv_id, *values):
+        values, view = _with_view(values)
         if pending is None:
             raise Problem("That edit was already applied. Edit the message again to change it.")
         index, text = pending
@@ -434,8 +483,8 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         replies = chat_flow.edit(session, conv_id, index, text, system, sampling)
         first = next(replies)
         yield first, notice()
-        for chatbot in replies:
-            yield chatbot, gr.skip()
+        for chatbot in while_shown(view, conv_id, replies):
+            yield _drawn(chatbot), gr.skip()
 
     def flip(step: int):
         def choose(conv_id):
@@ -454,16 +503,31 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     def stop():
         session.stop_chat()
 
-    def new_chat():
-        return shown_chat(session, None)
+    def follow(conv_id, view=None):
+        """The shown chat's reply still being written (after opening the chat, a reload): streamed until it ends."""
+        for chatbot in while_shown(view, conv_id, chat_flow.follow_chat(session, conv_id)):
+            yield (_drawn(chatbot), busy()) if chatbot is not None else (gr.skip(), gr.skip())
+        yield gr.skip(), gr.skip()  # a chat with no reply running: nothing to redraw
 
-    def on_load(address):  # the page's load, and back/forward: the chat the address names
-        return open_address(session, address)
+    def shows(view: PageView | None, shown: tuple) -> tuple:
+        """`shown` (shown_chat's outputs), the page's PageView now naming its chat: a reply streaming into another
+        chat stops drawing itself here (`while_shown`)."""
+        showing(view, shown[0])
+        return shown
 
-    def select(conv_id):
+    def new_chat(view=None):
+        return shows(view, shown_chat(session, None))
+
+    def on_load(address, view=None):  # the page's load, and back/forward: the chat the address names
+        return shows(view, open_address(session, address))
+
+    def select(conv_id, view=None):
         if conv_id is None:
             return (gr.skip(),) * len(chat_outputs)
-        return shown_chat(session, int(conv_id), relist=False)
+        return shows(view, shown_chat(session, int(conv_id), relist=False))
+
+    def import_file(path, view=None):
+        return shows(view, import_chats(session, path))
 
     def search(query, conv_id):
         query = query if isinstance(query, str) else ""
@@ -492,11 +556,12 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         conv = chats.get(conv_id)
         return conv.id, *asking(True, f"Yes, delete “{conv.title or 'Untitled'}”"), notice()
 
-    def confirm_delete(pending):
+    def confirm_delete(pending, view=None):
         if pending is None:  # a second click on an answered question: nothing is pending any more
             return (None, *asking(False), *(gr.skip(),) * (len(chat_outputs) - 1), notice())
+        session.stop_chat(pending)  # a reply still being written there has nowhere to go
         chats.delete(pending)
-        return None, *asking(False), *shown_chat(session, None)
+        return None, *asking(False), *shows(view, shown_chat(session, None))
 
     def keep_chat():
         return None, *asking(False)
@@ -521,56 +586,68 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     gen_inputs = t.generation
     chat_outputs = [t.conv_id, t.chatbot, t.conv_list, t.rename_box, t.address, *gen_inputs, t.notice]
     send_outputs = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.address, t.notice]
-    slot = dict(concurrency_limit=1, concurrency_id="runtime")
+    # No concurrency slot: the runtime queues requests itself, and a chat has one reply at a time (chat_flow.start).
+    free = dict(concurrency_limit=None)
 
-    # While a reply streams, Send says so and cannot be pressed; `.then` re-enables it however the reply ended. The
-    # stream redraws its own conversation to the end, so opening, starting or deleting another one waits too (else
-    # the view would show one conversation while the next message or an edit went to another).
+    # While the shown chat's reply streams, Send says so and cannot be pressed; `.then` re-enables it however the reply
+    # ended. Opening, starting or deleting another chat stops the page drawing the reply (`while_shown`), never the
+    # reply itself, and shows that chat's state instead.
     def busy():
-        return gr.Button(value="Generating…", interactive=False), *switching(False)
+        return gr.Button(value="Generating…", interactive=False)
 
     def idle():
-        return gr.Button(value="Send", interactive=True), *switching(True)
-
-    def switching(allowed: bool):
-        return gr.Button(interactive=allowed), gr.Radio(interactive=allowed), gr.Button(interactive=allowed)
+        return gr.Button(value="Send", interactive=True)
 
     def on(event, fn, inputs, outputs, **kwargs):  # noqa: ANN001, ANN202
         return event(guarded(fn, len(outputs)), inputs, outputs, **kwargs)
 
     quick = dict(queue=False, api_visibility="private")
-    held = [t.send, t.new_chat, t.conv_list, t.delete]
+    held = [t.send]
+    send_inputs = [t.textbox, t.conv_id, *gen_inputs, t.view]
     sent = t.send.click(busy, None, held, **quick)
-    sent = on(sent.then, send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_name="send", **slot)
+    sent = on(sent.then, send, send_inputs, send_outputs, api_name="send", **free)
     submitted = t.textbox.submit(busy, None, held, **quick)
-    submitted = on(
-        submitted.then, send, [t.textbox, t.conv_id, *gen_inputs], send_outputs, api_visibility="private", **slot
-    )
+    submitted = on(submitted.then, send, send_inputs, send_outputs, api_visibility="private", **free)
     regen = t.regenerate.click(busy, None, held, **quick)
-    regen = on(regen.then, regenerate, [t.conv_id, *gen_inputs], [t.chatbot, t.notice], api_name="regenerate", **slot)
+    reply_inputs = [t.conv_id, *gen_inputs, t.view]
+    regen = on(regen.then, regenerate, reply_inputs, [t.chatbot, t.notice], api_name="regenerate", **free)
     cont = t.continue_reply.click(busy, None, held, **quick)
-    cont = on(cont.then, continue_reply, [t.conv_id, *gen_inputs], [t.chatbot, t.notice], api_name="continue", **slot)
+    cont = on(cont.then, continue_reply, reply_inputs, [t.chatbot, t.notice], api_name="continue", **free)
     # Editing a question ends the reply being generated (it would answer the old text), then answers the new one.
-    edited = t.chatbot.edit(take_edit, None, [t.pending_edit], **quick).then(busy, None, held, **quick)
-    edit_inputs = [t.pending_edit, t.conv_id, *gen_inputs]
-    edited = on(edited.then, edit, edit_inputs, [t.chatbot, t.notice], api_visibility="private", **slot)
+    edited = t.chatbot.edit(take_edit, [t.conv_id], [t.pending_edit], **quick).then(busy, None, held, **quick)
+    edit_inputs = [t.pending_edit, t.conv_id, *gen_inputs, t.view]
+    edited = on(edited.then, edit, edit_inputs, [t.chatbot, t.notice], api_visibility="private", **free)
     replies = [sent, submitted, regen, cont, edited]
     ctrl = [t.continue_reply, t.alt_prev, t.alt_label, t.alt_next]
+
+    def ended(conv_id):
+        # One step: when Send is back, Continue and "< 1/2 >" already match the reply that just ended. Send follows
+        # the shown chat's state, not the event that ended: a chain ending late cannot free Send under a new reply.
+        return (busy() if session.chat_reply(conv_id) is not None else idle()), *controls(conv_id)
+
     for event in replies:
-        # One step: when Send is back, Continue and "< 1/2 >" already match the reply that just ended.
-        event.then(lambda conv_id: (*idle(), *controls(conv_id)), [t.conv_id], [*held, *ctrl], **quick)
+        event.then(ended, [t.conv_id], [*held, *ctrl], **quick)
     t.stop.click(stop, None, None, api_name="stop", concurrency_limit=None)
     for button, step in ((t.alt_prev, -1), (t.alt_next, 1)):
         flipped = on(button.click, flip(step), [t.conv_id], [t.chatbot, t.notice], api_visibility="private")
         flipped.then(controls, [t.conv_id], ctrl, **quick)
-    opened = on(t.new_chat.click, new_chat, None, chat_outputs, api_name="new_chat")
-    opened.then(controls, [t.conv_id], ctrl, **quick)
-    opened = on(t.conv_list.input, select, [t.conv_list], chat_outputs, api_name="open_chat")
-    opened.then(controls, [t.conv_id], ctrl, **quick)
+
+    followers = []
+
+    def then_follow(event):  # noqa: ANN001, ANN202 - another chat is shown: follow its reply if one runs
+        following = event.then(follow, [t.conv_id, t.view], [t.chatbot, *held], api_visibility="private", **free)
+        followers.append(following)
+        return following.then(ended, [t.conv_id], [*held, *ctrl], **quick)
+
+    opened = on(t.new_chat.click, new_chat, [t.view], chat_outputs, api_name="new_chat")
+    opened.then(ended, [t.conv_id], [*held, *ctrl], **quick)  # a new chat has no reply to follow
+    opened = on(t.conv_list.input, select, [t.conv_list, t.view], chat_outputs, api_name="open_chat")
+    then_follow(opened)
     # The address follows the chat shown; back and forward (the page's script presses the hidden nav) open its chat.
+    # The script only reads the address (into `address`); the handler then gets it with the page's PageView.
     t.address.change(None, [t.address], None, js=ADDRESS_JS, **quick)
-    opened = on(t.nav.click, on_load, [t.address], chat_outputs, js=READ_ADDRESS_JS, api_visibility="private")
-    opened.then(controls, [t.conv_id], ctrl, **quick)
+    read = t.nav.click(None, None, [t.address], js=READ_ADDRESS_JS, **quick)
+    then_follow(on(read.then, on_load, [t.address, t.view], chat_outputs, api_visibility="private"))
     # Each control's change is kept with the chat at once; Save as default makes the values new chats start from. The
     # system prompt's input event sends the text as it was before the last keystroke (Gradio 6): its change event.
     keep = functools.partial(keep_generation, session)
@@ -578,9 +655,8 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     for control in gen_inputs[1:]:
         on(control.input, keep, [t.conv_id, *gen_inputs], [t.notice], **quick)
     on(t.save_default.click, functools.partial(save_default, session), gen_inputs, [t.notice], api_name="save_default")
-    imported = on(t.import_file.upload, functools.partial(import_chats, session), [t.import_file], chat_outputs,
-                  api_name="import_chats")  # fmt: skip
-    imported.then(controls, [t.conv_id], ctrl, **quick)
+    imported = on(t.import_file.upload, import_file, [t.import_file, t.view], chat_outputs, api_name="import_chats")
+    imported.then(ended, [t.conv_id], [*held, *ctrl], **quick)  # imported chats have no reply to follow
     on(t.search.input, search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats")
     on(t.rename.click, rename, [t.conv_id, t.rename_box], [t.conv_list, t.notice], api_name="rename_chat")
     question = [t.delete, t.confirm_delete, t.keep_chat]
@@ -588,14 +664,15 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     deleted = on(
         t.confirm_delete.click,
         confirm_delete,
-        [t.pending_delete],
+        [t.pending_delete, t.view],
         [t.pending_delete, *question, *chat_outputs],
         api_name="confirm_delete_chat",
     )
-    deleted.then(controls, [t.conv_id], ctrl, **quick)
+    deleted.then(ended, [t.conv_id], [*held, *ctrl], **quick)
     t.keep_chat.click(keep_chat, None, [t.pending_delete, *question], api_visibility="private")
     on(t.export.click, export, [t.conv_id], [t.export_file, t.notice], api_name="export_chat")
     on(t.export_all.click, export_all, None, [t.export_file, t.notice], api_name="export_all_chats")
-    loaded = on(demo.load, on_load, [t.address], chat_outputs, js=READ_ADDRESS_JS, api_visibility="private")
-    loaded.then(controls, [t.conv_id], ctrl, **quick)
-    return replies
+    read = demo.load(None, None, [t.address], js=READ_ADDRESS_JS, **quick)
+    loaded = on(read.then, on_load, [t.address, t.view], chat_outputs, api_visibility="private")
+    then_follow(loaded)  # a reloaded page shows the reply still being written in its chat
+    return replies + followers

@@ -1,27 +1,38 @@
 """The chat's replies: send, regenerate, continue and edit, each streaming a reply and saving it in the store.
 
-Scope: the steps between the store and `Runtime.stream` (what the model reads, where the reply is saved), as
+Scope: the steps between the store and `Runtime.submit` (what the model reads, where the reply is saved), as
 generators of Chatbot message lists, testable without a browser. It does NOT build components or wire events
 (ui/chat.py). A user's mistake or a state the action cannot apply to raises `Problem` (a sentence); a failed
 generation ends as an inline notice bubble under the text generated so far.
+
+A reply belongs to its chat, not to the page that asked for it (`ChatReply`, kept in `Session.chat_replies`): it is
+saved by its request handle's done callback, on the runtime's worker as the request ends, so a page that switches to
+another chat, reloads or closes loses nothing; a page only follows the handle (`follow`), and a page that comes
+back to the chat follows it again from its first word. Stop cancels through the handle; a reply the runtime ended
+without its owner asking (the model unloaded under it) is saved as interrupted.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fmoe_local.config import Sampling
+from fmoe_local.request_handle import RequestHandle
+from fmoe_local.runtime_types import Finished, TextDelta
 from ui.chat_view import display, warning
 from ui.render import safe_markdown
 from ui.session import Session
 
 log = logging.getLogger(__name__)
-_RELAY_POLL_S = 0.5  # how often the page's relay checks that the reply's thread still runs
 NO_MODEL = "No model is loaded yet. Open the Models tab to download one or load a model folder."
+STILL_ANSWERING = "This chat is still answering. Wait for the reply to end, or press Stop."
+WAITING = (
+    "*Waiting for its turn: the model is still answering another chat (or an API request). This reply starts as soon "
+    "as that one ends; you can read and write in other chats meanwhile.*"
+)
+EDIT_WAIT_S = 60.0  # how long an edit waits for the reply it replaced to end (it was cancelled: a token or two)
 
 
 class Problem(ValueError):
@@ -62,6 +73,95 @@ def model_messages(stored, system: str) -> list[dict]:
     return head + [{"role": m.role, "content": m.content} for m in stored]
 
 
+@dataclass
+class ChatReply:
+    """A reply being written into chat `conv_id`: its request's handle, the bubbles above it (`shown`) and the start
+    of the reply it continues (`prefix`). `unsaved`: set when the store refused the finished reply."""
+
+    conv_id: int
+    handle: RequestHandle
+    shown: list[dict]
+    prefix: str = ""
+    unsaved: Unsaved | None = None
+
+
+def start(
+    session: Session,
+    conv_id: int,
+    messages: list[dict],
+    shown: list[dict],
+    save: Callable[[str, object], object],
+    sampling: Sampling,
+    prefix: str = "",
+) -> ChatReply:
+    """Submit the model's reply to `messages` for chat `conv_id`; `save(text, stats)` stores it when it ends (even a
+    stopped or interrupted one), whatever becomes of the page that asked."""
+    runtime = runtime_of(session)
+    if session.chat_reply(conv_id) is not None:
+        raise Problem(STILL_ANSWERING)
+    handle = runtime.submit(messages, sampling)
+    reply = ChatReply(conv_id, handle, shown, prefix)
+    if not session.begin_chat_reply(conv_id, reply):  # another page started one in between
+        handle.cancel()
+        raise Problem(STILL_ANSWERING)
+    handle.add_done_callback(lambda final: _ended(session, reply, save, final))
+    return reply
+
+
+def _ended(session: Session, reply: ChatReply, save: Callable[[str, object], object], final: Finished) -> None:
+    """The reply's request ended (on the runtime's worker, before anyone following it sees the end): save it."""
+    try:
+        if final.reason == "cancelled" and not reply.handle.cancelled:
+            # Neither Stop nor an edit ended it: the runtime was closed under it (a model loaded from another tab, the
+            # API, the Models tab).
+            final.stats.finish_reason = "interrupted"
+        if final.reason != "error":
+            session.record(final.stats)
+        if final.reason != "error" or final.text.strip():  # a failure keeps what was written before it
+            try:
+                save(final.text, final.stats)
+            except Exception as exc:  # noqa: BLE001 - the text must stay on the page, with why
+                log.exception("a finished reply could not be saved")
+                reply.unsaved = Unsaved(reply.prefix + final.text, unsaved_sentence(exc))
+    finally:
+        session.end_chat_reply(reply.conv_id, reply)
+
+
+def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
+    """The reply as it streams, under its bubbles, from its first word (a page that comes back to the chat sees it
+    whole), then the chat as stored once it is saved. Closing this generator leaves the reply running."""
+    if reply.handle.behind and not reply.handle.started:
+        yield reply.shown + [{"role": "assistant", "content": safe_markdown(reply.prefix) or "…"}, _bubble(WAITING)]
+    text, final = "", None
+    for batch in reply.handle.batches():
+        for event in batch:
+            if isinstance(event, TextDelta):
+                text += event.text
+            else:
+                final = event
+        if final is None:
+            yield reply.shown + [{"role": "assistant", "content": safe_markdown(reply.prefix + text)}]
+    if reply.unsaved is not None:
+        yield reply.shown + [_bubble(safe_markdown(reply.unsaved.text)), _bubble(warning(reply.unsaved.sentence))]
+        return
+    shown_now = display(session.store.chats.messages(reply.conv_id))
+    if final.reason == "error":
+        # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
+        shown_now = shown_now + [_bubble(warning(final.error))]
+    yield shown_now
+
+
+def follow_chat(session: Session, conv_id: int | None) -> Iterator[list[dict]]:
+    """Chat `conv_id`'s reply still being written, as `follow` streams it; nothing when it has none."""
+    reply = session.chat_reply(conv_id) if conv_id is not None else None
+    if reply is not None:
+        yield from follow(session, reply)
+
+
+def _bubble(content: str) -> dict:
+    return {"role": "assistant", "content": content}
+
+
 def stream_reply(
     session: Session,
     conv_id: int,
@@ -71,83 +171,8 @@ def stream_reply(
     sampling: Sampling,
     prefix: str = "",
 ) -> Iterator[list[dict]]:
-    """Stream the model's reply to `messages` under the bubbles `shown` (after `prefix`, the start of a reply being
-    continued); `save(text, stats)` stores it (even a stopped or interrupted one). Yields Chatbot message lists."""
-    from fmoe_local.runtime_types import Finished, TextDelta
-
-    runtime = runtime_of(session)
-    stop = threading.Event()  # the chat's Stop ends this reply (and any other chat reply), not an API request
-    session.chat_reply(stop, running=True)
-    updates: queue.Queue = queue.Queue()
-    left = threading.Event()  # the page went away: the user's doing, like Stop
-
-    def produce() -> None:
-        # The reply is generated and saved on this thread, whatever becomes of the page that asked for it: a reload
-        # or a closed tab cannot lose it. (gradio closes the relay below at a yield when the page goes away, which
-        # stops the model and this saves what it wrote as a stopped reply; when it cannot close it, because the
-        # relay is waiting for a token, the reply runs to its end and is saved whole.)
-        text = ""
-        try:
-            for event in runtime.stream(messages, sampling, stop=stop):
-                if isinstance(event, TextDelta):
-                    text += event.text
-                    updates.put(prefix + text)
-                elif isinstance(event, Finished):
-                    if event.reason == "cancelled" and not left.is_set() and stop in session.chat_replies:
-                        # Neither Stop (it takes the flag out of chat_replies) nor the page ended it: the runtime
-                        # was closed under it (a model loaded from another tab, the API, the Models tab).
-                        event.stats.finish_reason = "interrupted"
-                    if event.reason != "error":
-                        session.record(event.stats)
-                    if event.reason != "error" or event.text.strip():  # a failure keeps what was written before it
-                        try:
-                            save(event.text, event.stats)
-                        except Exception as exc:  # noqa: BLE001 - the text must stay on the page, with why
-                            log.exception("a finished reply could not be saved")
-                            updates.put(Unsaved(prefix + event.text, unsaved_sentence(exc)))
-                            return
-                    updates.put(event)
-        except Exception as exc:  # noqa: BLE001 - handed to the relay, which raises it for the page
-            updates.put(exc)
-        finally:
-            session.chat_reply(stop, running=False)
-
-    worker = threading.Thread(target=produce, name="fmoe-chat-reply", daemon=True)
-    worker.start()
-    finished = False
-    try:
-        while True:
-            try:
-                item = updates.get(timeout=_RELAY_POLL_S)
-            except queue.Empty:
-                if worker.is_alive():
-                    continue
-                try:
-                    item = updates.get_nowait()  # put just before the thread ended
-                except queue.Empty:
-                    raise RuntimeError("The reply stopped unexpectedly. Send the message again.") from None
-            if isinstance(item, str):
-                yield shown + [{"role": "assistant", "content": safe_markdown(item)}]
-                continue
-            finished = True
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, Unsaved):
-                yield shown + [
-                    {"role": "assistant", "content": safe_markdown(item.text)},
-                    {"role": "assistant", "content": warning(item.sentence)},
-                ]
-                return
-            shown_now = display(session.store.chats.messages(conv_id))
-            if item.reason == "error":
-                # Inline, under what was generated before the failure; the chat stays usable (Regenerate, Send).
-                shown_now = shown_now + [{"role": "assistant", "content": warning(item.error)}]
-            yield shown_now
-            return
-    finally:
-        if not finished:
-            left.set()
-            stop.set()  # the page went away: the model stops at its next token, and `produce` saves what it wrote
+    """`start` the reply, then `follow` it: Chatbot message lists."""
+    yield from follow(session, start(session, conv_id, messages, shown, save, sampling, prefix))
 
 
 def reply(session: Session, conv_id: int, system: str, sampling: Sampling) -> Iterator[list[dict]]:
@@ -224,6 +249,10 @@ def edit(
     if not isinstance(index, int) or not 0 <= index < len(shown) or shown[index].role != "user":
         raise Problem("Only your own messages can be edited. Use Regenerate for another reply.")
     runtime_of(session)
+    previous = session.chat_reply(conv_id)
+    if previous is not None:  # it answers the old text: ended (and saved, then dropped below) before the new one
+        previous.handle.cancel()
+        previous.handle.result(timeout=EDIT_WAIT_S)
     chats.edit(conv_id, shown[index].position, text)
     yield from reply(session, conv_id, system, sampling)
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fmoe_local.units import in_one_unit
+
 COMPLETE_MARKER = ".fmoe-download.json"  # written last: a folder without it is an interrupted download
 # Written when the download starts (after its plan succeeded): the folder is the app's own from then on, so an
 # interrupted download is listed (as incomplete) and Delete may remove it, while a folder with neither marker is not.
@@ -179,9 +181,10 @@ def disk_full(error: BaseException, dest: Path, total: int) -> str | None:
     except OSError:
         free = 0  # the models folder could not be made: a full disk has none to give
     need = left + DISK_MARGIN_BYTES - free
-    free_up = f"Free up at least {need / 1e9:.1f} GB" if need > 0 else "Free up some space"
+    left_text, free_text, need_text = in_one_unit(left, free, need, decimals=1)
+    free_up = f"Free up at least {need_text}" if need > 0 else "Free up some space"
     return (
-        f"The disk is full: about {left / 1e9:.1f} GB of this model is still to download and {free / 1e9:.1f} GB is "
+        f"The disk is full: about {left_text} of this model is still to download and {free_text} is "
         f"free. {free_up}, then press Download to resume; finished files are kept."
     )
 
@@ -259,11 +262,12 @@ def worker(repo_id: str, dest: Path, allow: list[str], ignore: list[str]) -> int
         free = shutil.disk_usage(dest.parent).free
         if remaining + DISK_MARGIN_BYTES > free:
             undo()
+            remaining_text, free_text = in_one_unit(remaining, free, decimals=1)
             say(
                 event="error",
                 kind="disk",
-                message=f"Not enough disk space: {remaining / 1e9:.1f} GB still to download and "
-                f"{free / 1e9:.1f} GB free. Free up space and try again.",
+                message=f"Not enough disk space: {remaining_text} still to download and "
+                f"{free_text} free. Free up space and try again.",
             )
             return 2
         # Only now, with a plan for a real repo and room for it: a mistyped repo id leaves no folder behind.

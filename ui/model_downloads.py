@@ -12,7 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from fmoe_local.catalog import DEFAULT_ALLOW, DEFAULT_IGNORE, GB, find, local_name
+from fmoe_local.catalog import DEFAULT_ALLOW, DEFAULT_IGNORE, find, local_name
+from fmoe_local.units import in_one_unit, number, size, unit_for
 from ui.downloads import Download, folder_bytes
 from ui.session import Session
 
@@ -63,10 +64,11 @@ def download_steps(session: Session, repo_id: str, token: str) -> Iterator[tuple
         needed = max(0, entry.download_bytes - have)
         free = session.machine(refresh=True).disk_free
         if needed > free:
-            more = f" more ({have / GB:.1f} GB is already downloaded)" if have else ""
+            needed_text, have_text, free_text = in_one_unit(needed, have, free, decimals=1)
+            more = f" more ({have_text} is already downloaded)" if have else ""
             raise DownloadRefused(
-                f"Not enough disk space: {entry.name} needs {needed / GB:.1f} GB{more} and "
-                f"{free / GB:.1f} GB is free. Free up space or choose a smaller model."
+                f"Not enough disk space: {entry.name} needs {needed_text}{more} and "
+                f"{free_text} is free. Free up space or choose a smaller model."
             )
     d = Download(repo_id, session.models_dir, allow, ignore, token=token or None, endpoint=session.endpoint)
     session.download = d
@@ -85,7 +87,10 @@ def download_progress(d: Download) -> tuple[float, str, str]:
     """(fraction, sentence, state) of a download, from one status read."""
     s = d.status()
     if s.state in RUNNING:
-        text = f"{s.done_bytes / GB:.2f} of {s.total_bytes / GB:.2f} GB" if s.total_bytes else "Planning…"
+        text = "Planning…"
+        if s.total_bytes:
+            unit = unit_for(s.total_bytes)  # a tiny model's download in MB, not "0.00 of 0.01 GB"
+            text = f"{number(s.done_bytes / unit.bytes, 2)} of {size(s.total_bytes, unit, 2)}"
         return s.fraction, f"Downloading {d.repo_id}: {text}", s.state
     return (1.0 if s.state == "done" else s.fraction), s.message, s.state
 

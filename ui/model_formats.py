@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fmoe_local.catalog import GB, CatalogEntry, find
+from fmoe_local.catalog import CatalogEntry, find
 from fmoe_local.config import EXPERT_FORMATS, RuntimeConfig
 from fmoe_local.expert_formats import LABELS
 from fmoe_local.hardware import FormatFit, format_fits, instead
 from fmoe_local.quant_cache import copies_bytes, remove_other_copies
+from fmoe_local.units import size_auto
 from ui.downloads import list_downloaded
 from ui.load_job import LoadJob
 from ui.render import literal
 from ui.session import Session, format_name, model_label
+from ui.sizes import table_gb
 
 FORMAT_HEADERS = ["bf16 experts", "8-bit experts", "4-bit experts"]
 
@@ -45,7 +47,7 @@ def answers(fmt: str) -> str:
 
 
 def _gb(n: int) -> str:
-    return f"{n / GB:.1f} GB"
+    return table_gb(n)
 
 
 def cell(f: FormatFit) -> str:
@@ -169,7 +171,7 @@ def copies_line(session: Session) -> str:
     if not size:
         return ""
     return (
-        f"**Quantised copies:** {size / GB:.1f} GB of 8-bit and 4-bit experts, made at each model's first load in "
+        f"**Quantised copies:** {size_auto(size)} of 8-bit and 4-bit experts, made at each model's first load in "
         "that format. Deleting them frees the space; a model makes its copy again at its next load in that format."
     )
 
@@ -180,4 +182,4 @@ def delete_copies(session: Session) -> str:
         return "⚠️ A model is loading (it may be making its copy): wait for it to finish, then delete the copies."
     freed = remove_other_copies(session.config.quant_cache_dir, session.model_dir)
     kept = " The loaded model's own copy is kept." if copies_bytes(session.config.quant_cache_dir) else ""
-    return f"Deleted the quantised copies: {freed / GB:.1f} GB freed.{kept}"
+    return f"Deleted the quantised copies: {size_auto(freed)} freed.{kept}"

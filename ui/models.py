@@ -17,10 +17,11 @@ from pathlib import Path
 
 import gradio as gr
 
-from fmoe_local.catalog import CATALOG, GB
+from fmoe_local.catalog import CATALOG
 from fmoe_local.hardware import format_fits
 from fmoe_local.quant_cache import remove_copies
-from ui import model_formats, page_header
+from fmoe_local.units import size, size_auto, unit_for
+from ui import model_formats, page_header, sizes
 from ui.downloads import check_deletable, delete_downloaded, list_downloaded, list_incomplete
 from ui.load_job import ModelLoadError
 from ui.model_downloads import (
@@ -77,7 +78,7 @@ def catalog_rows(session: Session) -> list[list[str]]:
                 e.repo_id,
                 f"{e.total_params_b:g}B / {e.active_params_b:g}B",
                 f"{e.num_experts} × {e.num_layers} (top-{e.top_k})",
-                f"{e.download_bytes / GB:.1f} GB",
+                sizes.table_gb(e.download_bytes),
                 *model_formats.format_cells(fits),
             ]
         )
@@ -88,16 +89,22 @@ def downloaded_choices(session: Session) -> list[tuple[str, str]]:
     """Downloaded models, then the ones whose download did not finish (they take disk: Download resumes them, Delete
     removes them), then the built-in demo, so it can be chosen again after another model was loaded."""
     demo = demo_dir()
-    done = [(f"{m.repo_id} ({m.size_bytes / GB:.1f} GB)", str(m.path)) for m in list_downloaded(session.models_dir)]
+    finished, incomplete = list_downloaded(session.models_dir), list_incomplete(session.models_dir)
+    unit = unit_for(max((m.size_bytes for m in finished + incomplete), default=0))  # one unit for the whole list
+
+    def gb(n: int) -> str:
+        return size(n, unit)
+
+    done = [(f"{m.repo_id} ({gb(m.size_bytes)})", str(m.path)) for m in finished]
     running = downloading_dir(session)
     unfinished = [
         (
-            f"{m.repo_id} (downloading, {m.size_bytes / GB:.1f} GB so far)"
+            f"{m.repo_id} (downloading, {gb(m.size_bytes)} so far)"
             if running == m.path.resolve()
-            else f"{m.repo_id} (incomplete download, {m.size_bytes / GB:.1f} GB: Download resumes it)",
+            else f"{m.repo_id} (incomplete download, {gb(m.size_bytes)}: Download resumes it)",
             str(m.path),
         )
-        for m in list_incomplete(session.models_dir)
+        for m in incomplete
     ]
     return done + unfinished + ([(DEMO_LABEL, str(demo))] if demo is not None else [])
 
@@ -290,7 +297,7 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             session.unload()
         freed = remove_copies(session.config.quant_cache_dir, Path(path))  # named by its files: before they go
         delete_downloaded(session.models_dir, Path(path))
-        also = f" and its quantised copy ({freed / GB:.1f} GB)" if freed else ""
+        also = f" and its quantised copy ({size_auto(freed)})" if freed else ""
         return f"Deleted {literal(Path(path).name)}{also}.", gr.Dropdown(
             choices=downloaded_choices(session), value=None
         )

@@ -5,11 +5,11 @@ Two layers. `read_body` checks the JSON as a whole before any field is looked at
 and every string, wherever it is (a field the app ignores today may be read tomorrow, and a value that cannot be
 represented breaks whoever reads it: a seed of 2**80 overflowed torch, a lone surrogate broke the tokenizer, JSON
 nested 100,000 deep overflowed the parser's stack — each a 500). Then `parse_chat` and `parse_completion` check
-what each field means. Scope of the second: messages (chat) or prompt and echo (completions), sampling (max_tokens, temperature, top_p, top_k, the
-penalties, seed, n), stop,
-stream and stream_options, and the refusal of what the app cannot do (response_format other than text, logprobs,
-tool calls, a suffix to fill in, several prompts or token ids). It does NOT talk to the runtime or the session
-(ui/openai_api.py does), so every check here runs before a request is queued.
+what each field means through the pydantic models of openai_models.py (its REFUSALS: the sentences) and turn the
+body into an ApiRequest: the messages as a chat template reads them (tool calls and results included), Sampling
+(with top_k, the penalties and logit_bias), stops, stream options, tools and tool_choice, response_format. It does NOT talk to
+the runtime or the session (ui/openai_api.py does: whether the model's template takes tools, whether a schema
+compiles), so every check here runs before a request is queued.
 """
 
 from __future__ import annotations
@@ -17,16 +17,25 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 
 from fmoe_local.config import Sampling
+from ui.openai_models import (
+    ChatBody,
+    CompletionBody,
+    Message,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCall,
+    refusal,
+)
 
-# OpenAI caps `stop` at 4, but local servers (LM Studio, Ollama, vLLM) take more and editors send more (Continue
-# sends its whole list): refusing them refuses the editor. Each stop string is searched for after every token, so
-# a bound stays, well above what clients send.
-MAX_STOPS = 16
+# A request without max_tokens: the reply runs until the model ends it or its context is full (the runtime cuts
+# it there, finish_reason "length"), as OpenAI's does.
+UNTIL_CONTEXT = 2**31 - 1
 # How deep a body's JSON may nest. OpenAI's requests nest 5 levels (body, messages, a message, its content parts, a
 # part); a tool's JSON schema, the deepest thing a client sends, rarely 10 more. Deeper is no request of OpenAI's
 # API, and a parser (or any code walking the value) recursing through it can run out of stack.
@@ -46,6 +55,10 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     echo: bool = False  # /v1/completions: the reply's text starts with the prompt
+    tools: list[dict] = field(default_factory=list)  # OpenAI-shaped function tools, for the chat template
+    tool_choice: str = "none"  # "none", "auto", "required", or the one function's name the reply must call
+    parallel_tool_calls: bool = True  # False: a forced reply is one call, not one or more
+    response_format: ResponseFormat | None = None
 
 
 def read_body(raw: bytes) -> dict:
@@ -157,87 +170,99 @@ def _param(path: tuple) -> str | None:
 
 
 def parse_chat(body: dict, defaults: Sampling) -> ApiRequest:
-    """`defaults`: the app's Settings (temperature, top_p, max_new_tokens), for what the request leaves out or
-    sends as null, so an API client gets the replies the app's chat gets."""
-    _refuse_unsupported(body)
-    return _request(body, _messages(body), defaults)
+    """`defaults`: the app's own sampling (RuntimeConfig.sampling), for what the request leaves out or sends as
+    null — never a chat's values nor the defaults the Chat tab saves for new chats. A request without max_tokens
+    runs up to the model's context, as OpenAI's does (the chat's Max new tokens is the chat's, not the API's)."""
+    chat = _validated(ChatBody, body)
+    tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
+    choice = chat.tool_choice or ("auto" if tools else "none")
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.function.name
+    if choice == "none":
+        tools = []  # "none" promises a text reply: the model is not shown tools it may not call
+    return ApiRequest(
+        _messages(chat.messages),
+        *_common(chat, defaults),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=chat.parallel_tool_calls is not False,
+        response_format=chat.response_format,
+    )
 
 
 def parse_completion(body: dict, defaults: Sampling) -> ApiRequest:
     """A /v1/completions body: the prompt is continued as it is, without the chat template (what editors' code
     completion and base-model scripts send). Defaults as for `parse_chat`."""
-    if body.get("suffix"):
-        raise ApiError(
-            400, "'suffix' is not supported: this app continues a prompt but does not fill in between.", "suffix"
-        )
-    if body.get("best_of") not in (None, 1):
-        raise ApiError(400, "Only best_of=1 is supported: this app generates one reply at a time.", "best_of")
-    _refuse_logprobs(body)  # a count here, a flag in a chat: 0 and False alike ask for none
-    echo = body.get("echo") or False
-    if not isinstance(echo, bool):
-        raise ApiError(400, "'echo' must be true or false.", "echo")
-    return _request(body, _prompt(body), defaults, echo)
+    completion = _validated(CompletionBody, body)
+    return ApiRequest(completion.prompt, *_common(completion, defaults), echo=bool(completion.echo))
 
 
-def _request(body: dict, prompt: list[dict] | str, defaults: Sampling, echo: bool = False) -> ApiRequest:
-    sampling, stops = _sampling(body, defaults), _stops(body)
-    stream, options = body.get("stream") or False, body.get("stream_options") or {}
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be true or false.", "stream")
-    if not isinstance(options, dict) or options.get("include_usage") not in (None, True, False):
-        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}.", "stream_options")
-    return ApiRequest(prompt, sampling, stops, stream, stream and bool(options.get("include_usage")), echo)
+def _validated(model: type[BaseModel], body: dict) -> BaseModel:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        message, param = refusal(exc)
+        raise ApiError(400, message, param) from exc
 
 
-def _prompt(body: dict) -> str:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # one prompt in a list, as the openai client sends a batch of one
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        raise ApiError(400, "Send one prompt per request: this app generates one reply at a time.", "prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
-        raise ApiError(400, "Send the prompt as text: token ids are not supported.", "prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "'prompt' must be a non-empty string.", "prompt")
-    return prompt
+def _common(body: ChatBody | CompletionBody, defaults: Sampling) -> tuple:
+    """(sampling, stops, stream, include_usage) of either kind of body."""
+    temperature = defaults.temperature if body.temperature is None else float(body.temperature)
+    top_p = defaults.top_p if body.top_p is None else float(body.top_p)
+    top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)  # -1, vLLM's "no limit", is our 0
+
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else float(value)
+
+    max_tokens = getattr(body, body.max_tokens_param)
+    bias = tuple((int(token), float(value)) for token, value in (body.logit_bias or {}).items())
+    sampling = Sampling(
+        max_new_tokens=UNTIL_CONTEXT if max_tokens is None else max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        greedy=temperature == 0.0 or top_p == 0.0,  # top_p 0 keeps only the likeliest token
+        seed=body.seed,
+        repetition_penalty=given(body.repetition_penalty, defaults.repetition_penalty),
+        frequency_penalty=given(body.frequency_penalty, defaults.frequency_penalty),
+        presence_penalty=given(body.presence_penalty, defaults.presence_penalty),
+        logit_bias=bias,
+    )
+    stream = bool(body.stream)
+    usage = stream and bool(body.stream_options and body.stream_options.include_usage)
+    return sampling, body.stop, stream, usage
 
 
-def _refuse_logprobs(body: dict) -> None:
-    if body.get("logprobs") not in (None, False):  # 0 == False: a completion's count of none passes too
-        raise ApiError(400, "'logprobs' is not supported: this app does not return token probabilities.", "logprobs")
+def _messages(messages: list[Message]) -> list[dict]:
+    """The messages as a chat template reads them: developer as system, an assistant's tool calls with their
+    arguments as an object (transformers' convention, which templates follow), a tool result with its call's id."""
+    out = []
+    for m in messages:
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _args(c)}}
+                for c in m.tool_calls
+            ]
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+            if m.name:
+                message["name"] = m.name
+        out.append(message)
+    # Clients send a system prompt and then a developer or RAG message; many chat templates (Mixtral's) take one
+    # system message only and refuse a second. The leading ones become one, in their order.
+    lead = next((i for i, m in enumerate(out) if m["role"] != "system"), len(out))
+    if lead > 1:
+        out[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in out[:lead])}]
+    return out
 
 
-def _refuse_unsupported(body: dict) -> None:
-    """What this app cannot do is refused by name (a 400 with `param`), never ignored: a client that is told can
-    fall back (ask for JSON in the prompt, Open WebUI's default function calling), while one that is ignored takes
-    a reply that never followed its rules for one that did. Tools included: accepted with tool_choice "auto", the
-    model would never see them, and an agent (LangChain's bind_tools) would read its text as "no tool needed".
-    Only tool_choice "none", which promises a text reply, takes tools (and leaves them out)."""
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise ApiError(
-            400,
-            'Only response_format {"type": "text"} is supported: this app cannot hold a reply to JSON or a schema. '
-            "Ask for JSON in the messages instead.",
-            "response_format",
-        )
-    _refuse_logprobs(body)
-    if body.get("top_logprobs") not in (None, 0):
-        raise ApiError(
-            400, "'top_logprobs' is not supported: this app does not return token probabilities.", "top_logprobs"
-        )
-    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
-        if body.get(choice) not in (None, "none", "auto"):  # "required" or a named function: a call is demanded
-            raise ApiError(
-                400, f'\'{choice}\' can only be "none" or "auto": this app\'s models do not call tools.', choice
-            )
-        if body.get(tools) and body.get(choice) != "none":
-            raise ApiError(
-                400,
-                f"Tool calling is not supported: this app's models answer in text only. Send the request without "
-                f'\'{tools}\' (in Open WebUI: Function Calling "Default", not "Native").',
-                tools,
-            )
+def _args(call: ToolCall) -> dict | str:
+    try:
+        value = json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments  # not JSON: the template writes it as the client sent it
+    return value if isinstance(value, dict) else call.function.arguments
 
 
 class ApiError(Exception):
@@ -259,103 +284,3 @@ class ApiError(Exception):
         # made JSONResponse's UTF-8 encoding raise, and the client a bare 500).
         content = json.dumps(body, ensure_ascii=True)
         return Response(content, status_code=self.status, headers=self.headers, media_type="application/json")
-
-
-def _sampling(body: dict, defaults: Sampling) -> Sampling:
-    def number(name: str, default: float, low: float, high: float) -> float:
-        value = body.get(name, default)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise ApiError(400, f"'{name}' must be a number from {low} to {high}.", name)
-        return float(value)
-
-    if body.get("n", 1) not in (1, None):
-        raise ApiError(400, "Only n=1 is supported: this app generates one reply at a time.", "n")
-    # max_completion_tokens is OpenAI's newer name; null means "not given" (clients send their unset fields as
-    # null), so it must not hide a max_tokens beside it.
-    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(param)
-    if max_tokens is None:
-        max_tokens = defaults.max_new_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ApiError(400, f"'{param}' must be a whole number of at least 1.", param)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, "'seed' must be a whole number.", "seed")
-    temperature = number("temperature", defaults.temperature, 0.0, 2.0)
-    top_p = number("top_p", defaults.top_p, 0.0, 1.0)  # OpenAI's range; 0 keeps only the likeliest token: greedy
-    # Not OpenAI's, but what vLLM, llama.cpp and LM Studio take and their clients send: top_k (-1 or 0: no limit)
-    # and repetition_penalty (1: off).
-    top_k = body.get("top_k", defaults.top_k)
-    if top_k is None:
-        top_k = defaults.top_k
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
-        raise ApiError(
-            400, "'top_k' must be a whole number: -1 or 0 for no limit, else how many tokens to keep.", "top_k"
-        )
-    repetition = number("repetition_penalty", defaults.repetition_penalty, 0.0, 2.0)
-    if repetition == 0.0:
-        raise ApiError(400, "'repetition_penalty' must be more than 0 (1 is off).", "repetition_penalty")
-    return Sampling(
-        max_new_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=max(top_k, 0),
-        repetition_penalty=repetition,
-        frequency_penalty=number("frequency_penalty", defaults.frequency_penalty, -2.0, 2.0),
-        presence_penalty=number("presence_penalty", defaults.presence_penalty, -2.0, 2.0),
-        greedy=temperature == 0.0 or top_p == 0.0,
-        seed=seed,
-    )
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content}.", "messages")
-    out = []
-    for m in messages:
-        if isinstance(m, dict) and m.get("role") in ("tool", "function"):
-            raise ApiError(400, "Tool results cannot be sent: this app's models do not call tools.", "messages")
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise ApiError(400, "Each message needs a role: system, user or assistant.", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            content = _text_of(content)
-        if not isinstance(content, str):
-            raise ApiError(400, "Each message's content must be text.", "messages")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    # Clients send a system prompt and then a developer or RAG message; many chat templates (Mixtral's) take one
-    # system message only and refuse a second. The leading ones become one, in their order.
-    lead = next((i for i, m in enumerate(out) if m["role"] != "system"), len(out))
-    if lead > 1:
-        out[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in out[:lead])}]
-    return out
-
-
-def _text_of(parts: list) -> str:
-    """A message's content parts as one text, joined by "\n" as vLLM's and TensorRT-LLM's OpenAI servers join them
-    (OpenAI does not document it). A part the model cannot read (image_url, input_audio, file…) is refused: answered
-    without it, the reply would be about something the model never saw."""
-    texts = []
-    for part in parts:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("text", "refusal"):  # a refusal: an earlier assistant turn's text, in OpenAI's history
-            what = f"a '{kind}' part" if isinstance(kind, str) else "a content part without a type"
-            raise ApiError(
-                400, f"This model reads text only, and a message has {what}. Send text parts only.", "messages"
-            )
-        text = part.get(kind)
-        if not isinstance(text, str):
-            raise ApiError(400, f"A '{kind}' content part needs '{kind}', a string.", "messages")
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def _stops(body: dict) -> list[str]:
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise ApiError(400, f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings.", "stop")
-    return stops

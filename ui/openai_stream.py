@@ -3,28 +3,29 @@
 
 Scope: the text cut at the first stop sequence (`Generation`), the finish reason, usage, the error a failed or
 interrupted request ends with, and stopping the generation once its client has gone or a stop sequence has made
-the rest useless. It does NOT parse requests (openai_request.py) or talk to the runtime (openai_api.py hands it
-the request's events).
+the rest useless. It does NOT parse requests (openai_request.py) or submit requests (openai_api.py hands it the
+request's handle, which it iterates on the event loop and cancels).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
+from fmoe_local.request_handle import RequestHandle
 from ui.openai_request import ApiError
+from ui.tool_calls import CallStream
 
 # A reply cut by the model's context is "length" in OpenAI's terms: it ended at a token limit, not on its own.
 _FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 # A request ended by someone other than its client (a model unloaded under it): not a complete reply.
 INTERRUPTED = "The reply was interrupted because the model was unloaded or reloaded in the app. Send the request again."
-_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 
 
 class Generation:
@@ -84,7 +85,13 @@ class Shape:
 
 def usage(final) -> dict:  # noqa: ANN001 - a Finished
     prompt, completion = final.stats.prompt_tokens, len(final.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        # As OpenAI reports it: the prompt tokens a kept KV cache held, not prefilled again (prefix_cache.py).
+        "prompt_tokens_details": {"cached_tokens": final.stats.cached_tokens},
+    }
 
 
 def _reason(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished
@@ -98,36 +105,55 @@ def _failure(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished
     return INTERRUPTED if final.reason == "cancelled" and not gen.stopped else ""
 
 
-async def complete(events, gen: Generation, shape: Shape, request: Request, stop: threading.Event) -> JSONResponse:  # noqa: ANN001
-    """The whole reply as one body, once it has ended."""
+async def _disconnected(receive) -> None:  # noqa: ANN001 - the ASGI receive
+    """Returns when the client has gone away. The request's body has been read, so each receive waits for the next
+    connection event: no poll."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def complete(
+    handle: RequestHandle, gen: Generation, shape: Shape, request: Request, calls: CallStream | None = None
+) -> JSONResponse:
+    """The whole reply as one body, once it has ended; a client that goes away before that cancels it. `calls`: the
+    reader of the reply's tool calls, when the model may call tools (ui/tool_calls.py)."""
 
     async def watch() -> None:
-        while not stop.is_set():
-            if await request.is_disconnected():
-                stop.set()
-                return
-            await asyncio.sleep(_POLL_S)
+        await _disconnected(request.receive)
+        handle.cancel()
 
     watcher = asyncio.create_task(watch())
     try:
         final = None
-        while (event := await events.next()) is not None:
+        async for event in handle:
             if hasattr(event, "reason"):
                 final = event
             elif not gen.stopped:
                 gen.add(event.text)
                 if gen.stopped:
-                    stop.set()  # the rest would be thrown away: stop generating it
+                    handle.cancel()  # the rest would be thrown away: stop generating it
     finally:
         watcher.cancel()
+        handle.cancel()  # no-op once ended; a cancelled await (the server stopping) must not leave it running
     if failure := _failure(final, gen):
         return ApiError(500, failure).response()
-    choice = shape.choice(shape.echo + gen.text, _reason(final, gen))
+    content, found = gen.text, []
+    if calls is not None:
+        content = calls.add(content)
+        rest, found = calls.finish()
+        content += rest
+    choice = shape.choice(shape.echo + content, "tool_calls" if found else _reason(final, gen))
+    if found:
+        choice["message"] |= {"content": content or None, "tool_calls": [c.openai(i) for i, c in enumerate(found)]}
     return JSONResponse(shape.body([choice]) | {"usage": usage(final)})
 
 
-async def sse(events, gen: Generation, shape: Shape, include_usage: bool, stop: threading.Event) -> AsyncIterator[str]:  # noqa: ANN001
-    """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it."""
+async def sse(
+    handle: RequestHandle, gen: Generation, shape: Shape, include_usage: bool, calls: CallStream | None = None
+) -> AsyncIterator[str]:
+    """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it. With
+    `calls`, text from a tool call's start on is held and sent at the end as `delta.tool_calls` (one chunk per call,
+    its arguments whole), or as content when it is not a well-formed call."""
 
     def chunk(choices: list[dict], **extra: object) -> str:
         return f"data: {json.dumps(shape.body(choices, chunk=True) | extra)}\n\n"
@@ -135,7 +161,7 @@ async def sse(events, gen: Generation, shape: Shape, include_usage: bool, stop: 
     for opening in shape.opening():
         yield chunk([opening])
     final = None
-    while (event := await events.next()) is not None:
+    async for event in handle:
         if hasattr(event, "reason"):
             final = event
             continue
@@ -143,28 +169,49 @@ async def sse(events, gen: Generation, shape: Shape, include_usage: bool, stop: 
             continue
         text = gen.add(event.text)
         if gen.stopped:
-            stop.set()
+            handle.cancel()
+        if calls is not None:
+            text = calls.add(text)
         if text:
             yield chunk([shape.choice(text, None, chunk=True)])
     if failure := _failure(final, gen):
         yield f"data: {json.dumps({'error': {'message': failure, 'type': 'server_error'}})}\n\n"
         yield "data: [DONE]\n\n"
         return
-    rest = gen.flush()
+    rest, found = gen.flush(), []
+    if calls is not None:
+        rest = calls.add(rest)
+        more, found = calls.finish()
+        rest += more
     if rest:
         yield chunk([shape.choice(rest, None, chunk=True)])
-    yield chunk([shape.choice("", _reason(final, gen), chunk=True)])
+    for i, call in enumerate(found):
+        yield chunk([{"index": 0, "delta": {"tool_calls": [call.openai(i)]}, "finish_reason": None, "logprobs": None}])
+    yield chunk([shape.choice("", "tool_calls" if found else _reason(final, gen), chunk=True)])
     if include_usage:
         yield chunk([], usage=usage(final))
     yield "data: [DONE]\n\n"
 
 
-async def watch(chunks: AsyncIterator[str], request: Request, stop: threading.Event) -> AsyncIterator[str]:
-    """Pass the chunks on; a client gone away (a cancelled send, or a disconnect noticed) stops its generation."""
-    try:
-        async for c in chunks:
-            if await request.is_disconnected():
-                return
-            yield c
-    finally:
-        stop.set()  # no-op after a normal end; otherwise the runtime stops this request within a token
+class Streamed(StreamingResponse):
+    """The SSE chunks of one request, which is cancelled however the response ends: its client went away (noticed
+    while the reply waits for its next token, not only when a send fails), a send failed, or it ended."""
+
+    def __init__(self, chunks: AsyncIterator[str], handle: RequestHandle) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - the ASGI signature
+        async def watch() -> None:
+            await _disconnected(receive)
+            self.handle.cancel()  # within a token; the chunks then end and the stream with them
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self.stream_response(send)
+        except OSError as exc:  # a send to a client that has gone (ASGI 2.4 servers say so this way)
+            raise ClientDisconnect from exc
+        finally:
+            watcher.cancel()
+            self.handle.cancel()
+            await self.body_iterator.aclose()

@@ -8,8 +8,9 @@ name here was once live HTML (an inline-styled overlay over the whole page, back
 
 from __future__ import annotations
 
+from ui import sizes
 from ui.render import code_literal, literal
-from ui.session import Session, fmt_gb, format_in_use, format_name, model_label
+from ui.session import Session, format_in_use, format_name, model_label
 
 TITLE = "fmoe-local"
 
@@ -40,7 +41,7 @@ def model_line(session: Session) -> str:
         i = session.runtime.info
         model = (
             f"**{literal(model_label(session.model_dir, i.name))}** on {literal(i.device)} · experts in "
-            f"{literal(format_in_use(i.expert_format, i.dtype))} · expert cache {fmt_gb(i.cache_gb)} ({i.cache_experts} "
+            f"{literal(format_in_use(i.expert_format, i.dtype))} · expert cache {sizes.cache_gib(i, i.cache_gb)} ({i.cache_experts} "
             "experts)"
         )
     elif session.load_error:

@@ -19,22 +19,11 @@ from fmoe_local.config import RuntimeConfig
 from fmoe_local.hardware import Machine, probe
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.stats import RequestStats
+from ui import sizes
 from ui.load_job import LoadCancelled, LoadJob, ModelLoadError, shape_of, stopped
 
 HISTORY = 200  # replies kept for the Stats tab's time series
 CLOSE_WAIT_S = 30.0  # how long closing waits for a load under way (the start-up one, when the app is quit early)
-
-
-def fmt_gb(gib: float) -> str:
-    """A cache size for people: GB for real models, MB for the tiny ones tests and the demo use."""
-    return f"{gib:.2f} GB" if gib >= 0.1 else f"{gib * 1024:.2f} MB"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def format_name(fmt: str) -> str:
@@ -96,13 +85,13 @@ class Session:
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # RequestStats of recent replies
     download: object | None = None  # ui.downloads.Download in progress
     loading: LoadJob | None = None  # the latest start_load's job (the header says "Loading …" until it finishes)
-    # The stop flags of the chat's replies still being generated: chat_flow adds one per reply and drops it when
-    # the reply is saved; the chat's Stop takes them all out and sets them, from any thread, under `_replies_lock`
-    # (not `_lock`, which a load holds for minutes). All, because a reply whose page was reloaded goes on writing
-    # (and is saved) while the new page's next reply waits behind it. Stop ends the chat's replies only, never an
-    # API client's request. A reply that ends cancelled with its flag still here was not stopped by the user: the
-    # model was closed under it (chat_flow saves it as interrupted).
-    chat_replies: set = field(default_factory=set)
+    # The chat's replies still being written, by conversation: at most one each (the runtime runs one request at a
+    # time and queues the others). chat_flow adds one when it submits it and removes it once the reply is saved (its
+    # handle's done callback, on the runtime's worker); Stop cancels through each reply's handle. Read and changed
+    # from any thread (pages, the worker) under `_replies_lock`, not `_lock`, which a load holds for minutes. A
+    # reply lives here, not in a page: switching chats, a reload or a closed tab leave it running, and it is saved
+    # in its own chat.
+    chat_replies: dict = field(default_factory=dict)
     # Saved settings the store refused when read (`check_settings`): the page's header says so for this run.
     settings_notice: str = ""
     _machine: Machine | None = None
@@ -110,24 +99,32 @@ class Session:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _replies_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def chat_reply(self, stop: threading.Event, running: bool) -> None:
-        """A chat reply with stop flag `stop` starts (`running`) or has been saved (not `running`)."""
+    def begin_chat_reply(self, conv_id: int, reply: object) -> bool:
+        """Record `reply` (a chat_flow.ChatReply) as chat `conv_id`'s; False when that chat already has one."""
         with self._replies_lock:
-            if running:
-                self.chat_replies.add(stop)
-            else:
-                self.chat_replies.discard(stop)
+            if conv_id in self.chat_replies:
+                return False
+            self.chat_replies[conv_id] = reply
+            return True
 
-    def stop_chat(self) -> None:
-        """The chat's Stop: end every chat reply still being written (module comment at `chat_replies`)."""
+    def end_chat_reply(self, conv_id: int, reply: object) -> None:
+        """`reply` has been saved (or could not be): the chat has none running any more."""
         with self._replies_lock:
-            flags = list(self.chat_replies)
-            self.chat_replies.clear()  # before they are set: what ends cancelled now was the user's Stop
-        runtime = self.runtime
-        for flag in flags:
-            flag.set()  # a reply still queued behind another ends as soon as it starts
-            if runtime is not None:
-                runtime.stop(flag)
+            if self.chat_replies.get(conv_id) is reply:
+                del self.chat_replies[conv_id]
+
+    def chat_reply(self, conv_id: int | None) -> object | None:
+        """Chat `conv_id`'s reply still being written, or None."""
+        with self._replies_lock:
+            return self.chat_replies.get(conv_id)
+
+    def stop_chat(self, conv_id: int | None = None) -> None:
+        """The chat's Stop: cancel chat `conv_id`'s reply, or (None) every chat reply still being written — a reply
+        whose page was reloaded too. Never an API client's request: those are not chat replies."""
+        with self._replies_lock:
+            replies = [r for c, r in self.chat_replies.items() if conv_id is None or c == conv_id]
+        for reply in replies:
+            reply.handle.cancel()  # a queued reply ends at once, the running one within a token
 
     @property
     def models_dir(self) -> Path:
@@ -308,7 +305,7 @@ class Session:
             return (
                 f"Loaded {model_label(model_dir, info.name)} on {info.device}, experts in {format_in_use(info.expert_format, info.dtype)}: "
                 f"{info.num_layers} MoE layers × {info.num_experts} experts, "
-                f"cache {fmt_gb(info.cache_gb)} ({info.cache_experts} experts).{self.runtime.load_notice}{notice}"
+                f"cache {sizes.cache_gib(info, info.cache_gb)} ({info.cache_experts} experts).{self.runtime.load_notice}{notice}"
             )
 
     def check_settings(self) -> str:

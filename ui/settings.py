@@ -18,12 +18,11 @@ import gradio as gr
 from fmoe_local.cache_budget import SMALLEST_MAP_BYTES, check_store_capacity, map_room_bytes
 from fmoe_local.config import POLICIES
 from fmoe_local.hardware import GIB, cache_gb_limit
+from ui import sizes
 from ui.model_formats import AUTO_HELP
 from ui.model_formats import choices as format_choices
 from ui.render import code_literal, literal
-from ui.session import Session, fmt_bytes, fmt_gb, format_in_use, format_name, model_label
-
-UNITS = (("GB", GIB), ("MB", 1024**2), ("KB", 1024))  # binary, as RuntimeConfig.cache_gb
+from ui.session import Session, format_in_use, format_name, model_label
 
 POLICY_HELP = {
     "fmoe": "fMoE (expert maps)",
@@ -91,8 +90,8 @@ def describe(session: Session) -> str:
     return (
         f"**{literal(model_label(session.model_dir, i.name))}** · {literal(i.family)} · {literal(i.device)} "
         f"({literal(i.dtype)}) · experts in {literal(format_in_use(i.expert_format, i.dtype))} · {i.num_layers} MoE layers × {i.num_experts} experts, "
-        f"top-{i.top_k} · resident {fmt_bytes(i.resident_bytes)} · one expert {fmt_bytes(i.expert_bytes)} · "
-        f"cache {fmt_gb(i.cache_gb)} = **{i.cache_experts} experts**{api}"
+        f"top-{i.top_k} · resident {in_unit(session, i.resident_bytes)} · one expert {in_unit(session, i.expert_bytes)} · "
+        f"cache {in_unit(session, i.cache_gb * GIB)} = **{i.cache_experts} experts**{api}"
     )
 
 
@@ -162,13 +161,10 @@ CACHE_HELP = "Memory kept for experts ready to run; more means fewer waits for c
 
 
 def cache_unit(session: Session) -> tuple[str, int]:
-    """(name, bytes) of the unit the cache size is typed in: the largest in which all the model's experts are at
-    least 1 (GB for real models, MB for the demo, KB for test models; GB before a model is loaded)."""
-    if session.runtime is None:
-        return UNITS[0]
-    i = session.runtime.info
-    total = i.expert_bytes * i.num_layers * i.num_experts
-    return next(((name, size) for name, size in UNITS if total >= size), UNITS[-1])
+    """(name, bytes) of the unit the cache size is typed in (sizes.cache_unit: the largest in which all the model's
+    experts are at least 1; GB before a model is loaded). Every size the tab shows is in it."""
+    unit = sizes.cache_unit(session.runtime.info if session.runtime is not None else None)
+    return unit.name, unit.bytes
 
 
 def cache_help(session: Session) -> str:
@@ -177,15 +173,15 @@ def cache_help(session: Session) -> str:
         return CACHE_HELP
     i = session.runtime.info
     return (
-        f"{CACHE_HELP} Now {fmt_gb(i.cache_gb)} = {i.cache_experts} experts; at least one expert "
-        f"({in_unit(session, i.expert_bytes)}), at most what this machine has free."
+        f"{CACHE_HELP} Now {sizes.cache_gib(i, i.cache_gb)} = {i.cache_experts} experts; at least one expert "
+        f"({in_unit(session, i.expert_bytes, toward='up')}), at most what this machine has free."
     )
 
 
-def in_unit(session: Session, n_bytes: float) -> str:
-    """A size in the cache field's unit (binary, as the field), e.g. "0.562 MB"."""
-    unit, unit_bytes = cache_unit(session)
-    return f"{n_bytes / unit_bytes:.3g} {unit}"
+def in_unit(session: Session, n_bytes: float, toward: str = "nearest") -> str:
+    """A size in the cache field's unit (binary, as the field), e.g. "0.562 MB", never "1.94e+04 MB"; `toward` "up"
+    or "down" for a minimum or maximum the user may type back."""
+    return sizes.cache_size(session.runtime.info if session.runtime is not None else None, n_bytes, toward)
 
 
 def shown_cache_size(session: Session) -> float:
@@ -287,7 +283,7 @@ def check_cache_size(session: Session, size: float | None) -> float:
         if size * unit_bytes < one * (1 - 1e-9):
             raise ValueError(
                 f"{size:g} {unit} is too small: the expert cache must hold at least one expert "
-                f"({in_unit(session, one)}). Type that or more."
+                f"({in_unit(session, one, toward='up')}). Type that or more."
             )
     elif size <= 0:
         raise ValueError(f"{size:g} {unit} is not a cache size: type more than 0.")
@@ -295,7 +291,7 @@ def check_cache_size(session: Session, size: float | None) -> float:
     if gb > top + 1e-9:
         raise ValueError(
             f"{size:g} {unit} is more than this machine has free: it has room for at most "
-            f"{top * GIB / unit_bytes:.3g} {unit} of expert cache. Type less."
+            f"{in_unit(session, top * GIB, toward='down')} of expert cache. Type less."
         )
     if session.runtime is not None:
         i = session.runtime.info
@@ -303,7 +299,7 @@ def check_cache_size(session: Session, size: float | None) -> float:
         if size * unit_bytes > everything * (1 + 1e-9):
             # The cache would silently stop at every expert: say so rather than pretend to apply the size.
             raise ValueError(
-                f"{size:g} {unit} is more than all of this model's experts take ({in_unit(session, everything)}): "
+                f"{size:g} {unit} is more than all of this model's experts take ({in_unit(session, everything, toward='down')}): "
                 "a bigger cache holds nothing more. Type at most that."
             )
     return gb
@@ -382,7 +378,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
         i = session.runtime.info
         kept = f" ({saved_distance} stays saved for models with more layers)" if keep_distance else ""
         return describe(session), literal(
-            f"Applied without reloading: cache {fmt_gb(i.cache_gb)} ({i.cache_experts} experts), prefetch distance "
+            f"Applied without reloading: cache {in_unit(session, i.cache_gb * GIB)} ({i.cache_experts} experts), prefetch distance "
             f"{i.prefetch_distance}{kept}, policy {i.policy}, {i.store_capacity} maps kept. "
             f"{session.runtime.miss_explanation}{format_pending(session)}"
         )

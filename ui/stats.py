@@ -19,9 +19,13 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator, PercentFormatter  # noqa: E402
 
 from fmoe_local.stats import RequestStats  # noqa: E402
-from ui import page_header  # noqa: E402
+from fmoe_local.units import BINARY, Unit  # noqa: E402
+from ui import (
+    page_header,  # noqa: E402
+    sizes,  # noqa: E402
+)
 from ui.render import literal  # noqa: E402
-from ui.session import Session, fmt_gb, format_in_use  # noqa: E402
+from ui.session import Session, format_in_use  # noqa: E402
 
 # A red-to-green scale: a cell's colour is its hit rate, so a rare miss does not paint a mostly-hit expert red.
 RATE_CMAP = "RdYlGn"
@@ -76,7 +80,8 @@ def heatmap_figure(stats: RequestStats | None):
     return fig
 
 
-def timeline_figure(history: list[RequestStats]):
+def timeline_figure(history: list[RequestStats], cache_unit: Unit = BINARY[1]):
+    """Hit rate, TTFT, TPOT and cache use per reply; cache use in `cache_unit` (the model's, as the summary above)."""
     fig, axes = plt.subplots(1, 4, figsize=(13, 2.8), dpi=100)
     if not history:
         for ax in axes:
@@ -90,7 +95,12 @@ def timeline_figure(history: list[RequestStats]):
         ("Expert hit rate", [100 * s.hit_rate for s in history], "%", "#16a34a"),
         ("Time to first token", [1000 * s.ttft_s for s in history], "ms", "#6366f1"),
         ("Time per output token", [1000 * s.tpot_s for s in history], "ms", "#f59e0b"),
-        ("Expert cache in use", [1024 * s.cache_gb_used for s in history], "MB", "#0ea5e9"),
+        (
+            "Expert cache in use",
+            [s.cache_gb_used * BINARY[0].bytes / cache_unit.bytes for s in history],
+            cache_unit.name,
+            "#0ea5e9",
+        ),
     ]
     for ax, (title, ys, unit, colour) in zip(axes, series, strict=True):
         ax.set_title(title, fontsize=10)
@@ -116,17 +126,19 @@ def summary(session: Session) -> str:
     i = session.runtime.info
     s = session.last_stats
     line = (
-        f"**Cache:** {fmt_gb(i.cache_gb)} on {literal(i.device)} ({i.cache_experts} experts in "
+        f"**Cache:** {sizes.cache_gib(i, i.cache_gb)} on {literal(i.device)} ({i.cache_experts} experts in "
         f"{literal(format_in_use(i.expert_format, i.dtype))})"
     )
     if s is not None:
         line += (
             f" · **last reply:** {s.tokens_per_s:.1f} tok/s, TTFT {1000 * s.ttft_s:.0f} ms, hit rate {s.hit_rate:.0%},"
-            f" {s.bytes_moved / 1e6:.1f} MB copied, {1000 * s.stall_s:.0f} ms waiting for misses,"
-            f" {fmt_gb(s.cache_gb_used)} of cache in use"
+            f" {sizes.cache_size(i, s.bytes_moved)} copied, {1000 * s.stall_s:.0f} ms waiting for misses,"
+            f" {sizes.cache_gib(i, s.cache_gb_used)} of cache in use"
         )
         if s.on_host:
             line += f", {s.on_host} misses computed on the CPU ({1000 * s.host_s:.0f} ms)"
+        if s.prompt_tokens:
+            line += f", {s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens reused from the last replies"
     return f"{line}\n\n**Misses:** {literal(session.runtime.miss_explanation)}"
 
 
@@ -145,9 +157,13 @@ def outputs(tab: StatsTab) -> list:
 def draw(session: Session) -> tuple:
     # With no model loaded (unloaded for a load, or the load failed) the last model's pictures would describe a
     # cache that is gone.
-    loaded = session.runtime is not None
+    runtime = session.runtime  # read once: a load on another thread may unload it meanwhile
+    loaded = runtime is not None
     history = list(session.history) if loaded else []
-    heat, line = heatmap_figure(session.last_stats if loaded else None), timeline_figure(history)
+    heat, line = (
+        heatmap_figure(session.last_stats if loaded else None),
+        timeline_figure(history, sizes.cache_unit(runtime.info if loaded else None)),
+    )
     plt.close(heat)  # gr.Plot renders the figure object it receives; closing frees pyplot's registry
     plt.close(line)
     return summary(session), heat, line

@@ -1,8 +1,8 @@
 """The embedded demo model: a small trained Qwen3-MoE chat LM shipped inside the package (weights/).
 
-Scope: tell callers where the shipped checkpoint lives. Training (train.py), corpus loading (data.py) and the
-routing analysis (analysis.py) are scripts that are imported only when run; this module imports none of them and
-does NOT load the model (the runtime does, through the same path as any downloaded checkpoint).
+Scope: tell callers where the shipped checkpoint lives. Its trainer, corpus and routing analysis are
+fmoe_bench/demo/, outside the runtime. This module does NOT load the model (the runtime does, through the same path
+as any downloaded checkpoint).
 """
 
 from __future__ import annotations

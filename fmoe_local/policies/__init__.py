@@ -1,7 +1,7 @@
 """Policies: one module per prefetch/eviction policy behind the interface in base.py, and the registry.
 
 Scope: name → class, and `make_policy`. It does NOT know the cache or the runtime; replay-only policies (the
-oracle, which needs the future) live in bench/ and are built there.
+oracle, which needs the future) live in fmoe_bench/ and are built there.
 """
 
 from __future__ import annotations

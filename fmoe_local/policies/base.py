@@ -2,7 +2,7 @@
 
 Scope: the contract only. Policies see expert keys, gate probabilities and semantic embeddings — never the cache's
 internals, tensors or threads. The same policy objects are driven by the live runtime (experts.py/prefetcher.py)
-and by the replay benchmark (bench/replay.py), which is what makes comparisons fair by construction.
+and by the replay benchmark (fmoe_bench/replay.py), which is what makes comparisons fair by construction.
 
 Layers here are MoE-layer indices 0..L-1 (dense layers are not counted). Probabilities are float32 numpy arrays
 over all J experts of a layer; a prefill iteration passes the mean over its tokens.

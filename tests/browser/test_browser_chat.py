@@ -1,7 +1,7 @@
 """Real browser, the chat as LM Studio / Open WebUI users expect it: the stats line of a reply cut inside a code
 block still renders as a stats line (not raw HTML inside the code), generation settings survive a page reload,
-Send shows that a reply is streaming (and the conversation cannot be switched under it), and a reply whose page
-was reloaded mid-stream is kept."""
+Send shows that a reply is streaming (while other chats can be opened and started), a reply whose page was
+reloaded mid-stream is kept, and switching chats while a reply streams leaves it running into its own chat."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
             button = page.locator("#send")
             page.wait_for_function("() => document.querySelector('#send').disabled === true", timeout=30_000)
             assert "Generating" in button.inner_text()
-            assert page.locator("#new-chat").is_disabled() and page.locator("#conv-list input").first.is_disabled()
+            # The reply belongs to its chat: starting or opening another one stays possible (issue 30).
+            assert page.locator("#new-chat").is_enabled() and page.locator("#conv-list input").first.is_enabled()
             page.locator("#stop").click()
             page.wait_for_function(
                 "() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS
@@ -60,9 +61,8 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
             assert button.inner_text().strip() == "Send"
             assert page.locator("#new-chat").is_enabled() and page.locator("#conv-list input").first.is_enabled()
 
-            # A reload in the middle of a reply: the reply is kept. Either the server closed the page's stream (the
-            # model stops; what it wrote is saved as stopped) or it could not, and the reply ran to its end on its
-            # own thread (saved whole, with its stats); a model that ended the reply itself is saved the same way.
+            # A reload in the middle of a reply: the reply is kept. It belongs to its chat, not to the page: it runs to
+            # its end and is saved whole, with its stats, and the reloaded page shows it streaming meanwhile.
             send(page, "Keep going.")
             page.wait_for_function(
                 "() => document.querySelector('#chatbot').innerText.split('Keep going.')[1]?.trim().length > 6",
@@ -91,3 +91,78 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
         finally:
             app.stop()
         browser.close()
+
+
+def _chat_text(page) -> str:
+    return page.locator("#chatbot").inner_text()
+
+
+def test_switching_chats_while_a_reply_streams(tiny_model_dir, tmp_path):
+    """Issue 30, item 2: the reply goes on and lands in its own chat, never in the chat shown; another chat can be
+    read and a new one started (its reply says it waits for its turn); going back shows the first reply streaming or
+    finished, and both are saved."""
+    from store import open_store
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with open_store(data) as store:
+        old = store.chats.create("Old chat")
+        store.chats.append(old.id, "user", "An old question.")
+        store.chats.append(old.id, "assistant", "An old answer.", {"tokens_per_s": 9.0, "finish_reason": "stop"})
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", port=7907, token_delay_s=0.05)
+        try:
+            page = open_page(browser, app.url, [])
+            page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 200
+            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
+            set_max_tokens(page, 200)  # 200 tokens at 50 ms: 10 s a reply
+            send(page, "Tell me a very long story.")
+            page.wait_for_function(
+                "() => document.querySelector('#chatbot').innerText.split('very long story.')[1]?.trim().length > 6",
+                timeout=STREAM_TIMEOUT_MS,
+            )
+            page.locator("#conv-list").get_by_text("Old chat").click()  # reading another chat during the reply
+            page.wait_for_function(
+                "() => document.querySelector('#chatbot').innerText.includes('An old answer.')", timeout=30_000
+            )
+            page.wait_for_timeout(1500)  # tokens keep coming meanwhile: none of them may land in this chat
+            shown = _chat_text(page)
+            assert "very long story" not in shown and "An old answer." in shown, shown
+            assert page.locator("#send").is_enabled()  # this chat is not answering: Send works here
+
+            page.locator("#new-chat").click()  # a new chat during the reply: its reply waits, and says so
+            page.wait_for_function(  # the new chat is shown (its empty view) before anything is typed into it
+                "() => !document.querySelector('#chatbot').innerText.includes('An old answer.')", timeout=30_000
+            )
+            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
+            set_max_tokens(page, 200, open_panel=False)
+            send(page, "A second question.")
+            page.wait_for_function(
+                "() => document.querySelector('#chatbot').innerText.includes('Waiting for its turn')",
+                timeout=30_000,
+            )
+            page.screenshot(path=SHOTS / "chat-waits-its-turn.png", full_page=True)
+
+            page.locator("#conv-list").get_by_text("Tell me a very long story.").click()  # back: streaming or done
+            page.wait_for_function(
+                "() => document.querySelector('#chatbot').innerText.split('very long story.')[1]?.trim().length > 6",
+                timeout=30_000,
+            )
+            assert "A second question." not in _chat_text(page)
+            page.locator("#chatbot .reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)  # it ended and was saved
+            page.locator("#conv-list").get_by_text("A second question.").click()
+            page.locator("#chatbot .reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)  # the waiting one too
+            assert "Waiting for its turn" not in _chat_text(page)
+            page.close()
+        finally:
+            app.stop()
+        browser.close()
+    with open_store(data) as store:
+        replies = {
+            c.title: [m.content for m in store.chats.messages(c.id) if m.role == "assistant"]
+            for c in store.chats.list()
+        }
+    assert replies["Old chat"] == ["An old answer."]  # nothing written into the chat that was shown
+    assert len(replies["Tell me a very long story."]) == 1 and replies["Tell me a very long story."][0]
+    assert len(replies["A second question."]) == 1 and replies["A second question."][0]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of `bench live --synthetic` on the lent GPU: a copy of an earlier fmoe_local (BASE, a folder holding
-# fmoe_local/) against this checkout's, interleaved on the same machine, after the CUDA tests and the copy-only
-# lossless runs of this checkout. Same carried paths as check.sh; run from the repository root:
+# fmoe_local/, and fmoe_bench/ when it is from after the split; else this checkout's bench drives it) against this
+# checkout's, interleaved on the same machine, after the CUDA tests and the copy-only lossless runs of this checkout.
+# Same carried paths as check.sh; run from the repository root:
 #   BASE=.gpu/base bash tools/gpu_check/ab_live.sh
 # SHAPES (default "mixtral-8x7b qwen3-30b-a3b"), POLICIES (default fmoe,lru,on_demand) and LOSSLESS=0 (skip the
 # lossless runs) fit it to the device time left.
@@ -9,6 +10,7 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-420}
 BASE=$(cd "${BASE:?set BASE to a folder holding the earlier fmoe_local}" && pwd)
 START=$(date +%s)
+REPO=$PWD
 OUT=${OUT:-/tmp/gpu_ab_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
@@ -37,7 +39,7 @@ wait $TESTS
 
 live() {  # WHICH DIR NAME FORMAT MISSES SECONDS
   section "$1: bench live --synthetic $3 --expert-format $4 --miss-handling $5"
-  (cd "$2" && timeout "$(limit "$6")" python3 -m fmoe_local.cli bench live --synthetic "$3" --layers 4 \
+  (cd "$2" && PYTHONPATH="$PYTHONPATH:$REPO" timeout "$(limit "$6")" python3 -m fmoe_bench.cli live --synthetic "$3" --layers 4 \
     --expert-format "$4" --trace "$TRACE" --policies "${POLICIES:-fmoe,lru,on_demand}" --miss-handling "$5" --requests 3 \
     --max-new-tokens 16 --device cuda --json "$OUT/$1_$3_$4.json" 2>&1) | grep -v -E "Loading weights|Writing model" \
     | tee -a "$OUT/live.txt" | tail -10

@@ -77,7 +77,7 @@ tail -30 "$OUT/packed.txt"
 
 live() {  # NAME LAYERS FORMAT SECONDS
   section "4. bench live --synthetic $1 --layers $2 --expert-format $3"
-  timeout "$(limit "$4")" python3 -m fmoe_local.cli bench live --synthetic "$1" --layers "$2" --expert-format "$3" \
+  timeout "$(limit "$4")" python3 -m fmoe_bench.cli live --synthetic "$1" --layers "$2" --expert-format "$3" \
     --trace .gpu/data/traces/deepseek-v2-lite-intent.npz --policies fmoe,lru,on_demand,cpu_moe \
     --miss-handling copy,cpu,auto --requests 3 --max-new-tokens 16 --device cuda \
     --json "$OUT/live_$1_$3.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tee -a "$OUT/live.txt" | tail -22

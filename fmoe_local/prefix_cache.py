@@ -1,0 +1,206 @@
+"""PrefixCache: the KV caches of recent requests, kept so that a request sharing a prompt prefix prefills only the rest.
+
+Scope: which kept cache serves a new prompt (the longest common token prefix), handing it over (whole, or its first
+tokens copied so that the kept one stays for its own conversation), taking the request's cache back afterwards, and
+the byte budget (RuntimeConfig.prefix_cache_gb; the least recently used cache goes first). It does NOT run the model,
+know a request's text, or touch the expert cache.
+
+Threads: a PrefixCache belongs to the thread that runs the model, the runtime's worker: `take` and `put` are called
+only by Runtime._run around generate_ids, `clear` only between requests (Runtime.reset_cache). The caches it holds
+are that thread's too; nothing else reads them. A model reload builds a new Runtime, so an empty PrefixCache.
+
+Exactness: a reused cache must hold what a fresh prefill of the same tokens computes, so that the reply is the one
+the same request gets without reuse (tests/test_prefix_cache.py, every family). Where that cannot hold, nothing is
+reused:
+- a layer kind other than transformers' plain or sliding-window dynamic layer (hf_internals.kv_layers): the model
+  is never served from a kept cache;
+- a sliding-window layer past its window keeps only its last window − 1 tokens, so its cache cannot be cut short:
+  such a cache is reused only whole, when the prompt extends every token it holds (the next turn of a chat), never
+  for a regenerate or an edit (GPT-OSS's every other layer; Mixtral, Qwen with a sliding_window);
+- a RoPE whose frequencies follow the pass's length (longrope: Phi-3.5-MoE; dynamic NTK) computes a prefix
+  differently once a pass reaches its original context: prompts longer than that are prefilled whole, and a cache
+  that grew past it is not kept.
+At least the prompt's last token is always prefilled: its logits give the reply's first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PretrainedConfig
+
+from fmoe_local.hf_internals import KVLayer, kv_layers
+
+
+@dataclass(eq=False)  # identity: list.remove must not compare the ids arrays
+class _Entry:
+    ids: np.ndarray  # the tokens the cache holds, in order [n]
+    cache: DynamicCache
+    nbytes: int
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def rope_length_limit(config: PretrainedConfig) -> int | None:
+    """The longest prompt a kept cache may serve for this model's RoPE: the original context of a longrope or
+    dynamic RoPE (whose frequencies switch when a pass reaches it), None when positions never change meaning."""
+    params = getattr(config, "rope_parameters", None) or {}
+    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    limits = []
+    for group in groups:
+        kind = str(group.get("rope_type", "default"))
+        if kind == "longrope" or "dynamic" in kind:
+            limits.append(int(group.get("original_max_position_embeddings") or config.max_position_embeddings))
+    return min(limits) if limits else None
+
+
+def _held_bytes(layers: list[KVLayer]) -> int:
+    """Memory the layers keep alive: whole storages (a sliding-window layer's states are views of a larger one)."""
+    storages = {}
+    for layer in layers:
+        for t in (layer.keys, layer.values):
+            if t is not None:
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _cuttable(layers: list[KVLayer], tokens: int) -> bool:
+    """Whether the first `tokens` tokens can be taken from these layers exactly: every sliding-window layer still
+    holds all it has seen, or nothing is cut."""
+    return all(layer.window is None or layer.length < layer.window or layer.length == tokens for layer in layers)
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        model_config: PretrainedConfig,
+        budget_bytes: int,
+        free_bytes: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        """`budget_bytes`: what the kept caches may take together (cache_budget.prefix_budget_bytes). `free_bytes`:
+        memory free now where the KV cache lives (CUDA), asked before a request so that kept caches are dropped
+        before the request's own KV cache runs the device out of memory; None where nothing is to be checked."""
+        self._config = model_config
+        self.budget_bytes = budget_bytes
+        self._free_bytes = free_bytes
+        self._entries: list[_Entry] = []  # least recently used first
+        self._rope_limit = rope_length_limit(model_config)
+        self.supported = kv_layers(self.new_cache()) is not None
+
+    @property
+    def enabled(self) -> bool:
+        return self.supported and self.budget_bytes > 0
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self._config)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def take(self, prompt: Sequence[int], new_tokens: int = 0) -> tuple[DynamicCache, int]:
+        """A KV cache for `prompt` and how many of its first tokens it already holds (0: a fresh cache). A kept
+        cache the prompt extends is handed over whole (no longer kept); one sharing less is copied up to the shared
+        tokens and stays kept. `new_tokens`: tokens the request may still add (the reply), for the room check."""
+        if not self.enabled or len(prompt) < 2 or (self._rope_limit is not None and len(prompt) > self._rope_limit):
+            return self._fresh(prompt, new_tokens)
+        ids = np.asarray(prompt, dtype=np.int64)
+        best: tuple[_Entry, list[KVLayer], int] | None = None
+        for entry in reversed(self._entries):  # the most recently used first: it wins a tie
+            shared = min(common_prefix(entry.ids, ids), len(ids) - 1)
+            if shared > (best[2] if best else 0):
+                layers = kv_layers(entry.cache)
+                if layers is not None and _cuttable(layers, shared):
+                    best = (entry, layers, shared)
+        if best is None:
+            return self._fresh(prompt, new_tokens)
+        entry, layers, shared = best
+        self._entries.remove(entry)
+        if shared == len(entry.ids):
+            self._make_room(len(prompt) - shared + new_tokens, entry.nbytes / len(entry.ids))
+            return entry.cache, shared
+        self._entries.append(entry)  # stays kept, now the most recently used
+        copy = self._copy(layers, shared, keep=entry)
+        if copy is None:
+            return self._fresh(prompt, new_tokens)
+        self._make_room(len(prompt) - shared + new_tokens, entry.nbytes / len(entry.ids))
+        return copy, shared
+
+    def put(self, ids: Sequence[int], cache: DynamicCache) -> None:
+        """Keep `cache` (after a request that ended between two forward passes), which holds the first tokens of
+        `ids` (prompt + reply; the reply's last token was never run). A cache whose layers disagree on their length
+        (a forward pass cut short) is dropped; one over the whole budget keeps only the tokens that fit."""
+        layers = kv_layers(cache) if self.enabled else None
+        if not layers:
+            return
+        n = layers[0].length
+        if n == 0 or n > len(ids) or any(layer.length != n for layer in layers):
+            return
+        if self._rope_limit is not None and n > self._rope_limit:
+            return
+        nbytes = _held_bytes(layers)
+        if nbytes > self.budget_bytes:
+            fit = int(n * self.budget_bytes // nbytes)
+            if fit < 1 or not _cuttable(layers, fit):
+                return
+            del cache
+            cache = self._copy(layers, fit)
+            if cache is None:
+                return
+            layers = kv_layers(cache)
+            n, nbytes = fit, _held_bytes(layers)
+        kept = np.asarray(ids[:n], dtype=np.int64)
+        # A kept cache this one extends is redundant: any prompt it serves, this one serves as far.
+        self._entries = [e for e in self._entries if not (len(e.ids) <= n and common_prefix(e.ids, kept) == len(e.ids))]
+        while self._entries and self.held_bytes + nbytes > self.budget_bytes:
+            self._entries.pop(0)
+        self._entries.append(_Entry(kept, cache, nbytes))
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+    def _fresh(self, prompt: Sequence[int], new_tokens: int) -> tuple[DynamicCache, int]:
+        if self._entries:
+            per_token = self._entries[-1].nbytes / len(self._entries[-1].ids)
+            self._make_room(len(prompt) + new_tokens, per_token)
+        return self.new_cache(), 0
+
+    def _make_room(self, tokens: int, per_token: float) -> None:
+        """Drop kept caches, least recently used first, while the device has less free memory than the request's
+        KV cache will grow by: a kept prefix must never be why a request runs out of memory."""
+        need = tokens * per_token
+        while self._entries:
+            free = self._free_bytes()
+            if free is None or free >= need:
+                return
+            self._entries.pop(0)
+
+    def _copy(self, layers: list[KVLayer], tokens: int, keep: _Entry | None = None) -> DynamicCache | None:
+        """A new cache holding the first `tokens` tokens of `layers`; kept caches other than `keep` are dropped
+        (least recently used first) while the copy runs out of memory, and None when even that does not help."""
+        states = [
+            (None, None) if layer.keys is None else (layer.keys[:, :, :tokens], layer.values[:, :, :tokens])
+            for layer in layers
+        ]
+        while True:
+            try:
+                # The constructor concatenates each layer's states onto an empty one: a copy, not a view.
+                return DynamicCache(ddp_cache_data=states, config=self._config)
+            except (torch.OutOfMemoryError, MemoryError):
+                others = [e for e in self._entries if e is not keep]
+                if not others:
+                    return None
+                self._entries.remove(others[0])

@@ -1,0 +1,249 @@
+"""Prefix reuse: a request sharing a prompt prefix with an earlier one prefills only the rest, and its greedy reply is
+token for token the one transformers' eager experts give the whole prompt (every family and the demo model): a
+regenerate, the next turn of a chat, an edit. Then the rules where reuse would not be exact (sliding windows past
+their window, length-dependent RoPE, a cache cut short), the byte budget, and the drop on reset_cache.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PhimoeConfig
+
+from fmoe_local.cache_budget import SettingRefused, prefix_budget_bytes
+from fmoe_local.config import RuntimeConfig, Sampling
+from fmoe_local.demo import demo_model_dir
+from fmoe_local.generate import generate_ids
+from fmoe_local.hf_internals import kv_layers
+from fmoe_local.prefix_cache import PrefixCache, common_prefix, rope_length_limit
+from fmoe_local.runtime import Runtime
+from tests.tiny import FAMILIES
+
+NEW = 8
+GREEDY = Sampling(greedy=True, max_new_tokens=NEW)
+FIRST = "Tell me about the ocean and the waves."
+EDITED = "Tell me about the ocean and the fish."
+NEXT = " Now a poem."
+
+
+def eager(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
+    return model.eval()
+
+
+def reference(model, prompt_ids: torch.Tensor) -> list[int]:
+    out = model.generate(prompt_ids, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW)
+    return out[0, prompt_ids.shape[1] :].tolist()
+
+
+def same_reply(final, expected: list[int], eos: set[int]) -> bool:
+    """Ours stops at EOS, the reference is forced on: equal up to our end."""
+    got = final.token_ids
+    return got == expected[: len(got)] and (len(got) == NEW or got[-1] in eos)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "demo"])
+def test_reused_prefix_gives_the_eager_tokens_for_regenerate_next_turn_and_edit(family, tiny_model_dir):
+    """Text prompts (the /v1/completions path: the same reuse as a chat's, without a template to render), short
+    enough that GPT-OSS's 64-token sliding window never fills (tests below cover a full one)."""
+    model_dir = demo_model_dir() if family == "demo" else tiny_model_dir(family)
+    ref = eager(model_dir)
+    config = RuntimeConfig(device="cpu", cache_experts=4, sampling=GREEDY)
+    with Runtime.load(model_dir, config) as runtime:
+        e = runtime.engine
+        first = e.tokenize_prompt(FIRST)
+        turn1 = runtime.generate(FIRST)
+        assert turn1.stats.cached_tokens == 0
+        assert same_reply(turn1, reference(ref, torch.tensor([first])), e.eos_ids), family
+
+        again = runtime.generate(FIRST)  # regenerate: everything but the last prompt token is reused
+        assert again.stats.cached_tokens == len(first) - 1, family
+        assert again.token_ids == turn1.token_ids
+
+        chat = FIRST + turn1.text + NEXT
+        ids = e.tokenize_prompt(chat)
+        held = np.asarray(first + again.token_ids[:-1])  # what the kept cache holds: the reply's last never ran
+        turn2 = runtime.generate(chat)  # the next turn: what still matches of the last prompt and reply
+        assert turn2.stats.cached_tokens == min(common_prefix(held, np.asarray(ids)), len(ids) - 1) >= len(first) - 1
+        assert same_reply(turn2, reference(ref, torch.tensor([ids])), e.eos_ids), family
+        assert len(ids) + NEW < 64
+
+        edited = e.tokenize_prompt(EDITED)
+        edit = runtime.generate(EDITED)  # an edit: the part before the change is reused
+        assert edit.stats.cached_tokens == common_prefix(np.asarray(first), np.asarray(edited)) > 0, family
+        assert same_reply(edit, reference(ref, torch.tensor([edited])), e.eos_ids), family
+
+
+def test_reset_cache_and_a_zero_budget_prefill_whole(tiny_model_dir):
+    prompt = [{"role": "user", "content": FIRST}]
+    config = RuntimeConfig(device="cpu", cache_experts=4, sampling=GREEDY)
+    with Runtime.load(tiny_model_dir("qwen3_moe"), config) as runtime:
+        runtime.generate(prompt)
+        assert runtime.generate(prompt).stats.cached_tokens > 0
+        runtime.reset_cache()
+        assert runtime.generate(prompt).stats.cached_tokens == 0
+    with Runtime.load(tiny_model_dir("qwen3_moe"), config.with_changes(prefix_cache_gb=0.0)) as runtime:
+        runtime.generate(prompt)
+        assert runtime.generate(prompt).stats.cached_tokens == 0
+
+
+def test_semantic_embedding_counts_the_reused_tokens(tiny_model_dir):
+    """The matcher's semantic side sees the whole prompt with reuse as without: the first iteration's embedding."""
+    prompt = [{"role": "user", "content": FIRST}]
+    config = RuntimeConfig(device="cpu", cache_experts=4, sampling=Sampling(greedy=True, max_new_tokens=1))
+    with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
+        seen = []
+        offload = runtime.engine.offload
+        publish = offload.publish
+
+        def spy(kind, **kw):
+            if kind == "begin_iteration":
+                seen.append(kw["value"].clone())
+            publish(kind, **kw)
+
+        runtime.engine.observer._publish = spy
+        assert runtime.generate(prompt).stats.cached_tokens == 0
+        assert runtime.generate(prompt).stats.cached_tokens > 0
+        torch.testing.assert_close(seen[1], seen[0], rtol=1e-5, atol=1e-6)
+
+
+# ---- the rules, on the cache itself ----------------------------------------------------------------------------
+
+
+def run(model, ids: list[int], cache, cached: int, n: int = 4) -> list[int]:
+    return list(
+        generate_ids(
+            model,
+            torch.tensor([ids]),
+            Sampling(greedy=True, max_new_tokens=n),
+            set(),
+            threading.Event(),
+            cache=cache,
+            cached=cached,
+        )
+    )
+
+
+def test_sliding_window_cache_past_its_window_is_reused_only_whole(tiny_model_dir):
+    """GPT-OSS (window 64 in the tiny config): a 100-token prompt's cache keeps 63 tokens in its sliding layers, so
+    a regenerate cannot cut it (prefilled whole), while a prompt extending all of it reuses it exactly."""
+    model = eager(tiny_model_dir("gpt_oss"))
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    prompt = [(7 * i) % 300 + 10 for i in range(100)]
+    cache, reused = prefixes.take(prompt)
+    reply = run(model, prompt, cache, reused)
+    prefixes.put(prompt + reply, cache)
+    assert prefixes.take(prompt)[1] == 0  # would cut the sliding layers: not reused
+    longer = prompt + reply[:-1] + [42, 43]
+    cache, reused = prefixes.take(longer)
+    assert reused == len(prompt) + len(reply) - 1
+    assert run(model, longer, cache, reused) == run(model, longer, None, 0)
+
+
+def test_sliding_window_cache_within_its_window_is_cut(tiny_model_dir):
+    model = eager(tiny_model_dir("gpt_oss"))
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    prompt = list(range(10, 40))
+    cache, _ = prefixes.take(prompt)
+    prefixes.put(prompt + run(model, prompt, cache, 0), cache)
+    edited = prompt[:20] + [99, 98, 97]
+    cache, reused = prefixes.take(edited)
+    assert reused == 20
+    assert run(model, edited, cache, reused) == run(model, edited, None, 0)
+    assert len(prefixes) == 1  # the kept cache stays for its own conversation; the edit got a copy
+
+
+def test_length_dependent_rope_reuses_only_within_its_original_context():
+    config = PhimoeConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+        intermediate_size=16, num_local_experts=4, max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "short_mscale": 1.0, "long_mscale": 1.2,
+        },
+    )  # fmt: skip
+    assert rope_length_limit(config) == 16
+    prefixes = PrefixCache(config, budget_bytes=1 << 30)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    short = list(range(1, 11))
+    cache, _ = prefixes.take(short)
+    prefixes.put(short + run(model, short, cache, 0), cache)
+    assert prefixes.take(short)[1] == 9
+    assert prefixes.take(short + list(range(20, 30)))[1] == 0  # 20 tokens: past 16, the frequencies switch
+    cache, _ = prefixes.take(list(range(1, 15)))
+    grown = list(range(1, 15)) + run(model, list(range(1, 15)), cache, 0, n=6)
+    before = len(prefixes)
+    prefixes.put(grown, cache)  # grew to 19 tokens, past 16: not kept
+    assert len(prefixes) == before
+
+
+def test_a_cache_cut_short_mid_pass_is_not_kept(tiny_model_dir):
+    model = eager(tiny_model_dir("mixtral"))
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    cache = prefixes.new_cache()
+    cache.update(torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16), 0)  # layer 0 wrote, the others did not
+    prefixes.put(list(range(10)), cache)
+    assert len(prefixes) == 0
+
+
+def test_budget_keeps_the_most_recent_and_cuts_one_over_it(tiny_model_dir):
+    model = eager(tiny_model_dir("qwen2_moe"))
+    probe = PrefixCache(model.config, budget_bytes=1 << 30)
+    a = list(range(10, 50))
+    cache, _ = probe.take(a)
+    probe.put(a + run(model, a, cache, 0, n=1), cache)
+    per_token = probe.held_bytes / 40
+    prefixes = PrefixCache(model.config, budget_bytes=int(per_token * 50))
+    for start in (100, 200):  # two 40-token caches do not fit 50 tokens' worth: the older one goes
+        ids = list(range(start, start + 40))
+        cache, _ = prefixes.take(ids)
+        prefixes.put(ids + run(model, ids, cache, 0, n=1), cache)
+    assert len(prefixes) == 1 and prefixes.held_bytes <= prefixes.budget_bytes
+    assert prefixes.take(list(range(100, 140)))[1] == 0
+    long = list(range(10, 80))  # 70 tokens, over the whole budget: its first 50 are kept
+    cache, _ = prefixes.take(long)
+    prefixes.put(long + run(model, long, cache, 0, n=1), cache)
+    assert prefixes.held_bytes <= prefixes.budget_bytes
+    cache, reused = prefixes.take(long)
+    assert 40 <= reused < 70
+    assert run(model, long, cache, reused) == run(model, long, None, 0)
+
+
+def test_device_memory_short_drops_kept_caches_first(tiny_model_dir):
+    model = eager(tiny_model_dir("olmoe"))
+    free = [1 << 40]
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30, free_bytes=lambda: free[0])
+    for start in (10, 60):
+        ids = list(range(start, start + 30))
+        cache, _ = prefixes.take(ids)
+        prefixes.put(ids + run(model, ids, cache, 0, n=1), cache)
+    assert len(prefixes) == 2
+    free[0] = 0  # the GPU is full: the next request's KV cache would not fit
+    prefixes.take(list(range(200, 230)), new_tokens=10)
+    assert len(prefixes) == 0
+
+
+def test_budget_setting():
+    gib = 1 << 30
+    assert prefix_budget_bytes(None, 8 * gib) == 2 * gib
+    assert prefix_budget_bytes(None, 64 * gib) == 4 * gib
+    assert prefix_budget_bytes(0.5, 8 * gib) == gib // 2
+    with pytest.raises(SettingRefused, match="only 1.00 GB are free") as refused:
+        prefix_budget_bytes(2.0, gib)
+    assert refused.value.setting == "prefix_cache_gb"
+    with pytest.raises(ValueError, match="Set the prefix cache to 0 GB"):
+        RuntimeConfig(prefix_cache_gb=-1.0).validate()
+    with pytest.raises(ValueError, match="Set the prefix cache to 0 GB"):
+        RuntimeConfig(prefix_cache_gb=float("nan")).validate()
+
+
+def test_common_prefix_and_kv_layers(tiny_model_dir):
+    assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert common_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2
+    assert common_prefix(np.array([], dtype=np.int64), np.array([1])) == 0
+    model = eager(tiny_model_dir("gpt_oss"))
+    layers = kv_layers(PrefixCache(model.config, 1).new_cache())
+    assert [layer.window for layer in layers] == [64, None]

@@ -1,0 +1,71 @@
+"""What a chat request asks of its reply's shape, checked against the loaded model before it is queued: tools the
+model's chat template must show it (else a 400 saying so), a tool call forced by tool_choice ("required" or a
+named function) or a reply held to JSON (response_format json_object / json_schema) — each a grammar the runtime
+enforces token by token (fmoe_local/constrained.py), one it cannot compile a 400 naming the schema's path.
+
+Scope: the grammar of the request (`Shaped.sampling`) and how its reply is read back (`Shaped.calls`: the model's
+tool-call format and the tools, for ui/tool_calls.py's CallStream). It does NOT parse the body (openai_request.py)
+or write the reply (openai_stream.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fmoe_local.config import Sampling
+from ui.openai_request import ApiError, ApiRequest
+from ui.tool_calls import FORMATS, CallStream, ToolFormat, format_of
+
+# Where tool-calling works today, for the sentence that refuses a model without it.
+TOOL_MODELS = "Qwen2.5 and Qwen3 models (their chat templates show the model its tools and read its calls)"
+
+
+@dataclass(frozen=True)
+class Shaped:
+    sampling: Sampling
+    tools: list[dict]
+    fmt: ToolFormat | None = None
+
+    def calls(self) -> CallStream | None:
+        """A new reader of the reply's tool calls; None when the model may not call any."""
+        return CallStream(self.fmt, self.tools) if self.fmt is not None and self.tools else None
+
+
+def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
+    """Blocking (renders and compiles): run it on a thread. Raises ApiError 400 for what the model cannot do."""
+    from fmoe_local.constrained import JSON_OBJECT_SCHEMA, GrammarRefused, json_schema_grammar, lark_grammar
+
+    sampling, fmt = req.sampling, None
+    try:
+        if req.tools:
+            fmt = format_of(runtime.chat_template)
+            if fmt is None or not runtime.supports_tools():
+                raise ApiError(
+                    400,
+                    "The loaded model's chat template does not take tools (or writes tool calls in a format this app "
+                    f"does not read yet: it reads {', '.join(f.name for f in FORMATS)}), so the model would never "
+                    f"see them. Tool calling works with {TOOL_MODELS}; send this request without 'tools', or "
+                    'with tool_choice "none".',
+                    "tools",
+                )
+            for i, tool in enumerate(req.tools):  # each schema alone first, so that a refusal names its path
+                params = tool["function"].get("parameters")
+                if params:
+                    runtime.check_grammar(json_schema_grammar(params), params, f"tools[{i}].function.parameters")
+            if req.tool_choice not in ("auto", "none"):
+                only = None if req.tool_choice == "required" else req.tool_choice
+                grammar = lark_grammar(fmt.grammar(req.tools, only, req.parallel_tool_calls))
+                runtime.check_grammar(grammar, None, "tools")
+                sampling = replace(sampling, grammar=grammar)
+        rf = req.response_format
+        if rf is not None and rf.type != "text" and sampling.grammar is None:
+            schema = JSON_OBJECT_SCHEMA if rf.type == "json_object" else rf.json_schema.schema_
+            grammar = json_schema_grammar(schema)
+            runtime.check_grammar(grammar, schema, "response_format.json_schema.schema")
+            sampling = replace(sampling, grammar=grammar)
+    except GrammarRefused as exc:
+        param = "response_format" if exc.path.startswith("response_format") else "tools"
+        raise ApiError(400, str(exc), param) from exc
+    except ValueError as exc:  # a schema llguidance cannot even read as JSON schema
+        raise ApiError(400, f"A JSON schema in the request cannot be read: {exc}.", "response_format") from exc
+    return Shaped(sampling, req.tools, fmt)
