@@ -356,7 +356,7 @@ def test_a_reply_cut_by_a_model_load_is_kept_as_interrupted_and_only_the_user_s_
     from fmoe_local.demo import demo_model_dir
     from ui import chat_flow
 
-    def cut_only_by_its_stop_flag(model, prompt_ids, sampling, eos_ids, stop, after_forward=None):
+    def cut_only_by_its_stop_flag(model, prompt_ids, sampling, eos_ids, stop, **_):  # the rules, a KV cache
         # Three tokens, then the reply waits for its stop flag: it cannot end on its own before the load lands.
         for _ in range(3):
             yield 100
