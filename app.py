@@ -291,10 +291,11 @@ def serve(args: argparse.Namespace):
         raise SystemExit(f"fmoe-local: {exc}") from exc
     demo = build(session)
     demo.queue(default_concurrency_limit=1)
+    from ui.anthropic_api import build_router as build_messages_router
     from ui.openai_api import build_router
     from ui.server import Server
 
-    api = build_router(session)
+    api = build_router(session, others=(build_messages_router(session),))  # /v1: OpenAI's API and Anthropic's
     origins = tuple(args.allow_origin)
     if origins:
         print(f"fmoe-local: the /v1 API also answers browser pages from {', '.join(origins)}.", flush=True)

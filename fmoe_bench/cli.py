@@ -1,11 +1,12 @@
 """`fmoe-local bench …`: argument parsing and printing for the benchmarks.
 
-Scope: `bench replay` (every policy on recorded traces, a table, --json, --plot, --sweep prefetch-distance),
-`bench matcher` (map-search cost), `bench cpu-experts` (cpu_experts.py), and the wiring of `bench live` (live_cli.py)
-and `bench overhead` (overhead.py), whose modules own their arguments. This module is the `bench` Commands of
-fmoe_local/cli.py: app.py hands it to `cli.main`, which calls `add_parser(subparsers)` and `run(args)`, so the runtime
-never imports the benchmarks; `python -m fmoe_bench.cli …` works on its own too. It does NOT simulate anything itself
-(replay.py) and builds policies only through `policies.make_policy` (the oracle through oracle.py).
+Scope: `bench replay` (every policy on recorded traces, a table, --json, --plot, --sweep prefetch-distance), `bench
+matcher` (map-search cost), `bench cpu-experts` (cpu_experts.py), `bench cpu-decode` (cpu_decode.py), and the wiring of
+`bench live` (live_cli.py) and `bench overhead` (overhead.py), whose modules own their arguments. This module is the
+`bench` Commands of fmoe_local/cli.py: app.py hands it to `cli.main`, which calls `add_parser(subparsers)` and
+`run(args)`, so the runtime never imports the benchmarks; `python -m fmoe_bench.cli …` works on its own too. It does NOT
+simulate anything itself (replay.py) and builds policies only through `policies.make_policy` (the oracle through
+oracle.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,18 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from fmoe_bench import constrained, cpu_experts, live_cli, matcher, overhead, prefix, quality, record, replay_report
+from fmoe_bench import (
+    constrained,
+    cpu_decode,
+    cpu_experts,
+    live_cli,
+    matcher,
+    overhead,
+    prefix,
+    quality,
+    record,
+    replay_report,
+)
 from fmoe_bench.fold import fold, parse_fold
 from fmoe_bench.oracle import OraclePolicy
 from fmoe_bench.parts import learned_first, parse_counts, select_requests
@@ -133,6 +145,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     cpu_experts.add_parser(sub)
     constrained.add_parser(sub)
     prefix.add_parser(sub)
+    cpu_decode.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         return matcher.run(args)
     if args.bench_command == "cpu-experts":
         return cpu_experts.run(args)
+    if args.bench_command == "cpu-decode":
+        return cpu_decode.run(args)
     if args.bench_command == "live":
         return live_cli.run(args)
     if args.bench_command == "overhead":

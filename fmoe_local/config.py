@@ -25,7 +25,9 @@ class Sampling:
     max_new_tokens: int = 512
     temperature: float = 0.7
     top_p: float = 0.9
-    top_k: int = 0  # keep only the k likeliest tokens; 0 = no limit
+    # Only the k likeliest tokens may be sampled (the Anthropic API's top_k, the chat's Top-k); 0 keeps every token,
+    # as transformers' top_k=0 does.
+    top_k: int = 0
     # > 1 makes every token already in the prompt or the reply less likely (transformers' rule: logit / p if
     # positive, · p if negative); 1 = off.
     repetition_penalty: float = 1.0

@@ -13,8 +13,10 @@ their format name, each with a `pack` that turns dense [out, in] weights into wh
 
 Exactness: a kernel that is not `native` computes in another precision than the checkpoint's (an upcast computes
 in fp32, the packed formats dequantize). `HostExperts` therefore uses `NATIVE` — the very ops experts.py runs on
-the device — whenever the device is the CPU, so the CPU path there is bit-identical to the device path (and to
-transformers eager); the choice among kernels happens only where the device is a GPU.
+the device — whenever the device is the CPU, so the CPU path there computes what the device path does (for float
+formats bit for bit, as transformers eager); the one exception is int8 computed in float32, where
+`INT8_BLOCKS_ON_CPU` (eager's float32 product of the dequantised weights, in blocks) is measured against it
+(`device_candidates`). The choice among all kernels happens only where the device is a GPU.
 
 Threads: `HostExperts.forward` runs on the forward thread; a read of a disk-tier expert runs on its own reader
 thread with the cache's deadline and interrupt, so a stuck read cannot hold the forward thread.
@@ -150,6 +152,29 @@ def _int8_upcast_linear(x: Tensor, w: Int8Weight, bias: Tensor | None) -> Tensor
     return out if bias is None else out + bias.float()
 
 
+def _int8_blocks_or_native(x: Tensor, w: object, bias: Tensor | None) -> Tensor:
+    """NATIVE, but an int8 parameter dequantised a block of rows at a time into float32 and multiplied there."""
+    if isinstance(w, Int8Weight):
+        return _int8_upcast_linear(x, w, bias).to(x.dtype)
+    return _native_linear(x, w, bias)
+
+
+# On a CPU device computing in float32, torch's int8 product with float32 activations is sometimes slower than
+# dequantising int8 in cache-sized blocks and using the float32 product (one thread here: 13 against 5.6 ms per
+# Qwen3 expert), sometimes much faster (two threads on the same busy machine: 44 against 260 ms): measured at load.
+INT8_BLOCKS_ON_CPU = Kernel("int8→fp32 blocks (CPU device)", "int8", "fp32", _int8_blocks_or_native, _native_matmul)
+
+
+def device_candidates(expert_format: str, dtype: torch.dtype, transposed: bool = False) -> list[Kernel]:
+    """The kernels a CPU device may compute its experts with: NATIVE (the device path's own ops: for int8 and int4
+    torch's weight-only products), and for int8 in float32 also INT8_BLOCKS_ON_CPU, which computes eager's product
+    of the same dequantised float32 weights (in blocks of rows); the probe keeps the faster. int4 has no such
+    alternative: torch's product beat dequantising by 2× even with float32 activations (docs/bench.md)."""
+    if expert_format == "int8" and dtype == torch.float32 and not transposed:
+        return [NATIVE, INT8_BLOCKS_ON_CPU]
+    return [NATIVE]
+
+
 KERNELS: dict[str, list[Kernel]] = {
     "fp32": _float_kernels("fp32", torch.float32),
     "bf16": _float_kernels("bf16", torch.bfloat16),
@@ -265,8 +290,8 @@ def choose(timings: Sequence[KernelTiming], kernels: Sequence[Kernel]) -> Kernel
 class HostExperts:
     """Runs one expert of one MoE layer on the host from the host store's copy, with one kernel.
 
-    The kernel is NATIVE on a CPU device (bit-identical to the device path); on a GPU it is the measured fastest for
-    the stored format (`choose`). Rows held in RAM are read in place; a read from the disk tier runs on this
+    The kernel is NATIVE on a CPU device (the device path's ops), or INT8_BLOCKS_ON_CPU where the probe measured it
+    faster; on a GPU it is the measured fastest for the stored format (`choose`). Rows held in RAM are read in place; a read from the disk tier runs on this
     object's reader thread and is waited for with a deadline and the interrupt, like the cache's on-demand loads.
     A failed read raises ExpertLoadError (a sentence).
     """

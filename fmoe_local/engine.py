@@ -184,6 +184,7 @@ class Engine:
         # Grammars are compiled against this tokenizer, the model's logits' width and its end tokens.
         self.grammars = Grammars(self.tokenizer, int(self.model.config.vocab_size), self.eos_ids)
         self._tools_probe: bool | None = None  # supports_tools' answer, found once
+        self._opening: str | None = None  # reply_opening's answer, found once
         self.recorder = None
         if config.record_trace:
             shape = self.shape
@@ -305,6 +306,31 @@ class Engine:
             except PromptRefused:
                 self._tools_probe = False
         return self._tools_probe
+
+    def reply_opening(self) -> str:
+        """What the chat template writes to open the assistant's reply (its add_generation_prompt part), found from
+        a probe conversation rendered with and without it: "<|im_start|>assistant\n", or with "<think>\n" after
+        it where the template opens the model's thinking for it (a server then reads the reply as thinking from its
+        first token). "" without a template, or when the template refuses the probe."""
+        if self._opening is None and not getattr(self.tokenizer, "chat_template", None):
+            self._opening = ""
+        if self._opening is None:
+            probe = [{"role": "user", "content": "hi"}]
+            try:
+                with self._encoding:
+                    asked, _ = self._chat_text(probe)
+                    plain = chat_template.render(
+                        self.tokenizer.get_chat_template(),
+                        probe,
+                        add_generation_prompt=False,
+                        continue_final_message=False,
+                        variables=dict(self.tokenizer.special_tokens_map),
+                        model=self.name,
+                    )
+                self._opening = asked[len(plain) :] if asked.startswith(plain) else ""
+            except (PromptRefused, TemplateError, TemplateOverBudget):
+                self._opening = ""
+        return self._opening
 
     def _chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, bool]:
         """The prompt text of chat messages and whether the tokenizer adds its special tokens to it (only without a

@@ -53,6 +53,7 @@ NF4_CODE = (
 # Bits per weight of each format, scales included (int8's per-row scale is negligible for real rows): sizes of
 # models that are not loaded (catalog, fit estimates, replay presets) are derived from these.
 BITS = {"bf16": 16.0, "int8": 8.0, "int4": 4.0 + 32 / INT4_GROUP, "nf4": 4.0 + 32 / NF4_BLOCK, "mxfp4": 4.0 + 8 / 32}
+INT4_FLOAT32_BITS = 4.0 + 64 / INT4_GROUP  # int4 with its scale and zero in float32: a CPU that computes in float32
 LABELS = {
     "auto": "Auto: the checkpoint's own form (bf16 stays bf16, MXFP4 stays MXFP4, a 4-bit download stays 4-bit)",
     "bf16": "bf16: full size, the model's exact answers",

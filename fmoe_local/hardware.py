@@ -202,11 +202,14 @@ def min_cache_bytes(top_k: int, expert_bytes: int) -> int:
     return 2 * top_k * expert_bytes
 
 
-def copy_bytes(entry: CatalogEntry, fmt: str) -> int:
-    """Disk the quantised copy of the experts takes (quant_cache.py): int8/nf4 made from another form on the first
-    load; 0 for the download's own form."""
+def copy_bytes(entry: CatalogEntry, fmt: str, machine: Machine | None = None) -> int:
+    """Disk the quantised copy of the experts takes (quant_cache.py): int8/int4/nf4 made from another form on the
+    first load, in their RAM size on `machine` (int4's scales follow the compute dtype: cpu_widening); 0 for the
+    download's own form."""
     made = fmt in ("int8", "int4", "nf4") and fmt != entry.native_format
-    return entry.experts_bytes_for(fmt) if made else 0
+    if not made:
+        return 0
+    return round(entry.experts_bytes_for(fmt) * (cpu_widening(entry, fmt, machine) if machine is not None else 1.0))
 
 
 def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: str = "auto") -> FitVerdict:
@@ -214,7 +217,7 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: st
     constants for the margins. The download is the same for every format; int8/nf4 are made on the first load into
     a copy on disk, and a copy that does not fit is made again in memory at every load (minutes), so it runs, slowly."""
     verdict = _fit(entry, machine, downloaded, fmt)
-    copy = copy_bytes(entry, fmt)
+    copy = copy_bytes(entry, fmt, machine)
     room = machine.disk_free - (0 if downloaded else entry.download_bytes) - DISK_MARGIN_BYTES
     if verdict.level == "no" or not copy or copy <= room:
         return verdict
@@ -229,12 +232,17 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: st
     return FitVerdict(verdict.level, (*verdict.reasons, why), verdict.max_cache_gb)
 
 
-def cpu_widening(entry: CatalogEntry, fmt: str, machine: Machine) -> int:
-    """How many times larger than on disk the model's bf16 weights are in RAM here: 2 without a CUDA GPU on a CPU
-    that computes bf16 slowly, where the runtime computes in float32 (engine.resolve_dtype), else 1. Packed formats
-    (int8, nf4, MXFP4) stay packed either way."""
+def cpu_widening(entry: CatalogEntry, fmt: str, machine: Machine) -> float:
+    """How many times larger than its size in `expert_formats.BITS` an expert of `fmt` is in RAM here. Without a CUDA
+    GPU, on a CPU that computes bf16 slowly, the runtime computes in float32 (engine.resolve_dtype): bf16 experts
+    take twice their size, and int4's group scales and zeros, kept in the compute dtype, 5 bits per weight instead
+    of 4.5. Else, and for int8, nf4 and MXFP4 (their scales are float32 or bytes either way), 1."""
+    from fmoe_local.expert_formats import BITS, INT4_FLOAT32_BITS
+
     stored = entry.native_format if fmt == "auto" else fmt
-    return 2 if stored == "bf16" and _widens(machine) else 1
+    if not _widens(machine):
+        return 1.0
+    return {"bf16": 2.0, "int4": INT4_FLOAT32_BITS / BITS["int4"]}.get(stored, 1.0)
 
 
 def resident_widening(machine: Machine) -> int:
@@ -250,8 +258,8 @@ def _fit(entry: CatalogEntry, machine: Machine, downloaded: bool, fmt: str) -> F
     reasons: list[str] = []
     expert_bytes, experts_bytes = entry.expert_bytes_for(fmt), entry.experts_bytes_for(fmt)
     if not machine.has_gpu:  # float32 on a CPU slow in bf16: the resident part always, bf16 experts too
-        expert_bytes *= cpu_widening(entry, fmt, machine)
-        experts_bytes *= cpu_widening(entry, fmt, machine)
+        expert_bytes = round(expert_bytes * cpu_widening(entry, fmt, machine))
+        experts_bytes = round(experts_bytes * cpu_widening(entry, fmt, machine))
         entry = replace(entry, resident_bytes=resident_widening(machine) * entry.resident_bytes)
     min_cache = min_cache_bytes(entry.top_k, expert_bytes)
     disk_needed = 0 if downloaded else entry.download_bytes + DISK_MARGIN_BYTES
@@ -306,13 +314,15 @@ def fit_by_format(entry: CatalogEntry, machine: Machine, downloaded: bool = Fals
     """The verdict for each expert format a user can choose (the download's own form first)."""
     from fmoe_local.expert_formats import LABELS
 
-    formats = [entry.native_format] + [f for f in ("bf16", "int8", "nf4") if f != entry.native_format]
+    formats = [entry.native_format] + [f for f in ("bf16", "int8", "int4", "nf4") if f != entry.native_format]
     return {f: fit(entry, machine, downloaded, f) for f in formats if f in LABELS}
 
 
 def recommend_format(verdicts: dict[str, FitVerdict]) -> str:
     """The most faithful format that runs well here; else the one that runs at all with the most room to spare
-    (the smallest); the download's own form when nothing fits."""
+    (the smallest); the download's own form when nothing fits. Ties go to the listed order: int4 before nf4 (4.5
+    bits each), since a CPU computes int4 with torch's int4 product and dequantises nf4 at every use, 19× slower
+    here (docs/bench.md, "CPU experts on a CPU device")."""
     from fmoe_local.expert_formats import BITS
 
     order = ("good", "slow")
@@ -327,7 +337,7 @@ def recommend_format(verdicts: dict[str, FitVerdict]) -> str:
 class FormatFit:
     """One expert format of a catalog model on this machine: what it takes and the verdict (the wizard's row)."""
 
-    fmt: str  # the stored form: bf16, int8, nf4 or the download's own (mxfp4)
+    fmt: str  # the stored form: bf16, int8, int4, nf4 or the download's own (mxfp4)
     choice: str  # the RuntimeConfig.expert_format that gives it ("auto" for a download's own non-bf16 form)
     disk_bytes: int  # the download plus the quantised copy made on the first load
     ram_bytes: int  # every expert in this form (plus the resident part without a CUDA GPU: it shares RAM)
@@ -343,13 +353,13 @@ def format_fits(entry: CatalogEntry, machine: Machine, downloaded: bool = False)
     best = recommend_format(verdicts)
     out = []
     for fmt, verdict in verdicts.items():
-        experts = entry.experts_bytes_for(fmt) * cpu_widening(entry, fmt, machine)
+        experts = round(entry.experts_bytes_for(fmt) * cpu_widening(entry, fmt, machine))
         gpu = entry.resident_bytes + int(verdict.max_cache_gb * GIB) if machine.has_gpu and verdict.max_cache_gb else 0
         out.append(
             FormatFit(
                 fmt,
                 "auto" if fmt == entry.native_format and fmt != "bf16" else fmt,
-                entry.download_bytes + copy_bytes(entry, fmt),
+                entry.download_bytes + copy_bytes(entry, fmt, machine),
                 experts + (0 if machine.has_gpu else resident_widening(machine) * entry.resident_bytes),
                 gpu,
                 verdict,

@@ -176,12 +176,17 @@ def probe(
     h2d_gbps: float | None = None,
 ) -> tuple[MissCosts, Kernel]:
     """Measure the figures for this model here: host→device bandwidth, and every CPU kernel for its stored format
-    on its own experts (only NATIVE on a CPU device: there the CPU path must equal the device path bit for bit)."""
+    on its own experts (on a CPU device only its own ops, and for int8 in float32 the one alternative that computes
+    the same product: cpu_experts.device_candidates)."""
     from fmoe_local import hf_internals
 
     fmt = format_of(host.param_dtype)
     transposed = hf_internals.is_transposed(module)
-    candidates = [NATIVE] if device.type == "cpu" else cpu_experts.kernels_for(fmt, transposed)
+    if device.type == "cpu":
+        stored = getattr(host, "expert_format", "bf16")
+        candidates = cpu_experts.device_candidates(stored, host.param_dtype, transposed)
+    else:
+        candidates = cpu_experts.kernels_for(fmt, transposed)
     samples = list(experts) if experts is not None else probe_experts(host)
     hidden = _hidden_size(host, transposed)
     timings = [cpu_experts.time_kernel(k, module, samples, hidden, tokens=1, passes=2) for k in candidates]
@@ -206,8 +211,11 @@ def probe(
 
 
 def kernel_named(costs: MissCosts, device: torch.device) -> Kernel:
-    """The kernel saved figures name (NATIVE on a CPU device, whatever they say)."""
-    if device.type == "cpu" or costs.cpu_kernel == f"{costs.fmt} native":
+    """The kernel saved figures name (on a CPU device NATIVE unless they name INT8_BLOCKS_ON_CPU, its one
+    alternative)."""
+    if device.type == "cpu":
+        return cpu_experts.INT8_BLOCKS_ON_CPU if costs.cpu_kernel == cpu_experts.INT8_BLOCKS_ON_CPU.name else NATIVE
+    if costs.cpu_kernel == f"{costs.fmt} native":
         return NATIVE
     for k in cpu_experts.kernels_for(costs.fmt):
         if k.name == costs.cpu_kernel:

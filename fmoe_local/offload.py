@@ -130,6 +130,11 @@ class Offload:
         return self._policy
 
     @property
+    def host_kernel(self) -> Kernel:
+        """The kernel misses computed on the host use (measured at load: miss_cost.probe)."""
+        return self._host_experts.kernel
+
+    @property
     def capacity(self) -> int:
         return self.cache.capacity
 

@@ -229,6 +229,11 @@ class Runtime:
         caller's thread, like `check`."""
         return self._engine.supports_tools()
 
+    def reply_opening(self) -> str:
+        """What the model's chat template writes to open a reply (Engine.reply_opening): where it ends inside an
+        opened <think>, the reply starts with the model's thinking. On the caller's thread, like `check`."""
+        return self._engine.reply_opening()
+
     def check_grammar(self, grammar: str, schema: dict | None = None, where: str = "schema") -> None:
         """Raise GrammarRefused (a sentence naming `where` and the path in `schema`) when the reply could not be held
         to `grammar` (Sampling.grammar). On the caller's thread, before the request is queued."""

@@ -1,6 +1,8 @@
-"""Sampling (top-k; the token loop hands the reply's tokens to the penalties) and the streaming detokenizer: its deltas, joined, are the tokenizer's own decode of every id, for the tokenizers the
-supported families use (byte-level BPE: the tiny families' and the demo model's; SentencePiece with byte fallback:
-Llama and Mixtral's), multi-byte characters and special tokens included, and a token costs a small window's decode."""
+"""fmoe_local/generate.py. The streaming detokenizer: its deltas, joined, are the tokenizer's own decode of every
+id, for the tokenizers the supported families use (byte-level BPE: the tiny families' and the demo model's;
+SentencePiece with byte fallback: Llama and Mixtral's), multi-byte characters and special tokens included, and a
+token costs a small window's decode. Sampling a token (sample_next): top_k keeps only the k likeliest tokens; the
+token loop hands the reply's tokens to the penalties (LogitsRules)."""
 
 from __future__ import annotations
 
@@ -219,6 +221,7 @@ def test_generate_ids_penalises_what_the_reply_already_said():
     [
         ({"top_k": -1}, "Top-k"),
         ({"top_k": 2.5}, "Top-k"),
+        ({"top_k": True}, "Top-k"),
         ({"repetition_penalty": 0.0}, "repetition penalty"),
         ({"repetition_penalty": float("nan")}, "repetition penalty"),
         ({"frequency_penalty": 2.5}, "frequency penalty"),

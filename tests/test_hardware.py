@@ -83,13 +83,16 @@ def test_a_packed_format_fits_where_bf16_spills_and_is_recommended():
     mixtral = find("mistralai/Mixtral-8x7B-Instruct-v0.1")
     desktop = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 500 * GB)
     verdicts = fit_by_format(mixtral, desktop)
-    assert list(verdicts) == ["bf16", "int8", "nf4"]
+    assert list(verdicts) == ["bf16", "int8", "int4", "nf4"]
     assert verdicts["bf16"].level == "slow" and verdicts["int8"].level == "good"  # 90 GB vs 45 GB of experts
     assert recommend_format(verdicts) == "int8"
     small = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 32 * GB, 30 * GB, 500 * GB)
-    assert recommend_format(fit_by_format(mixtral, small)) == "nf4"  # 25.4 GB of nf4 experts fit in 27 GB free
-    # nf4 is 4.5 bits per weight with its block scales; GPT-OSS's own MXFP4 is what auto keeps.
+    four_bit = fit_by_format(mixtral, small)  # 25.4 GB of 4-bit experts fit in 27 GB free, 45 GB of int8 do not
+    assert [four_bit[f].level for f in ("int8", "int4", "nf4")] == ["slow", "good", "good"]
+    assert recommend_format(four_bit) == "int4"  # as small as nf4, and computed by torch's product on a CPU
+    # int4 and nf4 are 4.5 bits per weight with their group scales; GPT-OSS's own MXFP4 is what auto keeps.
     assert mixtral.expert_bytes_for("nf4") == round(mixtral.expert_bytes * 4.5 / 16)
+    assert mixtral.expert_bytes_for("int4") == round(mixtral.expert_bytes * 4.5 / 16)
     gpt_oss = find("openai/gpt-oss-20b")
     assert gpt_oss.expert_bytes_for("auto") == gpt_oss.expert_bytes_for("mxfp4") < gpt_oss.expert_bytes / 3
     assert list(fit_by_format(gpt_oss, desktop))[0] == "mxfp4"
@@ -100,8 +103,8 @@ def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
 
     desktop = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 500 * GB)
     fits = {f.fmt: f for f in format_fits(MIXTRAL, desktop)}
-    assert [f.fmt for f in fits.values()] == ["bf16", "int8", "nf4"]
-    assert [f.recommended for f in fits.values()] == [False, True, False]  # the most faithful that fits well
+    assert [f.fmt for f in fits.values()] == ["bf16", "int8", "int4", "nf4"]
+    assert [f.recommended for f in fits.values()] == [False, True, False, False]  # the most faithful that fits well
     # The download is the same; int8/nf4 add the copy made on the first load, as big as their experts.
     assert fits["bf16"].disk_bytes == MIXTRAL.download_bytes and copy_bytes(MIXTRAL, "bf16") == 0
     assert fits["nf4"].disk_bytes == MIXTRAL.download_bytes + MIXTRAL.experts_bytes_for("nf4")
@@ -114,10 +117,16 @@ def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
         cpu["nf4"].gpu_bytes == 0 and cpu["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + 2 * OLMOE.resident_bytes
     )
     assert cpu["bf16"].ram_bytes == 2 * (OLMOE.experts_bytes + OLMOE.resident_bytes)
+    # int4 keeps its scale and zero per 64 weights in the compute dtype: float32 makes it 5 bits per weight, in RAM
+    # and in the copy on disk.
+    assert cpu["int4"].ram_bytes == round(OLMOE.experts_bytes * 5 / 16) + 2 * OLMOE.resident_bytes
+    assert cpu["int4"].disk_bytes == OLMOE.download_bytes + round(OLMOE.experts_bytes * 5 / 16)
+    assert [f.fmt for f in cpu.values() if f.recommended] == ["int4"]  # the smallest with nf4, the faster on a CPU
     # On a CPU measured to decode bf16 about as fast as float32, a bf16 model stays bf16: its own size in RAM.
     keeps = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_keeps_bf16=True))}
     assert keeps["bf16"].ram_bytes == OLMOE.experts_bytes + OLMOE.resident_bytes
     assert keeps["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + OLMOE.resident_bytes
+    assert keeps["int4"].ram_bytes == OLMOE.experts_bytes_for("int4") + OLMOE.resident_bytes  # bf16 scales: 4.5 bits
     gpt_oss = format_fits(find("openai/gpt-oss-20b"), desktop)
     assert (gpt_oss[0].fmt, gpt_oss[0].choice) == ("mxfp4", "auto")
     assert gpt_oss[0].disk_bytes == find("openai/gpt-oss-20b").download_bytes  # its own form: no copy
@@ -139,15 +148,15 @@ def test_a_format_that_does_not_fit_names_one_that_does():
     fits = format_fits(MIXTRAL, small_ram)
     # In float32 on the CPU, Mixtral's resident part (6.4 GB) and four bf16 experts of cache (2.8 GB) exceed the
     # 8 GB left after the headroom; 8-bit and 4-bit experts spill to disk, but run.
-    assert [f.verdict.level for f in fits] == ["no", "slow", "slow"]
+    assert [f.verdict.level for f in fits] == ["no", "slow", "slow", "slow"]
     assert instead(fits, "bf16").startswith(
         "bf16 does not fit here: Not enough memory: the model needs at least 9.2 GB"
     )
-    assert instead(fits, "bf16").endswith("Choose 4-bit instead (runs, slowly).")  # the recommended one
+    assert instead(fits, "bf16").endswith("Choose 4-bit int4 instead (runs, slowly).")  # the recommended one
     assert instead(fits, "int8") == ""
     tiny_gpu = Machine("cuda", "RTX 3050", 6 * GB, int(5.5 * GB), 64 * GB, 60 * GB, 500 * GB)
     fits = format_fits(MIXTRAL, tiny_gpu)  # a minimal bf16 cache (4 experts × 352 MB) does not fit next to 3.2 GB
-    assert [f.verdict.level for f in fits] == ["no", "good", "good"]
+    assert [f.verdict.level for f in fits] == ["no", "good", "good", "good"]
     sentence = instead(fits, "bf16")
     assert (
         sentence.startswith("bf16 does not fit here: Not enough GPU memory")

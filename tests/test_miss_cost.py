@@ -113,6 +113,32 @@ def test_probe_on_a_cpu_device_measures_only_the_native_kernel(tiny_model_dir):
         engine.close()
 
 
+@pytest.mark.parametrize("fmt, dtype", [("int8", "float32"), ("int8", "bfloat16"), ("int4", "float32")])
+def test_probe_on_a_cpu_device_measures_int8_blocks_only_in_float32(tiny_model_dir, tmp_path, fmt, dtype):
+    from fmoe_local.cpu_experts import INT8_BLOCKS_ON_CPU
+
+    config = RuntimeConfig(device="cpu", dtype=dtype, cache_experts=2, expert_format=fmt, quant_cache_dir=str(tmp_path))
+    engine = Engine.build(tiny_model_dir("mixtral"), config)
+    try:
+        c = engine.miss_costs
+        native = "fp32 native" if dtype == "float32" else "bf16 native"
+        both = fmt == "int8" and dtype == "float32"
+        assert list(c.kernels) == ([native, INT8_BLOCKS_ON_CPU.name] if both else [native])
+        assert c.cpu_kernel == min(c.kernels, key=c.kernels.get)  # the faster one measured here
+    finally:
+        engine.close()
+
+
+def test_saved_costs_naming_int8_blocks_on_a_cpu_device_give_that_kernel():
+    from fmoe_local.cpu_experts import INT8_BLOCKS_ON_CPU, NATIVE
+    from fmoe_local.miss_cost import kernel_named
+
+    cpu = torch.device("cpu")
+    assert kernel_named(costs(device="cpu", fmt="fp32", cpu_kernel=INT8_BLOCKS_ON_CPU.name), cpu) is INT8_BLOCKS_ON_CPU
+    assert kernel_named(costs(device="cpu", fmt="fp32", cpu_kernel="fp32 native"), cpu) is NATIVE
+    assert kernel_named(costs(device="cpu", fmt="bf16", cpu_kernel="bf16→fp32 blocks"), cpu) is NATIVE  # GPU-only
+
+
 def test_probe_for_a_gpu_times_every_candidate_and_keeps_the_fastest(tiny_model_dir):
     engine = Engine.build(
         tiny_model_dir("mixtral", dtype=torch.bfloat16), RuntimeConfig(device="cpu", dtype="bfloat16")

@@ -79,6 +79,34 @@ def test_quantised_greedy_tokens_equal_eager_on_the_dequantised_weights(family, 
                         assert final.stats.misses > 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_blocks_on_a_cpu_device_give_eager_s_tokens_on_the_dequantised_weights(family, tiny_model_dir, tmp_path):
+    """The probe's alternative for int8 in float32 (cpu_experts.INT8_BLOCKS_ON_CPU), forced through saved figures
+    that name it, as a machine where it measured faster would load."""
+    from dataclasses import replace
+
+    from fmoe_local.cpu_experts import INT8_BLOCKS_ON_CPU
+
+    model_dir = tiny_model_dir(family)
+    config = RuntimeConfig(
+        device="cpu",
+        cache_experts=1,
+        expert_format="int8",
+        miss_handling="cpu",
+        policy="on_demand",
+        quant_cache_dir=str(tmp_path),
+        sampling=Sampling(greedy=True, max_new_tokens=NEW_TOKENS),
+    )
+    with Runtime.load(model_dir, config) as runtime:
+        saved = replace(runtime.miss_costs, cpu_kernel=INT8_BLOCKS_ON_CPU.name)
+    with Runtime.load(model_dir, config, miss_costs=saved) as runtime:
+        engine = runtime.engine
+        assert engine.offload.host_kernel is INT8_BLOCKS_ON_CPU
+        expected = dequantised_reference(model_dir, "int8", engine.encode_prompt(PROMPT), NEW_TOKENS)
+        final = runtime.generate(PROMPT)
+        assert final.token_ids == expected[: len(final.token_ids)] and final.stats.on_host > 0
+
+
 def test_quantised_output_differs_from_the_unquantised_model_but_only_slightly(tiny_model_dir, tmp_path):
     # Guards the reference above against comparing a model with itself: nf4 really changes the weights.
     model_dir = tiny_model_dir("mixtral")

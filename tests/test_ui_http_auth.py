@@ -61,6 +61,17 @@ def test_the_api_asks_for_the_token_in_openai_s_shape(client):
         assert (status, reached) == (200, True)
 
 
+def test_anthropic_clients_send_the_token_as_x_api_key_and_are_refused_in_anthropic_s_shape():
+    """Claude Code and the Anthropic SDKs send their key as `x-api-key`: before, the gate saw no token there."""
+    for headers, said in (({}, MISSING), ({"x-api-key": "not-the-token"}, WRONG)):
+        status, got, reached = _stack("POST", "/v1/messages", headers)
+        assert (status, reached) == (401, False), headers
+        assert json.loads(got["body"]) == {"type": "error", "error": {"type": "authentication_error", "message": said}}
+    for method, path in (("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("GET", "/v1/models")):
+        status, _, reached = _stack(method, path, {"x-api-key": TOKEN})
+        assert (status, reached) == (200, True), path
+
+
 @pytest.mark.parametrize("method, path", UI_ROUTES)
 def test_every_route_of_the_page_asks_for_the_token(method, path):
     """Before: anyone on the network read every chat, exported them all and loaded any folder through these."""
@@ -184,6 +195,12 @@ def test_listen_serves_only_whoever_has_the_printed_token(tmp_path, capsys):
         assert status == 200 and b"<html" in text.lower()
         status, _, text = _request(port, "POST", "/gradio_api/call/search_chats", cookie | call, body)
         assert status == 200 and b"event_id" in text
+        # The Anthropic API behind the same gate: its key as x-api-key reaches it. A body that is not JSON gets the
+        # same answer whether the demo model is still loading or not: a 400 in Anthropic's shape, from the route.
+        status, _, text = _request(port, "POST", "/v1/messages", call, b"{")
+        assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
+        status, _, text = _request(port, "POST", "/v1/messages", call | {"x-api-key": token}, b"{")
+        assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error", text
         assert session.api_key_required
     finally:
         server.close()

@@ -173,6 +173,7 @@ def test_an_api_reply_cut_by_an_unload_is_an_error_not_a_complete_reply(served):
         """A reply that a model unload ended after its first words (a stop the client did not ask for)."""
 
         info = session.runtime.info
+        chat_template = None  # no thinking format: the reply is content
 
         def events(self, messages, sampling, stop):
             yield TextDelta("Once upon", 7)
@@ -200,6 +201,7 @@ def test_a_reply_cut_by_the_model_s_context_is_length_in_openai_s_terms(served):
         """A reply the model's context ended (the runtime's own reason "context")."""
 
         info = session.runtime.info
+        chat_template = None  # no thinking format: the reply is content
 
         def events(self, messages, sampling, stop):
             yield TextDelta("Once upon", 7)
@@ -218,6 +220,8 @@ def test_a_reply_cut_by_the_model_s_context_is_length_in_openai_s_terms(served):
 class _OneAtATime(FakeRuntime):
     """A runtime that serves one request at a time, like the real one: the first request writes each word only when
     the test hands it one; the others wait for their turn, counted in `waiting`."""
+
+    chat_template = None  # no thinking format: the reply is content
 
     def __init__(self, info) -> None:  # noqa: ANN001
         super().__init__()

@@ -228,9 +228,17 @@ def test_a_503_while_a_model_loads_says_when_to_ask_again(served):
         r = _post(server)
         assert r.status_code == 503 and "still loading" in r.json()["error"]["message"]
         assert r.headers["retry-after"] == "5"  # was: none, so clients retried at once or not at all
+        # Listed while it loads (was: an empty list, so a client that lists first said "no model" and gave up).
+        listed = httpx.get(f"{server.url}v1/models", timeout=30).json()
+        assert [m["id"] for m in listed["data"]] == ["mixtral-strict"] and listed["first_id"] == "mixtral-strict"
+        assert httpx.get(f"{server.url}v1/models/mixtral-strict", timeout=30).json()["id"] == "mixtral-strict"
+        messages = {"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{server.url}v1/messages", json=messages, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5" and r.json()["type"] == "error"
         session.loading.finished.set()  # the load ended without a model: asking again soon would not help
         r = _post(server)
         assert r.status_code == 503 and "retry-after" not in r.headers
+        assert httpx.get(f"{server.url}v1/models", timeout=30).json()["data"] == []
     finally:
         session.runtime, session.loading = loaded, job
 

@@ -126,6 +126,28 @@ def test_the_limit_counts_the_bytes_that_arrive_and_hands_the_rest_on():
     assert seen == [] and sent[0]["status"] == 413
 
 
+def test_a_body_over_the_limit_under_v1_messages_is_refused_in_anthropic_s_shape():
+    async def run(path: str) -> list:
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"content-length", str(OVER).encode())]
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+        await BodyLimit(lambda *a: None, limit=MAX_BODY_BYTES)(scope, receive, send)
+        return sent
+
+    sent = asyncio.run(run("/v1/messages"))
+    body = json.loads(sent[1]["body"])
+    assert sent[0]["status"] == 413 and body["type"] == "error"
+    assert body["error"]["type"] == "request_too_large" and "larger than 16 MB" in body["error"]["message"]
+    assert "code" in json.loads(asyncio.run(run("/v1/chat/completions"))[1]["body"])["error"]  # OpenAI's shape
+
+
 NESTED_70 = functools.reduce(lambda inner, _: [inner], range(70), [])
 DEEP = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 

@@ -8,7 +8,8 @@ import asyncio
 from fmoe_local.request_handle import RequestHandle
 from fmoe_local.runtime_types import Finished, TextDelta
 from fmoe_local.stats import RequestStats
-from ui.openai_stream import Generation, Shape, Streamed, complete, sse
+from ui.openai_stream import Shape, Streamed, complete, sse
+from ui.reply_parts import ReplyParts
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/v1/chat/completions"}
 
@@ -42,7 +43,7 @@ def test_a_streamed_reply_s_client_gone_mid_reply_cancels_it():
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        response = Streamed(sse(handle, Generation([]), Shape("chatcmpl-1", 0, "m"), False), handle)
+        response = Streamed(sse(handle, ReplyParts([]), Shape("chatcmpl-1", 0, "m"), False), handle)
         await asyncio.wait_for(response(SCOPE, receive, send), 10)  # before: waited for a token that never came
 
     asyncio.run(main())
@@ -60,7 +61,7 @@ def test_a_plain_reply_s_client_gone_cancels_it():
             return {"type": "http.disconnect"}
 
         request = Request(SCOPE, receive)
-        await asyncio.wait_for(complete(handle, Generation([]), Shape("chatcmpl-1", 0, "m"), request), 10)
+        await asyncio.wait_for(complete(handle, ReplyParts([]), Shape("chatcmpl-1", 0, "m"), request), 10)
 
     asyncio.run(main())
     assert handle.cancelled and handle.result(timeout=0).reason == "cancelled"

@@ -22,6 +22,8 @@ NAN, INF = float("nan"), float("inf")
 class HiRuntime(FakeRuntime):
     """Answers "Hi." to anything and keeps the Sampling of every request (the API's and the chat's)."""
 
+    chat_template = None  # no thinking format: the reply is content
+
     def __init__(self) -> None:
         super().__init__()
         self.sampled: list = []

@@ -1,5 +1,5 @@
-"""Chat templates with tool support for the tiny models (whose own template takes no tools): the tool-calling parts
-of real checkpoints' templates, as tests/api_server.py writes them into a tiny model's folder."""
+"""Chat templates with tool support, or thinking, for the tiny models (whose own template has neither): the parts
+of real checkpoints' templates that matter here, as tests/api_server.py writes them into a tiny model's folder."""
 
 from __future__ import annotations
 
@@ -44,4 +44,23 @@ Call one as <tool_call>
 {%- endfor %}
 {%- if add_generation_prompt %}
 <|assistant|>
+{% endif %}"""
+
+
+# Qwen3-Thinking-2507's way (DeepSeek-R1's too): the reply's opening holds "<think>\n", so the model's reply starts
+# inside its thought; a past assistant turn shows its reasoning_content between the markers.
+THINKING_TEMPLATE = """\
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|assistant|>
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content }}{{ eos_token }}
+{%- else %}<|{{ message.role }}|>
+{{ message.content }}{{ eos_token }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+<think>
 {% endif %}"""

@@ -14,8 +14,9 @@ handed on, whole. Waiting for a body is an await, so a slow sender holds up no o
 
 from __future__ import annotations
 
-from starlette.responses import PlainTextResponse
+from starlette.responses import PlainTextResponse, Response
 
+from ui.anthropic_errors import error_body, is_messages
 from ui.http_guard import API_PREFIX
 from ui.openai_request import ApiError
 
@@ -32,9 +33,9 @@ TOO_LARGE = (
 
 
 class BodyLimit:
-    """ASGI middleware: answers 413 with a sentence (in OpenAI's error shape under /v1/) when a request's body is
-    over `limit` bytes; otherwise hands the app the body it read, then the connection's later events as they
-    come (a client that goes away is still seen)."""
+    """ASGI middleware: answers 413 with a sentence (in OpenAI's error shape under /v1/, Anthropic's under
+    /v1/messages) when a request's body is over `limit` bytes; otherwise hands the app the body it read, then the
+    connection's later events as they come (a client that goes away is still seen)."""
 
     def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:  # noqa: ANN001 - an ASGI app
         self.app = app
@@ -76,7 +77,10 @@ class BodyLimit:
 
     async def _refuse(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
         message = TOO_LARGE.format(limit=self.limit // (1024 * 1024))
-        if scope.get("path", "").startswith(API_PREFIX):
+        path = scope.get("path", "")
+        if is_messages(path):
+            answer = Response(error_body(413, message), status_code=413, media_type="application/json")
+        elif path.startswith(API_PREFIX):
             answer = ApiError(413, message, code="request_too_large").response()
         else:
             answer = PlainTextResponse(message, status_code=413)

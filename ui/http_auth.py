@@ -4,7 +4,9 @@ Scope: one ASGI middleware, just inside http_guard.LocalOnlyGuard (so the Host a
 and every answer here carries the guard's security headers), and the rules for a key the user chooses. A request
 passes with the token as `Authorization: Bearer TOKEN` (what OpenAI clients send as their api_key; gradio_client
 and scripts can send it on any route) or as the page's cookie. The cookie is set by the first page load: the
-address printed at start ends in `?token=TOKEN`, or the login page's form sends it. It does NOT decide which hosts
+address printed at start ends in `?token=TOKEN`, or the login page's form sends it. Anthropic clients (the SDK's
+api_key, Claude Code's ANTHROPIC_API_KEY) send it as `x-api-key: TOKEN`, which passes too; a refusal under
+/v1/messages is in Anthropic's error shape (ui/anthropic_errors.py). It does NOT decide which hosts
 or origins are served (http_guard.py) or make the token (app.py: `new_token`, or the user's --api-key).
 
 Why every request once a token is set, programs on this computer too, rather than every request that does not come
@@ -28,6 +30,7 @@ import secrets
 import string
 from urllib.parse import parse_qsl
 
+from ui.anthropic_errors import error_body, is_messages
 from ui.http_guard import API_PREFIX, answer
 
 MIN_KEY_LENGTH = 12
@@ -36,7 +39,8 @@ KEY_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-._~+/=")
 QUERY_FIELD = "token"
 MISSING = (
     "This fmoe-local serves the network and asks for its access token. Open the address it printed at start "
-    "(it ends in ?token=…), or send the token as 'Authorization: Bearer TOKEN' (an OpenAI client's api_key)."
+    "(it ends in ?token=…), or send the token as 'Authorization: Bearer TOKEN' (an OpenAI client's api_key) or "
+    "'x-api-key: TOKEN' (an Anthropic client's)."
 )
 WRONG = (
     "The token sent is not this fmoe-local's. Use the one it printed at start (a new one at every start, unless "
@@ -88,9 +92,10 @@ def _cookie(value: str | None, name: str) -> str | None:
 
 
 class TokenGate:
-    """ASGI middleware: passes a request that carries `token` (bearer or cookie); answers one whose address carries
-    it (`?token=`) by setting the cookie and opening the page; refuses the rest with 401 (/v1: in OpenAI's error
-    shape; a page load: the login page; anything else: a sentence) or, for a WebSocket, by closing it."""
+    """ASGI middleware: passes a request that carries `token` (bearer, x-api-key or cookie); answers one whose
+    address carries it (`?token=`) by setting the cookie and opening the page; refuses the rest with 401 (/v1: in
+    OpenAI's error shape, /v1/messages in Anthropic's; a page load: the login page; anything else: a sentence) or,
+    for a WebSocket, by closing it."""
 
     def __init__(self, app, token: str | None, cookie: str) -> None:  # noqa: ANN001 - ASGI app
         self.app = app
@@ -104,6 +109,7 @@ class TokenGate:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path = scope.get("path", "")
         sent = [_bearer(headers.get("authorization")), _cookie(headers.get("cookie"), self.cookie)]
+        sent.append(headers.get("x-api-key"))  # how Anthropic clients send their API key
         if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and not _is_api(path):
             # A page address with the token (printed at start, or the login form's): signed in, even over an old
             # cookie, and the token leaves the address bar.
@@ -136,6 +142,9 @@ class TokenGate:
 
     async def _refuse(self, scope, send, headers: dict, said: str) -> None:  # noqa: ANN001
         challenge = [(b"www-authenticate", b'Bearer realm="fmoe-local"'), (b"cache-control", b"no-store")]
+        if is_messages(scope.get("path", "")):
+            await answer(send, 401, error_body(401, said), [(b"content-type", b"application/json")] + challenge)
+            return
         if _is_api(scope.get("path", "")):
             error = {"message": said, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
             body = json.dumps({"error": error}).encode()

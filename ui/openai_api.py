@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ui.openai_request import ApiError, ApiRequest, parse_chat, parse_completion, read_body
-from ui.openai_stream import Generation, Shape, Streamed, complete, sse
+from ui.openai_stream import Shape, Streamed, complete, sse
 from ui.session import Session
 from ui.structured import shape
 
@@ -39,33 +39,51 @@ ROUTES = ("GET /v1/models", "GET /v1/models/{id}", "POST /v1/chat/completions", 
 RETRY_AFTER_S = 5  # what a 503 during a model load asks a client to wait before it asks again
 
 
-def build_router(session: Session) -> APIRouter:
+def loaded_runtime(session: Session):  # noqa: ANN201 - a Runtime
+    """The loaded model's runtime, or an ApiError 503 saying why there is none."""
+    if session.runtime is None:
+        if session.still_loading:  # worth asking again soon: clients that honour Retry-After wait, then retry
+            raise ApiError(503, session.still_loading, headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise ApiError(503, session.load_error or "No model is loaded. Load one in the app's Models tab.")
+    return session.runtime
+
+
+def build_router(session: Session, others: tuple[APIRouter, ...] = ()) -> APIRouter:
+    """`others`: more routes served under /v1 (the Anthropic API's, ui/anthropic_api.py), each a router without the
+    prefix, matched before the answer to every other /v1 path."""
     router = APIRouter(prefix="/v1")
     router.finished = deque(maxlen=32)  # (finish reason, tokens) of recent API requests: for tests and debugging
+    served = ROUTES + tuple(f"{m} /v1{r.path}" for other in others for r in other.routes for m in sorted(r.methods))
 
     def runtime_or_error():
-        if session.runtime is None:
-            if session.still_loading:  # worth asking again soon: clients that honour Retry-After wait, then retry
-                raise ApiError(503, session.still_loading, headers={"Retry-After": str(RETRY_AFTER_S)})
-            raise ApiError(503, session.load_error or "No model is loaded. Load one in the app's Models tab.")
-        return session.runtime
+        return loaded_runtime(session)
 
     def model_id() -> str:
         return session.model_id
 
+    def served_id() -> str:
+        """The model this app serves: the loaded one, or the one loading — listed while it loads, so a client that
+        lists the models before it asks finds it and gets a 503 with Retry-After until it has loaded."""
+        return model_id() if session.runtime is not None else session.loading_id
+
+    def entry(ident: str) -> dict:
+        # OpenAI's model object, and Anthropic's fields beside it (its clients' models.list reads type, id,
+        # display_name and created_at): each client ignores the other's.
+        model = {"id": ident, "object": "model", "created": 0, "owned_by": "fmoe-local"}
+        return model | {"type": "model", "display_name": ident, "created_at": "1970-01-01T00:00:00Z"}
+
     @router.get("/models")
     def models() -> dict:
-        data = []
-        if session.runtime is not None:
-            data.append({"id": model_id(), "object": "model", "created": 0, "owned_by": "fmoe-local"})
-        return {"object": "list", "data": data}
+        data = [entry(ident)] if (ident := served_id()) else []
+        ends = {"first_id": data[0]["id"], "last_id": data[-1]["id"]} if data else {"first_id": None, "last_id": None}
+        return {"object": "list", "data": data, "has_more": False} | ends
 
     @router.get("/models/{ident:path}")
     def model(ident: str) -> JSONResponse:
-        """One model by its id (OpenAI's retrieve): the loaded one, else a 404 naming what is served."""
-        if session.runtime is not None and ident == model_id():
-            return JSONResponse({"id": ident, "object": "model", "created": 0, "owned_by": "fmoe-local"})
-        served = f"'{model_id()}'" if session.runtime is not None else "none (no model is loaded)"
+        """One model by its id (OpenAI's retrieve): the one served, else a 404 naming it."""
+        if ident and ident == served_id():
+            return JSONResponse(entry(ident))
+        served = f"'{served_id()}'" if served_id() else "none (no model is loaded)"
         message = f"The model '{ident}' is not served here; the one this app serves is {served}."
         return ApiError(404, message, "model").response()
 
@@ -88,8 +106,8 @@ def build_router(session: Session) -> APIRouter:
         # Recorded when the request ends, even after its client left (the worker runs this; a deque is thread-safe).
         handle.add_done_callback(lambda final: router.finished.append((final.reason, len(final.token_ids))))
         if req.stream:
-            return Streamed(sse(handle, Generation(req.stops), reply, req.include_usage, shaped.calls()), handle)
-        return await complete(handle, Generation(req.stops), reply, request, shaped.calls())
+            return Streamed(sse(handle, shaped.parts(req.stops), reply, req.include_usage), handle)
+        return await complete(handle, shaped.parts(req.stops), reply, request)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):  # noqa: ANN202
@@ -99,19 +117,22 @@ def build_router(session: Session) -> APIRouter:
     async def completions(request: Request):  # noqa: ANN202
         return await answer(request, parse_completion, "cmpl")
 
+    for other in others:
+        router.include_router(other)
+
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
     async def elsewhere(path: str, request: Request) -> JSONResponse:
         """Any other /v1 path, or a served one with another method: an OpenAI-shaped error naming what is served
         (instead of FastAPI's {"detail": "Not Found"}, which clients show as an unexplained failure)."""
-        known = any(route.split()[1] == f"/v1/{path}" for route in ROUTES)
-        message = f"{request.method} /v1/{path} is not served here: this app serves {', '.join(ROUTES)}."
+        known = any(route.split()[1] == f"/v1/{path}" for route in served)
+        message = f"{request.method} /v1/{path} is not served here: this app serves {', '.join(served)}."
         return ApiError(405 if known else 404, message).response()
 
     return router
 
 
-async def _check_prompt(runtime, prompt: list[dict] | str, tools: list[dict]) -> None:  # noqa: ANN001
-    """A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
+async def _check_prompt(runtime, prompt: list[dict] | str, tools: list[dict]) -> int | None:  # noqa: ANN001
+    """The prompt's length in tokens (None when the runtime cannot tell: Runtime.check). A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
     that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it. A
     chat template stopped over its budget is the model's: a 500 with the sentence, before a stream starts too."""
     from fmoe_local.chat_template import TemplateOverBudget
@@ -119,7 +140,7 @@ async def _check_prompt(runtime, prompt: list[dict] | str, tools: list[dict]) ->
 
     try:
         extra = (tools,) if tools else ()  # milliseconds; no turn is awaited
-        await asyncio.to_thread(runtime.check, prompt, *extra)
+        return await asyncio.to_thread(runtime.check, prompt, *extra)
     except TemplateOverBudget as exc:
         raise ApiError(500, str(exc)) from exc
     except PromptRefused as exc:

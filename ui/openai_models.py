@@ -79,15 +79,17 @@ def refused(sentence: str, param: str | None = None) -> PydanticCustomError:
     return PydanticCustomError("refused", sentence.replace("{", "{{").replace("}", "}}"), {"param": param})
 
 
-def refusal(exc: ValidationError) -> tuple[str, str | None]:
-    """(sentence, param) for the first thing pydantic found wrong."""
+def refusal(exc: ValidationError, sentences: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """(sentence, param) for the first thing pydantic found wrong; `sentences`: another API's REFUSALS (the
+    Anthropic bodies', anthropic_models.py)."""
+    sentences = REFUSALS if sentences is None else sentences
     error = exc.errors(include_url=False)[0]
     names = [part for part in error["loc"] if isinstance(part, str) and not part.startswith(("function-", "list["))]
     param = names[0] if names else None
     if error["type"] == "refused":
         return error["msg"], (error.get("ctx") or {}).get("param") or param
     for end in range(len(names), 0, -1):
-        if (sentence := REFUSALS.get(".".join(names[:end]))) is not None:
+        if (sentence := sentences.get(".".join(names[:end]))) is not None:
             return sentence, param
     return f"The request body is not valid: {error['msg']}.", param
 

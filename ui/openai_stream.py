@@ -1,10 +1,11 @@
 """A reply in OpenAI's shapes: one JSON body, or server-sent events ending with `data: [DONE]`, for a chat
 (`chat.completion`, each chunk a `delta`) or a text completion (`text_completion`, each chunk a piece of `text`).
 
-Scope: the text cut at the first stop sequence (`Generation`), the finish reason, usage, the error a failed or
-interrupted request ends with, and stopping the generation once its client has gone or a stop sequence has made
-the rest useless. It does NOT parse requests (openai_request.py) or submit requests (openai_api.py hands it the
-request's handle, which it iterates on the event loop and cancels).
+Scope: the text cut at the first stop sequence (`Generation`), the model's thought apart from its content
+(`reasoning_content`, as DeepSeek's and vLLM's servers send it) and its tool calls (both read by reply_parts.py),
+the finish reason, usage, the error a failed or interrupted request ends with, and stopping the generation once its
+client has gone or a stop sequence has made the rest useless. It does NOT parse requests (openai_request.py) or
+submit requests (openai_api.py hands it the request's handle, which it iterates on the event loop and cancels).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,7 +22,10 @@ from starlette.requests import ClientDisconnect
 
 from fmoe_local.request_handle import RequestHandle
 from ui.openai_request import ApiError
-from ui.tool_calls import CallStream
+from ui.reasoning import REASONING
+
+if TYPE_CHECKING:
+    from ui.reply_parts import ReplyParts  # which imports Generation from here
 
 # A reply cut by the model's context is "length" in OpenAI's terms: it ended at a token limit, not on its own.
 _FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -34,13 +39,15 @@ class Generation:
 
     def __init__(self, stops: list[str]) -> None:
         self.stops, self.text, self.sent, self.stopped = stops, "", 0, False
+        self.matched: str | None = None  # the stop sequence the text was cut at (Anthropic's stop_sequence)
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def add(self, delta: str) -> str:
         """New text that may be sent now."""
         self.text += delta
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(at, s) for s in self.stops if (at := self.text.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             self.text, self.stopped = self.text[:cut], True
             return self.flush()
         safe = len(self.text) - self.hold
@@ -94,69 +101,79 @@ def usage(final) -> dict:  # noqa: ANN001 - a Finished
     }
 
 
-def _reason(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished
-    return "stop" if gen.stopped else _FINISH.get(final.reason, "stop")
+def _reason(final, parts: ReplyParts) -> str:  # noqa: ANN001 - a Finished
+    return "stop" if parts.stopped else _FINISH.get(final.reason, "stop")
 
 
-def _failure(final, gen: Generation) -> str:  # noqa: ANN001 - a Finished
+def _failure(final, parts: ReplyParts) -> str:  # noqa: ANN001 - a Finished
     """The sentence a request that did not complete ends with; "" when it completed."""
     if final.reason == "error":
         return final.error
-    return INTERRUPTED if final.reason == "cancelled" and not gen.stopped else ""
+    return INTERRUPTED if final.reason == "cancelled" and not parts.stopped else ""
 
 
-async def _disconnected(receive) -> None:  # noqa: ANN001 - the ASGI receive
+def _joined(pieces: list) -> tuple[str, str]:
+    """(reasoning, content) of a reply's pieces (reply_parts.py)."""
+    reasoning = "".join(text for kind, text in pieces if kind == REASONING)
+    return reasoning, "".join(text for kind, text in pieces if kind != REASONING)
+
+
+async def disconnected(receive) -> None:  # noqa: ANN001 - the ASGI receive
     """Returns when the client has gone away. The request's body has been read, so each receive waits for the next
     connection event: no poll."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def complete(
-    handle: RequestHandle, gen: Generation, shape: Shape, request: Request, calls: CallStream | None = None
-) -> JSONResponse:
-    """The whole reply as one body, once it has ended; a client that goes away before that cancels it. `calls`: the
-    reader of the reply's tool calls, when the model may call tools (ui/tool_calls.py)."""
+async def complete(handle: RequestHandle, parts: ReplyParts, shape: Shape, request: Request) -> JSONResponse:
+    """The whole reply as one body, once it has ended; a client that goes away before that cancels it. The model's
+    thought comes as `reasoning_content` when it has one, its tool calls as `tool_calls` (`parts`: the reply's
+    reader, structured.Shaped.parts)."""
 
     async def watch() -> None:
-        await _disconnected(request.receive)
+        await disconnected(request.receive)
         handle.cancel()
 
     watcher = asyncio.create_task(watch())
+    pieces = []
     try:
         final = None
         async for event in handle:
             if hasattr(event, "reason"):
                 final = event
-            elif not gen.stopped:
-                gen.add(event.text)
-                if gen.stopped:
+            elif not parts.stopped:
+                pieces += parts.add(event.text)
+                if parts.stopped:
                     handle.cancel()  # the rest would be thrown away: stop generating it
     finally:
         watcher.cancel()
         handle.cancel()  # no-op once ended; a cancelled await (the server stopping) must not leave it running
-    if failure := _failure(final, gen):
+    if failure := _failure(final, parts):
         return ApiError(500, failure).response()
-    content, found = gen.text, []
-    if calls is not None:
-        content = calls.add(content)
-        rest, found = calls.finish()
-        content += rest
-    choice = shape.choice(shape.echo + content, "tool_calls" if found else _reason(final, gen))
+    rest, found = parts.finish()
+    reasoning, content = _joined(pieces + rest)
+    choice = shape.choice(shape.echo + content, "tool_calls" if found else _reason(final, parts))
     if found:
         choice["message"] |= {"content": content or None, "tool_calls": [c.openai(i) for i, c in enumerate(found)]}
+    if reasoning:
+        choice["message"]["reasoning_content"] = reasoning
     return JSONResponse(shape.body([choice]) | {"usage": usage(final)})
 
 
-async def sse(
-    handle: RequestHandle, gen: Generation, shape: Shape, include_usage: bool, calls: CallStream | None = None
-) -> AsyncIterator[str]:
-    """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it. With
-    `calls`, text from a tool call's start on is held and sent at the end as `delta.tool_calls` (one chunk per call,
-    its arguments whole), or as content when it is not a well-formed call."""
+async def sse(handle: RequestHandle, parts: ReplyParts, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+    """The reply as server-sent events, each piece of text as soon as no stop sequence can still begin in it: the
+    model's thought as `delta.reasoning_content`, the rest as `delta.content`. Text from a tool call's start on is
+    held and sent at the end as `delta.tool_calls` (one chunk per call, its arguments whole), or as content when it
+    is not a well-formed call."""
 
     def chunk(choices: list[dict], **extra: object) -> str:
         return f"data: {json.dumps(shape.body(choices, chunk=True) | extra)}\n\n"
+
+    def piece(kind: str, text: str) -> str:
+        if kind != REASONING:
+            return chunk([shape.choice(text, None, chunk=True)])
+        delta = {"reasoning_content": text}
+        return chunk([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
 
     for opening in shape.opening():
         yield chunk([opening])
@@ -165,29 +182,23 @@ async def sse(
         if hasattr(event, "reason"):
             final = event
             continue
-        if gen.stopped:
+        if parts.stopped:
             continue
-        text = gen.add(event.text)
-        if gen.stopped:
-            handle.cancel()
-        if calls is not None:
-            text = calls.add(text)
-        if text:
-            yield chunk([shape.choice(text, None, chunk=True)])
-    if failure := _failure(final, gen):
+        pieces = parts.add(event.text)
+        if parts.stopped:
+            handle.cancel()  # the rest would be thrown away: stop generating it
+        for kind, text in pieces:
+            yield piece(kind, text)
+    if failure := _failure(final, parts):
         yield f"data: {json.dumps({'error': {'message': failure, 'type': 'server_error'}})}\n\n"
         yield "data: [DONE]\n\n"
         return
-    rest, found = gen.flush(), []
-    if calls is not None:
-        rest = calls.add(rest)
-        more, found = calls.finish()
-        rest += more
-    if rest:
-        yield chunk([shape.choice(rest, None, chunk=True)])
+    rest, found = parts.finish()
+    for kind, text in rest:
+        yield piece(kind, text)
     for i, call in enumerate(found):
         yield chunk([{"index": 0, "delta": {"tool_calls": [call.openai(i)]}, "finish_reason": None, "logprobs": None}])
-    yield chunk([shape.choice("", "tool_calls" if found else _reason(final, gen), chunk=True)])
+    yield chunk([shape.choice("", "tool_calls" if found else _reason(final, parts), chunk=True)])
     if include_usage:
         yield chunk([], usage=usage(final))
     yield "data: [DONE]\n\n"
@@ -203,7 +214,7 @@ class Streamed(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - the ASGI signature
         async def watch() -> None:
-            await _disconnected(receive)
+            await disconnected(receive)
             self.handle.cancel()  # within a token; the chunks then end and the stream with them
 
         watcher = asyncio.create_task(watch())

@@ -157,6 +157,12 @@ class Session:
         return f"{model_label(job.model_dir)} is still loading (the page's header says how far). Send again when it has loaded."
 
     @property
+    def loading_id(self) -> str:
+        """The id clients will name the model a load under way is loading by ("" when none is loading)."""
+        job = self.loading
+        return "" if job is None or job.finished.is_set() else model_id(job.model_dir)
+
+    @property
     def model_id(self) -> str:
         """The loaded model's id for clients ("" when none is loaded)."""
         return model_id(self.model_dir, self.runtime.info.name) if self.runtime is not None else ""

@@ -3,8 +3,10 @@ model's chat template must show it (else a 400 saying so), a tool call forced by
 named function) or a reply held to JSON (response_format json_object / json_schema) — each a grammar the runtime
 enforces token by token (fmoe_local/constrained.py), one it cannot compile a 400 naming the schema's path.
 
-Scope: the grammar of the request (`Shaped.sampling`) and how its reply is read back (`Shaped.calls`: the model's
-tool-call format and the tools, for ui/tool_calls.py's CallStream). It does NOT parse the body (openai_request.py)
+Scope: the grammar of the request (`Shaped.sampling`) and how its reply is read back (`Shaped.parts`: the model's
+tool-call format and the tools, for ui/tool_calls.py's CallStream; its thinking format, for ui/reasoning.py's
+ThinkSplit — a chat reply of a model whose template writes <think>, unless a grammar holds the reply: the grammar
+starts at the reply's first token, so there is no thought to read). It does NOT parse the body (openai_request.py)
 or write the reply (openai_stream.py).
 """
 
@@ -13,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fmoe_local.config import Sampling
+from ui import reasoning
 from ui.openai_request import ApiError, ApiRequest
+from ui.reasoning import ThinkFormat, ThinkSplit
+from ui.reply_parts import ReplyParts
 from ui.tool_calls import FORMATS, CallStream, ToolFormat, format_of
 
 # Where tool-calling works today, for the sentence that refuses a model without it.
@@ -25,10 +30,17 @@ class Shaped:
     sampling: Sampling
     tools: list[dict]
     fmt: ToolFormat | None = None
+    think: ThinkFormat | None = None  # the reply's thinking format; None: the reply is not read for a thought
+    opened: bool = False  # the prompt opened the thought: the reply starts inside it
 
     def calls(self) -> CallStream | None:
         """A new reader of the reply's tool calls; None when the model may not call any."""
         return CallStream(self.fmt, self.tools) if self.fmt is not None and self.tools else None
+
+    def parts(self, stops: list[str]) -> ReplyParts:
+        """A new reader of the reply: cut at `stops`, its thought apart from its content, its tool calls."""
+        think = ThinkSplit(self.think, self.opened) if self.think is not None else None
+        return ReplyParts(stops, think, self.calls())
 
 
 def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
@@ -68,4 +80,10 @@ def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
         raise ApiError(400, str(exc), param) from exc
     except ValueError as exc:  # a schema llguidance cannot even read as JSON schema
         raise ApiError(400, f"A JSON schema in the request cannot be read: {exc}.", "response_format") from exc
-    return Shaped(sampling, req.tools, fmt)
+    think = reasoning.format_of(runtime.chat_template) if isinstance(req.prompt, list) else None
+    if think is None or sampling.grammar is not None:
+        return Shaped(sampling, req.tools, fmt)
+    last = req.prompt[-1] if req.prompt else {}
+    if last.get("role") == "assistant" and last.get("content"):  # a prefill: the reply goes on from its text
+        return Shaped(sampling, req.tools, fmt, think, think.opened(last["content"]))
+    return Shaped(sampling, req.tools, fmt, think, think.opened(runtime.reply_opening()))

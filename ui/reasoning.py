@@ -1,0 +1,108 @@
+"""A reasoning model's thinking, read out of its reply: the text between `<think>` and `</think>` (Qwen3, QwQ,
+DeepSeek-R1 and its distills) is the reasoning, sent apart from the content — the OpenAI API's `reasoning_content`,
+the Anthropic API's thinking blocks (reply_parts.py routes the pieces).
+
+Which models: those whose chat template writes both markers (`format_of`). The reply starts inside the thought
+when the template's reply opening already holds an unclosed `<think>` (Qwen3-Thinking-2507 and DeepSeek-R1 open it
+for the model: `opened`, from Runtime.reply_opening); otherwise a thought is read only where the reply begins with
+`<think>` (Qwen3's hybrid models write it themselves). A reply cut before `</think>` is reasoning to its end. The
+whitespace around the markers (Qwen3 writes "<think>\\n…\\n</think>\\n\\n") is left out. GPT-OSS's analysis channel
+is not read: its markers (`<|channel|>`, `<|message|>`) are special tokens that the runtime's text leaves out, so
+nothing of them reaches the reply. It does NOT decide whether a reply may think (structured.py: a reply held to a
+grammar has no thought, the grammar starting at its first token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REASONING, CONTENT = "reasoning", "content"
+Piece = tuple[str, str]  # (REASONING or CONTENT, text)
+
+
+@dataclass(frozen=True)
+class ThinkFormat:
+    start: str
+    end: str
+
+    def opened(self, opening: str) -> bool:
+        """Whether a reply opening (Runtime.reply_opening) leaves a thought open: the reply starts inside it."""
+        at = opening.rfind(self.start)
+        return at >= 0 and self.end not in opening[at:]
+
+
+THINK = ThinkFormat("<think>", "</think>")
+FORMATS = (THINK,)
+
+
+def format_of(template: str | None) -> ThinkFormat | None:
+    """The thinking format a chat template writes (it shows past thoughts, or opens or closes one); None if none."""
+    for fmt in FORMATS:
+        if template and fmt.start in template and fmt.end in template:
+            return fmt
+    return None
+
+
+_BEFORE, _THINKING, _AFTER, _CONTENT = "before", "thinking", "after", "content"
+
+
+class ThinkSplit:
+    """A reply's text as it streams, split into reasoning and content pieces. Text that may still be (part of) a
+    marker, or whitespace next to one, is held until it cannot."""
+
+    def __init__(self, fmt: ThinkFormat, opened: bool = False) -> None:
+        """`opened`: the prompt opened the thought, so the reply starts inside it."""
+        self.fmt, self.state, self.held, self.leading = fmt, _THINKING if opened else _BEFORE, "", True
+
+    def add(self, text: str) -> list[Piece]:
+        """The pieces that may be sent now."""
+        self.held += text
+        out: list[Piece] = []
+        while True:
+            if self.state == _BEFORE:
+                lead = self.held.lstrip()
+                if lead.startswith(self.fmt.start):
+                    self.held, self.state = lead[len(self.fmt.start) :], _THINKING
+                elif self.fmt.start.startswith(lead):
+                    return out  # nothing yet, or the start of the marker: wait
+                else:
+                    self.state = _CONTENT
+            elif self.state == _THINKING:
+                if self.leading:
+                    self.held = self.held.lstrip()
+                    if not self.held:
+                        return out
+                    self.leading = False
+                at = self.held.find(self.fmt.end)
+                if at >= 0:
+                    out.append((REASONING, self.held[:at].rstrip()))
+                    self.held, self.state = self.held[at + len(self.fmt.end) :], _AFTER
+                    continue
+                sendable = self.held[: len(self.held) - _partial(self.held, self.fmt.end)].rstrip()
+                out.append((REASONING, sendable))
+                self.held = self.held[len(sendable) :]
+                return out
+            elif self.state == _AFTER:
+                self.held = self.held.lstrip()
+                if not self.held:
+                    return out
+                self.state = _CONTENT
+            else:
+                out.append((CONTENT, self.held))
+                self.held = ""
+                return out
+
+    def finish(self) -> list[Piece]:
+        """What is still held, once the reply has ended: a thought never closed is reasoning to its end."""
+        held, self.held = self.held, ""
+        if self.state == _THINKING:  # what was held is whitespace (its start, if nothing was sent yet) and text
+            return [(REASONING, (held.lstrip() if self.leading else held).rstrip())]
+        return [] if self.state == _AFTER else [(CONTENT, held)]
+
+
+def _partial(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is the start of `marker` (and may become it)."""
+    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-keep:]):
+            return keep
+    return 0
