@@ -19,19 +19,24 @@ PREFIX_AUTO_MAX_GB = 4.0  # the automatic prefix cache size's ceiling (RuntimeCo
 
 @dataclass(frozen=True)
 class Sampling:
-    """How one reply is sampled. `greedy` overrides temperature/top_p."""
+    """How one reply is sampled. `greedy` overrides temperature, top_p and top_k; the penalties apply either way
+    (logits_rules.py). Defaults leave the model's distribution as it is but for temperature and top-p."""
 
     max_new_tokens: int = 512
     temperature: float = 0.7
     top_p: float = 0.9
-    # Only the k likeliest tokens may be sampled (the Anthropic API's top_k); 0 keeps every token, as transformers'
-    # top_k=0 does.
+    # Only the k likeliest tokens may be sampled (the Anthropic API's top_k, the chat's Top-k); 0 keeps every token,
+    # as transformers' top_k=0 does.
     top_k: int = 0
-    greedy: bool = False
-    seed: int | None = None
-    # OpenAI's logits changes (logits_rules.py): penalties from -2 to 2, a bias per token id from -100 to 100.
+    # > 1 makes every token already in the prompt or the reply less likely (transformers' rule: logit / p if
+    # positive, · p if negative); 1 = off.
+    repetition_penalty: float = 1.0
+    # OpenAI's penalties on the reply's own tokens: logit − frequency · count − presence · (count > 0); 0 = off.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    greedy: bool = False
+    seed: int | None = None
+    # OpenAI's logit changes (logits_rules.py applies every penalty and the bias): a bias per token id, -100 to 100.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # The grammar the reply must follow (constrained.py's grammar text), or None: any text.
     grammar: str | None = None
@@ -43,17 +48,19 @@ class Sampling:
             raise ValueError("Temperature must be 0 (the most likely reply) or a positive number, ~0.7 for variety.")
         if not 0 <= self.top_p <= 1:
             raise ValueError("Top-p must be a number from 0 to 1 (1 keeps every token, 0.9 the likeliest nine tenths).")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError("Top-k must be a whole number: 0 keeps every token, k the k likeliest.")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError("Max new tokens must be a whole number of at least 1.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError("Top-k must be a whole number: 0 keeps every token, 40 the likeliest forty.")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("The repetition penalty must be a positive number: 1 is off, 1.1 a mild penalty.")
+        for name, value in (("frequency", self.frequency_penalty), ("presence", self.presence_penalty)):
+            if not -2 <= value <= 2:
+                raise ValueError(f"The {name} penalty must be a number from -2 to 2 (0 is off).")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
         ):
             raise ValueError(f"The seed must be a whole number from 0 to {MAX_SEED}, or left out.")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"The {name.replace('_', ' ')} must be a number from -2 to 2.")
         if not all(-100 <= bias <= 100 for _, bias in self.logit_bias):
             raise ValueError("Each logit bias must be a number from -100 to 100.")
 

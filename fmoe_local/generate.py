@@ -23,7 +23,7 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
     logits = logits.float()
     if 0 < sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th likeliest stay in
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # ties at the k-th are kept, as transformers does
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
@@ -46,7 +46,8 @@ def generate_ids(
     cached: int = 0,
 ) -> Iterator[int]:
     """Yield generated token ids until EOS, max_new_tokens or `stop` (checked before every forward pass).
-    `rules`: the request's changes to the logits before each token is sampled (penalties, bias, a grammar). `cache`:
+    `rules`: the request's changes to the logits before each token is sampled (penalties, bias, a grammar; None:
+    the penalties `sampling` asks for, no grammar). `cache`:
     the KV cache to extend in place (a fresh one when None), already holding the first `cached` prompt tokens
     (prefix_cache.py); only the rest is prefilled, at least the last token, whose logits give the first reply
     token."""
@@ -57,6 +58,8 @@ def generate_ids(
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
     cache = DynamicCache(config=model.config) if cache is None else cache
     inputs = prompt_ids[:, cached:]
+    if rules is None:
+        rules = LogitsRules.for_request(sampling, None, prompt_ids)
     with torch.inference_mode():
         for _ in range(sampling.max_new_tokens):
             if stop.is_set():

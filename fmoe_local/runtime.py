@@ -417,7 +417,7 @@ class Runtime:
         waited = 0.0  # the forward pass's waits for experts up to the first token (decode's are the rest)
         stop = request.handle.stop
         try:
-            rules = LogitsRules.for_request(sampling, e.grammars)  # penalties, bias, a grammar: None when none
+            rules = LogitsRules.for_request(sampling, e.grammars, prompt_ids)  # penalties, bias, a grammar, or None
             with e.request(request_id, stats, text=_request_text(request.prompt), reused_ids=prompt_ids[:, :reused]):
                 tokens = generate_ids(
                     e.model,

@@ -18,9 +18,12 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from store.db import StoreDb
+
+if TYPE_CHECKING:
+    from store.chat_import import ImportedChat
 
 ROLES = ("system", "user", "assistant")
 EXPORT_FORMAT = "fmoe-local-chat"
@@ -40,6 +43,9 @@ class Conversation:
     updated: float  # last message or rename
     model: str
     settings: dict[str, Any]
+    # The chat's own generation settings (store.settings.GENERATION_KEYS → value), as saved; None: the saved
+    # defaults. Read through SettingsStore.for_chat, which checks each value.
+    generation: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,17 @@ class SearchHit:
 
 
 def _conversation(row: tuple) -> Conversation:
-    cid, title, created, updated, model, settings_json = row
-    return Conversation(cid, title, created, updated, model, json.loads(settings_json or "{}"))
+    cid, title, created, updated, model, settings_json, generation_json = row
+    generation = _json_object(generation_json) if generation_json is not None else None
+    return Conversation(cid, title, created, updated, model, json.loads(settings_json or "{}"), generation)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}  # unreadable (a damaged row): every value the default's
+    return value if isinstance(value, dict) else {}
 
 
 def _message(row: tuple) -> Message:
@@ -97,7 +112,7 @@ def _stats_json(stats: Any) -> str | None:
     return json.dumps(stats)
 
 
-_CONV_COLS = "id, title, created, updated, model, settings_json"
+_CONV_COLS = "id, title, created, updated, model, settings_json, generation_json"
 _MSG_COLS = "id, conversation_id, position, role, content, stats_json, created, alternatives_json, chosen"
 
 
@@ -107,10 +122,13 @@ class ChatStore:
 
     # --- conversations ----------------------------------------------------------------------------------------
 
-    def create(self, title: str = "New chat", model: str = "", settings: dict | None = None) -> Conversation:
+    def create(
+        self, title: str = "New chat", model: str = "", settings: dict | None = None, generation: dict | None = None
+    ) -> Conversation:
         now = time.time()
         row = {"title": title, "created": now, "updated": now, "model": model}
         row["settings_json"] = json.dumps(settings or {})
+        row["generation_json"] = None if generation is None else json.dumps(generation, allow_nan=False)
         with self._s.writing():  # as every write: a refusal of the disk is a sentence (db.write_refused)
             cid = self._s.db["conversations"].insert(row).last_pk
         return self.get(cid)
@@ -144,6 +162,39 @@ class ChatStore:
             changes["settings_json"] = json.dumps(settings)
         self._update(conversation_id, changes)
         return self.get(conversation_id)
+
+    def set_generation(self, conversation_id: int, generation: dict[str, Any]) -> Conversation:
+        """Keep `generation` (checked values: SettingsStore.check) as the chat's own settings. Not an update of the
+        chat: the list's order (most recently updated first) stays."""
+        self._update(conversation_id, {"generation_json": json.dumps(generation, allow_nan=False)})
+        return self.get(conversation_id)
+
+    def import_chats(self, chats: list[ImportedChat]) -> list[int]:
+        """Add `chats` (store/chat_import.py: checked) as new chats, each under a new id, all in one transaction;
+        their ids in order. No existing chat is changed."""
+        now = time.time()
+        ids = []
+        with self._s.writing():
+            for chat in chats:
+                created = chat.created if chat.created is not None else now
+                row = {"title": chat.title, "created": created, "updated": chat.updated or created, "model": chat.model}
+                row["settings_json"] = "{}"
+                gen = chat.generation
+                row["generation_json"] = None if gen is None else json.dumps(gen, allow_nan=False)
+                cid = self._s.db["conversations"].insert(row).last_pk
+                rows = []
+                for position, m in enumerate(chat.messages):
+                    versions = [Alternative(content, stats) for content, stats in m.alternatives]
+                    rows.append(
+                        {
+                            "conversation_id": cid, "position": position, "role": m.role, "content": m.content,
+                            "stats_json": _stats_json(m.stats), "created": m.created if m.created is not None else created,
+                            "alternatives_json": _alternatives_json(versions) if versions else None, "chosen": m.chosen,
+                        }
+                    )  # fmt: skip
+                self._s.db["messages"].insert_all(rows)
+                ids.append(cid)
+        return ids
 
     def delete(self, conversation_id: int) -> None:
         with self._s.writing():

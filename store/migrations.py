@@ -10,6 +10,7 @@ Timestamps are Unix seconds (REAL). Blobs of expert maps are float16, little-end
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import sqlite_utils
@@ -91,11 +92,35 @@ def _v4_reply_alternatives(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE messages ADD COLUMN chosen INTEGER NOT NULL DEFAULT 0")
 
 
+# The generation settings a v4 file kept once for every chat; v5 gives each chat its own copy of them.
+_V5_CHAT_KEYS = (
+    "system_prompt", "temperature", "top_p", "max_new_tokens"
+)  # fmt: skip
+
+
+def _v5_chat_generation(db: sqlite_utils.Database) -> None:
+    # Each chat's own generation settings (system prompt, sampling) as JSON {name: value} (store/chats.py); NULL: the
+    # saved defaults. A chat made before v5 was held with the settings then saved for all chats: it keeps them as its
+    # own, so opening it after the update shows what it was answered with. The values are copied as they are
+    # stored; reading them checks each (SettingsStore.for_chat), as the settings table's are.
+    db.execute("ALTER TABLE conversations ADD COLUMN generation_json TEXT")
+    marks = ", ".join("?" * len(_V5_CHAT_KEYS))
+    rows = db.execute(f"SELECT key, value_json FROM settings WHERE key IN ({marks})", _V5_CHAT_KEYS).fetchall()
+    saved = {}
+    for key, value_json in rows:
+        try:
+            saved[key] = json.loads(value_json)
+        except ValueError:
+            continue  # unreadable: that setting stays the default's, as SettingsStore.load would have it
+    db.execute("UPDATE conversations SET generation_json = ?", [json.dumps(saved)])
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _v1_initial,
     _v2_message_search,
     _v3_map_links,
     _v4_reply_alternatives,
+    _v5_chat_generation,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

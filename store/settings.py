@@ -32,8 +32,17 @@ log = logging.getLogger(__name__)
 # every reply and sent to every page that opens.
 TEMPERATURE_RANGE = (0.0, 2.0)
 TOP_P_RANGE = (0.05, 1.0)
+TOP_K_RANGE = (0, 200)  # 0: no limit
 MAX_NEW_TOKENS_RANGE = (1, 4096)
+REPETITION_PENALTY_RANGE = (1.0, 2.0)  # 1: off; below 1 would ask for repetition, which no chat wants
+PENALTY_RANGE = (-2.0, 2.0)  # frequency and presence: OpenAI's range
 SYSTEM_PROMPT_CHARS = 100_000
+# What a chat holds of its own (store/chats.py, `generation`): the Chat tab's Generation panel. The fields of the
+# same names here are the defaults a new chat starts from ("Save as default").
+GENERATION_KEYS = (
+    "system_prompt", "temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "frequency_penalty",
+    "presence_penalty",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -55,14 +64,34 @@ class AppSettings:
     model_formats: str = ""
     temperature: float = Sampling.temperature
     top_p: float = Sampling.top_p
+    top_k: int = Sampling.top_k
     max_new_tokens: int = Sampling.max_new_tokens
+    repetition_penalty: float = Sampling.repetition_penalty
+    frequency_penalty: float = Sampling.frequency_penalty
+    presence_penalty: float = Sampling.presence_penalty
     system_prompt: str = ""
+
+    def sampling(self, base: Sampling | None = None) -> Sampling:
+        """`base` (default: Sampling's defaults) with these generation values; temperature 0 is greedy."""
+        return replace(
+            base or Sampling(),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            greedy=self.temperature == 0,
+        )
+
+    def generation(self) -> dict[str, Any]:
+        """The values a chat keeps of its own (GENERATION_KEYS)."""
+        return {key: getattr(self, key) for key in GENERATION_KEYS}
 
     def apply_to(self, config: RuntimeConfig) -> RuntimeConfig:
         """`config` with these settings in it (sampling included)."""
-        sampling = replace(
-            config.sampling, temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens
-        )
+        sampling = replace(self.sampling(config.sampling), greedy=config.sampling.greedy)
         return config.with_changes(
             cache_gb=self.cache_gb,
             prefetch_distance=self.prefetch_distance,
@@ -86,12 +115,29 @@ class AppSettings:
         low, high = TOP_P_RANGE
         if not low <= self.top_p <= high:
             raise ValueError(f"A top-p of {self.top_p:g} is not possible. Use a number from {low:g} to {high:g}.")
+        low, high = TOP_K_RANGE
+        if not low <= self.top_k <= high:
+            raise ValueError(
+                f"A top-k of {_shown(self.top_k)} is not possible. Use a whole number from {low} (no limit) to {high}."
+            )
         low, high = MAX_NEW_TOKENS_RANGE
         if not low <= self.max_new_tokens <= high:
             raise ValueError(
                 f"Max new tokens of {_shown(self.max_new_tokens)} is not possible. Use a whole number from {low} to "
                 f"{high:,}."
             )
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(
+                f"A repetition penalty of {self.repetition_penalty:g} is not possible. Use a number from {low:g} (off) "
+                f"to {high:g}."
+            )
+        low, high = PENALTY_RANGE
+        for name, value in (("frequency", self.frequency_penalty), ("presence", self.presence_penalty)):
+            if not low <= value <= high:
+                raise ValueError(
+                    f"A {name} penalty of {value:g} is not possible. Use a number from {low:g} to {high:g} (0 is off)."
+                )
         if len(self.system_prompt) > SYSTEM_PROMPT_CHARS:
             raise ValueError(
                 f"The system prompt is {len(self.system_prompt):,} characters long; it can be at most "
@@ -116,6 +162,13 @@ _NAMES = {
     "model_formats": ("each model's expert format", "JSON text"),
     "temperature": ("the temperature", f"a number from {TEMPERATURE_RANGE[0]:g} to {TEMPERATURE_RANGE[1]:g}"),
     "top_p": ("top-p", f"a number from {TOP_P_RANGE[0]:g} to {TOP_P_RANGE[1]:g}"),
+    "top_k": ("top-k", f"a whole number from {TOP_K_RANGE[0]} to {TOP_K_RANGE[1]}"),
+    "repetition_penalty": (
+        "the repetition penalty",
+        f"a number from {REPETITION_PENALTY_RANGE[0]:g} to {REPETITION_PENALTY_RANGE[1]:g}",
+    ),
+    "frequency_penalty": ("the frequency penalty", f"a number from {PENALTY_RANGE[0]:g} to {PENALTY_RANGE[1]:g}"),
+    "presence_penalty": ("the presence penalty", f"a number from {PENALTY_RANGE[0]:g} to {PENALTY_RANGE[1]:g}"),
     "max_new_tokens": (
         "max new tokens",
         f"a whole number from {MAX_NEW_TOKENS_RANGE[0]} to {MAX_NEW_TOKENS_RANGE[1]:,}",
@@ -186,6 +239,23 @@ class SettingsStore:
                 continue
             settings = candidate
         return settings, refused
+
+    def for_chat(self, stored: dict[str, Any] | None) -> AppSettings:
+        """The settings a chat is answered with: the saved defaults, with each of the chat's own values (a chat's
+        `generation`) that this version takes. A value it refuses (written by another version, or by an import) is
+        skipped and the default stands in, as `load` does with the settings table."""
+        settings = self.load()
+        for key, value in (stored or {}).items():
+            if key not in GENERATION_KEYS:
+                continue
+            try:
+                candidate = replace(settings, **{key: _coerce(key, value)})
+                candidate.validate()
+            except (TypeError, ValueError, ArithmeticError, RecursionError):
+                log.warning("ignoring a chat's stored setting %s=%r", key, value)
+                continue
+            settings = candidate
+        return settings
 
     def get(self, key: str) -> Any:
         _check_key(key)

@@ -7,6 +7,7 @@ conversation state of one client, like one browser tab would.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import socket
 import time
@@ -53,13 +54,18 @@ def _text(message: dict) -> str:
 
 
 def _send(client, text: str, max_tokens: int = 6):
-    # Inputs as the browser sends them: message, system prompt, temperature (0 = greedy), top-p, max tokens.
-    return client.predict(text, "", 0.0, 0.9, max_tokens, api_name="/send")
+    # Inputs as the browser sends them: message, then the Generation panel's values (store.settings.GENERATION_KEYS):
+    # system prompt, temperature (0 = greedy), top-p, top-k, max tokens, repetition, frequency and presence penalties.
+    return client.predict(text, *_generation(max_tokens), api_name="/send")
+
+
+def _generation(max_tokens: int) -> tuple:
+    return "", 0.0, 0.9, 0, max_tokens, 1.0, 0.0, 0.0
 
 
 def test_send_streams_a_reply_and_stores_it(served):
     session, client, _ = served
-    job = client.submit("Write a short poem about the sea.", "", 0.0, 0.9, 6, api_name="/send")
+    job = client.submit("Write a short poem about the sea.", *_generation(6), api_name="/send")
     outputs = list(job)  # every streamed update
     chatbot = job.result()[0]
     assert len(outputs) >= 3  # the placeholder, then token by token
@@ -79,7 +85,7 @@ def test_second_turn_sees_history_and_regenerate_replaces_reply(served):
     assert [m["role"] for m in chatbot] == ["user", "assistant"] * 2
     conv = session.store.chats.list()[0]
     before = session.store.chats.messages(conv.id)
-    chatbot = client.predict("", 0.0, 0.9, 6, api_name="/regenerate")[0]
+    chatbot = client.predict(*_generation(6), api_name="/regenerate")[0]
     after = session.store.chats.messages(conv.id)
     assert len(after) == len(before) == 4
     assert after[-1].content == before[-1].content  # greedy, so the same text
@@ -89,7 +95,7 @@ def test_second_turn_sees_history_and_regenerate_replaces_reply(served):
 
 def test_stop_ends_a_long_reply_early(served):
     session, client, _ = served
-    job = client.submit("Tell me a very long story.", "", 0.0, 0.9, 400, api_name="/send")
+    job = client.submit("Tell me a very long story.", *_generation(400), api_name="/send")
     deadline = time.monotonic() + 120
     while len(job.outputs()) < 3 and time.monotonic() < deadline:  # a few tokens have streamed
         time.sleep(0.05)
@@ -113,8 +119,9 @@ def test_conversation_list_new_search_rename_delete(served):
     found, _ = client.predict("poem", api_name="/search_chats")
     assert [c[1] for c in found["choices"]] == [first.id]
     # Switching back shows the first conversation's history.
-    chatbot, title, _ = client.predict(first.id, api_name="/open_chat")  # the State output stays server-side
-    assert title == first.title
+    # The State output stays server-side; then the list, the title, the address and the chat's Generation values.
+    chatbot, _, title, address, system, *_ = client.predict(first.id, api_name="/open_chat")
+    assert (title, address, system) == (first.title, str(first.id), "")
     assert _text(chatbot[0]) == "Write a short poem about the sea."
     client.predict("Sea poems", api_name="/rename_chat")
     assert session.store.chats.get(first.id).title == "Sea poems"
@@ -210,8 +217,9 @@ def test_a_nan_temperature_sent_to_the_send_endpoint_is_refused_and_not_saved(se
     session, client, _ = served
     before = session.store.settings.load()
     url = f"{client.src.rstrip('/')}/gradio_api/call/send"
-    body = '{"data": ["Hello?", "", NaN, 0.9, 6]}'
+    body = '{"data": ["Hello?", "", NaN, 0.9, 0, 6, 1.0, 0.0, 0.0]}'
     event = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60).json()
     answer = httpx.get(f"{url}/{event['event_id']}", timeout=120).text
     assert "A temperature of nan is not possible" in answer, answer
     assert session.store.settings.load() == before
+    assert all(c.generation is None or math.isfinite(c.generation["temperature"]) for c in session.store.chats.list())

@@ -1,21 +1,24 @@
 """fmoe_local/generate.py. The streaming detokenizer: its deltas, joined, are the tokenizer's own decode of every
 id, for the tokenizers the supported families use (byte-level BPE: the tiny families' and the demo model's;
 SentencePiece with byte fallback: Llama and Mixtral's), multi-byte characters and special tokens included, and a
-token costs a small window's decode. Sampling a token (sample_next): top_k keeps only the k likeliest tokens."""
+token costs a small window's decode. Sampling a token (sample_next): top_k keeps only the k likeliest tokens; the
+token loop hands the reply's tokens to the penalties (LogitsRules)."""
 
 from __future__ import annotations
 
 import json
 import random
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, MixtralConfig, PreTrainedTokenizerFast
 
 from fmoe_local.config import Sampling
 from fmoe_local.demo import demo_model_dir
-from fmoe_local.generate import Detokenizer, sample_next
+from fmoe_local.generate import Detokenizer, generate_ids, sample_next
 from tests.tiny import FALLBACK_TEXT, train_tokenizer
 
 TEXT = (
@@ -175,22 +178,56 @@ def test_every_tokenizer_here_is_the_kind_it_stands_for(tokenizers):
     assert wp.decode(wp.encode("a , b .", add_special_tokens=False)) == "a, b."
 
 
-LOGITS = torch.tensor([4.0, 3.9, 3.8, 3.7, 0.0])  # four near-equal tokens, one unlikely
+LOGITS = torch.tensor([4.0, 3.0, 2.0, -1.0, 0.5])  # [V]
 
 
-def _drawn(sampling: Sampling, draws: int = 400) -> set[int]:
-    gen = torch.Generator().manual_seed(0)
-    return {sample_next(LOGITS, sampling, gen) for _ in range(draws)}
+def draws(sampling: Sampling, n: int = 400) -> set[int]:
+    generator = torch.Generator().manual_seed(0)
+    return {sample_next(LOGITS, sampling, generator) for _ in range(n)}
 
 
-def test_top_k_samples_only_the_k_likeliest_tokens():
-    assert _drawn(Sampling(temperature=1.0, top_p=1.0, top_k=2)) == {0, 1}
-    assert _drawn(Sampling(temperature=1.0, top_p=1.0, top_k=1)) == {0}
-    assert {0, 1, 2, 3} <= _drawn(Sampling(temperature=1.0, top_p=1.0, top_k=0))  # 0: every token may be drawn
-    assert {0, 1, 2, 3} <= _drawn(Sampling(temperature=1.0, top_p=1.0, top_k=99))  # more than there are: all
+def test_top_k_keeps_only_the_k_likeliest_tokens():
+    hot = Sampling(temperature=5.0, top_p=1.0)  # flat enough that every token comes up in 400 draws
+    assert draws(hot) == {0, 1, 2, 3, 4}
+    assert draws(Sampling(temperature=5.0, top_p=1.0, top_k=2)) == {0, 1}
+    assert draws(Sampling(temperature=5.0, top_p=1.0, top_k=1)) == {0}
+    assert draws(Sampling(temperature=5.0, top_p=1.0, top_k=50)) == {0, 1, 2, 3, 4}  # more than V: no limit
 
 
-@pytest.mark.parametrize("top_k", [-1, 1.5, True])
-def test_a_top_k_that_cannot_be_one_is_refused_in_a_sentence(top_k):
-    with pytest.raises(ValueError, match="Top-k must be a whole number"):
-        Sampling(top_k=top_k).validate()
+class _Favourite(torch.nn.Module):
+    """A model whose next-token logits always prefer token 0, then 1, then 2: greedy repeats token 0 forever."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = MixtralConfig(num_hidden_layers=1)
+
+    def forward(self, input_ids, past_key_values, use_cache, logits_to_keep):  # noqa: ANN001, ANN201
+        return SimpleNamespace(logits=LOGITS[:3].expand(1, input_ids.shape[1], 3))
+
+
+def reply(sampling: Sampling) -> list[int]:
+    return list(generate_ids(_Favourite(), torch.tensor([[2]]), sampling, set(), threading.Event()))
+
+
+def test_generate_ids_penalises_what_the_reply_already_said():
+    assert reply(Sampling(greedy=True, max_new_tokens=4)) == [0, 0, 0, 0]
+    # 4 − 1.5·count of token 0 falls under token 1's 3 after one use, and so on in turn
+    assert reply(Sampling(greedy=True, max_new_tokens=4, frequency_penalty=1.5)) == [0, 1, 0, 2]
+    assert reply(Sampling(greedy=True, max_new_tokens=3, repetition_penalty=4.0)) == [0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"top_k": -1}, "Top-k"),
+        ({"top_k": 2.5}, "Top-k"),
+        ({"top_k": True}, "Top-k"),
+        ({"repetition_penalty": 0.0}, "repetition penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition penalty"),
+        ({"frequency_penalty": 2.5}, "frequency penalty"),
+        ({"presence_penalty": float("nan")}, "presence penalty"),
+    ],
+)
+def test_impossible_values_are_refused_in_a_sentence(changes, named):
+    with pytest.raises(ValueError, match=named):
+        Sampling(**changes).validate()

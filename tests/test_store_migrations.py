@@ -32,6 +32,9 @@ INSERT INTO conversations VALUES (1, 'Old chat', 1700000000, 1700000100, 'mixtra
 INSERT INTO messages VALUES (1, 1, 0, 'user', 'Tell me about photosynthesis', NULL, 1700000000);
 INSERT INTO messages VALUES (2, 1, 1, 'assistant', 'Plants turn light into sugar.', '{"tokens": 6}', 1700000100);
 INSERT INTO settings VALUES ('policy', '"lfu"');
+INSERT INTO settings VALUES ('temperature', '0.3');
+INSERT INTO settings VALUES ('system_prompt', '"Answer briefly."');
+INSERT INTO settings VALUES ('max_new_tokens', '"many"');
 INSERT INTO models VALUES ('f' , 'tiny', 2, 4, 0, 1700000000);
 PRAGMA user_version = 1;
 """
@@ -52,7 +55,7 @@ def test_v1_file_is_migrated_with_its_data_and_becomes_searchable(tmp_path):
     probs = make_v1(db_file)
     with open_store(tmp_path) as s:
         assert s.recovered_from is None
-        assert schema_version(s.db.db) == SCHEMA_VERSION == 4
+        assert schema_version(s.db.db) == SCHEMA_VERSION == 5
         conv = s.chats.get(1)
         assert (conv.title, conv.model, conv.settings) == ("Old chat", "mixtral", {"cache_gb": 3.0})
         assert [m.content for m in s.chats.messages(1)] == [
@@ -80,6 +83,20 @@ def test_v1_file_is_migrated_with_its_data_and_becomes_searchable(tmp_path):
         assert [(slot, link) for slot, _, link in persistence.load()] == [(0, 1), (1, -1)]
     with open_store(tmp_path) as s:  # already current: nothing to do, nothing broken
         assert migrate(s.db.db) == []
+
+
+def test_v5_gives_every_old_chat_the_settings_it_was_held_with(tmp_path):
+    make_v1(tmp_path / "fmoe-local.db")
+    with open_store(tmp_path) as s:
+        conv = s.chats.get(1)
+        # copied as stored: the check happens when the chat is read for a reply
+        assert conv.generation == {"temperature": 0.3, "system_prompt": "Answer briefly.", "max_new_tokens": "many"}
+        own = s.settings.for_chat(conv.generation)
+        assert (own.temperature, own.system_prompt, own.max_new_tokens) == (0.3, "Answer briefly.", 512)
+        # later changes of the defaults no longer reach the old chat; they reach a chat made without its own
+        s.settings.set(temperature=1.1, system_prompt="")
+        assert s.settings.for_chat(s.chats.get(1).generation).temperature == 0.3
+        assert s.settings.for_chat(s.chats.create("new").generation).temperature == 1.1
 
 
 def test_a_failing_step_leaves_the_previous_version_intact(tmp_path):

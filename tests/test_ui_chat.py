@@ -85,10 +85,10 @@ def _notice_text(update) -> str:
 
 def test_problems_are_a_sentence_in_the_chat_not_an_error_over_the_components(app):
     session, conv, fn = app
-    *kept, said = next(fn("send")("   ", conv.id, "", 0.7, 0.9, 16))  # nothing typed
+    *kept, said = next(fn("send")("   ", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0))  # nothing typed
     assert "Type a message first." in _notice_text(said)
     assert all(k == gr.skip() for k in kept)  # the chat, its list and the input stay as they are
-    *kept, said = next(fn("send")("Hello", conv.id, "", 0.7, 0.9, 16))  # no model loaded
+    *kept, said = next(fn("send")("Hello", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0))  # no model loaded
     assert "No model is loaded yet" in _notice_text(said)
     assert [m.content for m in session.store.chats.messages(conv.id)] == ["Tell me about the sea."]
     session.store.chats.delete(conv.id)  # gone behind the page's back (another tab)
@@ -102,7 +102,7 @@ def test_deleting_a_chat_asks_first_and_keep_it_deletes_nothing(app):
     assert pending == conv.id and session.store.chats.get(conv.id)  # asked, not deleted
     assert confirm.value == "Yes, delete “about the sea”" and confirm.visible and keep.visible
     assert delete.visible is False
-    conv_id, chatbot, _, _, pending, delete, confirm, _, _ = fn("confirm_delete_chat")(conv.id)
+    pending, delete, confirm, _, conv_id, chatbot, *_ = fn("confirm_delete_chat")(conv.id)
     assert (conv_id, chatbot, pending) == (None, [], None) and delete.visible
     assert session.store.chats.list() == []
 
@@ -430,10 +430,80 @@ def test_sending_on_a_full_disk_says_so_in_a_sentence(app):
     conn = session.store.db.db.conn
     # SQLite's own limit on the file's pages: the database cannot grow, exactly as when the disk has no room.
     conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
-    *kept, said = next(fn("send")("A long message. " * 4000, conv.id, "", 0.7, 0.9, 16))
+    *kept, said = next(fn("send")("A long message. " * 4000, conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0))
     text = _notice_text(said)
     assert "Nothing was saved: the disk holding fmoe-local.db is full. Free some space" in text, text
     assert "OperationalError" not in text
     assert [m.content for m in session.store.chats.messages(conv.id)] == ["Tell me about the sea."]
     conn.execute("PRAGMA max_page_count = 1073741823")  # room again: the same Send works
     assert session.store.chats.append(conv.id, "user", "short").content == "short"
+
+
+def _generation_shown(shown: tuple) -> dict:
+    """The Generation values of a chat_outputs tuple (conv_id, chatbot, list, title, address, *values, notice)."""
+    from store.settings import GENERATION_KEYS
+
+    return dict(zip(GENERATION_KEYS, shown[5:-1], strict=True))
+
+
+def test_each_chat_shows_and_keeps_its_own_generation_settings(app):
+    from ui.chat import guarded, keep_generation, open_address, save_default
+
+    session, conv, fn = app
+    chats, settings = session.store.chats, session.store.settings
+    other = chats.create("other", generation={**settings.load().generation(), "temperature": 1.3, "top_k": 7})
+    shown = fn("open_chat")(other.id)
+    assert _generation_shown(shown)["temperature"] == 1.3 and _generation_shown(shown)["top_k"] == 7
+    assert shown[4] == str(other.id)  # the address follows
+    values = dict(_generation_shown(shown), temperature=0.2, system_prompt="Be brief.")
+    said = keep_generation(session, other.id, *values.values())  # a control changed: kept with the chat at once
+    assert _notice_text(said) == ""
+    assert chats.get(other.id).generation["temperature"] == 0.2
+    assert _generation_shown(open_address(session, str(other.id)))["system_prompt"] == "Be brief."  # a reload
+    assert _generation_shown(fn("open_chat")(conv.id))["temperature"] == settings.load().temperature  # not 0.2
+    new = fn("new_chat")()
+    assert new[0] is None and new[4] == "new" and _generation_shown(new) == settings.load().generation()
+    said = save_default(session, *values.values())
+    assert "new chats start from these" in _notice_text(said)
+    assert _generation_shown(fn("new_chat")())["temperature"] == 0.2
+    refused = guarded(keep_generation, 1)(session, other.id, *dict(values, top_k=-3).values())  # as wired
+    assert "A top-k of -3 is not possible" in _notice_text(refused[-1]) and chats.get(other.id).generation["top_k"] == 7
+
+
+def test_the_address_opens_its_chat_or_says_why_not(app):
+    from ui.chat import open_address
+
+    session, conv, _ = app
+    newer = session.store.chats.create("newer")
+    assert open_address(session, str(conv.id))[0] == conv.id  # not the most recently updated one
+    assert open_address(session, "")[0] == newer.id
+    new = open_address(session, "new")
+    assert (new[0], new[1]) == (None, [])
+    for wanted, said in [
+        ("999", "Conversation 999 no longer exists"),
+        ("1e9", "names no chat"),
+        ("9" * 40, "names no"),
+    ]:
+        shown = open_address(session, wanted)
+        assert shown[0] == newer.id and said in _notice_text(shown[-1])
+
+
+def test_import_adds_the_exported_chats_and_refuses_other_files_in_a_sentence(app, tmp_path):
+    from store.chat_import import MAX_IMPORT_BYTES
+
+    session, conv, fn = app
+    exported = tmp_path / "chats.json"
+    exported.write_text(session.store.chats.export_all_json(), encoding="utf-8")
+    shown = fn("import_chats")(str(exported))
+    assert shown[0] != conv.id and "Imported 1 chat" in _notice_text(shown[-1])
+    assert session.store.chats.messages(shown[0])[0].content == "Tell me about the sea."
+    assert session.store.chats.messages(conv.id)[0].content == "Tell me about the sea."  # the original is untouched
+    markdown = tmp_path / "chat.md"
+    markdown.write_text("# about the sea\n", encoding="utf-8")
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(MAX_IMPORT_BYTES + 1)
+    for path, said in [(markdown, "not JSON text"), (big, "at most 5 MB")]:
+        *kept, notice = fn("import_chats")(str(path))
+        assert said in _notice_text(notice) and all(k == gr.skip() for k in kept)
+    assert len(session.store.chats.list()) == 2

@@ -154,6 +154,11 @@ def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(served):
         ({"temperature": 7}, "temperature"),
         ({"top_p": 2}, "top_p"),
         ({"seed": 1.5}, "seed"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
     ],
 )
 def test_a_value_out_of_range_names_its_own_field(served, extra, param):
@@ -238,25 +243,39 @@ def test_a_503_while_a_model_loads_says_when_to_ask_again(served):
         session.runtime, session.loading = loaded, job
 
 
-def test_what_a_request_leaves_out_takes_the_app_s_settings_but_not_its_reply_length(served):
+def test_top_k_and_the_penalties_reach_the_sampler():
+    from ui.openai_request import parse_chat
+
+    body = {"messages": PROMPT, "top_k": 5, "repetition_penalty": 1.2, "frequency_penalty": 0.5}
+    sampling = parse_chat(body | {"presence_penalty": -0.5}, Sampling()).sampling
+    assert (sampling.top_k, sampling.repetition_penalty, sampling.frequency_penalty) == (5, 1.2, 0.5)
+    assert sampling.presence_penalty == -0.5
+    assert parse_chat({"messages": PROMPT, "top_k": -1}, Sampling(top_k=9)).sampling.top_k == 0  # vLLM's "no limit"
+
+
+def test_what_a_request_leaves_out_takes_the_app_s_own_defaults_never_a_chat_s_nor_its_reply_length(served):
     from ui.openai_request import UNTIL_CONTEXT, parse_chat
 
     server, session, _ = served
     settings = Sampling(max_new_tokens=5, temperature=0.3, top_p=0.4)
     got = parse_chat({"messages": PROMPT, "top_p": None}, settings).sampling
-    assert got == replace(settings, max_new_tokens=UNTIL_CONTEXT)  # was: 1.0 and 1.0; and Settings' 5 tokens
-    greedy = _post(server, temperature=0, max_tokens=8, seed=1).json()
-    before = session.store.settings.load()
-    session.store.settings.set(temperature=0.0, top_p=0.5, max_new_tokens=3)
+    assert got == replace(settings, max_new_tokens=UNTIL_CONTEXT)  # was: 1.0 and 1.0; and the chat's 5 tokens
+    asked = _post(server, temperature=0, max_tokens=8, seed=1).json()
+    config, before = session.config, session.store.settings.load()
+    session.config = config.with_changes(sampling=Sampling(max_new_tokens=4, temperature=0.0))
+    # What the Chat tab keeps: its "Save as default" values and a chat's own. Before, /v1 took the chat's last Send.
+    session.store.settings.set(temperature=1.5, top_p=0.5, max_new_tokens=2, top_k=3)
+    chat = session.store.chats.create("a chat", generation={"temperature": 2.0, "max_new_tokens": 1})
     try:
         reply = _post(server, max_tokens=None, seed=1).json()  # no temperature, no top_p, a null max_tokens
-        assert reply["usage"]["completion_tokens"] > 3  # was: cut at the chat tab's Max new tokens
-        text = reply["choices"][0]["message"]["content"]  # Settings' temperature 0: was 1.0
-        assert text.startswith(greedy["choices"][0]["message"]["content"])
+        assert "usage" in reply and "usage" in asked, (reply, asked)  # a failure's error, shown whole
+        assert reply["usage"]["completion_tokens"] > 4  # was: cut at a Max new tokens (the chat's or the app's)
+        text = reply["choices"][0]["message"]["content"]  # the app's temperature 0, not the chat's 2.0
+        assert text.startswith(asked["choices"][0]["message"]["content"])
     finally:
-        session.store.settings.set(
-            temperature=before.temperature, top_p=before.top_p, max_new_tokens=before.max_new_tokens
-        )
+        session.config = config
+        session.store.chats.delete(chat.id)
+        session.store.settings.set(**before.generation())
 
 
 def test_the_loaded_model_is_retrieved_by_its_id_and_another_is_a_404(served):

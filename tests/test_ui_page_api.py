@@ -68,15 +68,25 @@ def _notice(update) -> str:
     return update.value if isinstance(update, gr.Markdown) else update.get("value", "")
 
 
-GENERATION = [  # (system, temperature, top_p, max tokens) as a script may send them, and the sentence each gets
-    (("", NAN, 0.9, 16), "A temperature of nan is not possible. Use a number from 0 to 2"),
-    (("", INF, 0.9, 16), "A temperature of inf is not possible"),
-    (("", 0.7, NAN, 16), "A top-p of nan is not possible. Use a number from 0.05 to 1."),
-    (("", 0.7, 0.9, NAN), "Set max new tokens to a whole number from 1 to 4,096: nan is not one."),
-    (("", 0.7, 0.9, 2.5), "Set max new tokens to a whole number from 1 to 4,096: 2.5 is not one."),
-    (("", 0.7, 0.9, 10**9), "Max new tokens of 1000000000 is not possible. Use a whole number from 1 to 4,096."),
-    (("", "hot", 0.9, 16), "Set the temperature to a number from 0 to 2: 'hot' is not one."),
-    (("x" * 100_001, 0.7, 0.9, 16), "The system prompt is 100,001 characters long; it can be at most 100,000."),
+def gen(system, temperature, top_p, max_tokens, top_k=0, repetition=1.0, frequency=0.0, presence=0.0) -> tuple:
+    """The Generation panel's values in its order (store.settings.GENERATION_KEYS)."""
+    return system, temperature, top_p, top_k, max_tokens, repetition, frequency, presence
+
+
+GENERATION = [  # (system, temperature, top_p, max tokens, …) as a script may send them, and the sentence each gets
+    (gen("", NAN, 0.9, 16), "A temperature of nan is not possible. Use a number from 0 to 2"),
+    (gen("", INF, 0.9, 16), "A temperature of inf is not possible"),
+    (gen("", 0.7, NAN, 16), "A top-p of nan is not possible. Use a number from 0.05 to 1."),
+    (gen("", 0.7, 0.9, NAN), "Set max new tokens to a whole number from 1 to 4,096: nan is not one."),
+    (gen("", 0.7, 0.9, 2.5), "Set max new tokens to a whole number from 1 to 4,096: 2.5 is not one."),
+    (gen("", 0.7, 0.9, 10**9), "Max new tokens of 1000000000 is not possible. Use a whole number from 1 to 4,096."),
+    (gen("", "hot", 0.9, 16), "Set the temperature to a number from 0 to 2: 'hot' is not one."),
+    (gen("x" * 100_001, 0.7, 0.9, 16), "The system prompt is 100,001 characters long; it can be at most 100,000."),
+    (gen("", 0.7, 0.9, 16, top_k=-1), "A top-k of -1 is not possible. Use a whole number from 0 (no limit) to 200."),
+    (gen("", 0.7, 0.9, 16, top_k=2.5), "Set top-k to a whole number from 0 to 200: 2.5 is not one."),
+    (gen("", 0.7, 0.9, 16, repetition=NAN), "A repetition penalty of nan is not possible."),
+    (gen("", 0.7, 0.9, 16, frequency=3), "A frequency penalty of 3 is not possible. Use a number from -2 to 2"),
+    (gen("", 0.7, 0.9, 16, presence=INF), "A presence penalty of inf is not possible."),
 ]
 
 
@@ -90,6 +100,7 @@ def test_send_refuses_a_generation_value_the_page_would_not_offer_and_saves_noth
     assert sentence in _notice(said) and _notice(said).startswith("⚠️")
     assert all(k == gr.skip() for k in kept)  # the chat, its list and the input stay as they are
     assert _stored(session) == before and "NaN" not in json.dumps(before)  # nothing saved
+    assert session.store.chats.get(conv_id).generation is None  # the chat's own neither
     assert [m.content for m in session.store.chats.messages(conv_id)] == ["Tell me about the sea.", "Once upon"]
     assert session.runtime.sampled == []  # nothing generated
 
@@ -106,13 +117,21 @@ def test_regenerate_and_continue_refuse_the_same_values(page, api_name, values, 
     assert [m.content for m in session.store.chats.messages(conv_id)] == ["Tell me about the sea.", "Once upon"]
 
 
-def test_values_the_page_allows_still_send_and_are_saved_typed(page):
+def test_values_the_page_allows_still_send_and_are_kept_typed_with_the_chat(page):
     session, conv_id, fn = page
-    *_, last = list(fn("send")("Hello", conv_id, "Be brief.", 0, 0.5, 8.0))  # what the sliders send
-    assert session.runtime.sampled[-1].greedy and session.runtime.sampled[-1].max_new_tokens == 8
-    saved = session.store.settings.load()
-    assert (saved.temperature, saved.top_p, saved.max_new_tokens, saved.system_prompt) == (0.0, 0.5, 8, "Be brief.")
-    assert isinstance(saved.max_new_tokens, int)
+    defaults = session.store.settings.load()
+    values = gen("Be brief.", 0, 0.5, 8.0, top_k=40.0, repetition=1.1, frequency=0.5, presence=-0.5)  # as sliders send
+    *_, last = list(fn("send")("Hello", conv_id, *values))
+    sampled = session.runtime.sampled[-1]
+    assert sampled.greedy and sampled.max_new_tokens == 8 and sampled.top_k == 40
+    assert (sampled.repetition_penalty, sampled.frequency_penalty, sampled.presence_penalty) == (1.1, 0.5, -0.5)
+    own = session.store.chats.get(conv_id).generation
+    assert own == {
+        "system_prompt": "Be brief.", "temperature": 0.0, "top_p": 0.5, "top_k": 40, "max_new_tokens": 8,
+        "repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": -0.5,
+    }  # fmt: skip
+    assert isinstance(own["max_new_tokens"], int) and isinstance(own["top_k"], int)
+    assert session.store.settings.load() == defaults  # a chat's values are not the defaults of the next chat
 
 
 def test_rename_and_search_have_a_budget(page):
@@ -176,7 +195,8 @@ def test_saved_values_that_fail_the_check_are_not_used_and_the_page_says_so(tmp_
         assert "A temperature of nan is not possible" in top and "A top-p of inf is not possible" in top
         assert set(store.settings.refused()) == set()  # put right on disk: said once, not at every start
         on_load = next(f for f in demo.fns.values() if f.name == "on_load").fn  # the chat's: the first wired
-        *_, system, temperature, top_p, max_tokens = on_load()
+        shown = on_load("")
+        system, temperature, top_p, _, max_tokens = shown[5:10]  # after the chat, its list, title and address
         assert (system, temperature, top_p, max_tokens) == ("", defaults.temperature, defaults.top_p, 512)
         session.runtime = HiRuntime()
         app = FastAPI()

@@ -38,11 +38,23 @@ def build(session: Session) -> gr.Blocks:
 
     from ui import chat, model_formats, models, settings, stats
     from ui.page_header import TITLE, header
+    from ui.theme import THEME_CHOICES, THEME_JS, THEME_LOAD_JS
 
     # Before the tabs read the saved settings: what the store refuses is reset and said in the header.
     session.check_settings()
     with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as demo:
-        top = gr.Markdown(header(session), elem_id="app-title")
+        with gr.Row(equal_height=True):
+            top = gr.Markdown(header(session), elem_id="app-title")
+            # Beside the system's own setting, the page can be kept light or dark (remembered by this browser).
+            theme_choice = gr.Radio(
+                list(THEME_CHOICES),
+                value="System",
+                show_label=False,
+                container=False,
+                scale=0,
+                min_width=330,
+                elem_id="theme-choice",
+            )
         with gr.Tabs(elem_id="tabs") as tabs:
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat_tab = chat.build(session)
@@ -81,6 +93,9 @@ def build(session: Session) -> gr.Blocks:
             api_visibility="private",
         )
         demo.load(lambda: header(session), None, [top], api_visibility="private")
+        # The page's own choice, in the browser: no request reaches the server.
+        demo.load(None, None, [theme_choice], js=THEME_LOAD_JS, api_visibility="private")
+        theme_choice.input(None, [theme_choice], [theme_choice], js=THEME_JS, api_visibility="private")
 
         def follow_header(shown):
             now = header(session)

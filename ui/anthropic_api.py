@@ -22,7 +22,6 @@ from collections import deque
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from fmoe_local.config import Sampling
 from fmoe_local.request_handle import RequestHandle
 from ui.anthropic_request import parse_count, parse_messages
 from ui.anthropic_stream import Head, complete, error_response, new_id, sse
@@ -46,9 +45,8 @@ def build_router(session: Session) -> APIRouter:
         try:
             body = await asyncio.to_thread(read_body, await request.body())
             runtime = loaded_runtime(session)
-            settings = session.store.settings.load()
-            defaults = Sampling(temperature=settings.temperature, top_p=settings.top_p)
-            req = parse_messages(body, defaults)
+            # The app's own sampling, as /v1/chat/completions: never a chat's values nor the Chat tab's defaults.
+            req = parse_messages(body, session.config.sampling)
             shaped = await asyncio.to_thread(shape, runtime, req)
             length = await _check_prompt(runtime, req.prompt, shaped.tools)
         except ApiError as exc:

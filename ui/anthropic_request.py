@@ -28,7 +28,7 @@ from ui.openai_request import ApiError, ApiRequest
 
 
 def parse_messages(body: dict, defaults: Sampling) -> ApiRequest:
-    """`defaults`: the app's Settings (temperature, top_p) for what the request leaves out."""
+    """`defaults`: the app's own sampling (RuntimeConfig.sampling) for what the request leaves out."""
     req = _validated(MessagesBody, body)
     temperature = defaults.temperature if req.temperature is None else float(req.temperature)
     top_p = defaults.top_p if req.top_p is None else float(req.top_p)

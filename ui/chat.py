@@ -8,6 +8,12 @@ going back shows it streaming. The runtime answers one request at a time: a repl
 A problem is said in the notice line under the chat (`guarded`); deleting a chat asks first. The last reply
 offers Continue when the token limit cut it and "< 1/2 >" when Regenerate made other versions; every message of
 the user's has Gradio's edit pencil (the chat goes on from the edited message).
+
+Each chat has its own Generation settings (system prompt, sampling): opening a chat shows them, changing one keeps
+it with the chat, and a new chat starts from the saved defaults ("Save as default"). The page's address names the
+chat shown (`?chat=ID`, `?chat=new`), so a reload and the browser's back and forward open that chat; the address is
+the page's own (history.pushState), read by the load event and on popstate. Escape presses Stop. Chats exported as
+JSON are imported as new chats (store/chat_import.py checks the file).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -23,12 +30,24 @@ from pathlib import Path
 import gradio as gr
 
 from fmoe_local.config import Sampling
+from store.chat_import import MAX_IMPORT_BYTES, ImportRefused, check_size, parse_export
+from store.chats import ChatNotFoundError
 from store.errors import StoreError
-from store.settings import MAX_NEW_TOKENS_RANGE, SYSTEM_PROMPT_CHARS, TEMPERATURE_RANGE, TOP_P_RANGE
+from store.settings import (
+    GENERATION_KEYS,
+    MAX_NEW_TOKENS_RANGE,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
+    SYSTEM_PROMPT_CHARS,
+    TEMPERATURE_RANGE,
+    TOP_K_RANGE,
+    TOP_P_RANGE,
+)
 from ui import chat_flow
 from ui.chat_flow import Problem
 from ui.chat_view import conversation_choices, display, warning
 from ui.export import chat_markdown
+from ui.render import literal
 from ui.session import Session
 
 log = logging.getLogger(__name__)
@@ -36,6 +55,29 @@ log = logging.getLogger(__name__)
 TITLE_CHARS = 48  # a new chat's title: the start of its first message
 RENAME_CHARS = 200  # a title typed (or sent to rename_chat): what the list can show, with room to spare
 SEARCH_CHARS = 1_000  # a search: longer than any title, enough for a sentence from a message
+ADDRESS_CHARS = 18  # a chat id in the page's address: what SQLite's integer ids can be, and no longer
+
+# The page's scripts (Gradio runs them in the browser). The address names the chat shown: a new one is pushed (the
+# first, on a fresh page, replaces the bare address) so back and forward step through the chats opened.
+ADDRESS_JS = """(id) => {
+  if (!id) return;
+  const url = new URL(location.href);
+  const now = url.searchParams.get("chat");
+  if (now === id) return;
+  url.searchParams.set("chat", id);
+  if (now === null) history.replaceState(null, "", url); else history.pushState(null, "", url);
+}"""
+# () → the chat the address names (read on load and after back/forward); installs the page's keys once.
+READ_ADDRESS_JS = """() => {
+  if (!window.fmoeChatKeys) {
+    window.fmoeChatKeys = true;
+    document.addEventListener("keydown", (e) => {
+      if (e.key === "Escape" && !e.isComposing) document.querySelector("#stop")?.click();
+    });
+    window.addEventListener("popstate", () => document.querySelector("#chat-nav")?.click());
+  }
+  return new URLSearchParams(location.search).get("chat") || "";
+}"""
 
 
 @dataclass
@@ -64,11 +106,27 @@ class ChatTab:
     alt_prev: gr.Button
     alt_label: gr.Button
     alt_next: gr.Button
+    import_file: gr.UploadButton
+    address: gr.Textbox  # the chat the page's address names (hidden; its changes update the address)
+    nav: gr.Button  # pressed by the page's script on back/forward (hidden)
     system: gr.Textbox
     temperature: gr.Slider
     top_p: gr.Slider
+    top_k: gr.Slider
     max_tokens: gr.Slider
+    repetition_penalty: gr.Slider
+    frequency_penalty: gr.Slider
+    presence_penalty: gr.Slider
+    save_default: gr.Button
     view: gr.State  # the page's PageView
+
+    @property
+    def generation(self) -> list:
+        """The Generation panel's controls, in GENERATION_KEYS' order."""
+        return [
+            self.system, self.temperature, self.top_p, self.top_k, self.max_tokens, self.repetition_penalty,
+            self.frequency_penalty, self.presence_penalty,
+        ]  # fmt: skip
 
 
 @dataclass
@@ -123,6 +181,13 @@ def build(session: Session) -> ChatTab:
                     export = gr.Button("Export as Markdown", size="sm", elem_id="export-chat")
                     export_all = gr.Button("Export all chats (JSON)", size="sm", elem_id="export-all")
                 export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file")
+                import_file = gr.UploadButton(
+                    "Import chats (JSON)", size="sm", file_types=[".json"], type="filepath", elem_id="import-chats"
+                )
+            address = gr.Textbox(
+                show_label=False, container=False, elem_id="chat-address", elem_classes=["fmoe-hidden"]
+            )
+            nav = gr.Button("Open the address's chat", elem_id="chat-nav", elem_classes=["fmoe-hidden"])
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(
                 height=520,
@@ -158,7 +223,7 @@ def build(session: Session) -> ChatTab:
                     "", size="sm", min_width=60, interactive=False, visible=False, elem_id="alt-label"
                 )
                 alt_next = gr.Button(">", size="sm", scale=0, min_width=40, visible=False, elem_id="alt-next")
-            with gr.Accordion("Generation", open=False):
+            with gr.Accordion("Generation", open=False, elem_id="generation"):
                 # The ranges are the store's check (store.settings): what a script may send is what these offer.
                 system = gr.Textbox(
                     label="System prompt", value=settings.system_prompt, lines=2, max_length=SYSTEM_PROMPT_CHARS,
@@ -166,23 +231,50 @@ def build(session: Session) -> ChatTab:
                 )  # fmt: skip
                 with gr.Row():
                     temperature = gr.Slider(
-                        *TEMPERATURE_RANGE, value=settings.temperature, step=0.05, label="Temperature"
+                        *TEMPERATURE_RANGE, value=settings.temperature, step=0.05, label="Temperature",
+                        elem_id="temperature",
+                    )  # fmt: skip
+                    top_p = gr.Slider(*TOP_P_RANGE, value=settings.top_p, step=0.05, label="Top-p", elem_id="top-p")
+                    top_k = gr.Slider(
+                        *TOP_K_RANGE, value=settings.top_k, step=1, label="Top-k (0: no limit)", elem_id="top-k"
                     )
-                    top_p = gr.Slider(*TOP_P_RANGE, value=settings.top_p, step=0.05, label="Top-p")
                     max_tokens = gr.Slider(
                         *MAX_NEW_TOKENS_RANGE, value=settings.max_new_tokens, step=1, label="Max new tokens",
                         elem_id="max-tokens",
                     )  # fmt: skip
+                with gr.Row():
+                    repetition_penalty = gr.Slider(
+                        *REPETITION_PENALTY_RANGE, value=settings.repetition_penalty, step=0.01,
+                        label="Repetition penalty (1: off)", elem_id="repetition-penalty",
+                    )  # fmt: skip
+                    frequency_penalty = gr.Slider(
+                        *PENALTY_RANGE, value=settings.frequency_penalty, step=0.05, label="Frequency penalty",
+                        elem_id="frequency-penalty",
+                    )  # fmt: skip
+                    presence_penalty = gr.Slider(
+                        *PENALTY_RANGE, value=settings.presence_penalty, step=0.05, label="Presence penalty",
+                        elem_id="presence-penalty",
+                    )  # fmt: skip
+                save_default = gr.Button("Save as default for new chats", size="sm", elem_id="save-default")
     return ChatTab(
-        conv_id, search, conv_list, new_chat, rename_box, rename, delete, confirm_delete, keep_chat, pending_delete,
-        pending_edit,
-        export, export_all, export_file, chatbot, notice, textbox, send, stop,
-        regenerate, continue_reply, alt_prev, alt_label, alt_next, system, temperature, top_p, max_tokens, view,
+        conv_id=conv_id, search=search, conv_list=conv_list, new_chat=new_chat, rename_box=rename_box, rename=rename,
+        delete=delete, confirm_delete=confirm_delete, keep_chat=keep_chat, pending_delete=pending_delete,
+        pending_edit=pending_edit, export=export, export_all=export_all, export_file=export_file, chatbot=chatbot,
+        notice=notice, textbox=textbox, send=send, stop=stop, regenerate=regenerate, continue_reply=continue_reply,
+        alt_prev=alt_prev, alt_label=alt_label, alt_next=alt_next, import_file=import_file, address=address, nav=nav,
+        system=system, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+        repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        save_default=save_default, view=view,
     )  # fmt: skip
 
 
 def notice(sentence: str = "") -> gr.Markdown:
     return gr.Markdown(value=warning(sentence) if sentence else "", visible=bool(sentence))
+
+
+def done(sentence: str) -> gr.Markdown:
+    """The notice line saying that something asked for was done (no warning sign)."""
+    return gr.Markdown(value=literal(sentence), visible=True)
 
 
 def sentence_of(exc: Exception) -> str:
@@ -221,53 +313,155 @@ def guarded(fn, outputs: int):  # noqa: ANN001, ANN201 - wraps an event handler
     return plain
 
 
+# --- named handlers: each takes the session first (wire binds it) and the event's inputs ---------------------------
+
+
+def generation(session: Session, values: tuple | list) -> tuple[dict, Sampling]:
+    """The Generation values as they came (from the page, or from a script calling its API: a NaN, a string, a
+    fraction of a token), in GENERATION_KEYS' order, checked by the store's one check of every setting before anything
+    uses them: the values a chat keeps and the Sampling of a reply. A refused value is a Problem: a sentence naming
+    it."""
+    if len(values) != len(GENERATION_KEYS):
+        raise Problem(f"Send the {len(GENERATION_KEYS)} Generation values ({', '.join(GENERATION_KEYS)}), in order.")
+    try:
+        checked = session.store.settings.check(**dict(zip(GENERATION_KEYS, values, strict=True)))
+    except ValueError as exc:
+        raise Problem(str(exc)) from exc
+    return checked.generation(), checked.sampling()
+
+
+def chat_generation(session: Session, conv_id: int | None, values: tuple | list) -> tuple[str, Sampling]:
+    """The values checked and kept as chat `conv_id`'s own (a chat not yet sent keeps them at its first Send): the
+    system prompt and the Sampling of a reply."""
+    own, sampling = generation(session, values)
+    if conv_id is not None:
+        session.store.chats.set_generation(conv_id, own)
+    return own["system_prompt"], sampling
+
+
+def keep_generation(session: Session, conv_id: int | None, *values) -> gr.Markdown:
+    """A Generation control changed: the chat keeps the new values at once (a reload shows them). Values the chat
+    already has change nothing: the system prompt's change event also fires when opening a chat shows its prompt, and
+    a chat that follows the defaults must not be pinned to them by being opened."""
+    own, _ = generation(session, values)
+    if conv_id is not None:
+        conv = session.store.chats.get(conv_id)
+        if own != session.store.settings.for_chat(conv.generation).generation():
+            session.store.chats.set_generation(conv_id, own)
+    return notice()
+
+
+def save_default(session: Session, *values) -> gr.Markdown:
+    """The Generation values become the saved defaults new chats start from (the chats there are keep their own)."""
+    own, _ = generation(session, values)
+    session.store.settings.set(**own)
+    return done("Saved: new chats start from these Generation settings; each chat keeps its own.")
+
+
+def shown_chat(session: Session, conv_id: int | None, said: gr.Markdown | None = None, relist: bool = True) -> tuple:
+    """What the page shows of chat `conv_id` (None: a new chat, with the saved defaults), in CHAT_OUTPUTS' order:
+    the chat, the list (`relist`; else left as it is), the title to rename, the address, its Generation values, and
+    the notice line ("loaded" on the list marks that a page's load event has landed: browser tests wait for it)."""
+    chats = session.store.chats
+    listed = gr.Radio(choices=conversation_choices(session), value=conv_id, elem_classes=["loaded"]) if relist else None
+    if conv_id is None:
+        own, shown, title, address = session.store.settings.load(), [], "", "new"
+    else:
+        conv = chats.get(conv_id)
+        own, shown, title = (
+            session.store.settings.for_chat(conv.generation),
+            display(chats.messages(conv.id)),
+            conv.title,
+        )
+        address = str(conv.id)
+    kept = own.generation()
+    values = [kept[key] for key in GENERATION_KEYS]
+    return conv_id, shown, listed or gr.skip(), title, address, *values, said or notice()
+
+
+def open_address(session: Session, wanted: str | None) -> tuple:
+    """The chat the page's address names (`?chat=ID`; `new`: a new chat), else the most recently updated one: on a
+    page's load and after back or forward. A chat that no longer exists is said, and the newest one shown."""
+    wanted = wanted.strip() if isinstance(wanted, str) else ""
+    if wanted == "new":
+        return shown_chat(session, None)
+    said = None
+    if wanted:
+        if not (wanted.isascii() and wanted.isdigit() and len(wanted) <= ADDRESS_CHARS):
+            said = notice("The page's address names no chat (it ends in ?chat= and a number). Pick one from the list.")
+        else:
+            try:
+                return shown_chat(session, session.store.chats.get(int(wanted)).id)
+            except ChatNotFoundError as exc:
+                said = notice(str(exc))
+    newest = session.store.chats.list(limit=1)
+    return shown_chat(session, newest[0].id if newest else None, said)
+
+
+def import_chats(session: Session, path: str | None) -> tuple:
+    """Chats from a JSON export added as new chats (never over one there is); the first of them is shown."""
+    if not isinstance(path, str) or not path:
+        raise Problem("Pick the JSON file that “Export all chats (JSON)” wrote.")
+    try:
+        check_size(os.path.getsize(path))  # before reading a byte of it
+        with open(path, "rb") as file:
+            imported = parse_export(file.read(MAX_IMPORT_BYTES + 1))
+    except ImportRefused as exc:
+        raise Problem(str(exc)) from exc
+    if not imported:
+        raise Problem("This export holds no chat, so there is nothing to import.")
+    ids = session.store.chats.import_chats(imported)
+    count = f"{len(ids)} chats" if len(ids) > 1 else "1 chat"
+    return shown_chat(session, ids[0], done(f"Imported {count} (added beside yours; none was replaced)."))
+
+
+def _with_view(values: tuple) -> tuple[tuple, PageView | None]:
+    """The Generation values and the page's PageView, which the page sends after them (a handler called directly,
+    as the tests do, sends none)."""
+    if values and isinstance(values[-1], PageView):
+        return values[:-1], values[-1]
+    return values, None
+
+
 def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     """Attach the events; returns the events after which a reply has finished (the Stats tab chains on them)."""
     chats = session.store.chats
 
-    def generation(system, temperature, top_p, max_tokens) -> tuple[dict, Sampling]:
-        """The Generation values as they came (from the page, or from a script calling its API: a NaN, a string, a
-        fraction of a token), checked by the store's one check of every setting before anything uses them: the
-        changes to save and the Sampling of the reply. A refused value is a Problem: a sentence naming it."""
-        changes = dict(system_prompt=system, temperature=temperature, top_p=top_p, max_new_tokens=max_tokens)
-        try:
-            s = session.store.settings.check(**changes)
-        except ValueError as exc:
-            raise Problem(str(exc)) from exc
-        sampling = Sampling(
-            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, greedy=s.temperature == 0
-        )
-        return changes, sampling
-
-    def send(text, conv_id, system, temperature, top_p, max_tokens, view=None):
+    def send(text, conv_id, *values):
+        values, view = _with_view(values)
         if not isinstance(text, str) or not text.strip():
             raise Problem("Type a message first.")
         text = text.strip()
-        changes, sampling = generation(system, temperature, top_p, max_tokens)
+        own, sampling = generation(session, values)
         runtime = chat_flow.runtime_of(session)
         if conv_id is not None and session.chat_reply(conv_id) is not None:
             raise Problem(chat_flow.STILL_ANSWERING)
-        session.store.settings.set(**changes)
         if conv_id is None:
-            conv_id = chats.create(title=text[:TITLE_CHARS], model=session.model_id or runtime.info.name).id
+            model = session.model_id or runtime.info.name
+            conv_id = chats.create(title=text[:TITLE_CHARS], model=model, generation=own).id
+        else:
+            chats.set_generation(conv_id, own)
         chats.append(conv_id, "user", text)
         showing(view, conv_id)
         choices = gr.Radio(choices=conversation_choices(session), value=conv_id)
         shown = display(chats.messages(conv_id))
-        yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, notice()
-        for chatbot in while_shown(view, conv_id, chat_flow.reply(session, conv_id, system, sampling)):
-            yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, str(conv_id), notice()
+        replies = chat_flow.reply(session, conv_id, own["system_prompt"], sampling)
+        for chatbot in while_shown(view, conv_id, replies):
+            yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
-    def regenerate(conv_id, system, temperature, top_p, max_tokens, view=None):
-        _, sampling = generation(system, temperature, top_p, max_tokens)
+    def regenerate(conv_id, *values):
+        values, view = _with_view(values)
+        system, sampling = chat_generation(session, conv_id, values)
         replies = chat_flow.regenerate(session, conv_id, system, sampling)
         first = next(replies)  # a Problem (nothing to regenerate, no model) is raised before the notice is cleared
         yield first, notice()
         for chatbot in while_shown(view, conv_id, replies):
             yield _drawn(chatbot), gr.skip()
 
-    def continue_reply(conv_id, system, temperature, top_p, max_tokens, view=None):
-        _, sampling = generation(system, temperature, top_p, max_tokens)
+    def continue_reply(conv_id, *values):
+        values, view = _with_view(values)
+        system, sampling = chat_generation(session, conv_id, values)
         replies = chat_flow.continue_reply(session, conv_id, system, sampling)
         first = next(replies)
         yield first, notice()
@@ -280,11 +474,12 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
             session.stop_chat(conv_id)  # the reply being generated answers the old text: end it
         return (data.index, data.value if isinstance(data.value, str) else str(data.value))
 
-    def edit(pending, conv_id, system, temperature, top_p, max_tokens, view=None):
+    def edit(pending, conv_id, *values):
+        values, view = _with_view(values)
         if pending is None:
             raise Problem("That edit was already applied. Edit the message again to change it.")
         index, text = pending
-        _, sampling = generation(system, temperature, top_p, max_tokens)
+        system, sampling = chat_generation(session, conv_id, values)
         replies = chat_flow.edit(session, conv_id, index, text, system, sampling)
         first = next(replies)
         yield first, notice()
@@ -314,16 +509,25 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
             yield (_drawn(chatbot), busy()) if chatbot is not None else (gr.skip(), gr.skip())
         yield gr.skip(), gr.skip()  # a chat with no reply running: nothing to redraw
 
+    def shows(view: PageView | None, shown: tuple) -> tuple:
+        """`shown` (shown_chat's outputs), the page's PageView now naming its chat: a reply streaming into another
+        chat stops drawing itself here (`while_shown`)."""
+        showing(view, shown[0])
+        return shown
+
     def new_chat(view=None):
-        showing(view, None)
-        return None, [], gr.Radio(choices=conversation_choices(session), value=None), "", notice()
+        return shows(view, shown_chat(session, None))
+
+    def on_load(address, view=None):  # the page's load, and back/forward: the chat the address names
+        return shows(view, open_address(session, address))
 
     def select(conv_id, view=None):
         if conv_id is None:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        conv = chats.get(int(conv_id))
-        showing(view, conv.id)
-        return int(conv_id), display(chats.messages(conv.id)), conv.title, notice()
+            return (gr.skip(),) * len(chat_outputs)
+        return shows(view, shown_chat(session, int(conv_id), relist=False))
+
+    def import_file(path, view=None):
+        return shows(view, import_chats(session, path))
 
     def search(query, conv_id):
         query = query if isinstance(query, str) else ""
@@ -354,12 +558,10 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
 
     def confirm_delete(pending, view=None):
         if pending is None:  # a second click on an answered question: nothing is pending any more
-            return (gr.skip(),) * 4 + (None, *asking(False), notice())
+            return (None, *asking(False), *(gr.skip(),) * (len(chat_outputs) - 1), notice())
         session.stop_chat(pending)  # a reply still being written there has nowhere to go
         chats.delete(pending)
-        showing(view, None)
-        choices = gr.Radio(choices=conversation_choices(session), value=None)
-        return None, [], choices, "", None, *asking(False), notice()
+        return None, *asking(False), *shows(view, shown_chat(session, None))
 
     def keep_chat():
         return None, *asking(False)
@@ -380,23 +582,10 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         path.write_text(chats.export_all_json(), encoding="utf-8")
         return gr.File(value=str(path), visible=True), notice()
 
-    def on_load(view=None):
-        # The saved generation settings, read per page: a reload shows what the last Send saved, not the values
-        # the app started with (which the next Send would have written back).
-        s = session.store.settings.load()
-        saved = (s.system_prompt, s.temperature, s.top_p, s.max_new_tokens)
-        choices = conversation_choices(session)
-        # "loaded" marks the end of this page's load event (browser tests wait for it before typing).
-        if not choices:
-            return None, [], gr.Radio(choices=[], value=None, elem_classes=["loaded"]), *saved
-        latest = choices[0][1]
-        showing(view, latest)
-        listed = gr.Radio(choices=choices, value=latest, elem_classes=["loaded"])
-        return latest, display(chats.messages(latest)), listed, *saved
-
     t = tab
-    gen_inputs = [t.system, t.temperature, t.top_p, t.max_tokens]
-    send_outputs = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.notice]
+    gen_inputs = t.generation
+    chat_outputs = [t.conv_id, t.chatbot, t.conv_list, t.rename_box, t.address, *gen_inputs, t.notice]
+    send_outputs = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.address, t.notice]
     # No concurrency slot: the runtime queues requests itself, and a chat has one reply at a time (chat_flow.start).
     free = dict(concurrency_limit=None)
 
@@ -414,17 +603,11 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
 
     quick = dict(queue=False, api_visibility="private")
     held = [t.send]
+    send_inputs = [t.textbox, t.conv_id, *gen_inputs, t.view]
     sent = t.send.click(busy, None, held, **quick)
-    sent = on(sent.then, send, [t.textbox, t.conv_id, *gen_inputs, t.view], send_outputs, api_name="send", **free)
+    sent = on(sent.then, send, send_inputs, send_outputs, api_name="send", **free)
     submitted = t.textbox.submit(busy, None, held, **quick)
-    submitted = on(
-        submitted.then,
-        send,
-        [t.textbox, t.conv_id, *gen_inputs, t.view],
-        send_outputs,
-        api_visibility="private",
-        **free,
-    )
+    submitted = on(submitted.then, send, send_inputs, send_outputs, api_visibility="private", **free)
     regen = t.regenerate.click(busy, None, held, **quick)
     reply_inputs = [t.conv_id, *gen_inputs, t.view]
     regen = on(regen.then, regenerate, reply_inputs, [t.chatbot, t.notice], api_name="regenerate", **free)
@@ -451,22 +634,29 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
 
     followers = []
 
-    def shown_chat(event):  # noqa: ANN001, ANN202 - another chat is shown: follow its reply if one runs
+    def then_follow(event):  # noqa: ANN001, ANN202 - another chat is shown: follow its reply if one runs
         following = event.then(follow, [t.conv_id, t.view], [t.chatbot, *held], api_visibility="private", **free)
         followers.append(following)
         return following.then(ended, [t.conv_id], [*held, *ctrl], **quick)
 
-    chat_view = [t.conv_id, t.chatbot, t.conv_list, t.rename_box, t.notice]
-    opened = on(t.new_chat.click, new_chat, [t.view], chat_view, api_name="new_chat")
+    opened = on(t.new_chat.click, new_chat, [t.view], chat_outputs, api_name="new_chat")
     opened.then(ended, [t.conv_id], [*held, *ctrl], **quick)  # a new chat has no reply to follow
-    opened = on(
-        t.conv_list.input,
-        select,
-        [t.conv_list, t.view],
-        [t.conv_id, t.chatbot, t.rename_box, t.notice],
-        api_name="open_chat",
-    )
-    shown_chat(opened)
+    opened = on(t.conv_list.input, select, [t.conv_list, t.view], chat_outputs, api_name="open_chat")
+    then_follow(opened)
+    # The address follows the chat shown; back and forward (the page's script presses the hidden nav) open its chat.
+    # The script only reads the address (into `address`); the handler then gets it with the page's PageView.
+    t.address.change(None, [t.address], None, js=ADDRESS_JS, **quick)
+    read = t.nav.click(None, None, [t.address], js=READ_ADDRESS_JS, **quick)
+    then_follow(on(read.then, on_load, [t.address, t.view], chat_outputs, api_visibility="private"))
+    # Each control's change is kept with the chat at once; Save as default makes the values new chats start from. The
+    # system prompt's input event sends the text as it was before the last keystroke (Gradio 6): its change event.
+    keep = functools.partial(keep_generation, session)
+    on(t.system.change, keep, [t.conv_id, *gen_inputs], [t.notice], **quick)
+    for control in gen_inputs[1:]:
+        on(control.input, keep, [t.conv_id, *gen_inputs], [t.notice], **quick)
+    on(t.save_default.click, functools.partial(save_default, session), gen_inputs, [t.notice], api_name="save_default")
+    imported = on(t.import_file.upload, import_file, [t.import_file, t.view], chat_outputs, api_name="import_chats")
+    imported.then(ended, [t.conv_id], [*held, *ctrl], **quick)  # imported chats have no reply to follow
     on(t.search.input, search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats")
     on(t.rename.click, rename, [t.conv_id, t.rename_box], [t.conv_list, t.notice], api_name="rename_chat")
     question = [t.delete, t.confirm_delete, t.keep_chat]
@@ -475,13 +665,14 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         t.confirm_delete.click,
         confirm_delete,
         [t.pending_delete, t.view],
-        [*chat_view[:4], t.pending_delete, *question, t.notice],
+        [t.pending_delete, *question, *chat_outputs],
         api_name="confirm_delete_chat",
     )
     deleted.then(ended, [t.conv_id], [*held, *ctrl], **quick)
     t.keep_chat.click(keep_chat, None, [t.pending_delete, *question], api_visibility="private")
     on(t.export.click, export, [t.conv_id], [t.export_file, t.notice], api_name="export_chat")
     on(t.export_all.click, export_all, None, [t.export_file, t.notice], api_name="export_all_chats")
-    loaded = demo.load(on_load, [t.view], [t.conv_id, t.chatbot, t.conv_list, *gen_inputs], api_visibility="private")
-    shown_chat(loaded)  # a reloaded page shows the reply still being written in its chat
+    read = demo.load(None, None, [t.address], js=READ_ADDRESS_JS, **quick)
+    loaded = on(read.then, on_load, [t.address, t.view], chat_outputs, api_visibility="private")
+    then_follow(loaded)  # a reloaded page shows the reply still being written in its chat
     return replies + followers

@@ -2,10 +2,11 @@
 
 Scope: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (a prompt continued as it is, no
 chat template: editors' code completion, base-model scripts), plain or `stream: true` (openai_stream.py writes both
-shapes), translating to `Runtime.submit` and back: max_tokens, temperature (0 = greedy) and top_p (left out: the
-app's Settings values), seed, stop, penalties and logit_bias, tools and response_format (checked against the model
-and turned into a grammar by structured.py), finish_reason, usage, errors in OpenAI's shape (the body is parsed and
-checked in openai_request.py; one over ui/body_limit.py's limit never reaches this router). Any bearer token is accepted
+shapes), translating to `Runtime.submit` and back: max_tokens, temperature (0 = greedy), top_p, top_k and the
+penalties (left out: the app's own defaults, RuntimeConfig.sampling — never a chat's values, nor the defaults the
+Chat tab saves for new chats), seed, stop, logit_bias, tools and response_format (checked against the model and turned
+into a grammar by structured.py), finish_reason, usage, errors in OpenAI's shape (the body is parsed and checked in
+openai_request.py; one over ui/body_limit.py's limit never reaches this router). Any bearer token is accepted
 here: who may call at all is decided before a request reaches this router (http_guard.py; with --listen or
 --api-key, http_auth.py's token). Any `model` in a request is accepted: the loaded model answers, listed under its
 short id (`Session.model_id`, "demo" for the built-in one). It does NOT hold model logic, queue requests itself (the
@@ -28,7 +29,6 @@ from collections import deque
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from fmoe_local.config import Sampling
 from ui.openai_request import ApiError, ApiRequest, parse_chat, parse_completion, read_body
 from ui.openai_stream import Shape, Streamed, complete, sse
 from ui.session import Session
@@ -93,11 +93,7 @@ def build_router(session: Session, others: tuple[APIRouter, ...] = ()) -> APIRou
             # on a thread, since megabytes of JSON would otherwise hold up every other request on the event loop.
             body = await asyncio.to_thread(read_body, await request.body())
             runtime = runtime_or_error()
-            settings = session.store.settings.load()
-            defaults = Sampling(
-                max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p
-            )
-            req: ApiRequest = parse(body, defaults)
+            req: ApiRequest = parse(body, session.config.sampling)
             # tools, a forced call, a JSON reply: what the model must take, and the grammar it is held to
             shaped = await asyncio.to_thread(shape, runtime, req)
             await _check_prompt(runtime, req.prompt, shaped.tools)

@@ -49,6 +49,8 @@ REFUSALS = {
     "max_completion_tokens": "'max_completion_tokens' must be a whole number of at least 1.",
     "temperature": "'temperature' must be a number from 0.0 to 2.0.",
     "top_p": "'top_p' must be a number from 0.0 to 1.0.",
+    "top_k": "'top_k' must be a whole number: -1 or 0 for no limit, else how many tokens to keep.",
+    "repetition_penalty": "'repetition_penalty' must be a number above 0 and at most 2 (1 is off).",
     "frequency_penalty": "'frequency_penalty' must be a number from -2.0 to 2.0.",
     "presence_penalty": "'presence_penalty' must be a number from -2.0 to 2.0.",
     "logit_bias": "'logit_bias' must map token ids (as strings, such as \"50256\") to numbers from -100 to 100.",
@@ -205,6 +207,9 @@ class _Body(_Strict):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
     top_p: Annotated[Number, Field(ge=0, le=1)] | None = None  # 0 keeps only the likeliest token: greedy
+    # Not OpenAI's, but what vLLM, llama.cpp and LM Studio take and their clients send.
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    repetition_penalty: Annotated[Number, Field(gt=0, le=2)] | None = None
     frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     logit_bias: dict | None = None  # its keys and values checked by `_bias` (a JSON object's keys are text)

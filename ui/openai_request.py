@@ -7,7 +7,7 @@ represented breaks whoever reads it: a seed of 2**80 overflowed torch, a lone su
 nested 100,000 deep overflowed the parser's stack — each a 500). Then `parse_chat` and `parse_completion` check
 what each field means through the pydantic models of openai_models.py (its REFUSALS: the sentences) and turn the
 body into an ApiRequest: the messages as a chat template reads them (tool calls and results included), Sampling
-(with penalties and logit_bias), stops, stream options, tools and tool_choice, response_format. It does NOT talk to
+(with top_k, the penalties and logit_bias), stops, stream options, tools and tool_choice, response_format. It does NOT talk to
 the runtime or the session (ui/openai_api.py does: whether the model's template takes tools, whether a schema
 compiles), so every check here runs before a request is queued.
 """
@@ -170,9 +170,9 @@ def _param(path: tuple) -> str | None:
 
 
 def parse_chat(body: dict, defaults: Sampling) -> ApiRequest:
-    """`defaults`: the app's Settings (temperature, top_p), for what the request leaves out or sends as null, so an
-    API client gets the replies the app's chat gets. A request without max_tokens runs up to the model's context,
-    as OpenAI's does (the chat tab's Max new tokens is the chat's, not the API's)."""
+    """`defaults`: the app's own sampling (RuntimeConfig.sampling), for what the request leaves out or sends as
+    null — never a chat's values nor the defaults the Chat tab saves for new chats. A request without max_tokens
+    runs up to the model's context, as OpenAI's does (the chat's Max new tokens is the chat's, not the API's)."""
     chat = _validated(ChatBody, body)
     tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
     choice = chat.tool_choice or ("auto" if tools else "none")
@@ -209,16 +209,23 @@ def _common(body: ChatBody | CompletionBody, defaults: Sampling) -> tuple:
     """(sampling, stops, stream, include_usage) of either kind of body."""
     temperature = defaults.temperature if body.temperature is None else float(body.temperature)
     top_p = defaults.top_p if body.top_p is None else float(body.top_p)
+    top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)  # -1, vLLM's "no limit", is our 0
+
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else float(value)
+
     max_tokens = getattr(body, body.max_tokens_param)
     bias = tuple((int(token), float(value)) for token, value in (body.logit_bias or {}).items())
     sampling = Sampling(
         max_new_tokens=UNTIL_CONTEXT if max_tokens is None else max_tokens,
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k,
         greedy=temperature == 0.0 or top_p == 0.0,  # top_p 0 keeps only the likeliest token
         seed=body.seed,
-        frequency_penalty=float(body.frequency_penalty or 0.0),
-        presence_penalty=float(body.presence_penalty or 0.0),
+        repetition_penalty=given(body.repetition_penalty, defaults.repetition_penalty),
+        frequency_penalty=given(body.frequency_penalty, defaults.frequency_penalty),
+        presence_penalty=given(body.presence_penalty, defaults.presence_penalty),
         logit_bias=bias,
     )
     stream = bool(body.stream)

@@ -1,6 +1,8 @@
 """Look and feel: one calm theme and a little CSS. Fonts are served by Gradio itself or the system (no CDN).
 
-Scope: styling only. In Gradio 6 theme and css are arguments of `launch()`, so app.py passes these along.
+Scope: styling only. In Gradio 6 theme and css are arguments of `launch()`, so app.py passes these along. The page's
+light/dark choice (System, Light, Dark) is the browser's: kept in its localStorage, applied by THEME_JS as Gradio
+does its own (the `dark` class on the body), so each browser keeps its own choice and nothing is sent anywhere.
 """
 
 from __future__ import annotations
@@ -20,10 +22,41 @@ CSS = """
 .progress-inner { height: 100%; background: var(--color-accent); transition: width 0.4s; }
 .fit-good { color: #15803d; } .fit-slow { color: #b45309; } .fit-no { color: #b91c1c; }
 footer { display: none !important; }
+/* Present for the page's scripts (back/forward opens the chat of the address), never shown. */
+.fmoe-hidden { display: none !important; }
+#theme-choice { flex-grow: 0; }
+#theme-choice .wrap { flex-wrap: nowrap; }
 /* Gradio's trash icon above the chat looks like "delete this chat" but only blanks the view: New chat and the
    sidebar's Delete (which asks first) are the two clear ways. */
 #chatbot button[aria-label="Clear"] { display: none !important; }
 """
+
+
+THEME_CHOICES = ("System", "Light", "Dark")
+_THEME_KEY = "fmoe-local-theme"
+
+# (choice) → choice: applies "System" (the browser's prefers-color-scheme), "Light" or "Dark" and remembers it.
+THEME_JS = f"""(choice) => {{
+  const wanted = ["Light", "Dark"].includes(choice) ? choice : "System";
+  try {{ localStorage.setItem("{_THEME_KEY}", wanted); }} catch (e) {{}}
+  const dark = wanted === "Dark" || (wanted === "System" && matchMedia("(prefers-color-scheme: dark)").matches);
+  document.body.classList.toggle("dark", dark);
+  return wanted;
+}}"""
+
+# () → the remembered choice, applied; it also follows a change of the system's scheme while "System" is chosen (and
+# keeps a chosen Light or Dark when Gradio's own listener would follow the system instead).
+THEME_LOAD_JS = f"""() => {{
+  let saved = "System";
+  try {{ saved = localStorage.getItem("{_THEME_KEY}") || "System"; }} catch (e) {{}}
+  const apply = {THEME_JS};
+  matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => {{
+    let now = "System";
+    try {{ now = localStorage.getItem("{_THEME_KEY}") || "System"; }} catch (e) {{}}
+    apply(now);
+  }});
+  return apply(saved);
+}}"""
 
 
 def theme() -> gr.themes.Base:

@@ -185,9 +185,9 @@ def test_chat_stop_switch_restart_and_settings(env):
         page.screenshot(path=SHOTS / "chat-stopped.png", full_page=True)
 
         # A second conversation, then back to the first: its history is there.
-        set_max_tokens(page, 4, open_panel=False)
         page.locator("#new-chat").click()
         page.wait_for_function("() => !document.querySelector('#chatbot').innerText.includes('poem')")
+        set_max_tokens(page, 4, open_panel=False)  # a new chat starts from the saved defaults
         # Enter sends (as the input's placeholder says).
         page.locator("#chat-input textarea").fill("What is an expert cache?")
         page.locator("#chat-input textarea").press("Enter")

@@ -45,8 +45,9 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
             assert "reply-stats" not in chat.inner_text()
             page.screenshot(path=SHOTS / "chat-stats-after-code.png", full_page=True)
 
+            page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 300
+            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
             set_max_tokens(page, 300)
-            page.locator("#new-chat").click()
             send(page, "Tell me a very long story.")
             button = page.locator("#send")
             page.wait_for_function("() => document.querySelector('#send').disabled === true", timeout=30_000)
@@ -79,7 +80,7 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
             assert "tok/s" in ending, ending  # a stats line: the reply was saved (stopped, or finished)
             page.screenshot(path=SHOTS / "chat-kept-after-reload.png", full_page=True)
 
-            page.reload()  # the saved generation settings come back, not the start-up ones
+            page.reload()  # the chat's own generation settings come back, not the start-up ones
             page.get_by_role("tab", name="Chat").wait_for()
             page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
             page.get_by_text("Generation", exact=True).click()
@@ -113,8 +114,9 @@ def test_switching_chats_while_a_reply_streams(tiny_model_dir, tmp_path):
         app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", port=7907, token_delay_s=0.05)
         try:
             page = open_page(browser, app.url, [])
+            page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 200
+            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
             set_max_tokens(page, 200)  # 200 tokens at 50 ms: 10 s a reply
-            page.locator("#new-chat").click()
             send(page, "Tell me a very long story.")
             page.wait_for_function(
                 "() => document.querySelector('#chatbot').innerText.split('very long story.')[1]?.trim().length > 6",
@@ -133,6 +135,8 @@ def test_switching_chats_while_a_reply_streams(tiny_model_dir, tmp_path):
             page.wait_for_function(  # the new chat is shown (its empty view) before anything is typed into it
                 "() => !document.querySelector('#chatbot').innerText.includes('An old answer.')", timeout=30_000
             )
+            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
+            set_max_tokens(page, 200, open_panel=False)
             send(page, "A second question.")
             page.wait_for_function(
                 "() => document.querySelector('#chatbot').innerText.includes('Waiting for its turn')",

@@ -33,6 +33,7 @@ def page(tiny_model_dir, tmp_path_factory):
     SHOTS.mkdir(parents=True, exist_ok=True)
     data = tmp_path_factory.mktemp("chat-actions")
     with open_store(data) as store:
+        store.settings.set(max_new_tokens=4)  # the defaults of every chat here: short replies
         cut = store.chats.create("Cut reply")
         store.chats.append(cut.id, "user", "Tell me a long story.")
         store.chats.append(cut.id, "assistant", "Once upon a time", {"tokens_per_s": 7.0, "finish_reason": "length"})
