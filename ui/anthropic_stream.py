@@ -13,7 +13,6 @@ the handle when its client goes).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -24,8 +23,8 @@ from fastapi.responses import JSONResponse, Response
 
 from fmoe_local.request_handle import RequestHandle
 from ui.anthropic_errors import error_body, error_type
-from ui.openai_stream import INTERRUPTED, disconnected
-from ui.reply_parts import REASONING, Piece, ReplyParts, merged
+from ui.openai_stream import failure_of, read_whole
+from ui.reply_parts import REASONING, ReplyParts, merged
 from ui.tool_calls import ToolCall
 
 # The runtime's finish reasons in Anthropic's terms; a stop sequence or a tool call decides before these.
@@ -68,13 +67,6 @@ def _tool_use(call: ToolCall, whole: bool = True) -> dict:
     return {"type": "tool_use", "id": ident, "name": call.name, "input": json.loads(call.arguments) if whole else {}}
 
 
-def _failure(final, parts: ReplyParts) -> str:  # noqa: ANN001 - a Finished
-    """The sentence a reply that did not complete ends with; "" when it completed."""
-    if final.reason == "error":
-        return final.error
-    return INTERRUPTED if final.reason == "cancelled" and not parts.stopped else ""
-
-
 def _stop(final, parts: ReplyParts, calls: list[ToolCall]) -> tuple[str, str | None]:  # noqa: ANN001
     if calls:
         return "tool_use", None
@@ -101,25 +93,8 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 async def complete(handle: RequestHandle, parts: ReplyParts, head: Head, request: Request) -> Response:
     """The whole reply as one `message` body, once it has ended; a client that goes away before that cancels it."""
 
-    async def watch() -> None:
-        await disconnected(request.receive)
-        handle.cancel()
-
-    watcher = asyncio.create_task(watch())
-    pieces: list[Piece] = []
-    final = None
-    try:
-        async for event in handle:
-            if hasattr(event, "reason"):
-                final = event
-            elif not parts.stopped:
-                pieces += parts.add(event.text)
-                if parts.stopped:
-                    handle.cancel()  # the rest would be thrown away: stop generating it
-    finally:
-        watcher.cancel()
-        handle.cancel()  # no-op once ended; a cancelled await (the server stopping) must not leave it running
-    if failure := _failure(final, parts):
+    final, pieces = await read_whole(handle, parts, request)
+    if failure := failure_of(final, parts):
         return error_response(500, failure)
     rest, calls = parts.finish()
     content = [_block(kind, text) for kind, text in merged(pieces + rest)]
@@ -183,7 +158,7 @@ async def sse(handle: RequestHandle, parts: ReplyParts, head: Head) -> AsyncIter
                 yield out
         if parts.stopped:
             handle.cancel()  # the rest would be thrown away: stop generating it
-    if failure := _failure(final, parts):
+    if failure := failure_of(final, parts):
         yield _event("error", {"error": {"type": error_type(500), "message": failure}})
         return
     rest, calls = parts.finish()

@@ -105,7 +105,7 @@ def _reason(final, parts: ReplyParts) -> str:  # noqa: ANN001 - a Finished
     return "stop" if parts.stopped else _FINISH.get(final.reason, "stop")
 
 
-def _failure(final, parts: ReplyParts) -> str:  # noqa: ANN001 - a Finished
+def failure_of(final, parts: ReplyParts) -> str:  # noqa: ANN001 - a Finished
     """The sentence a request that did not complete ends with; "" when it completed."""
     if final.reason == "error":
         return final.error
@@ -125,19 +125,17 @@ async def disconnected(receive) -> None:  # noqa: ANN001 - the ASGI receive
         pass
 
 
-async def complete(handle: RequestHandle, parts: ReplyParts, shape: Shape, request: Request) -> JSONResponse:
-    """The whole reply as one body, once it has ended; a client that goes away before that cancels it. The model's
-    thought comes as `reasoning_content` when it has one, its tool calls as `tool_calls` (`parts`: the reply's
-    reader, structured.Shaped.parts)."""
+async def read_whole(handle: RequestHandle, parts: ReplyParts, request: Request) -> tuple[object, list]:
+    """(the final Finished, the reply's pieces) of a reply read to its end, for an answer sent as one body (OpenAI's
+    and Anthropic's alike): a client that goes away, or a stop sequence found, cancels it."""
 
     async def watch() -> None:
         await disconnected(request.receive)
         handle.cancel()
 
     watcher = asyncio.create_task(watch())
-    pieces = []
+    final, pieces = None, []
     try:
-        final = None
         async for event in handle:
             if hasattr(event, "reason"):
                 final = event
@@ -148,7 +146,16 @@ async def complete(handle: RequestHandle, parts: ReplyParts, shape: Shape, reque
     finally:
         watcher.cancel()
         handle.cancel()  # no-op once ended; a cancelled await (the server stopping) must not leave it running
-    if failure := _failure(final, parts):
+    return final, pieces
+
+
+async def complete(handle: RequestHandle, parts: ReplyParts, shape: Shape, request: Request) -> JSONResponse:
+    """The whole reply as one body, once it has ended; a client that goes away before that cancels it. The model's
+    thought comes as `reasoning_content` when it has one, its tool calls as `tool_calls` (`parts`: the reply's
+    reader, structured.Shaped.parts)."""
+
+    final, pieces = await read_whole(handle, parts, request)
+    if failure := failure_of(final, parts):
         return ApiError(500, failure).response()
     rest, found = parts.finish()
     reasoning, content = _joined(pieces + rest)
@@ -189,7 +196,7 @@ async def sse(handle: RequestHandle, parts: ReplyParts, shape: Shape, include_us
             handle.cancel()  # the rest would be thrown away: stop generating it
         for kind, text in pieces:
             yield piece(kind, text)
-    if failure := _failure(final, parts):
+    if failure := failure_of(final, parts):
         yield f"data: {json.dumps({'error': {'message': failure, 'type': 'server_error'}})}\n\n"
         yield "data: [DONE]\n\n"
         return
