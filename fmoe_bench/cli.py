@@ -149,27 +149,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bench_command == "replay":
-        return run_replay(args)
-    if args.bench_command == "matcher":
-        return matcher.run(args)
-    if args.bench_command == "cpu-experts":
-        return cpu_experts.run(args)
-    if args.bench_command == "cpu-decode":
-        return cpu_decode.run(args)
-    if args.bench_command == "live":
-        return live_cli.run(args)
-    if args.bench_command == "overhead":
-        return overhead.run(args)
-    if args.bench_command == "constrained":
-        return constrained.run(args)
-    if args.bench_command == "quality":
-        return quality.run(args)
-    if args.bench_command == "record":
-        return record.run(args)
-    if args.bench_command == "prefix":
-        return prefix.run(args)
-    raise ValueError(f"Unknown bench command '{args.bench_command}'.")
+    runners = {
+        "replay": run_replay,
+        "matcher": matcher.run,
+        "cpu-experts": cpu_experts.run,
+        "cpu-decode": cpu_decode.run,
+        "live": live_cli.run,
+        "overhead": overhead.run,
+        "constrained": constrained.run,
+        "quality": quality.run,
+        "record": record.run,
+        "prefix": prefix.run,
+    }
+    if args.bench_command not in runners:
+        raise ValueError(f"Unknown bench command '{args.bench_command}'.")
+    return runners[args.bench_command](args)
 
 
 class _Factory:
