@@ -32,8 +32,9 @@ def dequantised_reference(model_dir, fmt: str, prompt_ids: torch.Tensor, n: int)
 
 
 @torch.no_grad()
-def dequantise_experts(model: torch.nn.Module, fmt: str) -> None:
-    """Replace every routed expert row of `model` with `unpack(pack(row))` in `fmt`: the weights the runtime uses."""
+def dequantise_experts(model: torch.nn.Module, fmt: str, dtype: torch.dtype = torch.float32) -> None:
+    """Replace every routed expert row of `model` with `unpack(pack(row))` in `fmt`: the weights the runtime uses
+    when it computes in `dtype` (int4's scales and zeros are stored in it)."""
     arch = architecture_for(model.config)
     for ref in arch.moe_layers(model):
         experts = ref.experts
@@ -42,8 +43,8 @@ def dequantise_experts(model: torch.nn.Module, fmt: str) -> None:
         for name, param in params.items():
             weight = getattr(experts, name)
             for e in range(weight.shape[0]):
-                stored = expert_formats.pack_expert({name: param}, {name: weight[e]}, torch.float32)
-                weight[e] = expert_formats.PackedRows(stored, {name: param}, torch.float32)[name]
+                stored = expert_formats.pack_expert({name: param}, {name: weight[e]}, dtype)
+                weight[e] = expert_formats.PackedRows(stored, {name: param}, dtype)[name]
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
