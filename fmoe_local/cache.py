@@ -370,7 +370,7 @@ class ExpertCache:
                 if landing.is_set():  # the read outlived its waiters: the claim was released, the slot maybe reused
                     return None
                 landing.copying = True
-            self._copier.copy(slot, self.tensors, s, rows, pause)
+            self._copier.copy(slot, self.tensors, s, rows, pause, getattr(self.host, "land", None))
         except Exception as exc:  # noqa: BLE001 - any read/copy failure becomes the waiters' error
             error = ExpertLoadError(
                 f"Could not load expert {key[1]} of MoE layer {key[0]}: {exc} If this repeats, the model files "

@@ -161,8 +161,11 @@ class Copier:
         index: int,
         src: dict[str, torch.Tensor],
         pause: Callable[[], None] | None = None,
+        land: Callable[[dict[str, torch.Tensor]], None] | None = None,
     ) -> None:
-        """`slot` carries `last_use` (event of the last kernel reading it) and receives `copy_event`."""
+        """`slot` carries `last_use` (event of the last kernel reading it) and receives `copy_event`. `land(rows)`
+        rewrites the landed slot rows in place (the host store's layout for the device), after the last chunk and
+        on the same copy stream, so that `copy_event` covers it and readers never see the bytes half-rewritten."""
         for name, t in src.items():
             want = tuple(dst[name].shape[1:])
             if tuple(t.shape) != want:
@@ -183,6 +186,13 @@ class Copier:
                     queued.append(done if done is not None else self._record())
             else:
                 to.copy_(frm)
+        if land is not None:
+            rows = {name: dst[name][index] for name in src}
+            if self.cuda:
+                with self.streams.use(self.stream()):
+                    land(rows)
+            else:
+                land(rows)
         if self.cuda:
             slot.copy_event = self._record()
 

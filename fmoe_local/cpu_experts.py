@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from fmoe_local import expert_formats
 from fmoe_local.cache import ExpertLoadError
 from fmoe_local.copier import Interrupted, Landing, Loader, LoadTimeout
-from fmoe_local.expert_formats import Int4Weight, Int8Weight
+from fmoe_local.expert_formats import PACKED_WEIGHTS, Int4Weight, Int8Weight
 
 Tensor = torch.Tensor
 # Rows upcast per block: a few MB of fp32 stays in the core's L2 while the product reads it.
@@ -67,7 +67,7 @@ class Kernel:
 
 # ---- float formats ---------------------------------------------------------------------------------------------------
 def _native_linear(x: Tensor, w: Tensor | Int8Weight | Int4Weight, bias: Tensor | None) -> Tensor:
-    if isinstance(w, (Int8Weight, Int4Weight)):  # a packed parameter on a CPU device (PackedRows' products)
+    if isinstance(w, PACKED_WEIGHTS):  # a packed parameter computed by a library product (PackedRows)
         return w.linear(x, bias)
     return F.linear(x.to(w.dtype), w, bias)
 

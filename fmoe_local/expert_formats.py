@@ -295,6 +295,52 @@ class Int4Weight:
         return out if bias is None else out + bias
 
 
+@dataclass(frozen=True)
+class Int4CudaWeight:
+    """An int4 parameter in a CUDA slot, in torch's CUDA layout (`to_cuda_layout` made it when the copy landed), as
+    torch's CUDA int4 product (tinygemm) reads it: no dense copy is written or read."""
+
+    q: Tensor  # the slot's [out, in/2] uint8 bytes, holding torch's layout
+    sz: Tensor  # [in/g, out, 2] bf16
+    group: int
+    inner_k_tiles: int
+
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        out_f, half = self.q.shape
+        t = self.inner_k_tiles
+        packed = self.q.view(torch.int32).view(out_f // 8, 2 * half // (16 * t), 32, t // 2)
+        out = torch._weight_int4pack_mm(x.contiguous(), packed, self.group, self.sz)
+        return out if bias is None else out + bias
+
+
+def cuda_int4_tiles(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
+    """torch's inner k-tiles for an int4 [out, in] parameter multiplied by its CUDA int4 product, or 0 where that
+    product does not apply: bf16 activations only, a GPU of compute capability 8.0 or later (tinygemm's), out a
+    multiple of 8 and in of 32."""
+    out_f, in_f = shape
+    if dtype != torch.bfloat16 or device.type != "cuda" or out_f % 8 or int4_group(in_f) not in (32, 64, 128, 256):
+        return 0
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return 0
+    return next((t for t in (8, 4, 2) if in_f % (16 * t) == 0), 0)
+
+
+def to_cuda_layout(params: Mapping[str, PackedParam], slot: Mapping[str, Tensor], dtype: torch.dtype) -> None:
+    """A CUDA slot's int4 codes rewritten in place into torch's CUDA layout, where its product applies
+    (`cuda_int4_tiles`): run on the copy stream once the copy has landed, so every later hit multiplies directly.
+    The layout is made on the GPU (torch converts only there) and is the same size as our bytes."""
+    for name, param in params.items():
+        if param.fmt != "int4" or param.transpose:
+            continue
+        q = slot[part_key(name, "q")]
+        tiles = cuda_int4_tiles(param.shape, dtype, q.device)
+        if tiles:
+            swapped = (q << 4) | (q >> 4)  # torch's CUDA layout takes the first code in the high nibble
+            packed = torch._convert_weight_to_int4pack(swapped, tiles)
+            q.view(-1).copy_(packed.view(torch.uint8).view(-1))
+
+
+PACKED_WEIGHTS = (Int8Weight, Int4Weight, Int4CudaWeight)  # what PackedRows gives in place of a dense tensor
 PRODUCTS = ("int8", "int4")  # the formats a CPU computes with a library product instead of dequantising
 
 
@@ -337,6 +383,10 @@ class PackedRows(Mapping[str, Tensor]):
             return Int8Weight(parts["q"], parts["scale"])
         if self._products and param.fmt == "int4":
             return Int4Weight(parts["q"], parts["sz"], int4_group(param.shape[1]))
+        if param.fmt == "int4" and parts["q"].is_cuda and not param.transpose:
+            tiles = cuda_int4_tiles(param.shape, self._dtype, parts["q"].device)
+            if tiles:
+                return Int4CudaWeight(parts["q"], parts["sz"], int4_group(param.shape[1]), tiles)
         return unpack(param, parts, self._dtype)
 
     def __contains__(self, name: object) -> bool:

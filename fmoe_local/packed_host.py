@@ -67,6 +67,10 @@ class PackedHostStore(TieredHostStore):
         rows = self._fetch_fn(layer, expert)
         return expert_formats.to_cpu_layout(self.params, rows) if self.products else rows
 
+    def land(self, slot: Mapping[str, torch.Tensor]) -> None:
+        """A copy of one expert landed in a device slot: on a GPU, int4 codes go into torch's CUDA layout there."""
+        expert_formats.to_cuda_layout(self.params, slot, self.param_dtype)
+
     def view(self, rows: Mapping[str, torch.Tensor]) -> PackedRows:
         return PackedRows(rows, self.params, self.param_dtype, self.products)
 

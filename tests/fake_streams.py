@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -35,6 +36,7 @@ class FakeStream:
 class FakeStreams:
     def __init__(self) -> None:
         self.log: list[tuple] = []
+        self._using = threading.local()
         self.compute = FakeStream("compute", self.log)
         self._events = 0
         self._streams = 0
@@ -55,8 +57,18 @@ class FakeStreams:
             self._events += 1
             return FakeEvent(self.log, self._events)
 
-    def use(self, stream: FakeStream) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def use(self, stream: FakeStream) -> Iterator[None]:
+        before = getattr(self._using, "name", None)
+        self._using.name = stream.name
+        try:
+            yield
+        finally:
+            self._using.name = before
+
+    def in_use(self) -> str | None:
+        """The stream the calling thread issues work on now (`use`), or None for the current one."""
+        return getattr(self._using, "name", None)
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         self.log.append(("pinned", nbytes, threading.current_thread().name))

@@ -57,6 +57,32 @@ def test_the_cuda_path_waits_for_the_slots_last_reader_then_refills_staging_only
     assert slot.copy_event.number == records[-1][1] and records[-1][2] == "copy"
 
 
+@pytest.mark.parametrize("streams", [None, "fake"])
+def test_the_host_stores_landing_rewrite_runs_after_every_chunk_on_the_copy_stream_before_its_event(streams):
+    # A GPU slot's int4 codes are put into torch's layout by `land`: it must see the whole expert, and the copy's
+    # event (what readers wait for) must come after it, on the same stream.
+    fake = FakeStreams() if streams else None
+    copier = Copier(torch.device("cpu"), 12, fake)
+    dst, slot = _slots(), SimpleNamespace(last_use=None, copy_event=None)
+    seen = []
+
+    def land(rows):
+        seen.append(({k: v.clone() for k, v in rows.items()}, fake.in_use() if fake else None))
+        rows["a"].mul_(2)
+        if fake:
+            fake.log.append(("land",))
+
+    copier.copy(slot, dst, 1, _expert(3.0), land=land)
+    ((rows, stream),) = seen
+    assert torch.equal(rows["a"], torch.full((4, 5), 3.0)) and torch.equal(rows["b"], torch.full((3,), 3.0))
+    assert torch.equal(dst["a"][1], torch.full((4, 5), 6.0)) and not dst["a"][0].any()  # in place, its slot only
+    if fake:
+        assert stream == "copy"
+        ops = [e[0] for e in fake.log]
+        last_record = max(i for i, e in enumerate(fake.log) if e[0] == "record")
+        assert ops.index("land") < last_record and slot.copy_event.number == fake.log[last_record][1]
+
+
 def _slow_cache(capacity: int, streams=None, chunk_delay: float = 0.0):
     """A cache over ValueHost whose experts are 24 bytes copied in 4-byte chunks (6 per expert)."""
     host = ValueHost()
