@@ -83,8 +83,8 @@ def main() -> None:
         if True:
             variants: dict[str, tuple[list, int]] = {}
             variants["bf16 dense"] = ([expert_fn(lambda x, w=gu: F.linear(x, w), lambda x, w=d: F.linear(x, w)) for gu, d in ws], dense_bytes)  # fmt: skip
-            for fmt in ("nf4", "int8"):
-                fns = []
+            for fmt in ("nf4", "int8", "int4"):
+                fns, runtime_fns = [], []
                 for gu, d in ws:
                     params = expert_formats.layout(fmt, {"gu": tuple(gu.shape), "d": tuple(d.shape)})
                     parts = {
@@ -101,9 +101,21 @@ def main() -> None:
                         )(x)
 
                     fns.append(unpacked)
+                    if fmt == "int4":  # what a cache hit runs: the slot as the copier leaves it, read by PackedRows
+                        hit = []
+                        for key in ("gu", "d"):
+                            slot = {f"w.{k}": t.clone() for k, t in parts[key].items()}
+                            expert_formats.to_cuda_layout({"w": params[key]}, slot, torch.bfloat16)
+                            hit.append(expert_formats.PackedRows(slot, {"w": params[key]}, torch.bfloat16)["w"])
+                        kind = type(hit[0]).__name__
+                        runtime_fns.append(
+                            expert_fn(lambda y, r=hit[0]: r.linear(y, None), lambda y, r=hit[1]: r.linear(y, None))
+                        )
                 size = sum(t.numel() * t.element_size() for t in parts["gu"].values())
                 size += sum(t.numel() * t.element_size() for t in parts["d"].values())
                 variants[f"{fmt} ours (unpack+matmul)"] = (fns, size)
+                if runtime_fns:
+                    variants[f"{fmt} ours, runtime's hit ({kind})"] = (runtime_fns, size)
             if bnb is not None:
                 fns, size = [], 0
                 for gu, d in ws:
