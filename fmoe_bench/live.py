@@ -7,6 +7,13 @@ pass, its misses copied). Prints a table with the device's name, checks
 that the greedy tokens are identical across runs (loudly, without stopping), writes --json. `--synthetic` runs the
 same on a random model with real shapes whose routing is forced from a trace (fmoe_bench/synthetic.py). It does NOT
 simulate anything (replay.py does) and uses the runtime only through its public API.
+
+Order: one untimed 2-token request first takes one-time costs out of the first policy; each policy then gets its
+cold cache from `reconfigure` + `reset_cache` and an empty map store from `clear_maps`; the all-resident baseline
+runs last, so an out-of-memory there only skips it. Rows: mean TTFT, mean TPOT (requests with more than one
+token), decode tok/s, pooled hit rate, stall s, bytes moved, TPOT / all-resident TPOT. `--synthetic NAME --layers
+N`: a checkpoint with the model's real per-layer shapes (bf16 on CUDA, fp32 on CPU) written by save_pretrained and
+loaded by our loader, so experts are really offloaded; routing forced by router hooks (synthetic.ForcedRouting).
 """
 
 from __future__ import annotations

@@ -4,8 +4,15 @@ Scope: where the MoE blocks, routers and fused experts modules sit in a model; w
 router's output becomes a probability distribution over all J experts; how one expert's weights are named in a
 checkpoint. It does NOT read files (host.py), load weights (loading.py) or compute experts (experts.py).
 
-Dispatch is a dict keyed by `config.model_type`. Shapes: T tokens, J routed experts, H hidden size, I expert
-intermediate size.
+Families (`ARCHITECTURES`, a dict keyed by `config.model_type`): Mixtral, PhiMoE, Qwen2-MoE (Qwen1.5-MoE),
+Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GPT-OSS — with their dense layers, shared experts and router kinds.
+Shapes: T tokens, J routed experts, H hidden size, I expert intermediate size.
+
+Checkpoint layouts (`Architecture.expert_sources`): most checkpoints store one tensor per expert and projection
+(Mixtral `block_sparse_moe.experts.{e}.w1/w2/w3`; Qwen, DeepSeek, OLMoE `mlp.experts.{e}.gate_proj/up_proj/
+down_proj`), which transformers fuses at load (`gate_up_proj[e] == cat([w1, w3])`); GPT-OSS stores them fused per
+layer (`mlp.experts.gate_up_proj [E, H, 2I]`, transposed, gate/up interleaved, with biases), its official release as
+MXFP4 (`*_blocks`, `*_scales`). Either way one expert's row is read without reading the layer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Measured speeds of this machine's memory and links: pinned host→GPU copies, DRAM reads, the CPU's last-level cache.
+"""Measured speeds of this machine's memory and links: pinned host→GPU copies, DRAM reads, the CPU's last-level cache,
+and a one-token product in bf16 against float32 (`cpu_keeps_half`: does this CPU decode bf16 about as fast?).
 
 Scope: each function measures (or reads) one figure when called, allocating what it measures with; callers decide
 when (miss_cost.py at a model's first load, fmoe_bench/cpu_experts.py). It does NOT probe what the machine has

@@ -15,6 +15,15 @@ Landing is set once, by whichever thread ran its load, and read by any thread. `
 and prefetcher threads, each with its own copy stream and staging buffers; the forward thread never calls it and
 never waits on a copy's event on the host (on CUDA a landing means "issued": the compute stream waits for the
 event).
+
+Why three more rules on CUDA: issuing a DMA takes microseconds and running it milliseconds, so a pause between two
+chunks means nothing unless the link is really free. Each copying thread copies on a stream of its own, so a demand
+copy queues behind nothing the prefetcher issued and the compute stream never waits for a prefetch it does not use;
+a prefetch keeps at most IN_FLIGHT (2) chunks on its stream (its thread waits for the older chunk's event); and its
+pause (cache._give_way) also waits for the last demand copy's event, so a demand copy has the link to itself. A
+copy into a slot waits for the slot's previous copy event and its last reader (`last_use`). `land` (a host store's
+device layout, packed_host.PackedHostStore.land) runs after the last chunk on the same stream, before the copy's
+event is recorded.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Expert formats: how a routed expert's weights are stored in host RAM and in the cache slots, and how a stored
 expert becomes dense weights where it is computed.
 
-Scope: the formats (`bf16` = unquantised, in the compute dtype; `int8`; `nf4`; `mxfp4`, GPT-OSS's own), packing a
-dense [out, in] weight into a format's parts and back, the size of one packed expert, and `PackedRows`, the mapping
-the compute paths read weights through (it dequantises one parameter when the expert reads it). It does NOT read
-checkpoints (packed_host.py, quant_cache.py), choose where an expert is computed, or touch the cache.
+Scope: the formats (`bf16` = unquantised, in the compute dtype; `int8`; `int4`; `nf4`; `mxfp4`, GPT-OSS's own),
+packing a dense [out, in] weight into a format's parts and back, the size of one packed expert, and `PackedRows`,
+the mapping the compute paths read weights through (it dequantises one parameter when the expert reads it). It does
+NOT read checkpoints (packed_host.py, quant_cache.py), choose where an expert is computed, or touch the cache.
 
 Parts of a packed parameter `name` are stored under `name.<part>`; biases and other 1-D parameters stay in the
 compute dtype under their own name. Shapes per parameter of n = out·in weights (dense shape [a, b] as the model
@@ -25,6 +25,13 @@ holds one expert's row, e.g. gate_up_proj [2I, H]):
 Exactness: dequantising computes in float32 and casts once to the compute dtype, so the same packed bytes always
 give the same dense weights; the runtime then runs eager's own ops on them. "Lossless" for a quantised format means
 the offloaded model equals transformers eager on these dequantised weights, not the bf16 model.
+
+Where a packed expert is multiplied without a dense copy (`PackedRows`): on a CPU device int8 and int4 parameters
+are read as torch's weight-only product operands (Int8Weight, Int4Weight; int4 held in RAM in torch's CPU layout,
+made as each expert is read, never written to disk since it depends on the CPU torch was built for); on a CUDA GPU
+of compute capability 8.0 or later computing in bf16, an int4 cache hit is multiplied by torch's CUDA int4 product
+(Int4CudaWeight, tinygemm) on the layout `to_cuda_layout` makes in place when the copy lands (RAM and the disk keep
+the portable bytes). Every other case dequantises.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """The token loop: prefill, then one decode step at a time with a KV cache; sampling; incremental detokenising.
 
-Scope: turning a prompt's ids into generated ids, honouring a stop flag between tokens. It does NOT know about
-offloading (the experts implementation does that inside the model's forward) nor about threads or statistics.
+Scope: turning a prompt's ids into generated ids, honouring a stop flag between tokens. `generate_ids` takes a
+starting KV cache and how many prompt tokens it already holds (prefix_cache.py) and prefills only the rest; a
+request's LogitsRules (logits_rules.py) change the logits before each token is sampled (temperature, top-p, top-k:
+`sample_next`); `Detokenizer` streams the text by decoding a window of the last ids, never every id again on every
+token (fmoe_bench/detokenize.py times both). It does NOT know about offloading (the experts implementation does
+that inside the model's forward) nor about threads or statistics.
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ layer of a DynamicCache holds (prefix_cache.py keeps and cuts them). torch is
 imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
 It does NOT decide anything: each function is a thin, named door to one internal.
 
-Why: these internals change between transformers releases without notice. pyproject pins the range the tests ran
-on; `missing_internals()` says by name which one moved, or no longer takes the arguments we pass it (its signature,
-checked with inspect), when another version is installed, and the loader calls it first so a user on a broken
-combination gets a sentence instead of an AttributeError or a TypeError deep inside loading.
+Why: these internals change between transformers releases without notice. pyproject and constraints.txt pin the
+minor release the tests ran on (.ci/next-transformers tries the next one); `missing_internals()` says by name which
+one moved, or no longer takes the arguments we pass it (its signature, checked with inspect), when another version is
+installed, and the loader calls it first so a user on a broken combination gets a sentence instead of an
+AttributeError or a TypeError deep inside loading.
 """
 
 from __future__ import annotations

@@ -2,8 +2,11 @@
 
 Scope: reading a safetensors checkpoint (single file or sharded with an index) tensor by tensor or row by row, and
 serving `read(layer, expert)` in the layout of one row of the model's fused experts parameters, in the compute
-dtype. Experts that fit in `host_ram_gb` are held in RAM; the rest are read from the checkpoint files on each `read`
-(positioned reads, never a memory map). On a GPU, `pin` moves RAM experts into page-locked blocks, as many as
+dtype. Experts that fit in `host_ram_gb` are held in RAM (the first in (layer, expert) order; None at load means what
+hardware.host_ram_budget_gb leaves, loading.py); the rest are read from the checkpoint files on each `read`
+(positioned reads, never a memory map: safetensors_file.py). `read` may raise and may block: the cache bounds both.
+`TieredHostStore` holds the two tiers over any per-expert reader; `CheckpointHostStore` is the dense one,
+packed_host.py's the packed formats'. On a GPU, `pin` moves RAM experts into page-locked blocks, as many as
 `pinned_ram_gb` allows (pinning everything would starve the rest of a consumer machine): a copy from them goes
 straight to the device; the cache stages the others (copier.py).
 It does NOT touch the device, the cache or the model.

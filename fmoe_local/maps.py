@@ -7,7 +7,9 @@ does NOT decide what to prefetch (policies/fmoe.py), touch SQLite, or run a thre
 
 Array legend: C capacity, n maps stored (slots 0..n-1, always contiguous), L MoE layers, J experts, h embed dim.
 
-A full store replaces the most redundant map of its older half (`_most_redundant_old`). Dedup rule: a new map whose
+A full store replaces the most redundant map of its older half (`_most_redundant_old`), a measured departure
+from the paper's rule over all maps: with that rule, a new topic's maps replaced each other while the old topic's
+stayed (docs/bench.md, "Generalising"). Dedup rule: a new map whose
 RDY against a stored map is ≥ `dedup_threshold` (0.999 by default) replaces that map, even in a store not full.
 RDY mixes both cosines, so this fires only when both the routing (≥ ~0.999) and the prompt embedding (≥ ~0.99 at
 d/L = 3/26) are near-identical — e.g. a repeated prompt, or a decode loop repeating one token.

@@ -15,6 +15,13 @@ resident for the next token). So a CPU slower than the copy still takes a miss w
 CPU faster than it still leaves some to the link. Without a GPU there is no copy worth making (it would duplicate
 the expert in RAM), so auto computes every miss on the CPU; `explain` says what the figures make of it.
 
+The overlap is whole for page-locked host experts (their landing is the DMA issued); for the others the loader's
+copy into a staging buffer comes before the landing, so less of the link's time runs under the CPU's. A policy with
+a `miss_handling` attribute forces the mode (cpu_moe: cpu). The figures are measured at load and may be saved by the
+app and handed back to a later load (`Runtime.load(..., miss_costs=)`), reused when they fit the model and device.
+Precision: on a CPU device the CPU path runs the device path's own ops (bit-identical, cpu_experts.NATIVE); on a GPU
+it runs the measured fastest kernel, which may compute in float32 where the GPU computes in bf16.
+
 Threads: the planner is read by the forward thread; it is replaced (never mutated) between requests.
 """
 

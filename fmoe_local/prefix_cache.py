@@ -20,7 +20,19 @@ reused:
 - a RoPE whose frequencies follow the pass's length (longrope: Phi-3.5-MoE; dynamic NTK) computes a prefix
   differently once a pass reaches its original context: prompts longer than that are prefilled whole, and a cache
   that grew past it is not kept.
-At least the prompt's last token is always prefilled: its logits give the reply's first token.
+At least the prompt's last token is always prefilled: its logits give the reply's first token. MLA (DeepSeek) caches
+its full keys and values per layer, so it is cut like any other.
+
+Budget (cache_budget.prefix_budget_bytes): bytes on the device the KV cache lives on, on top of the running
+request's own KV cache; least recently used dropped first. On a GPU, kept caches are dropped before a request whose
+KV cache would not fit the free memory, and a copy that runs out of memory drops kept caches and retries, else the
+prompt is prefilled whole.
+
+Offloading: a reused prefix's experts are not loaded again — the prefill runs only the new tokens, and the policy
+observes that pass as it ran (its expert map is the routing the cache had to serve). The semantic embedding still
+covers the whole prompt (observe.py: `RoutingObserver.begin_request(reused_ids)`), so the semantic match finds the
+same past maps as without reuse. A recorded trace holds the rows computed: `bench record`, `live` and `overhead`
+set prefix_cache_gb=0 so that their prompts are prefilled whole, as their earlier figures were.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The page's header: the model that answers — or the one loading, or why none is loaded.
 
 Scope: text from the Session's state (what is loaded, the load under way, the last load's failure). It does NOT load
-anything or build components; ui/__init__ shows it at the top and the Models tab's Load redraws it while it loads.
+anything or build components; ui/__init__ shows it at the top and the Models tab's Load redraws it while it loads;
+every other open tab follows on a timer (ui.HEADER_REFRESH_S) that sends only a change.
 Every name, path and sentence in it goes through render.literal: a model folder may be called anything, and its
 name here was once live HTML (an inline-styled overlay over the whole page, back on every start).
 """
