@@ -1,4 +1,4 @@
-"""The quantise-on-load cache: a model's experts quantised once (int8 or nf4) into the user data folder, and read
+"""The quantise-on-load cache: a model's experts quantised once (int8, int4 or nf4) into the user data folder, and read
 from there on every later load.
 
 Scope: where a copy lives (`<root>/<fingerprint>-<format>-<dtype>/`, the fingerprint covering config.json, the

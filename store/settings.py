@@ -157,7 +157,7 @@ _NAMES = {
     "policy": ("the policy", "one of the policies listed"),
     "store_capacity": ("the store capacity", "a whole number of expert maps"),
     "miss_handling": ("the miss handling", "auto, copy or cpu"),
-    "expert_format": ("the expert format", "auto, bf16, int8 or nf4"),
+    "expert_format": ("the expert format", ", ".join(EXPERT_FORMATS[:-1]) + " or " + EXPERT_FORMATS[-1]),
     "miss_costs": ("the measured miss costs", "JSON text"),
     "model_formats": ("each model's expert format", "JSON text"),
     "temperature": ("the temperature", f"a number from {TEMPERATURE_RANGE[0]:g} to {TEMPERATURE_RANGE[1]:g}"),

@@ -51,6 +51,7 @@ def test_set_persists_typed_values(tmp_path):
         ({"prefetch_distance": 0}, "at least 1 layer"),
         ({"top_p": 1.5}, "A top-p of 1.5 is not possible"),
         ({"cache_gb": "lots"}, "Set the expert cache size to a number of GB: 'lots' is not one."),
+        ({"expert_format": 4}, "Set the expert format to auto, bf16, int8, int4 or nf4: 4 is not one."),
         ({"max_new_tokens": True}, "Set max new tokens to a whole number from 1 to 4,096: True is not one."),
         ({"colour": "blue"}, "Unknown setting"),
         # NaN passed every "< 0" test and was saved; the sliders' ranges are the only ones a saved value may take
