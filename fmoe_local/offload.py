@@ -174,8 +174,7 @@ class Offload:
         for it; the host never does). Packed formats dequantise here, through the host store's view."""
         self.cache.before_use(slot)
         rows = SlotRows(self.cache.tensors, slot)
-        view = getattr(self.host, "view", None)
-        return expert_forward(module, x, rows if view is None else view(rows))
+        return expert_forward(module, x, self.host.view(rows))
 
     def host_expert(self, module: torch.nn.Module, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """A miss `acquire` gave −1, computed by the CPU from the host copy; `x` is on the host. Its time counts as

@@ -174,7 +174,7 @@ class Runtime:
     def load_notice(self) -> str:
         """Sentences about the load a user should see with it ("" when none): a quantised copy of the experts that
         could not be kept on disk (packed_host.py), a cache cut to what fits."""
-        return getattr(self._engine.host, "notice", "") + self._engine.cache_notice  # dense stores have none
+        return self._engine.host.notice + self._engine.cache_notice
 
     @property
     def engine(self) -> Engine:
