@@ -116,13 +116,11 @@ class Offload:
 
     def _new_planner(self) -> MissPlanner:
         # A policy may force its own miss handling (cpu_moe computes every miss on the CPU).
-        return MissPlanner(self._mode, self.costs, getattr(self._policy, "miss_handling", None))
+        return MissPlanner(self._mode, self.costs, self._policy.miss_handling)
 
     def _tell_capacity(self) -> None:
         """Policies that place experts by the cache's size (cpu_moe) learn it whenever a cache or policy is made."""
-        set_capacity = getattr(self._policy, "set_capacity", None)
-        if set_capacity is not None:
-            set_capacity(self.cache.capacity)
+        self._policy.set_capacity(self.cache.capacity)
 
     # ---- what the rest of the runtime reads ----------------------------------------------------------------------
     @property
