@@ -237,6 +237,7 @@ class TieredHostStore(HostStore):
         total = self.num_layers * self.num_experts
         budget = total if host_ram_gb is None else min(total, int(host_ram_gb * GIB // max(self.expert_bytes, 1)))
         self._ram: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._ram_bytes: int | None = None  # counted on first ask (ram_bytes)
         self._pinned: list[torch.Tensor] = []  # page-locked blocks the RAM experts live in (`pin`)
         self._unregister: Callable[[torch.Tensor], None] | None = None
         for i in range(budget):
@@ -253,7 +254,7 @@ class TieredHostStore(HostStore):
 
     def ram_bytes(self) -> int:
         """Bytes of expert weights held in RAM (which experts is decided at load, so counted once)."""
-        if getattr(self, "_ram_bytes", None) is None:
+        if self._ram_bytes is None:
             self._ram_bytes = sum(t.numel() * t.element_size() for rows in self._ram.values() for t in rows.values())
         return self._ram_bytes
 
