@@ -106,14 +106,13 @@ class Row:
 def token_bytes(runtime: object) -> TokenBytes:
     """What one decode token of this loaded runtime reads: the K active experts of every MoE layer at their stored
     size, and every resident weight (tied embeddings are one tensor; the input table counts as the one row read)."""
-    engine = runtime.engine
-    model = engine.model
-    resident = engine.resident_bytes
+    info, model = runtime.info, runtime.engine.model
+    resident = info.resident_bytes
     table = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     if head is None or head.weight.data_ptr() != table.data_ptr():  # untied: the lookup reads one row of the table
         resident -= (table.shape[0] - 1) * table.shape[1] * table.element_size()
-    experts = engine.shape.top_k * engine.shape.num_layers * engine.host.expert_bytes
+    experts = info.top_k * info.num_layers * info.expert_bytes
     return TokenBytes(int(experts), int(resident))
 
 
@@ -170,9 +169,9 @@ def measure_format(
         if final.error:
             raise RuntimeError(f"The {fmt} generation failed: {final.error}")
         stats = final.stats
-        host = runtime.engine.host
-        everything = runtime.engine.shape.num_layers * runtime.engine.shape.num_experts * host.expert_bytes
-        note = "" if host.ram_bytes() >= everything else "some experts read from disk (RAM short)"
+        info = runtime.info
+        everything = info.num_layers * info.num_experts * info.expert_bytes
+        note = "" if info.host_ram_bytes >= everything else "some experts read from disk (RAM short)"
         counted = token_bytes(runtime)
     del runtime
     gc.collect()  # the engine holds reference cycles: without this the next format loads beside this one

@@ -21,7 +21,7 @@ import numpy as np
 
 from fmoe_local.cli_args import whole
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.maps import ExpertMap, MapStore
+from fmoe_local.maps import ExpertMap, MapPersistence, MapStore
 from fmoe_local.policies.base import ModelShape
 
 _TIE = 1e-6  # exact scores this close count as the same choice (duplicate maps tie)
@@ -78,7 +78,7 @@ class Agreement:
             )
 
 
-class _Filled:
+class _Filled(MapPersistence):
     """A MapPersistence that hands `load_from` random maps: fills the store slot by slot without RDY per map."""
 
     def __init__(self, maps: list[ExpertMap]) -> None:

@@ -21,13 +21,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from fmoe_local.policies._common import flat_codes, lowest, split_keys
-from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
+from fmoe_local.policies.base import ExpertKey, ModelShape, Policy, Prefetch, PrefetchBatch
 
 NEVER = np.iinfo(np.int32).max
 _LAST = np.iinfo(np.int64).max  # position of "never used again": after every real one
 
 
-class OraclePolicy:
+class OraclePolicy(Policy):
     name = "oracle"
     needs_lookahead = False
 

@@ -65,7 +65,7 @@ def measure(
     plain_model.eval()
     ours, plain = [], []
     with Runtime.load(model_dir, config) as runtime:
-        ids = runtime.engine.encode_prompt(PROMPT)
+        ids = torch.tensor([runtime.tokenize(PROMPT)])  # on the CPU, as plain_model is
         final = runtime.generate(PROMPT, sampling)  # warm-up: fills the cache, so every later access is a hit
         n = final.stats.tokens
         _time_plain(plain_model, ids, n)

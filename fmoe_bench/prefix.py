@@ -82,7 +82,7 @@ def system_prompt(tokenizer: object, tokens: int) -> str:
 
 def new_part(runtime: object, prompt: str, reused: int) -> str:
     """The text of the prompt's tokens a reusing request prefilled: a fresh prompt of (about) those N tokens."""
-    return runtime.engine.tokenizer.decode(runtime.engine.tokenize_prompt(prompt)[reused:])
+    return runtime.engine.tokenizer.decode(runtime.tokenize(prompt)[reused:])
 
 
 def chat_rows(name: str, reuse: object, whole_: object, turns: int, reply: int, repeats: int) -> list[Row]:

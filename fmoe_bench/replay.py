@@ -262,12 +262,10 @@ def replay(
     if miss_handling not in MISS_HANDLING:
         raise ValueError(f"Unknown miss handling '{miss_handling}'. Choose from: {', '.join(MISS_HANDLING)}.")
     t0 = time.perf_counter()
-    name = policy_name or getattr(policy, "name", type(policy).__name__)
+    name = policy_name or policy.name
     shape = schedule.shape
-    set_capacity = getattr(policy, "set_capacity", None)
-    if set_capacity is not None:  # as the engine does whenever it makes a cache
-        set_capacity(capacity)
-    planner = MissPlanner(miss_handling, cost.miss_costs(), getattr(policy, "miss_handling", None))
+    policy.set_capacity(capacity)  # as the engine does whenever it makes a cache
+    planner = MissPlanner(miss_handling, cost.miss_costs(), policy.miss_handling)
     plan = None if planner.mode == "copy" else planner.plan
     sim = SimCache(shape, capacity, policy, cost)
     warm = int(warm_fraction * len(schedule.requests)) if mode == "offline" else 0

@@ -37,7 +37,8 @@ def forced(name: str) -> str | None:
     """The miss handling policy `name` forces (its `miss_handling` attribute, policies/base.py), if any."""
     from fmoe_local.policies import REGISTRY
 
-    return getattr(REGISTRY.get(name), "miss_handling", None)
+    policy = REGISTRY.get(name)
+    return None if policy is None else policy.miss_handling
 
 
 def _replay_one(task: tuple[str, str]) -> ReplayResult:

@@ -73,9 +73,10 @@ class ExpertCache:
         self.policy = policy
         self.counters = counters
         self.expert_bytes = host.expert_bytes
-        dtypes = getattr(host, "param_dtypes", None) or {}  # packed formats: some parts in other dtypes
         self.tensors = {
-            name: torch.empty((self.capacity, *shape), dtype=dtypes.get(name, host.param_dtype), device=device)
+            name: torch.empty(
+                (self.capacity, *shape), dtype=host.param_dtypes.get(name, host.param_dtype), device=device
+            )
             for name, shape in host.param_shapes.items()
         }
         self._slots = SlotTable(self.capacity)
@@ -370,7 +371,7 @@ class ExpertCache:
                 if landing.is_set():  # the read outlived its waiters: the claim was released, the slot maybe reused
                     return None
                 landing.copying = True
-            self._copier.copy(slot, self.tensors, s, rows, pause, getattr(self.host, "land", None))
+            self._copier.copy(slot, self.tensors, s, rows, pause, self.host.land)
         except Exception as exc:  # noqa: BLE001 - any read/copy failure becomes the waiters' error
             error = ExpertLoadError(
                 f"Could not load expert {key[1]} of MoE layer {key[0]}: {exc} If this repeats, the model files "
@@ -393,10 +394,9 @@ class ExpertCache:
     def pin_host(self, budget_bytes: int) -> int:
         """On CUDA, page-lock up to `budget_bytes` of the host store's RAM experts (host.pin) so that their copies
         skip the staging buffers; returns the bytes pinned (0 on the CPU, or for a store that cannot pin)."""
-        pin = getattr(self.host, "pin", None)
-        if not self._copier.cuda or pin is None or budget_bytes <= 0:
+        if not self._copier.cuda or budget_bytes <= 0:
             return 0
-        return pin(budget_bytes, self._copier.streams.register, self._copier.streams.unregister)
+        return self.host.pin(budget_bytes, self._copier.streams.register, self._copier.streams.unregister)
 
     def close(self) -> None:
         """Ends the loader thread (a load stuck in a read ends with its daemon thread)."""

@@ -36,6 +36,7 @@ from fmoe_local import expert_formats
 from fmoe_local.cache import ExpertLoadError
 from fmoe_local.copier import Interrupted, Landing, Loader, LoadTimeout
 from fmoe_local.expert_formats import PACKED_WEIGHTS, Int4Weight, Int8Weight
+from fmoe_local.host import HostStore
 
 Tensor = torch.Tensor
 # Rows upcast per block: a few MB of fp32 stays in the core's L2 while the product reads it.
@@ -296,18 +297,17 @@ class HostExperts:
     A failed read raises ExpertLoadError (a sentence).
     """
 
-    def __init__(self, host: object, kernel: Kernel = NATIVE) -> None:
+    def __init__(self, host: HostStore, kernel: Kernel = NATIVE) -> None:
         self.host = host
         self.kernel = kernel
-        self._in_ram = getattr(host, "in_ram", None)
-        self._view = getattr(host, "view", lambda rows: rows)  # packed formats: dequantised per expert computed
         self._loader: Loader | None = None  # started on the first disk-tier read
 
     def rows(self, layer: int, expert: int, interrupt: threading.Event, timeout_s: float) -> Mapping[str, Tensor]:
         try:
-            if self._in_ram is not None and self._in_ram(layer, expert):
-                return self._view(self.host.read(layer, expert))
-            return self._view(self._bounded_read(layer, expert, interrupt, timeout_s))
+            # Packed formats: dequantised per expert computed, through the store's view.
+            if self.host.in_ram(layer, expert):
+                return self.host.view(self.host.read(layer, expert))
+            return self.host.view(self._bounded_read(layer, expert, interrupt, timeout_s))
         except (Interrupted, LoadTimeout, ExpertLoadError):
             raise
         except Exception as exc:  # noqa: BLE001 - any read failure becomes the request's sentence

@@ -438,10 +438,11 @@ class Engine:
                 ) from exc
         if (new.store_capacity, new.prefetch_distance) != (old.store_capacity, old.prefetch_distance):
             self.map_store.reconfigure(capacity=new.store_capacity, prefetch_distance=new.prefetch_distance)
-        retune = getattr(self.policy, "reconfigure", None)  # optional: keeps what the policy learned so far
-        if new.policy == old.policy and retune is not None:
-            retune(prefetch_distance=new.prefetch_distance, store_capacity=new.store_capacity)
-        elif new.policy != old.policy or new.prefetch_distance != old.prefetch_distance:
+        # Retuned in place where the policy can: it keeps what it learned so far.
+        retuned = new.policy == old.policy and self.policy.reconfigure(
+            prefetch_distance=new.prefetch_distance, store_capacity=new.store_capacity
+        )
+        if not retuned and (new.policy != old.policy or new.prefetch_distance != old.prefetch_distance):
             self._set_policy(make_policy(new.policy, self.shape, new, self.map_store))
         self.offload.set_load_timeout(new.load_timeout_s)
         self.offload.set_miss_handling(new.miss_handling)

@@ -24,16 +24,30 @@ class ExpertMap:
 class MapPersistence(Protocol):
     """Where maps survive restarts. Slot numbers are the identity on disk: `put` on a used slot replaces it.
 
-    Optional `put_link(slot, next_slot)` keeps successor links (`put` leaves a slot's link); `load()` then gives
-    (slot, map, next_slot), −1 for none. Without it, entries are (slot, map) and links last only in memory.
-    Optional `replace_all([(slot, map, next_slot)])`: everything stored replaced at once, as one transaction (a
-    renumbering: a capacity change, a load that had to compact); without it the store clears and puts again, which
-    a kill in the middle leaves half done."""
+    `put_link` and `replace_all` have defaults for a store that cannot do better (a persistence subclasses
+    MapPersistence to inherit them): links that last only in memory, and a replacement that a kill in the middle
+    leaves half done."""
 
-    def load(self) -> list[tuple[int, ExpertMap]] | list[tuple[int, ExpertMap, int]]: ...
+    def load(self) -> list[tuple[int, ExpertMap]] | list[tuple[int, ExpertMap, int]]:
+        """(slot, map), or (slot, map, next_slot) with −1 for none where the store keeps links (`put_link`)."""
+        ...
 
     def put(self, slot: int, expert_map: ExpertMap) -> None:
         """Must not block the caller (queue the write). Writes, links and `clear` must apply in call order."""
         ...
 
     def clear(self) -> None: ...
+
+    def put_link(self, slot: int, next_slot: int) -> None:
+        """`next_slot` was stored right after `slot` in its request (`put` leaves a slot's link); `load()` gives it
+        back. Default: not kept, links last only in memory."""
+
+    def replace_all(self, entries: list[tuple[int, ExpertMap, int]]) -> None:
+        """Everything stored becomes `entries` (slot, map, next_slot or −1): a renumbering (a capacity change, a load
+        that had to compact). A store that can should make it one transaction; this default clears and puts again."""
+        self.clear()
+        for slot, expert_map, _ in entries:
+            self.put(slot, expert_map)
+        for slot, _, next_slot in entries:
+            if next_slot >= 0:
+                self.put_link(slot, next_slot)

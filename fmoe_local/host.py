@@ -22,6 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -161,20 +162,55 @@ def _dense(files: CheckpointFiles, key: str, dtype: torch.dtype) -> torch.Tensor
 
 @runtime_checkable
 class HostStore(Protocol):
-    """What the cache needs from the host side: experts by (MoE layer, expert), one fused-parameter row each."""
+    """What the runtime needs from the host side: experts by (MoE layer, expert), one fused-parameter row each.
+
+    The members with a body are capabilities only some stores have, with the answer of a store that lacks them: a
+    store subclasses HostStore to inherit these defaults, so callers call every member directly.
+    """
 
     num_layers: int
     num_experts: int
     param_shapes: dict[str, tuple[int, ...]]
     param_dtype: torch.dtype
     expert_bytes: int
+    # A stored tensor's dtype where it is not `param_dtype` (packed formats: codes and scales); none by default.
+    param_dtypes: Mapping[str, torch.dtype] = MappingProxyType({})
+    expert_format: str = "bf16"  # how the experts are stored (expert_formats.py)
+    notice: str = ""  # a sentence for the user about how this store was built, or ""
 
     def read(self, layer: int, expert: int) -> dict[str, torch.Tensor]: ...
 
     def close(self) -> None: ...
 
+    @property
+    def dense_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """One expert's parameters as the model computes with them (a dense store: as stored)."""
+        return self.param_shapes
 
-class TieredHostStore:
+    def view(self, rows: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The expert's parameters as the compute paths read them (a dense store: the stored rows)."""
+        return rows
+
+    def in_ram(self, layer: int, expert: int) -> bool:
+        """Whether a read of this expert is served from RAM; a store that does not say may read the disk, so its
+        reads are bounded by a deadline (cpu_experts.HostExperts)."""
+        return False
+
+    def pin(
+        self,
+        budget_bytes: int,
+        register: Callable[[torch.Tensor], None],
+        unregister: Callable[[torch.Tensor], None],
+    ) -> int:
+        """Page-lock RAM experts within `budget_bytes`; returns the bytes pinned (a store without a RAM tier: 0)."""
+        return 0
+
+    def land(self, slot: Mapping[str, torch.Tensor]) -> None:
+        """A copy of one expert landed in a device slot: rewrite it in place into the device's layout, on the copy
+        stream (copier.Copier.copy); a store whose stored layout is the device's does nothing."""
+
+
+class TieredHostStore(HostStore):
     """The RAM tier and the disk tier of a host store, over `_fetch(layer, expert)` (one expert as stored).
 
     Which experts are RAM-resident is decided once: the first ones in (layer, expert) order until `host_ram_gb` is
@@ -182,8 +218,6 @@ class TieredHostStore:
     dtype (packed formats, expert_formats.py); `view(rows)` is what the compute paths read the stored tensors through
     (dense: the rows themselves).
     """
-
-    expert_format = "bf16"
 
     def __init__(
         self,
@@ -199,7 +233,6 @@ class TieredHostStore:
         self.param_shapes = {k: tuple(v) for k, v in param_shapes.items()}
         self.param_dtype = dtype
         self.param_dtypes = {k: (param_dtypes or {}).get(k, dtype) for k in self.param_shapes}
-        self.dense_shapes = dict(self.param_shapes)  # one expert's parameters as the model computes with them
         self.expert_bytes = sum(
             int(torch.Size(s).numel()) * torch.empty((), dtype=self.param_dtypes[k]).element_size()
             for k, s in self.param_shapes.items()
@@ -207,6 +240,7 @@ class TieredHostStore:
         total = self.num_layers * self.num_experts
         budget = total if host_ram_gb is None else min(total, int(host_ram_gb * GIB // max(self.expert_bytes, 1)))
         self._ram: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._ram_bytes: int | None = None  # counted on first ask (ram_bytes)
         self._pinned: list[torch.Tensor] = []  # page-locked blocks the RAM experts live in (`pin`)
         self._unregister: Callable[[torch.Tensor], None] | None = None
         for i in range(budget):
@@ -216,10 +250,6 @@ class TieredHostStore:
     def _fetch(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def view(self, rows: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        """The expert's parameters as the compute paths read them (a dense store: the stored rows)."""
-        return rows
-
     @property
     def ram_experts(self) -> int:
         """How many experts are held in RAM (the rest are read from disk on each read)."""
@@ -227,7 +257,7 @@ class TieredHostStore:
 
     def ram_bytes(self) -> int:
         """Bytes of expert weights held in RAM (which experts is decided at load, so counted once)."""
-        if getattr(self, "_ram_bytes", None) is None:
+        if self._ram_bytes is None:
             self._ram_bytes = sum(t.numel() * t.element_size() for rows in self._ram.values() for t in rows.values())
         return self._ram_bytes
 

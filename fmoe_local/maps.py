@@ -65,7 +65,6 @@ class MapStore:
         self.prefetch_distance = prefetch_distance
         self.dedup_threshold = dedup_threshold
         self._persistence = persistence
-        self._put_link = getattr(persistence, "put_link", None)  # optional (MapPersistence)
         self._links = SuccessorLinks(capacity)
         # Reentrant: reconfigure/load_from write slots through the same helpers add() uses.
         self._lock = threading.RLock()
@@ -196,8 +195,8 @@ class MapStore:
             self._write(slot, probs, sem, expert_map.request_id)
             if self._persistence is not None:
                 self._persistence.put(slot, ExpertMap(probs, sem, expert_map.request_id))
-            if self._links.record(after, slot, self._n) and self._put_link is not None:
-                self._put_link(after, slot)
+            if self._links.record(after, slot, self._n) and self._persistence is not None:
+                self._persistence.put_link(after, slot)
             return slot
 
     def redundancy(self, probs: np.ndarray, semantic: np.ndarray | None) -> np.ndarray:
@@ -361,7 +360,6 @@ class MapStore:
                 self._persistence = persistence
             if self._persistence is None:
                 return 0
-            self._put_link = getattr(self._persistence, "put_link", None)
             entries: dict[int, tuple[ExpertMap, int]] = {}
             skipped = 0
             for slot, m, *link in self._persistence.load():
@@ -389,13 +387,5 @@ class MapStore:
     def _rewrite_persistence(self) -> None:
         if self._persistence is None:
             return
-        links = self._links.targets(self._n) if self._put_link is not None else np.full(self._n, -1)
-        replace_all = getattr(self._persistence, "replace_all", None)
-        if replace_all is not None:  # one transaction: a kill leaves the old set or the new one
-            replace_all([(s, self.get(s), int(links[s])) for s in range(self._n)])
-            return
-        self._persistence.clear()
-        for s in range(self._n):
-            self._persistence.put(s, self.get(s))
-        for s in np.flatnonzero(links >= 0):
-            self._put_link(int(s), int(links[s]))
+        links = self._links.targets(self._n)
+        self._persistence.replace_all([(s, self.get(s), int(links[s])) for s in range(self._n)])

@@ -35,6 +35,7 @@ import torch
 
 from fmoe_local import bandwidth, cpu_experts
 from fmoe_local.cpu_experts import NATIVE, Kernel
+from fmoe_local.host import HostStore
 
 PROBE_TOKENS = 16  # the second point of cpu_s(tokens): prefill-sized, still quick to time
 PROBE_MAX_EXPERTS = 64
@@ -162,21 +163,19 @@ def format_of(dtype: torch.dtype) -> str:
     return fmt
 
 
-def probe_experts(host: object, max_bytes: int = PROBE_MAX_BYTES) -> list[Mapping[str, torch.Tensor]]:
+def probe_experts(host: HostStore, max_bytes: int = PROBE_MAX_BYTES) -> list[Mapping[str, torch.Tensor]]:
     """Real experts to time, taken from the RAM tier in (layer, expert) order, spread over the layers: enough bytes
     to exceed the last-level cache (so they come from DRAM, as a miss does), within `max_bytes`."""
     target = min(max(2 * bandwidth.llc_bytes(), PROBE_MIN_BYTES), max_bytes)
-    in_ram = getattr(host, "in_ram", lambda layer, expert: True)
     keys = [(e % host.num_layers, e // host.num_layers) for e in range(host.num_layers * host.num_experts)]
     keys = [(layer, (expert + layer) % host.num_experts) for layer, expert in keys]  # every layer, varied ids
-    chosen = [k for k in keys if in_ram(*k)] or keys[:4]  # no RAM tier: a few reads from disk
+    chosen = [k for k in keys if host.in_ram(*k)] or keys[:4]  # no RAM tier: a few reads from disk
     count = max(1, min(PROBE_MAX_EXPERTS, len(chosen), math.ceil(target / max(host.expert_bytes, 1))))
-    view = getattr(host, "view", lambda rows: rows)  # packed formats: timed with their dequantising
-    return [view(host.read(*k)) for k in chosen[:count]]
+    return [host.view(host.read(*k)) for k in chosen[:count]]  # packed formats: timed with their dequantising
 
 
 def probe(
-    host: object,
+    host: HostStore,
     module: torch.nn.Module,
     device: torch.device,
     experts: Sequence[Mapping[str, torch.Tensor]] | None = None,
@@ -190,8 +189,7 @@ def probe(
     fmt = format_of(host.param_dtype)
     transposed = hf_internals.is_transposed(module)
     if device.type == "cpu":
-        stored = getattr(host, "expert_format", "bf16")
-        candidates = cpu_experts.device_candidates(stored, host.param_dtype, transposed)
+        candidates = cpu_experts.device_candidates(host.expert_format, host.param_dtype, transposed)
     else:
         candidates = cpu_experts.kernels_for(fmt, transposed)
     samples = list(experts) if experts is not None else probe_experts(host)
@@ -230,7 +228,6 @@ def kernel_named(costs: MissCosts, device: torch.device) -> Kernel:
     raise ValueError(f"The saved CPU kernel '{costs.cpu_kernel}' is not available; measure again.")
 
 
-def _hidden_size(host: object, transposed: bool) -> int:
-    shapes = getattr(host, "dense_shapes", None) or host.param_shapes  # packed stores: the dense shapes
-    shape = shapes["down_proj"]  # [H, I], or [I, H] in GPT-OSS's layout
+def _hidden_size(host: HostStore, transposed: bool) -> int:
+    shape = host.dense_shapes["down_proj"]  # [H, I], or [I, H] in GPT-OSS's layout
     return int(shape[1] if transposed else shape[0])

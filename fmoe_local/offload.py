@@ -116,13 +116,11 @@ class Offload:
 
     def _new_planner(self) -> MissPlanner:
         # A policy may force its own miss handling (cpu_moe computes every miss on the CPU).
-        return MissPlanner(self._mode, self.costs, getattr(self._policy, "miss_handling", None))
+        return MissPlanner(self._mode, self.costs, self._policy.miss_handling)
 
     def _tell_capacity(self) -> None:
         """Policies that place experts by the cache's size (cpu_moe) learn it whenever a cache or policy is made."""
-        set_capacity = getattr(self._policy, "set_capacity", None)
-        if set_capacity is not None:
-            set_capacity(self.cache.capacity)
+        self._policy.set_capacity(self.cache.capacity)
 
     # ---- what the rest of the runtime reads ----------------------------------------------------------------------
     @property
@@ -174,8 +172,7 @@ class Offload:
         for it; the host never does). Packed formats dequantise here, through the host store's view."""
         self.cache.before_use(slot)
         rows = SlotRows(self.cache.tensors, slot)
-        view = getattr(self.host, "view", None)
-        return expert_forward(module, x, rows if view is None else view(rows))
+        return expert_forward(module, x, self.host.view(rows))
 
     def host_expert(self, module: torch.nn.Module, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """A miss `acquire` gave −1, computed by the CPU from the host copy; `x` is on the host. Its time counts as

@@ -61,7 +61,10 @@ class PackedHostStore(TieredHostStore):
             host_ram_gb,
             {k: d for k, (_, d) in stored.items()},
         )
-        self.dense_shapes = {name: p.shape for name, p in self.params.items()}
+
+    @property
+    def dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: p.shape for name, p in self.params.items()}
 
     def _fetch(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         rows = self._fetch_fn(layer, expert)

@@ -174,7 +174,7 @@ class Runtime:
     def load_notice(self) -> str:
         """Sentences about the load a user should see with it ("" when none): a quantised copy of the experts that
         could not be kept on disk (packed_host.py), a cache cut to what fits."""
-        return getattr(self._engine.host, "notice", "") + self._engine.cache_notice  # dense stores have none
+        return self._engine.host.notice + self._engine.cache_notice
 
     @property
     def engine(self) -> Engine:
@@ -207,12 +207,18 @@ class Runtime:
         if self._closed:
             return None
         try:
-            return len(self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt), tools))
+            return len(self.tokenize(prompt, tools))
         except (PromptRefused, TemplateOverBudget):
             raise
         except Exception:  # noqa: BLE001 - not the prompt's fault: the worker's own encode decides and reports it
             log.debug("prompt check skipped", exc_info=True)
             return None
+
+    def tokenize(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids as the worker encodes them (Engine.tokenize_prompt: the chat template, or a text as
+        it is), for a benchmark's reference run; raises what `check` says it raises, and any tokenizer failure. On
+        the caller's thread, like `check`."""
+        return self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt), tools)
 
     def generate(self, prompt: list[dict] | str, sampling: Sampling | None = None) -> Finished:
         return self.submit(prompt, sampling).result()

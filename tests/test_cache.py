@@ -14,6 +14,7 @@ import torch
 
 from fmoe_local.cache import ExpertCache, ExpertLoadError
 from fmoe_local.copier import Interrupted, LoadTimeout
+from fmoe_local.host import HostStore
 from fmoe_local.policies.base import ModelShape
 from fmoe_local.policies.lru import LRUPolicy
 from fmoe_local.stats import LayerCounters
@@ -21,8 +22,8 @@ from fmoe_local.stats import LayerCounters
 L, J, K = 3, 4, 2
 
 
-class ValueHost:
-    """Expert (l, e) is a [2, 3] block of the value 10·l + e."""
+class ValueHost(HostStore):
+    """Expert (l, e) is a [2, 3] block of the value 10·l + e (a dense store: HostStore's defaults for the rest)."""
 
     num_layers, num_experts = L, J
     param_shapes = {"w": (2, 3)}

@@ -1,5 +1,5 @@
-"""Engine.encode_prompt: a final assistant message is continued (the chat's Continue), not answered; a prompt
-too long for the model is refused in a sentence naming the model as people know it."""
+"""Engine.encode_prompt and Runtime.tokenize: a final assistant message is continued (the chat's Continue), not
+answered; a prompt too long for the model is refused in a sentence naming the model as people know it."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ def test_a_final_assistant_message_is_continued_where_it_stopped(tiny_model_dir)
         engine = runtime.engine
         asked = [{"role": "user", "content": "Tell me about the sea."}]
         partial = asked + [{"role": "assistant", "content": "The sea is"}]
-        text = engine.tokenizer.decode(engine.encode_prompt(partial)[0])
+        ids = runtime.tokenize(partial)  # what the worker encodes, on the caller's thread
+        assert ids == engine.encode_prompt(partial)[0].tolist() and runtime.check(partial) == len(ids)
+        text = engine.tokenizer.decode(ids)
         assert text.endswith("The sea is")  # the prompt ends inside the reply: no end of turn, no new turn
-        answered = engine.tokenizer.decode(engine.encode_prompt(asked)[0])
+        answered = engine.tokenizer.decode(runtime.tokenize(asked))
         assert text.startswith(answered)  # the same turn the model was answering
 
 

@@ -221,3 +221,21 @@ def test_by_default_the_host_holds_what_available_ram_allows_and_reads_the_rest_
     assert load_model(d, RuntimeConfig(device="cpu", cache_gb=1.0)).host.ram_experts == 0
     monkeypatch.setattr(hardware, "ram_bytes", lambda: (0, 0))  # a platform that does not say: every expert
     assert load_model(d, RuntimeConfig(device="cpu", cache_experts=2)).host.ram_experts == every
+
+
+def test_a_store_that_lacks_a_capability_gets_the_dense_answer_from_host_store():
+    class Bare(HostStore):
+        num_layers, num_experts, param_shapes, param_dtype, expert_bytes = 1, 2, {"w": (2, 3)}, torch.float32, 24
+
+        def read(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+            return {"w": torch.zeros(2, 3)}
+
+        def close(self) -> None:
+            pass
+
+    store, rows = Bare(), {"w": torch.ones(2, 3)}
+    assert store.view(rows) is rows and store.land(rows) is None and torch.equal(rows["w"], torch.ones(2, 3))
+    assert store.pin(10**9, lambda block: None, lambda block: None) == 0
+    assert not store.in_ram(0, 1)  # a read that may touch the disk: bounded by a deadline (cpu_experts.HostExperts)
+    assert dict(store.param_dtypes) == {} and store.dense_shapes == {"w": (2, 3)}
+    assert (store.expert_format, store.notice) == ("bf16", "")

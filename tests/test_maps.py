@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fmoe_local.maps import ExpertMap, MapStore
+from fmoe_local.maps import ExpertMap, MapPersistence, MapStore
 from fmoe_local.policies.base import ModelShape
 from fmoe_local.semantic_index import SemanticIndex
 from tests.threads import run_in_threads
@@ -13,7 +13,7 @@ from tests.threads import run_in_threads
 SHAPE = ModelShape(num_layers=4, num_experts=8, top_k=2, embed_dim=3)
 
 
-class FakePersistence:
+class FakePersistence(MapPersistence):
     def __init__(self, initial: list[tuple[int, ExpertMap]] | None = None) -> None:
         self.rows: dict[int, ExpertMap] = dict(initial or [])
         self.calls: list[tuple] = []

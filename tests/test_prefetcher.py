@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fmoe_local.config import RuntimeConfig, Sampling
-from fmoe_local.maps import ExpertMap
+from fmoe_local.maps import ExpertMap, MapPersistence
 from fmoe_local.policies.base import Prefetch
 from fmoe_local.policies.lru import LRUPolicy
 from fmoe_local.runtime import Runtime
@@ -30,7 +30,7 @@ def pass_maps(trace_path) -> list[np.ndarray]:
     return [m.mean(0) for m in np.split(trace.probs, starts[1:])]
 
 
-class MapLog:
+class MapLog(MapPersistence):
     """A MapPersistence that keeps every map the store writes."""
 
     def __init__(self) -> None:

@@ -6,7 +6,7 @@ import pytest
 from fmoe_bench.presets import CostModel
 from fmoe_bench.replay import build_schedule, capacity_for, replay
 from fmoe_bench.replay_pool import replay_all
-from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch
+from fmoe_local.policies.base import ExpertKey, ModelShape, Policy, Prefetch
 from fmoe_local.traces import DECODE, PREFILL, Trace
 
 
@@ -27,8 +27,8 @@ def make_trace(steps: list[list[list[int]]], seq_of: list[int], num_experts: int
     )
 
 
-class LRU:
-    """Test-local policy: no prefetch, least recently accessed expert evicted."""
+class LRU(Policy):
+    """Test-local policy: no prefetch, least recently accessed expert evicted (Policy's defaults for the extras)."""
 
     name = "test-lru"
     needs_lookahead = False

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fmoe_local.config import RuntimeConfig
-from fmoe_local.maps import ExpertMap, MapStore
+from fmoe_local.maps import ExpertMap, MapPersistence, MapStore
 from fmoe_local.policies.base import ModelShape
 from fmoe_local.policies.fmoe import FMoEPolicy
 from store import open_store
@@ -187,6 +187,7 @@ def test_close_drains_the_queue_and_refuses_later_puts(tmp_path):
 def test_writer_batches_commits(store, tmp_path):
     rng = np.random.default_rng(7)
     p = SqliteMapPersistence(store.db, model_fingerprint(fake_model(tmp_path / "m")), SHAPE, linger_s=5.0)
+    assert isinstance(p, MapPersistence)  # every member the map store calls, put_link and replace_all included
     maps = [random_map(rng, i) for i in range(200)]
     for slot, m in enumerate(maps):
         p.put(slot, m)

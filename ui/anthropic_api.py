@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from fmoe_local.request_handle import RequestHandle
 from ui.anthropic_request import parse_count, parse_messages
 from ui.anthropic_stream import Head, complete, error_response, new_id, sse
+from ui.loaded_runtime import LoadedRuntime
 from ui.openai_api import _check_prompt, loaded_runtime
 from ui.openai_request import ApiError, read_body
 from ui.openai_stream import Streamed
@@ -76,7 +77,7 @@ def build_router(session: Session) -> APIRouter:
     return router
 
 
-def _submit(runtime, prompt: list[dict], shaped: Shaped, finished: deque) -> RequestHandle:  # noqa: ANN001 - a Runtime
+def _submit(runtime: LoadedRuntime, prompt: list[dict], shaped: Shaped, finished: deque) -> RequestHandle:
     """Hand the request to the runtime: the one place this API does."""
     handle = runtime.submit(prompt, shaped.sampling, **({"tools": shaped.tools} if shaped.tools else {}))
     # Recorded when the request ends, even after its client left (the worker runs this; a deque is thread-safe).

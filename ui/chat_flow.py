@@ -22,6 +22,7 @@ from fmoe_local.config import Sampling
 from fmoe_local.request_handle import RequestHandle
 from fmoe_local.runtime_types import Finished, TextDelta
 from ui.chat_view import display, warning
+from ui.loaded_runtime import LoadedRuntime
 from ui.render import safe_markdown
 from ui.session import Session
 
@@ -61,7 +62,7 @@ def unsaved_sentence(exc: Exception) -> str:
     return f"This reply could not be saved ({exc}), so it is only on this page: copy what you need. {what}"
 
 
-def runtime_of(session: Session):  # noqa: ANN201 - a fmoe_local.runtime.Runtime
+def runtime_of(session: Session) -> LoadedRuntime:
     if session.runtime is None:
         raise Problem(session.still_loading or session.load_error or NO_MODEL)
     return session.runtime

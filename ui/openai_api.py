@@ -29,6 +29,7 @@ from collections import deque
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from ui.loaded_runtime import LoadedRuntime
 from ui.openai_request import ApiError, ApiRequest, parse_chat, parse_completion, read_body
 from ui.openai_stream import Shape, Streamed, complete, sse
 from ui.session import Session
@@ -39,7 +40,7 @@ ROUTES = ("GET /v1/models", "GET /v1/models/{id}", "POST /v1/chat/completions", 
 RETRY_AFTER_S = 5  # what a 503 during a model load asks a client to wait before it asks again
 
 
-def loaded_runtime(session: Session):  # noqa: ANN201 - a Runtime
+def loaded_runtime(session: Session) -> LoadedRuntime:
     """The loaded model's runtime, or an ApiError 503 saying why there is none."""
     if session.runtime is None:
         if session.still_loading:  # worth asking again soon: clients that honour Retry-After wait, then retry
@@ -131,7 +132,7 @@ def build_router(session: Session, others: tuple[APIRouter, ...] = ()) -> APIRou
     return router
 
 
-async def _check_prompt(runtime, prompt: list[dict] | str, tools: list[dict]) -> int | None:  # noqa: ANN001
+async def _check_prompt(runtime: LoadedRuntime, prompt: list[dict] | str, tools: list[dict]) -> int | None:
     """The prompt's length in tokens (None when the runtime cannot tell: Runtime.check). A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
     that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it. A
     chat template stopped over its budget is the model's: a 500 with the sentence, before a stream starts too."""

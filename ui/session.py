@@ -21,6 +21,7 @@ from fmoe_local.miss_cost import MissCosts
 from fmoe_local.stats import RequestStats
 from ui import sizes
 from ui.load_job import LoadCancelled, LoadJob, ModelLoadError, shape_of, stopped
+from ui.loaded_runtime import LoadedRuntime
 
 HISTORY = 200  # replies kept for the Stats tab's time series
 CLOSE_WAIT_S = 30.0  # how long closing waits for a load under way (the start-up one, when the app is quit early)
@@ -77,7 +78,7 @@ class Session:
     store: object  # store.Store; typed loosely so that ui tests can pass a Store opened on a temp folder
     config: RuntimeConfig
     endpoint: str | None = None  # Hugging Face endpoint for downloads (tests point it at a fake Hub)
-    runtime: object | None = None  # fmoe_local.runtime.Runtime once a model is loaded
+    runtime: LoadedRuntime | None = None  # a fmoe_local.runtime.Runtime once a model is loaded
     model_dir: Path | None = None
     load_error: str = ""
     api_base: str = ""  # the OpenAI-compatible API's base URL once the server runs (ui/openai_api.py)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from fmoe_local.config import Sampling
 from ui import reasoning
+from ui.loaded_runtime import LoadedRuntime
 from ui.openai_request import ApiError, ApiRequest
 from ui.reasoning import ThinkFormat, ThinkSplit
 from ui.reply_parts import ReplyParts
@@ -43,7 +44,7 @@ class Shaped:
         return ReplyParts(stops, think, self.calls())
 
 
-def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
+def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
     """Blocking (renders and compiles): run it on a thread. Raises ApiError 400 for what the model cannot do."""
     from fmoe_local.constrained import JSON_OBJECT_SCHEMA, GrammarRefused, json_schema_grammar, lark_grammar
 

@@ -49,7 +49,7 @@ def top_k(probs: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-np.asarray(probs), kind="stable")[:k]
 
 
-class RecencyPolicy:
+class RecencyPolicy(Policy):
     """No prefetching; evicts the least recently used candidate. Never-used candidates go first, in given order.
 
     Shared by lru, on_demand and speculative (which adds prefetches). record_access and choose_victims are
@@ -95,12 +95,11 @@ def learn_pass(
     """A forward pass the policy only learns from, with nothing to prefetch (a complete cache, a replay's warm-up).
 
     `probs` [n, J] are the distributions of MoE layers `layers` (default: 0..n−1, every layer of the pass). Layers
-    0..n−1 in order go to the policy's optional `observe_iteration`; otherwise its usual calls, prefetches dropped.
+    0..n−1 in order go to the policy's `observe_iteration`; otherwise its usual calls, prefetches dropped.
     """
     layers = list(range(len(probs))) if layers is None else list(layers)
-    observe_iteration = getattr(policy, "observe_iteration", None)
-    if observe_iteration is not None and layers == list(range(len(probs))):
-        observe_iteration(probs, semantic)
+    if layers == list(range(len(probs))):
+        policy.observe_iteration(probs, semantic)
         return
     policy.begin_iteration(semantic)
     for row, layer in enumerate(layers):

@@ -7,12 +7,13 @@ and by the replay benchmark (fmoe_bench/replay.py), which is what makes comparis
 Layers here are MoE-layer indices 0..L-1 (dense layers are not counted). Probabilities are float32 numpy arrays
 over all J experts of a layer; a prefill iteration passes the mean over its tokens.
 
-Optional extras a policy may offer (callers look them up with getattr): `reconfigure(prefetch_distance=,
-store_capacity=)` to retune in place, and `observe_iteration(probs[L, J], semantic)` to learn from a whole forward
-pass without predicting (a complete cache, a replay's warm-up) — it stands for begin_iteration + observe_layer per
-layer + end_iteration; `set_capacity(slots)`, called with the cache's slot count whenever a cache is made (runtime
-and replay alike); and a `miss_handling` attribute ("cpu"), which overrides the configured miss handling
-(cpu_moe: every miss is computed on the CPU).
+Extras only some policies need have a default in `Policy` itself (every policy subclasses it, so callers call them
+directly): `reconfigure(prefetch_distance=, store_capacity=)` retunes in place (default: cannot, a new policy is
+made); `observe_iteration(probs[L, J], semantic)` learns from a whole forward pass without predicting (a complete
+cache, a replay's warm-up; default: begin_iteration + observe_layer per layer + end_iteration, which a policy may
+do faster); `set_capacity(slots)` is called with the cache's slot count whenever a cache is made (runtime and replay
+alike; default: nothing); and `miss_handling` ("cpu") overrides the configured miss handling (cpu_moe: every miss
+is computed on the CPU; default None: the setting).
 
 Prefetches come back as any Sequence[Prefetch]: a list, or a PrefetchBatch when a policy predicts many at once.
 
@@ -149,3 +150,20 @@ class Policy(Protocol):
     def end_request(self) -> None:
         """The request ended (finished or stopped): drop its live trajectory."""
         ...
+
+    # --- extras with a default (module docstring) ----------------------------------------------------------------
+    miss_handling: str | None = None  # the miss handling this policy forces, or None: the configured one
+
+    def observe_iteration(self, probs: np.ndarray, semantic: np.ndarray | None) -> None:
+        """Learn from a whole forward pass, `probs` [L, J], without predicting (its prefetches are dropped)."""
+        self.begin_iteration(semantic)
+        for layer, row in enumerate(probs):
+            self.observe_layer(layer, row)
+        self.end_iteration()
+
+    def set_capacity(self, slots: int) -> None:
+        """A cache of `slots` slots was made (policies that place experts by the cache's size use it)."""
+
+    def reconfigure(self, prefetch_distance: int | None = None, store_capacity: int | None = None) -> bool:
+        """Retune in place, keeping what was learnt; False: this policy cannot, and the caller makes a new one."""
+        return False

@@ -72,12 +72,12 @@ import numpy as np
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.maps import ExpertMap, MapStore
 from fmoe_local.policies._common import flat_codes, lowest, normalised, predicted_use, prefetch_set, split_keys
-from fmoe_local.policies.base import ExpertKey, ModelShape, Prefetch, PrefetchBatch
+from fmoe_local.policies.base import ExpertKey, ModelShape, Policy, Prefetch, PrefetchBatch
 from fmoe_local.policies.blend import MixChoice, blend
 from fmoe_local.policies.successor_chain import chain_horizon, runs_until_predicted
 
 
-class FMoEPolicy:
+class FMoEPolicy(Policy):
     name = "fmoe"
     needs_lookahead = False
 
@@ -127,7 +127,7 @@ class FMoEPolicy:
         self._reset_iteration(None)
 
     # --- runtime settings ------------------------------------------------------------------------------------
-    def reconfigure(self, prefetch_distance: int | None = None, store_capacity: int | None = None) -> None:
+    def reconfigure(self, prefetch_distance: int | None = None, store_capacity: int | None = None) -> bool:
         if prefetch_distance is not None and prefetch_distance < 1:
             raise ValueError("Prefetch distance must be at least 1 layer.")
         self.store.reconfigure(capacity=store_capacity, prefetch_distance=prefetch_distance)
@@ -140,6 +140,7 @@ class FMoEPolicy:
             with self._lock:
                 self._prev_slot, self._final = -1, (-1, 0.0)
                 self._reset_chain()
+        return True
 
     # --- request / iteration lifecycle -----------------------------------------------------------------------
     def begin_request(self, request_id: int) -> None:
