@@ -67,6 +67,7 @@ class _Request:
     sampling: Sampling
     handle: RequestHandle
     tools: list[dict] | None = None  # the functions the model may call, rendered by its chat template
+    keep: frozenset[str] = frozenset()  # special tokens the reply's text keeps, for its parser (generate.Detokenizer)
 
 
 @dataclass
@@ -183,15 +184,21 @@ class Runtime:
         return self._engine
 
     def submit(
-        self, prompt: list[dict] | str, sampling: Sampling | None = None, tools: list[dict] | None = None
+        self,
+        prompt: list[dict] | str,
+        sampling: Sampling | None = None,
+        tools: list[dict] | None = None,
+        keep: frozenset[str] = frozenset(),
     ) -> RequestHandle:
         """Queue a request; its handle yields TextDelta events, then one Finished, and cancels it. A runtime already
         closed (a caller that held it while another thread swapped the model) ends the handle at once with CLOSED.
         `tools`: OpenAI-shaped function tools, rendered into the prompt by the model's chat template (check
-        `supports_tools` first)."""
+        `supports_tools` first). `keep`: special tokens (their text) the reply's text keeps where the model wrote
+        them, for a parser that reads them (a tool-call format's markers); every other special token is left out.
+        Whoever asks for them removes them before a user sees the text."""
         handle = RequestHandle(self._cancel, behind=self._current is not None or not self._jobs.empty())
         request = _Request(
-            prompt if isinstance(prompt, str) else list(prompt), sampling or self.config.sampling, handle, tools
+            prompt if isinstance(prompt, str) else list(prompt), sampling or self.config.sampling, handle, tools, keep
         )
         if not self._enqueue(request):
             handle.finish(Finished.failed(CLOSED))
@@ -409,7 +416,7 @@ class Runtime:
         prompt = prompt_ids[0].tolist()
         kv_cache, reused = self._prefixes.take(prompt, sampling.max_new_tokens)
         stats = RequestStats(prompt_tokens=len(prompt), cached_tokens=reused)
-        detok = Detokenizer(e.tokenizer)
+        detok = Detokenizer(e.tokenizer, request.keep)
         reason, error = "length", ""
         times: list[float] = []
         request_id = next(self._request_ids)
