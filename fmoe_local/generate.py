@@ -7,7 +7,7 @@ offloading (the experts implementation does that inside the model's forward) nor
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -78,6 +78,17 @@ def generate_ids(
             inputs = torch.tensor([[token]], device=prompt_ids.device)
 
 
+def special_token_ids(tokenizer: object, texts: Iterable[str]) -> dict[str, int]:
+    """Those of `texts` that are one special token of `tokenizer` (decode(skip_special_tokens=True) drops them), by
+    id."""
+    texts = sorted(set(texts))
+    if not texts:
+        return {}
+    skipped = Detokenizer._skipped_ids(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(texts)
+    return {t: i for t, i in zip(texts, ids, strict=True) if i is not None and i in skipped}
+
+
 class Detokenizer:
     """Streams text for a growing list of ids: each `add` decodes a window of the last few ids, not every id, and the
     deltas joined (then `rest()`) are exactly `decode(ids, skip_special_tokens=True)`.
@@ -104,7 +115,7 @@ class Detokenizer:
         self.ids: list[int] = []
         self._content: list[int] = []  # ids that produce text: the skipped special tokens are left out
         self._skipped = self._skipped_ids(tokenizer)
-        self._kept = self._kept_ids(tokenizer, keep, self._skipped)
+        self._kept = {i: text for text, i in special_token_ids(tokenizer, keep).items()}
         self._text: list[str] = []  # the deltas sent, joined by `text`
         self._byte_pieces = self._byte_piece_ids(tokenizer)
         self._cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
@@ -120,14 +131,6 @@ class Detokenizer:
         if backend is not None:
             return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         return frozenset(getattr(tokenizer, "all_special_ids", ()))
-
-    @staticmethod
-    def _kept_ids(tokenizer: object, keep: frozenset[str], skipped: frozenset[int]) -> dict[int, str]:
-        """id → text of each special token in `keep` (one that is not special decodes as it is anyway)."""
-        if not keep:
-            return {}
-        ids = dict(zip(sorted(keep), tokenizer.convert_tokens_to_ids(sorted(keep)), strict=True))
-        return {i: text for text, i in ids.items() if i in skipped}
 
     @staticmethod
     def _byte_piece_ids(tokenizer: object) -> frozenset[int]:

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,7 +39,7 @@ from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.constrained import GrammarRefused
 from fmoe_local.copier import Interrupted, LoadTimeout
 from fmoe_local.engine import Engine, PromptRefused
-from fmoe_local.generate import Detokenizer, generate_ids
+from fmoe_local.generate import Detokenizer, generate_ids, special_token_ids
 from fmoe_local.logits_rules import LogitsRules
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.prefetch_distance import decode_layer_s
@@ -240,6 +240,11 @@ class Runtime:
         """What the model's chat template writes to open a reply (Engine.reply_opening): where it ends inside an
         opened <think>, the reply starts with the model's thinking. On the caller's thread, like `check`."""
         return self._engine.reply_opening()
+
+    def special_tokens(self, texts: Iterable[str]) -> dict[str, int]:
+        """Those of `texts` that are special tokens of the model's tokenizer (a reply's text leaves them out unless
+        its request keeps them: `submit`'s `keep`), by id. On the caller's thread, like `check`."""
+        return special_token_ids(self._engine.tokenizer, texts)
 
     def check_grammar(self, grammar: str, schema: dict | None = None, where: str = "schema") -> None:
         """Raise GrammarRefused (a sentence naming `where` and the path in `schema`) when the reply could not be held

@@ -78,7 +78,7 @@ def build_router(session: Session) -> APIRouter:
 
 def _submit(runtime, prompt: list[dict], shaped: Shaped, finished: deque) -> RequestHandle:  # noqa: ANN001 - a Runtime
     """Hand the request to the runtime: the one place this API does."""
-    handle = runtime.submit(prompt, shaped.sampling, **({"tools": shaped.tools} if shaped.tools else {}))
+    handle = runtime.submit(prompt, shaped.sampling, **shaped.submit_options())
     # Recorded when the request ends, even after its client left (the worker runs this; a deque is thread-safe).
     handle.add_done_callback(lambda final: finished.append((final.reason, len(final.token_ids))))
     return handle

@@ -102,7 +102,7 @@ def build_router(session: Session, others: tuple[APIRouter, ...] = ()) -> APIRou
         text = isinstance(req.prompt, str)
         echo = req.prompt if text and req.echo else ""
         reply = Shape(f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), model_id(), text, echo)
-        handle = runtime.submit(req.prompt, shaped.sampling, **({"tools": shaped.tools} if shaped.tools else {}))
+        handle = runtime.submit(req.prompt, shaped.sampling, **shaped.submit_options())
         # Recorded when the request ends, even after its client left (the worker runs this; a deque is thread-safe).
         handle.add_done_callback(lambda final: router.finished.append((final.reason, len(final.token_ids))))
         if req.stream:

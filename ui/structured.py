@@ -22,7 +22,10 @@ from ui.reply_parts import ReplyParts
 from ui.tool_calls import FORMATS, CallStream, ToolFormat, format_of
 
 # Where tool-calling works today, for the sentence that refuses a model without it.
-TOOL_MODELS = "Qwen2.5 and Qwen3 models (their chat templates show the model its tools and read its calls)"
+TOOL_MODELS = (
+    "Qwen3 30B-A3B Instruct and gpt-oss 20B in the catalog, and other Qwen2.5/Qwen3, Mistral (with [TOOL_CALLS] in "
+    "its template) and DeepSeek-V3 models (their chat templates show the model its tools and we read their calls)"
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,11 @@ class Shaped:
     fmt: ToolFormat | None = None
     think: ThinkFormat | None = None  # the reply's thinking format; None: the reply is not read for a thought
     opened: bool = False  # the prompt opened the thought: the reply starts inside it
+    keep: frozenset[str] = frozenset()  # the tool format's markers that are special tokens: the reply keeps them
+
+    def submit_options(self) -> dict:
+        """Runtime.submit's keywords beyond the prompt and sampling: the tools, the markers the reply keeps."""
+        return ({"tools": self.tools} if self.tools else {}) | ({"keep": self.keep} if self.keep else {})
 
     def calls(self) -> CallStream | None:
         """A new reader of the reply's tool calls; None when the model may not call any."""
@@ -47,7 +55,7 @@ def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
     """Blocking (renders and compiles): run it on a thread. Raises ApiError 400 for what the model cannot do."""
     from fmoe_local.constrained import JSON_OBJECT_SCHEMA, GrammarRefused, json_schema_grammar, lark_grammar
 
-    sampling, fmt = req.sampling, None
+    sampling, fmt, keep = req.sampling, None, frozenset()
     try:
         if req.tools:
             fmt = format_of(runtime.chat_template)
@@ -64,9 +72,11 @@ def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
                 params = tool["function"].get("parameters")
                 if params:
                     runtime.check_grammar(json_schema_grammar(params), params, f"tools[{i}].function.parameters")
+            specials = runtime.special_tokens(fmt.markers)
+            keep = frozenset(specials)
             if req.tool_choice not in ("auto", "none"):
                 only = None if req.tool_choice == "required" else req.tool_choice
-                grammar = lark_grammar(fmt.grammar(req.tools, only, req.parallel_tool_calls))
+                grammar = lark_grammar(fmt.grammar(req.tools, only, req.parallel_tool_calls, specials))
                 runtime.check_grammar(grammar, None, "tools")
                 sampling = replace(sampling, grammar=grammar)
         rf = req.response_format
@@ -82,8 +92,8 @@ def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
         raise ApiError(400, f"A JSON schema in the request cannot be read: {exc}.", "response_format") from exc
     think = reasoning.format_of(runtime.chat_template) if isinstance(req.prompt, list) else None
     if think is None or sampling.grammar is not None:
-        return Shaped(sampling, req.tools, fmt)
+        return Shaped(sampling, req.tools, fmt, keep=keep)
     last = req.prompt[-1] if req.prompt else {}
     if last.get("role") == "assistant" and last.get("content"):  # a prefill: the reply goes on from its text
-        return Shaped(sampling, req.tools, fmt, think, think.opened(last["content"]))
-    return Shaped(sampling, req.tools, fmt, think, think.opened(runtime.reply_opening()))
+        return Shaped(sampling, req.tools, fmt, think, think.opened(last["content"]), keep)
+    return Shaped(sampling, req.tools, fmt, think, think.opened(runtime.reply_opening()), keep)
