@@ -47,8 +47,8 @@ def served(request, tiny_model_dir, tmp_path_factory):
     model = with_special_tokens(
         tiny_model_dir(request.param), tmp_path_factory.mktemp("marked") / request.param, list(fmt.markers), 2048
     )
-    with serving(model, tmp_path_factory.mktemp(f"tools-{request.param}"), port, template=template) as (s, _, c):
-        yield fmt, c, anthropic.Anthropic(base_url=s.url.rstrip("/"), api_key="x", max_retries=0, timeout=120)
+    with serving(model, tmp_path_factory.mktemp(f"tools-{request.param}"), port, template=template) as (s, session, c):
+        yield fmt, c, anthropic.Anthropic(base_url=s.url.rstrip("/"), api_key="x", max_retries=0, timeout=120), session
 
 
 def _unmarked(fmt, text: str | None) -> None:  # noqa: ANN001 - a ToolFormat
@@ -56,7 +56,7 @@ def _unmarked(fmt, text: str | None) -> None:  # noqa: ANN001 - a ToolFormat
 
 
 def test_a_required_call_and_its_result_round_trip_through_the_openai_client(served):
-    fmt, client, _ = served
+    fmt, client, _, _ = served
     first = client.chat.completions.create(
         model="x", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
         temperature=0, max_tokens=60,
@@ -81,7 +81,7 @@ def test_a_required_call_and_its_result_round_trip_through_the_openai_client(ser
 
 
 def test_a_named_call_streams_and_its_result_round_trips_streamed(served):
-    fmt, client, _ = served
+    fmt, client, _, _ = served
     named = {"type": "function", "function": {"name": "weather"}}
     chunks = list(client.chat.completions.create(
         model="x", messages=ASK, tools=[TIME, WEATHER], tool_choice=named, temperature=0, max_tokens=60, stream=True
@@ -107,7 +107,7 @@ def test_a_named_call_streams_and_its_result_round_trips_streamed(served):
 
 
 def test_a_tool_use_round_trips_through_the_anthropic_client(served):
-    fmt, _, client = served
+    fmt, _, client, _ = served
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in (WEATHER, TIME)]
     first = client.messages.create(
         model="x", messages=ASK, tools=tools, max_tokens=60, extra_body={"temperature": 0},
@@ -124,3 +124,29 @@ def test_a_tool_use_round_trips_through_the_anthropic_client(served):
     second = client.messages.create(model="x", messages=history, tools=tools, max_tokens=8)
     assert second.stop_reason in ("end_turn", "max_tokens") and all(b.type == "text" for b in second.content)
     _unmarked(fmt, "".join(b.text for b in second.content))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_malformed_call_text_from_an_unconstrained_model_is_content_not_an_error(served, stream):
+    """The model, pushed by logit_bias, writes nothing but its format's call opening (tool_choice auto: no grammar):
+    a call that never forms. The reply is a 200 whose content is what the model wrote less the special tokens."""
+    fmt, client, _, session = served
+    if not fmt.start:  # harmony: every token of the reply may open a channel; its opening marker then
+        opening = "<|channel|>"
+    elif fmt.markers:
+        opening = fmt.start
+    else:
+        pytest.skip("Hermes' <tool_call> is text, not one token: tests/test_tool_calls.py covers its malformed calls")
+    ids = session.runtime.special_tokens([opening])
+    kwargs = dict(model="x", messages=ASK, tools=[WEATHER], max_tokens=6, temperature=0, logit_bias={ids[opening]: 100})
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert not any(c.choices[0].delta.tool_calls for c in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, reason = choice.message.content, choice.finish_reason
+        assert choice.message.tool_calls is None
+    assert reason == "length"
+    _unmarked(fmt, content)
