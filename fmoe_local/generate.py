@@ -84,7 +84,7 @@ def special_token_ids(tokenizer: object, texts: Iterable[str]) -> dict[str, int]
     texts = sorted(set(texts))
     if not texts:
         return {}
-    skipped = Detokenizer._skipped_ids(tokenizer)
+    skipped = Detokenizer.special_ids(tokenizer)
     ids = tokenizer.convert_tokens_to_ids(texts)
     return {t: i for t, i in zip(texts, ids, strict=True) if i is not None and i in skipped}
 
@@ -114,7 +114,7 @@ class Detokenizer:
         self._tok = tokenizer
         self.ids: list[int] = []
         self._content: list[int] = []  # ids that produce text: the skipped special tokens are left out
-        self._skipped = self._skipped_ids(tokenizer)
+        self._skipped = self.special_ids(tokenizer)
         self._kept = {i: text for text, i in special_token_ids(tokenizer, keep).items()}
         self._text: list[str] = []  # the deltas sent, joined by `text`
         self._byte_pieces = self._byte_piece_ids(tokenizer)
@@ -124,7 +124,7 @@ class Detokenizer:
         self._clean = 0  # the last length of self._content whose text was whole and sent: where a window may start
 
     @staticmethod
-    def _skipped_ids(tokenizer: object) -> frozenset[int]:
+    def special_ids(tokenizer: object) -> frozenset[int]:
         """The ids decode(skip_special_tokens=True) drops: they must not open a window, where the id after them
         would be decoded as a sequence's first."""
         backend = getattr(tokenizer, "backend_tokenizer", None)

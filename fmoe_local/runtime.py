@@ -241,10 +241,33 @@ class Runtime:
         opened <think>, the reply starts with the model's thinking. On the caller's thread, like `check`."""
         return self._engine.reply_opening()
 
-    def special_tokens(self, texts: Iterable[str]) -> dict[str, int]:
+    def special_tokens(self, texts: Iterable[str] | None = None) -> dict[str, int]:
         """Those of `texts` that are special tokens of the model's tokenizer (a reply's text leaves them out unless
-        its request keeps them: `submit`'s `keep`), by id. On the caller's thread, like `check`."""
-        return special_token_ids(self._engine.tokenizer, texts)
+        its request keeps them: `submit`'s `keep`), by id; every special token when None. On the caller's thread,
+        like `check`."""
+        tok = self._engine.tokenizer
+        if texts is None:
+            texts = [t for t in tok.convert_ids_to_tokens(sorted(Detokenizer.special_ids(tok))) if t is not None]
+        return special_token_ids(tok, texts)
+
+    @property
+    def response_template(self) -> dict | None:
+        """The checkpoint's own description of how its replies are read (its tokenizer's `response_template`, for
+        transformers' parse_response: `parse_reply`), or None when it ships none."""
+        template = getattr(self._engine.tokenizer, "response_template", None)
+        return template if isinstance(template, dict) else None
+
+    def parse_reply(self, text: str, tools: list[dict]) -> dict | None:
+        """A reply's text (its special tokens kept) read by transformers' parse_response with the checkpoint's
+        response template: a message dict (content, tool_calls, reasoning_content). None without a template, or
+        when the text does not parse (a malformed reply: the caller shows it as content). On the caller's thread."""
+        if self.response_template is None:
+            return None
+        try:
+            return self._engine.tokenizer.parse_response(text, prefix=self.reply_opening(), tools=tools)
+        except Exception:  # noqa: BLE001 - the parser's errors on a malformed reply are of no one type
+            log.debug("reply not parsed by the response template", exc_info=True)
+            return None
 
     def check_grammar(self, grammar: str, schema: dict | None = None, where: str = "schema") -> None:
         """Raise GrammarRefused (a sentence naming `where` and the path in `schema`) when the reply could not be held

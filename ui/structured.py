@@ -19,7 +19,7 @@ from ui import reasoning
 from ui.openai_request import ApiError, ApiRequest
 from ui.reasoning import ThinkFormat, ThinkSplit
 from ui.reply_parts import ReplyParts
-from ui.tool_calls import FORMATS, CallStream, ToolFormat, format_of
+from ui.tool_calls import FORMATS, CallStream, TemplateFormat, ToolFormat, format_of
 
 # Where tool-calling works today, for the sentence that refuses a model without it.
 TOOL_MODELS = (
@@ -59,6 +59,9 @@ def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
     try:
         if req.tools:
             fmt = format_of(runtime.chat_template)
+            spec = runtime.response_template
+            if spec is not None and "tool_calls" in (spec.get("fields") or {}):  # the checkpoint's own reader first
+                fmt = TemplateFormat(runtime.parse_reply, tuple(runtime.special_tokens()), fmt)
             if fmt is None or not runtime.supports_tools():
                 raise ApiError(
                     400,
@@ -75,6 +78,14 @@ def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
             specials = runtime.special_tokens(fmt.markers)
             keep = frozenset(specials)
             if req.tool_choice not in ("auto", "none"):
+                if not fmt.can_force:
+                    raise ApiError(
+                        400,
+                        "The loaded model's tool calls are read by its own response template, and its chat template "
+                        "writes them in no format this app can force, so tool_choice 'required' or a named function "
+                        'cannot be guaranteed. Send tool_choice "auto" and check the reply\'s tool_calls.',
+                        "tool_choice",
+                    )
                 only = None if req.tool_choice == "required" else req.tool_choice
                 grammar = lark_grammar(fmt.grammar(req.tools, only, req.parallel_tool_calls, specials))
                 runtime.check_grammar(grammar, None, "tools")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -68,6 +68,11 @@ class ToolFormat:
                 return None
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
         return self.clean(text[:at]).strip(), calls
+
+    @property
+    def can_force(self) -> bool:
+        """Whether `grammar` can force a call in this format."""
+        return True
 
     def _objects(self, rest: str) -> list[tuple[object, object]] | None:
         """(name, arguments) of each call in `rest` (the text from `start` on), or None when it is not only calls."""
@@ -284,6 +289,54 @@ class _Harmony(ToolFormat):
                 f"args{i}: {_json_rule(_params(f))}"
             )
         return f"start: {' | '.join(alts)}\n" + "\n".join(rules) + "\n"
+
+
+class TemplateFormat(ToolFormat):
+    """A checkpoint's own response template (tokenizer_config.json's `response_template`), read by transformers'
+    parse_response (`parse`: Runtime.parse_reply): preferred over our parsers wherever a checkpoint ships one. The
+    reply is read whole at its end, every special token kept for the parser (`markers`) and left out of what a user
+    sees. A call is forced (tool_choice required or named) with `forced`'s grammar, the format the chat template
+    writes; without one, a forced call is refused (`can_force`)."""
+
+    def __init__(
+        self, parse: Callable[[str, list[dict]], dict | None], markers: tuple[str, ...], forced: ToolFormat | None
+    ) -> None:
+        super().__init__("response template", "", markers)
+        object.__setattr__(self, "_parse", parse)
+        object.__setattr__(self, "forced", forced)
+
+    @property
+    def can_force(self) -> bool:
+        return self.forced is not None
+
+    def parse(self, text: str, tools: list[dict]) -> tuple[str, list[ToolCall]] | None:
+        message = self._parse(text, tools)
+        if not isinstance(message, dict) or not message.get("tool_calls"):
+            return None
+        names = {t["function"]["name"] for t in tools}
+        calls = []
+        for call in message["tool_calls"]:
+            function = call.get("function", call) if isinstance(call, dict) else None
+            if not isinstance(function, dict) or function.get("name") not in names:
+                return None
+            args = function.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    return None
+            if not isinstance(args, dict):
+                return None
+            calls.append(ToolCall(function["name"], json.dumps(args, ensure_ascii=False)))
+        content = message.get("content")
+        return self.clean(content if isinstance(content, str) else "").strip(), calls
+
+    def grammar(
+        self, tools: list[dict], only: str | None = None, parallel: bool = True, specials: Mapping[str, int] = {}
+    ) -> str:
+        if self.forced is None:
+            raise ValueError("a response template gives no grammar of a call")
+        return self.forced.grammar(tools, only, parallel, specials)
 
 
 HERMES = _Hermes("hermes", "<tool_call>")
