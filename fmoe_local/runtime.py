@@ -68,6 +68,7 @@ class _Request:
     handle: RequestHandle
     tools: list[dict] | None = None  # the functions the model may call, rendered by its chat template
     keep: frozenset[str] = frozenset()  # special tokens the reply's text keeps, for its parser (generate.Detokenizer)
+    variables: dict | None = None  # the chat template's switches this request sets (Engine.tokenize_prompt)
 
 
 @dataclass
@@ -189,22 +190,31 @@ class Runtime:
         sampling: Sampling | None = None,
         tools: list[dict] | None = None,
         keep: frozenset[str] = frozenset(),
+        variables: dict | None = None,
     ) -> RequestHandle:
         """Queue a request; its handle yields TextDelta events, then one Finished, and cancels it. A runtime already
         closed (a caller that held it while another thread swapped the model) ends the handle at once with CLOSED.
         `tools`: OpenAI-shaped function tools, rendered into the prompt by the model's chat template (check
         `supports_tools` first). `keep`: special tokens (their text) the reply's text keeps where the model wrote
         them, for a parser that reads them (a tool-call format's markers); every other special token is left out.
-        Whoever asks for them removes them before a user sees the text."""
+        Whoever asks for them removes them before a user sees the text. `variables`: the chat template's own
+        switches (Qwen3's `enable_thinking`), as Engine.tokenize_prompt takes them."""
         handle = RequestHandle(self._cancel, behind=self._current is not None or not self._jobs.empty())
         request = _Request(
-            prompt if isinstance(prompt, str) else list(prompt), sampling or self.config.sampling, handle, tools, keep
+            prompt if isinstance(prompt, str) else list(prompt),
+            sampling or self.config.sampling,
+            handle,
+            tools,
+            keep,
+            variables,
         )
         if not self._enqueue(request):
             handle.finish(Finished.failed(CLOSED))
         return handle
 
-    def check(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> int | None:
+    def check(
+        self, prompt: list[dict] | str, tools: list[dict] | None = None, variables: dict | None = None
+    ) -> int | None:
         """The prompt's length in tokens. Raises PromptRefused (ContextTooLong, TemplateRefused: a sentence) when
         this prompt cannot be one for this model: the request's own fault, told before it is queued (a
         server answers it 400 before its reply starts); TemplateOverBudget (a sentence) when the model's chat
@@ -214,7 +224,9 @@ class Runtime:
         if self._closed:
             return None
         try:
-            return len(self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt), tools))
+            return len(
+                self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt), tools, variables)
+            )
         except (PromptRefused, TemplateOverBudget):
             raise
         except Exception:  # noqa: BLE001 - not the prompt's fault: the worker's own encode decides and reports it
@@ -432,7 +444,7 @@ class Runtime:
     def _run(self, request: _Request) -> None:
         e = self._engine
         try:
-            prompt_ids = e.encode_prompt(request.prompt, request.tools)
+            prompt_ids = e.encode_prompt(request.prompt, request.tools, request.variables)
         except PromptRefused as exc:  # too long, or the chat template's own refusal: a sentence, not a crash
             request.handle.finish(Finished.failed(str(exc)))
             return

@@ -137,3 +137,18 @@ DEEPSEEK_TEMPLATE = (
 {%- endfor %}
 {%- if add_generation_prompt %}<｜Assistant｜>{%- endif %}"""
 )
+
+
+# Qwen3's hybrid models: thinking on by default, off with the template's `enable_thinking` switch (an empty thought
+# written into the reply's opening).
+HYBRID_TEMPLATE = """\
+{%- for message in messages %}<|{{ message.role }}|>
+{{ message.content }}{{ eos_token }}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{%- if enable_thinking is defined and enable_thinking is false %}
+<think>
+
+</think>
+{%- endif %}
+{% endif %}"""

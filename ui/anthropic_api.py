@@ -48,7 +48,7 @@ def build_router(session: Session) -> APIRouter:
             # The app's own sampling, as /v1/chat/completions: never a chat's values nor the Chat tab's defaults.
             req = parse_messages(body, session.config.sampling)
             shaped = await asyncio.to_thread(shape, runtime, req)
-            length = await _check_prompt(runtime, req.prompt, shaped.tools)
+            length = await _check_prompt(runtime, req.prompt, shaped.tools, shaped.variables)
         except ApiError as exc:
             return error_response(exc.status, exc.message, exc.headers)
         head = Head(new_id(), session.model_id, length or 0)

@@ -36,10 +36,13 @@ class Shaped:
     think: ThinkFormat | None = None  # the reply's thinking format; None: the reply is not read for a thought
     opened: bool = False  # the prompt opened the thought: the reply starts inside it
     keep: frozenset[str] = frozenset()  # the tool format's markers that are special tokens: the reply keeps them
+    variables: dict | None = None  # the chat template's switches the request sets (enable_thinking)
 
     def submit_options(self) -> dict:
-        """Runtime.submit's keywords beyond the prompt and sampling: the tools, the markers the reply keeps."""
-        return ({"tools": self.tools} if self.tools else {}) | ({"keep": self.keep} if self.keep else {})
+        """Runtime.submit's keywords beyond the prompt and sampling: the tools, the markers the reply keeps, the
+        template's switches."""
+        options = ({"tools": self.tools} if self.tools else {}) | ({"keep": self.keep} if self.keep else {})
+        return options | ({"variables": self.variables} if self.variables else {})
 
     def calls(self) -> CallStream | None:
         """A new reader of the reply's tool calls; None when the model may not call any."""
@@ -102,9 +105,29 @@ def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
     except ValueError as exc:  # a schema llguidance cannot even read as JSON schema
         raise ApiError(400, f"A JSON schema in the request cannot be read: {exc}.", "response_format") from exc
     think = reasoning.format_of(runtime.chat_template) if isinstance(req.prompt, list) else None
+    variables = _thinking(runtime.chat_template or "", think, req.thinking)
     if think is None or sampling.grammar is not None:
-        return Shaped(sampling, req.tools, fmt, keep=keep)
+        return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     last = req.prompt[-1] if req.prompt else {}
     if last.get("role") == "assistant" and last.get("content"):  # a prefill: the reply goes on from its text
-        return Shaped(sampling, req.tools, fmt, think, think.opened(last["content"]), keep)
-    return Shaped(sampling, req.tools, fmt, think, think.opened(runtime.reply_opening()), keep)
+        return Shaped(sampling, req.tools, fmt, think, think.opened(last["content"]), keep, variables)
+    return Shaped(sampling, req.tools, fmt, think, think.opened(runtime.reply_opening()), keep, variables)
+
+
+def _thinking(template: str, think: ThinkFormat | None, asked: str | None) -> dict | None:
+    """The template switch an Anthropic `thinking` option sets: Qwen3's hybrid models take `enable_thinking`;
+    "disabled" for a model that thinks with no switch to stop it is refused by name; "enabled"/"adaptive" for a
+    model that does not think is a reply without a thought (Anthropic's budget is a most, not a least)."""
+    if asked is None:
+        return None
+    if "enable_thinking" in template:
+        return {"enable_thinking": asked != "disabled"}
+    if asked == "disabled" and think is not None:
+        raise ApiError(
+            400,
+            "The loaded model thinks before every answer and its chat template has no switch to turn that off, so "
+            "'thinking' cannot be disabled. Send the request without 'thinking': the thought comes back as thinking "
+            "blocks, apart from the answer.",
+            "thinking",
+        )
+    return None
