@@ -31,6 +31,7 @@ def test_calls_and_the_text_before_them_are_parsed():
         "<tool_call>\n{not json}\n</tool_call>",
         '<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>',  # not one of the tools
         '<tool_call>\n{"name": "weather", "arguments": [1]}\n</tool_call>',
+        '<tool_call>\n{"name": ["weather"], "arguments": {}}\n</tool_call>',  # a name that cannot be looked up
         '<tool_call>\n{"name": "weather", "arguments": {}}',  # never closed (cut by max_tokens)
         f"{CALL} and then some words",
         "no call at all",
@@ -121,6 +122,10 @@ def test_malformed_call_text_in_each_format_is_content_without_its_markers(fmt, 
     shown = sent + rest
     assert calls == [] and shown.strip(), text
     assert not any(marker in shown for marker in fmt.markers), shown  # the user never sees a special token
+
+
+def test_a_name_that_is_no_string_is_malformed_not_an_error():
+    assert MISTRAL.parse('[TOOL_CALLS] [{"name": {"a": 1}, "arguments": {}}]', TOOLS) is None  # was a TypeError
 
 
 def test_a_harmony_reply_without_a_call_shows_its_final_channel_only():

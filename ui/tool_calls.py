@@ -64,8 +64,8 @@ class ToolFormat:
                     args = json.loads(args)
                 except ValueError:
                     return None
-            if name not in names or not isinstance(args, dict):
-                return None
+            if not isinstance(name, str) or name not in names or not isinstance(args, dict):
+                return None  # a name that is no string (a list: unhashable) is malformed like an unknown one
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
         return self.clean(text[:at]).strip(), calls
 
@@ -262,7 +262,7 @@ class _Harmony(ToolFormat):
         if not found:
             return None
         names = {t["function"]["name"] for t in tools}
-        if any(name not in names or not isinstance(args, dict) for _, name, args in found):
+        if any(name not in names or not isinstance(args, dict) for _, name, args in found):  # names: regex text
             return None
         calls = [ToolCall(name, json.dumps(args, ensure_ascii=False)) for _, name, args in found]
         return self.clean(text[: found[0][0]]).strip(), calls
@@ -317,7 +317,9 @@ class TemplateFormat(ToolFormat):
         calls = []
         for call in message["tool_calls"]:
             function = call.get("function", call) if isinstance(call, dict) else None
-            if not isinstance(function, dict) or function.get("name") not in names:
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                return None
+            if function["name"] not in names:
                 return None
             args = function.get("arguments", {})
             if isinstance(args, str):
