@@ -269,14 +269,17 @@ class Runtime:
         template = getattr(self._engine.tokenizer, "response_template", None)
         return template if isinstance(template, dict) else None
 
-    def parse_reply(self, text: str, tools: list[dict]) -> dict | None:
+    def parse_reply(self, text: str, tools: list[dict], prefix: str | None = None) -> dict | None:
         """A reply's text (its special tokens kept) read by transformers' parse_response with the checkpoint's
-        response template: a message dict (content, tool_calls, reasoning_content). None without a template, or
-        when the text does not parse (a malformed reply: the caller shows it as content). On the caller's thread."""
+        response template: a message dict (content, tool_calls, reasoning_content). `prefix`: the text the reply
+        follows (the template's reply opening when None, which may render the template: pass it where a wait
+        matters). None without a template, or when the text does not parse (a malformed reply: the caller shows it
+        as content). On the caller's thread."""
         if self.response_template is None:
             return None
         try:
-            return self._engine.tokenizer.parse_response(text, prefix=self.reply_opening(), tools=tools)
+            opening = self.reply_opening() if prefix is None else prefix
+            return self._engine.tokenizer.parse_response(text, prefix=opening, tools=tools)
         except Exception:  # noqa: BLE001 - the parser's errors on a malformed reply are of no one type
             log.debug("reply not parsed by the response template", exc_info=True)
             return None

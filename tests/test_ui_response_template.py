@@ -67,7 +67,9 @@ def test_a_reply_is_read_by_the_checkpoint_s_response_template(served, monkeypat
     runtime, read = session.runtime, []
     assert runtime.response_template == RESPONSE_TEMPLATE
     parse = runtime.parse_reply
-    monkeypatch.setattr(runtime, "parse_reply", lambda text, tools: read.append(text) or parse(text, tools))
+    monkeypatch.setattr(
+        runtime, "parse_reply", lambda text, tools, prefix: read.append(text) or parse(text, tools, prefix)
+    )
     for stream in (False, True):
         kwargs = dict(model="x", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
         if stream:
@@ -88,7 +90,7 @@ def test_a_reply_is_read_by_the_checkpoint_s_response_template(served, monkeypat
 
 def _runtime(chat_template: str) -> SimpleNamespace:
     return SimpleNamespace(
-        chat_template=chat_template, response_template=RESPONSE_TEMPLATE, parse_reply=lambda text, tools: None,
+        chat_template=chat_template, response_template=RESPONSE_TEMPLATE, parse_reply=lambda text, tools, prefix: None,
         special_tokens=lambda texts=None: {}, supports_tools=lambda: True, check_grammar=lambda *a: None,
         reply_opening=lambda: "",
     )  # fmt: skip

@@ -13,6 +13,7 @@ or write the reply (openai_stream.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 from fmoe_local.config import Sampling
 from ui import reasoning
@@ -64,7 +65,9 @@ def shape(runtime, req: ApiRequest) -> Shaped:  # noqa: ANN001 - a Runtime
             fmt = format_of(runtime.chat_template)
             spec = runtime.response_template
             if spec is not None and "tool_calls" in (spec.get("fields") or {}):  # the checkpoint's own reader first
-                fmt = TemplateFormat(runtime.parse_reply, tuple(runtime.special_tokens()), fmt)
+                opening = runtime.reply_opening()  # here, on a thread: the reply is parsed on the event loop
+                parse = partial(runtime.parse_reply, prefix=opening)
+                fmt = TemplateFormat(parse, tuple(runtime.special_tokens()), fmt)
             if fmt is None or not runtime.supports_tools():
                 raise ApiError(
                     400,
