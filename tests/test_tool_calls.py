@@ -128,10 +128,18 @@ def test_a_name_that_is_no_string_is_malformed_not_an_error():
     assert MISTRAL.parse('[TOOL_CALLS] [{"name": {"a": 1}, "arguments": {}}]', TOOLS) is None  # was a TypeError
 
 
-def test_a_harmony_reply_without_a_call_shows_its_final_channel_only():
+def test_a_harmony_reply_s_analysis_is_reasoning_and_its_final_channel_the_content():
+    from ui.reply_parts import CONTENT, REASONING, ReplyParts
+
     text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>It is dry."
     stream = CallStream(HARMONY, TOOLS)
-    assert stream.add(text) == "" and stream.finish() == ("It is dry.", [])
+    assert stream.add(text) == "" and stream.finish() == ("It is dry.", []) and stream.reasoning == "Think."
+    parts = ReplyParts([], None, CallStream(HARMONY, TOOLS))
+    assert parts.add(text) == [] and parts.finish() == ([(REASONING, "Think."), (CONTENT, "It is dry.")], [])
+    parts = ReplyParts([], None, CallStream(HARMONY, TOOLS))
+    assert parts.add(WRITTEN[HARMONY]) == []
+    pieces, calls = parts.finish()
+    assert pieces == [(REASONING, "The user wants the weather.")] and [c.name for c in calls] == ["weather"]
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,12 @@ class ToolFormat:
         """(name, arguments) of each call in `rest` (the text from `start` on), or None when it is not only calls."""
         raise NotImplementedError
 
+    def reasoning(self, text: str) -> str:
+        """The model's reasoning in a reply held whole (harmony's analysis channel); "" for the formats whose
+        thought, if any, is read apart (ui/reasoning.py)."""
+        del text
+        return ""
+
     def clean(self, text: str) -> str:
         """`text` as a user may see it: the markers that are special tokens left out, as they are from any reply."""
         for marker in self.markers:
@@ -267,12 +273,19 @@ class _Harmony(ToolFormat):
         calls = [ToolCall(name, json.dumps(args, ensure_ascii=False)) for _, name, args in found]
         return self.clean(text[: found[0][0]]).strip(), calls
 
+    def reasoning(self, text: str) -> str:
+        """The analysis channel's messages."""
+        return "\n".join(body.strip() for channel, body in self._messages(text) if channel == "analysis")
+
+    @staticmethod
+    def _messages(text: str) -> list[tuple[str, str]]:
+        """(channel, body) of each message; the channel's name without its recipient or format."""
+        return [((m.group(1).split() or [""])[0], m.group(2)) for m in _HARMONY_MESSAGE.finditer(text)]
+
     def clean(self, text: str) -> str:
         """The final channel's text when there is one; otherwise the text of every message but the analysis
-        channel's (the model's reasoning); the markers and channel names left out."""
-        messages = [
-            (m.group(1).split()[0] if m.group(1).split() else "", m.group(2)) for m in _HARMONY_MESSAGE.finditer(text)
-        ]
+        channel's (the model's reasoning: `reasoning`); the markers and channel names left out."""
+        messages = self._messages(text)
         if not messages:
             return super().clean(text)
         finals = [body for channel, body in messages if channel == "final"]
@@ -372,7 +385,7 @@ class CallStream:
 
     def __init__(self, fmt: ToolFormat, tools: list[dict]) -> None:
         self.fmt, self.tools = fmt, tools
-        self.text, self.sent, self.calling = "", 0, False
+        self.text, self.sent, self.calling, self.reasoning = "", 0, False, ""
 
     def add(self, delta: str) -> str:
         """Content that may be sent now."""
@@ -394,7 +407,8 @@ class CallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet sent, the calls): a call that does not parse is content, sent as it was written less
-        the format's special-token markers."""
+        the format's special-token markers. The reasoning a format held with the calls is `reasoning` after it."""
+        self.reasoning = self.fmt.reasoning(self.text[self.sent :]) if self.calling else ""
         parsed = self.fmt.parse(self.text[self.sent :], self.tools) if self.calling else None
         if parsed is None:
             rest, self.sent = self.text[self.sent :], len(self.text)
