@@ -247,11 +247,15 @@ class Engine:
             return self.model_dir.name
         return "the demo model" if self.model_dir.resolve() == demo else self.model_dir.name
 
-    def encode_prompt(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> torch.Tensor:
+    def encode_prompt(
+        self, prompt: list[dict] | str, tools: list[dict] | None = None, variables: dict | None = None
+    ) -> torch.Tensor:
         """Prompt ids [1, T] on the device: `tokenize_prompt` (which may raise PromptRefused) as a tensor."""
-        return torch.tensor([self.tokenize_prompt(prompt, tools)], device=self.device)
+        return torch.tensor([self.tokenize_prompt(prompt, tools, variables)], device=self.device)
 
-    def tokenize_prompt(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
+    def tokenize_prompt(
+        self, prompt: list[dict] | str, tools: list[dict] | None = None, variables: dict | None = None
+    ) -> list[int]:
         """Prompt ids of chat messages, from the tokenizer's own chat template (plain concatenation when it has none;
         a final assistant message is continued, not answered), or of a text to continue as it is (an API client's
         /v1/completions: the tokenizer's own special tokens, a BOS where the model has one, and no template).
@@ -260,12 +264,13 @@ class Engine:
         model for minutes; TemplateRefused (a sentence) when the model's chat template rejects the messages (its
         raise_exception: e.g. roles that do not alternate); TemplateOverBudget (a sentence) when the template ran
         over its budget of time, memory or output (chat_template.py), on these messages or earlier ones. `tools`:
-        the functions the model may call (OpenAI's `tools`), rendered by the template as it writes them."""
+        the functions the model may call (OpenAI's `tools`), rendered by the template as it writes them;
+        `variables`: the template's own switches a request sets (Qwen3's `enable_thinking`)."""
         with self._encoding:
             if isinstance(prompt, str):
                 text, special = prompt, True
             else:
-                text, special = self._chat_text(prompt, tools)
+                text, special = self._chat_text(prompt, tools, variables)
             ids = self._encode(text, special, isinstance(prompt, str))
         limit = self.context_length
         if limit is not None and len(ids) >= limit:
@@ -332,7 +337,9 @@ class Engine:
                 self._opening = ""
         return self._opening
 
-    def _chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, bool]:
+    def _chat_text(
+        self, messages: list[dict], tools: list[dict] | None = None, variables: dict | None = None
+    ) -> tuple[str, bool]:
         """The prompt text of chat messages and whether the tokenizer adds its special tokens to it (only without a
         template: a template writes them itself)."""
         tok = self.tokenizer
@@ -350,7 +357,7 @@ class Engine:
                 messages,
                 add_generation_prompt=not cont,
                 continue_final_message=cont,
-                variables=dict(tok.special_tokens_map) | ({"tools": tools} if tools else {}),
+                variables=dict(tok.special_tokens_map) | ({"tools": tools} if tools else {}) | (variables or {}),
                 model=self.name,
             )
         except TemplateOverBudget as exc:

@@ -11,7 +11,7 @@ that inside the model's forward) nor about threads or statistics.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -82,6 +82,17 @@ def generate_ids(
             inputs = torch.tensor([[token]], device=prompt_ids.device)
 
 
+def special_token_ids(tokenizer: object, texts: Iterable[str]) -> dict[str, int]:
+    """Those of `texts` that are one special token of `tokenizer` (decode(skip_special_tokens=True) drops them), by
+    id."""
+    texts = sorted(set(texts))
+    if not texts:
+        return {}
+    skipped = Detokenizer.special_ids(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(texts)
+    return {t: i for t, i in zip(texts, ids, strict=True) if i is not None and i in skipped}
+
+
 class Detokenizer:
     """Streams text for a growing list of ids: each `add` decodes a window of the last few ids, not every id, and the
     deltas joined (then `rest()`) are exactly `decode(ids, skip_special_tokens=True)`.
@@ -93,16 +104,23 @@ class Detokenizer:
     decoder's U+FFFD: wait for the next id), nor on a byte piece (<0xE2>: byte fallback decodes a run of them
     together, all to U+FFFD if the run is not UTF-8 as a whole), nor, for tokenizers that clean up spaces before
     punctuation (" ." → "."), within a short last word a later id could change.
+
+    `keep`: special tokens whose text the deltas keep where they were generated (a tool-call format's markers, such
+    as Mistral's [TOOL_CALLS] or GPT-OSS's <|call|>, for the parser of the request that asked for them: ui/
+    tool_calls.py); every other special token is left out as before. A kept marker is not part of any window: the
+    text before it is sent whole first (it is whole: a special token starts afresh), then the marker.
     """
 
     WINDOW = 16  # ids in a window before it moves on (a little later if its text is not whole then)
     CLEANUP_SPAN = 4  # the longest text transformers' clean_up_tokenization rewrites (" n't"), a space first
 
-    def __init__(self, tokenizer: object) -> None:
+    def __init__(self, tokenizer: object, keep: frozenset[str] = frozenset()) -> None:
         self._tok = tokenizer
         self.ids: list[int] = []
         self._content: list[int] = []  # ids that produce text: the skipped special tokens are left out
-        self._skipped = self._skipped_ids(tokenizer)
+        self._skipped = self.special_ids(tokenizer)
+        self._kept = {i: text for text, i in special_token_ids(tokenizer, keep).items()}
+        self._text: list[str] = []  # the deltas sent, joined by `text`
         self._byte_pieces = self._byte_piece_ids(tokenizer)
         self._cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self._start = 0  # the window: self._content[self._start:]
@@ -110,7 +128,7 @@ class Detokenizer:
         self._clean = 0  # the last length of self._content whose text was whole and sent: where a window may start
 
     @staticmethod
-    def _skipped_ids(tokenizer: object) -> frozenset[int]:
+    def special_ids(tokenizer: object) -> frozenset[int]:
         """The ids decode(skip_special_tokens=True) drops: they must not open a window, where the id after them
         would be decoded as a sequence's first."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -141,7 +159,14 @@ class Detokenizer:
         return len(text)
 
     def add(self, token_id: int) -> str:
+        delta = self._add(token_id)
+        self._text.append(delta)
+        return delta
+
+    def _add(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if token_id in self._kept:
+            return self._rest() + self._kept[token_id]
         if token_id in self._skipped:
             return ""
         self._content.append(token_id)
@@ -158,10 +183,19 @@ class Detokenizer:
 
     def rest(self) -> str:
         """What `add` held back at the end (an incomplete character, a short last word): the reply's last delta."""
-        text = self._decode(self._content[self._start :])
+        rest = self._rest()
+        self._text.append(rest)
+        return rest
+
+    def _rest(self) -> str:
+        text = self._decode(self._content[self._start :]) if self._content else ""
         rest, self._sent = text[self._sent :], len(text)
         return rest
 
     @property
     def text(self) -> str:
-        return self._decode(self.ids)
+        """The whole reply's text: without `keep`, decode(ids, skip_special_tokens=True); with it, the deltas."""
+        if not self._kept:
+            return self._decode(self.ids)
+        held = self._decode(self._content[self._start :])[self._sent :] if self._content else ""
+        return "".join(self._text) + held

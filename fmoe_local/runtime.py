@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,7 +39,7 @@ from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.constrained import GrammarRefused
 from fmoe_local.copier import Interrupted, LoadTimeout
 from fmoe_local.engine import Engine, PromptRefused
-from fmoe_local.generate import Detokenizer, generate_ids
+from fmoe_local.generate import Detokenizer, generate_ids, special_token_ids
 from fmoe_local.logits_rules import LogitsRules
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.prefetch_distance import decode_layer_s
@@ -67,6 +67,8 @@ class _Request:
     sampling: Sampling
     handle: RequestHandle
     tools: list[dict] | None = None  # the functions the model may call, rendered by its chat template
+    keep: frozenset[str] = frozenset()  # special tokens the reply's text keeps, for its parser (generate.Detokenizer)
+    variables: dict | None = None  # the chat template's switches this request sets (Engine.tokenize_prompt)
 
 
 @dataclass
@@ -183,21 +185,36 @@ class Runtime:
         return self._engine
 
     def submit(
-        self, prompt: list[dict] | str, sampling: Sampling | None = None, tools: list[dict] | None = None
+        self,
+        prompt: list[dict] | str,
+        sampling: Sampling | None = None,
+        tools: list[dict] | None = None,
+        keep: frozenset[str] = frozenset(),
+        variables: dict | None = None,
     ) -> RequestHandle:
         """Queue a request; its handle yields TextDelta events, then one Finished, and cancels it. A runtime already
         closed (a caller that held it while another thread swapped the model) ends the handle at once with CLOSED.
         `tools`: OpenAI-shaped function tools, rendered into the prompt by the model's chat template (check
-        `supports_tools` first)."""
+        `supports_tools` first). `keep`: special tokens (their text) the reply's text keeps where the model wrote
+        them, for a parser that reads them (a tool-call format's markers); every other special token is left out.
+        Whoever asks for them removes them before a user sees the text. `variables`: the chat template's own
+        switches (Qwen3's `enable_thinking`), as Engine.tokenize_prompt takes them."""
         handle = RequestHandle(self._cancel, behind=self._current is not None or not self._jobs.empty())
         request = _Request(
-            prompt if isinstance(prompt, str) else list(prompt), sampling or self.config.sampling, handle, tools
+            prompt if isinstance(prompt, str) else list(prompt),
+            sampling or self.config.sampling,
+            handle,
+            tools,
+            keep,
+            variables,
         )
         if not self._enqueue(request):
             handle.finish(Finished.failed(CLOSED))
         return handle
 
-    def check(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> int | None:
+    def check(
+        self, prompt: list[dict] | str, tools: list[dict] | None = None, variables: dict | None = None
+    ) -> int | None:
         """The prompt's length in tokens. Raises PromptRefused (ContextTooLong, TemplateRefused: a sentence) when
         this prompt cannot be one for this model: the request's own fault, told before it is queued (a
         server answers it 400 before its reply starts); TemplateOverBudget (a sentence) when the model's chat
@@ -207,18 +224,20 @@ class Runtime:
         if self._closed:
             return None
         try:
-            return len(self.tokenize(prompt, tools))
+            return len(self.tokenize(prompt, tools, variables))
         except (PromptRefused, TemplateOverBudget):
             raise
         except Exception:  # noqa: BLE001 - not the prompt's fault: the worker's own encode decides and reports it
             log.debug("prompt check skipped", exc_info=True)
             return None
 
-    def tokenize(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
-        """The prompt's token ids as the worker encodes them (Engine.tokenize_prompt: the chat template, or a text as
-        it is), for a benchmark's reference run; raises what `check` says it raises, and any tokenizer failure. On
-        the caller's thread, like `check`."""
-        return self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt), tools)
+    def tokenize(
+        self, prompt: list[dict] | str, tools: list[dict] | None = None, variables: dict | None = None
+    ) -> list[int]:
+        """The prompt's token ids as the worker encodes them (Engine.tokenize_prompt: the chat template with its
+        `variables` switches, or a text as it is), for `check` and a benchmark's reference run; raises what `check`
+        says it raises, and any tokenizer failure. On the caller's thread, like `check`."""
+        return self._engine.tokenize_prompt(prompt if isinstance(prompt, str) else list(prompt), tools, variables)
 
     def generate(self, prompt: list[dict] | str, sampling: Sampling | None = None) -> Finished:
         return self.submit(prompt, sampling).result()
@@ -239,6 +258,37 @@ class Runtime:
         """What the model's chat template writes to open a reply (Engine.reply_opening): where it ends inside an
         opened <think>, the reply starts with the model's thinking. On the caller's thread, like `check`."""
         return self._engine.reply_opening()
+
+    def special_tokens(self, texts: Iterable[str] | None = None) -> dict[str, int]:
+        """Those of `texts` that are special tokens of the model's tokenizer (a reply's text leaves them out unless
+        its request keeps them: `submit`'s `keep`), by id; every special token when None. On the caller's thread,
+        like `check`."""
+        tok = self._engine.tokenizer
+        if texts is None:
+            texts = [t for t in tok.convert_ids_to_tokens(sorted(Detokenizer.special_ids(tok))) if t is not None]
+        return special_token_ids(tok, texts)
+
+    @property
+    def response_template(self) -> dict | None:
+        """The checkpoint's own description of how its replies are read (its tokenizer's `response_template`, for
+        transformers' parse_response: `parse_reply`), or None when it ships none."""
+        template = getattr(self._engine.tokenizer, "response_template", None)
+        return template if isinstance(template, dict) else None
+
+    def parse_reply(self, text: str, tools: list[dict], prefix: str | None = None) -> dict | None:
+        """A reply's text (its special tokens kept) read by transformers' parse_response with the checkpoint's
+        response template: a message dict (content, tool_calls, reasoning_content). `prefix`: the text the reply
+        follows (the template's reply opening when None, which may render the template: pass it where a wait
+        matters). None without a template, or when the text does not parse (a malformed reply: the caller shows it
+        as content). On the caller's thread."""
+        if self.response_template is None:
+            return None
+        try:
+            opening = self.reply_opening() if prefix is None else prefix
+            return self._engine.tokenizer.parse_response(text, prefix=opening, tools=tools)
+        except Exception:  # noqa: BLE001 - the parser's errors on a malformed reply are of no one type
+            log.debug("reply not parsed by the response template", exc_info=True)
+            return None
 
     def check_grammar(self, grammar: str, schema: dict | None = None, where: str = "schema") -> None:
         """Raise GrammarRefused (a sentence naming `where` and the path in `schema`) when the reply could not be held
@@ -403,7 +453,7 @@ class Runtime:
     def _run(self, request: _Request) -> None:
         e = self._engine
         try:
-            prompt_ids = e.encode_prompt(request.prompt, request.tools)
+            prompt_ids = e.encode_prompt(request.prompt, request.tools, request.variables)
         except PromptRefused as exc:  # too long, or the chat template's own refusal: a sentence, not a crash
             request.handle.finish(Finished.failed(str(exc)))
             return
@@ -415,7 +465,7 @@ class Runtime:
         prompt = prompt_ids[0].tolist()
         kv_cache, reused = self._prefixes.take(prompt, sampling.max_new_tokens)
         stats = RequestStats(prompt_tokens=len(prompt), cached_tokens=reused)
-        detok = Detokenizer(e.tokenizer)
+        detok = Detokenizer(e.tokenizer, request.keep)
         reason, error = "length", ""
         times: list[float] = []
         request_id = next(self._request_ids)

@@ -54,10 +54,20 @@ class FakeRuntime:
     def chat_template(self) -> str | None:
         raise _missing("chat template")
 
-    def check(self, prompt, tools=None) -> int | None:  # noqa: ANN001
+    def check(self, prompt, tools=None, variables=None) -> int | None:  # noqa: ANN001
         return None  # as the real runtime when it cannot tell: the request's handle gives the verdict
 
-    def submit(self, prompt, sampling=None, tools=None) -> RequestHandle:  # noqa: ANN001
+    def special_tokens(self, texts=None) -> dict[str, int]:  # noqa: ANN001
+        return {}  # a tokenizer without special tokens: no tool-call format's markers to keep
+
+    @property
+    def response_template(self) -> dict | None:
+        return None  # as a checkpoint that ships none
+
+    def parse_reply(self, text, tools, prefix=None) -> dict | None:  # noqa: ANN001
+        return None  # what Runtime.parse_reply answers without a response template
+
+    def submit(self, prompt, sampling=None, tools=None, keep=frozenset(), variables=None) -> RequestHandle:  # noqa: ANN001
         handle = RequestHandle(behind=self.turn.locked())
         threading.Thread(target=self._serve, args=(handle, prompt, sampling), name="fake-runtime", daemon=True).start()
         return handle

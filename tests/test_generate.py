@@ -6,6 +6,7 @@ token loop hands the reply's tokens to the penalties (LogitsRules)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import threading
@@ -231,3 +232,26 @@ def test_generate_ids_penalises_what_the_reply_already_said():
 def test_impossible_values_are_refused_in_a_sentence(changes, named):
     with pytest.raises(ValueError, match=named):
         Sampling(**changes).validate()
+
+
+@pytest.mark.parametrize("name", ["tiny families", "llama decoder"])
+def test_kept_special_tokens_stream_in_place_and_the_others_are_left_out(tokenizers, name):
+    """A request whose parser reads some special tokens (a tool-call format's markers) gets their text where they
+    were generated; every other special token is still left out, and the text around them is the same."""
+    tok = copy.deepcopy(tokenizers[name])  # the module's tokenizers stay as they are
+    if "<|user|>" not in tok.get_vocab():
+        tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    marker, other = tok.convert_tokens_to_ids(["<|user|>", "<|assistant|>"])
+    words = [tok.encode(w, add_special_tokens=False) for w in ("Hello there, ", "caf\u00e9 🙂", " done")]
+    ids = [*words[0], marker, *words[1], other, marker, *words[2], other]
+    detok = Detokenizer(tok, keep=frozenset({"<|user|>"}))
+    deltas = [detok.add(i) for i in ids]
+    whole = "".join(deltas) + detok.rest()
+    assert whole == detok.text and whole.count("<|user|>") == 2 and "<|assistant|>" not in whole, deltas
+    # Without the markers it is the text as before, and each marker sits where its token was.
+    assert whole.replace("<|user|>", "") == tok.decode(ids, skip_special_tokens=True)
+    parts = whole.split("<|user|>")
+    assert parts[0] == tok.decode(words[0], skip_special_tokens=True) and parts[1].strip() == "café 🙂"
+    assert deltas[len(words[0])].endswith("<|user|>")
+    plain, rest = _stream(tok, ids)
+    assert "".join(plain) + rest == tok.decode(ids, skip_special_tokens=True)  # nothing kept unless asked

@@ -217,6 +217,17 @@ def test_an_origin_the_user_allowed_may_call_the_api_and_nothing_else():
     ):
         status, headers, reached = _through_guard(method, path, headers)
         assert (status, reached) == (403, False) and "access-control-allow-origin" not in headers, (path, headers)
+    # The headers the Anthropic and OpenAI SDKs send from a browser are granted, by name.
+    sdk = "x-api-key,anthropic-version,anthropic-dangerous-direct-browser-access,content-type,x-stainless-os"
+    status, headers, reached = _through_guard(
+        "OPTIONS", "/v1/messages", preflight | {"Access-Control-Request-Headers": sdk}
+    )
+    assert (status, reached) == (204, False) and headers["access-control-allow-origin"] == "app://obsidian.md"
+    assert set(sdk.split(",")) <= {h.strip() for h in headers["access-control-allow-headers"].split(",")}
+    status, _, reached = _through_guard(
+        "OPTIONS", "/v1/messages", preflight | {"Access-Control-Request-Headers": "x-api-key,cookie"}
+    )
+    assert (status, reached) == (403, False)
     # Without --allow-origin it is refused, and the refusal says how to allow it.
     status, headers, reached = _through_guard("POST", "/v1/chat/completions", mine, api_origins=())
     assert (status, reached) == (403, False)

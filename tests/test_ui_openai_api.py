@@ -228,11 +228,11 @@ class _OneAtATime(FakeRuntime):
         self.info, self.words = info, queue.Queue()
         self.waiting, self.served, self._count = 0, 0, threading.Lock()
 
-    def submit(self, prompt, sampling=None, tools=None):  # noqa: ANN001, ANN201
+    def submit(self, prompt, sampling=None, tools=None, keep=frozenset(), variables=None):  # noqa: ANN001, ANN201
         with self._count:
             self.waiting += self.served > 0
             self.served += 1
-        return super().submit(prompt, sampling, tools)
+        return super().submit(prompt, sampling, tools, keep, variables)
 
     def events(self, messages, sampling, stop):  # noqa: ANN001, ANN201
         from fmoe_local.runtime_types import Finished, TextDelta

@@ -124,3 +124,33 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir, max_shard_size="150KB" if sharded else "1GB")
     return out_dir
+
+
+def with_special_tokens(model_dir: Path, out_dir: Path, tokens: list[str], context: int | None = None) -> Path:
+    """A copy of a tiny model whose tokenizer also has `tokens` as special tokens (as a real checkpoint has its tool
+    markers: Mistral's [TOOL_CALLS], harmony's <|channel|>), the embeddings and output rows grown to match with
+    seeded random rows; `context`: a longer max_position_embeddings (rotary positions take any length)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    out_dir = Path(out_dir)
+    shutil.copytree(model_dir, out_dir)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    old = len(tok)
+    tok.add_tokens(list(tokens), special_tokens=True)
+    tok.save_pretrained(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    config["vocab_size"] = len(tok)
+    config |= {"max_position_embeddings": context} if context else {}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(len(tokens))
+    for file in out_dir.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, t in tensors.items():
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")) and t.shape[0] == old:
+                extra = torch.randn((len(tok) - old, t.shape[1]), generator=gen, dtype=torch.float32)
+                tensors[name] = torch.cat([t, (extra * t.float().std()).to(t.dtype)])
+        save_file(tensors, file, metadata={"format": "pt"})
+    return out_dir

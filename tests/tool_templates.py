@@ -64,3 +64,91 @@ THINKING_TEMPLATE = """\
 {%- if add_generation_prompt %}<|assistant|>
 <think>
 {% endif %}"""
+
+
+# The tool parts of the other families' templates, shortened the same way. A call's arguments come as a JSON string
+# (OpenAI's messages) or an object (transformers' convention): written as JSON either way.
+_ARGS = "{{ c.function.arguments if c.function.arguments is string else c.function.arguments | tojson }}"
+
+# Mixtral-8x22B-Instruct-v0.1 / Mistral v3: tools in [AVAILABLE_TOOLS], calls after [TOOL_CALLS] as a JSON list.
+MISTRAL_TEMPLATE = (
+    """\
+{{ bos_token }}{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or m.role == 'system' %}[INST] {{ m.content }}[/INST]
+{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] [
+{%- for c in m.tool_calls %}{"name": "{{ c.function.name }}", "arguments": """
+    + _ARGS
+    + """}{{ ", " if not loop.last }}{%- endfor %}]{{ eos_token }}
+{%- elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}
+{%- elif m.role == 'tool' %}[TOOL_RESULTS] {"content": {{ m.content | tojson }}}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}"""
+)
+
+# gpt-oss (harmony): tools as a TypeScript namespace in the developer message; a call is a commentary message to
+# functions.NAME; the reply opens with <|start|>assistant and the model writes its channel.
+HARMONY_TEMPLATE = (
+    """\
+<|start|>system<|message|>Reasoning: low<|end|>
+{%- if tools %}<|start|>developer<|message|># Tools
+namespace functions {
+{%- for t in tools %}
+type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
+{%- endfor %}
+}<|end|>
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or m.role == 'system' %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'assistant' %}
+{%- for c in m.tool_calls or [] %}<|start|>assistant<|channel|>commentary to=functions.{{ c.function.name }} \
+<|constrain|>json<|message|>"""
+    + _ARGS
+    + """<|call|>
+{%- endfor %}
+{%- if m.content %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif %}
+{%- elif m.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"""
+)
+
+# DeepSeek-V3: calls between the tool tokens, each `function<｜tool▁sep｜>NAME` and its arguments in a json block.
+DEEPSEEK_TEMPLATE = (
+    """\
+{{ bos_token }}{%- if tools %}## Tools
+{%- for t in tools %}
+{{ t | tojson }}
+{%- endfor %}
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or m.role == 'system' %}<｜User｜>{{ m.content }}
+{%- elif m.role == 'assistant' and m.tool_calls %}<｜Assistant｜><｜tool▁calls▁begin｜>
+{%- for c in m.tool_calls %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ c.function.name }}
+```json
+"""
+    + _ARGS
+    + """
+```<｜tool▁call▁end｜>{%- endfor %}<｜tool▁calls▁end｜>{{ eos_token }}
+{%- elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content }}{{ eos_token }}
+{%- elif m.role == 'tool' %}<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>\
+<｜tool▁outputs▁end｜>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<｜Assistant｜>{%- endif %}"""
+)
+
+
+# Qwen3's hybrid models: thinking on by default, off with the template's `enable_thinking` switch (an empty thought
+# written into the reply's opening).
+HYBRID_TEMPLATE = """\
+{%- for message in messages %}<|{{ message.role }}|>
+{{ message.content }}{{ eos_token }}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{%- if enable_thinking is defined and enable_thinking is false %}
+<think>
+
+</think>
+{%- endif %}
+{% endif %}"""

@@ -49,7 +49,7 @@ def build_router(session: Session) -> APIRouter:
             # The app's own sampling, as /v1/chat/completions: never a chat's values nor the Chat tab's defaults.
             req = parse_messages(body, session.config.sampling)
             shaped = await asyncio.to_thread(shape, runtime, req)
-            length = await _check_prompt(runtime, req.prompt, shaped.tools)
+            length = await _check_prompt(runtime, req.prompt, shaped.tools, shaped.variables)
         except ApiError as exc:
             return error_response(exc.status, exc.message, exc.headers)
         head = Head(new_id(), session.model_id, length or 0)
@@ -79,7 +79,7 @@ def build_router(session: Session) -> APIRouter:
 
 def _submit(runtime: LoadedRuntime, prompt: list[dict], shaped: Shaped, finished: deque) -> RequestHandle:
     """Hand the request to the runtime: the one place this API does."""
-    handle = runtime.submit(prompt, shaped.sampling, **({"tools": shaped.tools} if shaped.tools else {}))
+    handle = runtime.submit(prompt, shaped.sampling, **shaped.submit_options())
     # Recorded when the request ends, even after its client left (the worker runs this; a deque is thread-safe).
     handle.add_done_callback(lambda final: finished.append((final.reason, len(final.token_ids))))
     return handle

@@ -170,8 +170,9 @@ class ToolChoice(_Strict):
 
 
 class Thinking(_Strict):
-    # Accepted and not acted on: a local model thinks when its chat template and training make it (Qwen3's <think>),
-    # and what it thinks comes back as thinking blocks; a budget cannot be held to without cutting the thought.
+    # Acted on where the chat template has a switch (Qwen3's enable_thinking); "disabled" refused for a model that
+    # always thinks (ui/structured.py). Otherwise a local model thinks when its training makes it, and what it thinks
+    # comes back as thinking blocks; budget_tokens is not held to (that would cut the thought).
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 

@@ -55,6 +55,7 @@ def parse_messages(body: dict, defaults: Sampling) -> ApiRequest:
         tool_choice=choice,
         parallel_tool_calls=parallel,
         response_format=fmt,
+        thinking=req.thinking.type if req.thinking is not None else None,
     )
 
 

@@ -37,7 +37,14 @@ REFUSED = (
 )
 API_PREFIX = "/v1/"
 CORS_METHODS = "GET, POST, OPTIONS"
-CORS_HEADERS = "authorization, content-type"  # what OpenAI clients send; a preflight asking for more is not granted
+# The request headers a granted origin's preflight may ask for: what the OpenAI and Anthropic SDKs send from a browser
+# (the token as `authorization` or `x-api-key`, Anthropic's version, beta and browser-access headers, and the
+# Stainless-generated SDKs' `x-stainless-*` description of themselves); a preflight asking for more is not granted.
+CORS_HEADERS = (
+    "authorization, content-type, x-api-key, anthropic-version, anthropic-beta, "
+    "anthropic-dangerous-direct-browser-access"
+)
+CORS_HEADER_PREFIX = "x-stainless-"
 
 
 def machine_names() -> frozenset[str]:
@@ -150,13 +157,13 @@ class LocalOnlyGuard:
     async def _granted(self, scope, receive, send, origin: str, headers: dict) -> None:  # noqa: ANN001
         if scope.get("method") == "OPTIONS":  # the preflight: answered here (the inner CORS layer grants nothing)
             asked = {h.strip().lower() for h in headers.get("access-control-request-headers", "").split(",")} - {""}
-            ok = asked <= set(CORS_HEADERS.split(", ")) and headers.get("access-control-request-method", "GET") in (
-                "GET",
-                "POST",
-            )
+            granted = set(CORS_HEADERS.split(", "))
+            ok = all(h in granted or h.startswith(CORS_HEADER_PREFIX) for h in asked)
+            ok = ok and headers.get("access-control-request-method", "GET") in ("GET", "POST")
+            allow = ", ".join(sorted(granted | asked))  # the x-stainless-* asked for by name: a prefix cannot be listed
             extra = [
                 (b"access-control-allow-methods", CORS_METHODS.encode()),
-                (b"access-control-allow-headers", CORS_HEADERS.encode()),
+                (b"access-control-allow-headers", allow.encode("latin-1")),
                 (b"access-control-max-age", b"600"),
             ]
             await answer(send, 204 if ok else 403, b"", cors_headers(origin) + extra if ok else [])

@@ -8,6 +8,7 @@ fake cannot drift from the real interface and the UI cannot reach past it (Runti
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -41,10 +42,26 @@ class LoadedRuntime(Protocol):
     def chat_template(self) -> str | None: ...
 
     def submit(
-        self, prompt: list[dict] | str, sampling: Sampling | None = None, tools: list[dict] | None = None
+        self,
+        prompt: list[dict] | str,
+        sampling: Sampling | None = None,
+        tools: list[dict] | None = None,
+        keep: frozenset[str] = frozenset(),
+        variables: dict | None = None,
     ) -> RequestHandle: ...
 
-    def check(self, prompt: list[dict] | str, tools: list[dict] | None = None) -> int | None: ...
+    def check(
+        self, prompt: list[dict] | str, tools: list[dict] | None = None, variables: dict | None = None
+    ) -> int | None: ...
+
+    def special_tokens(self, texts: Iterable[str] | None = None) -> dict[str, int]:
+        """Which of `texts` are the tokenizer's special tokens (a tool-call format's markers): what `keep` keeps."""
+        ...
+
+    @property
+    def response_template(self) -> dict | None: ...
+
+    def parse_reply(self, text: str, tools: list[dict], prefix: str | None = None) -> dict | None: ...
 
     def supports_tools(self) -> bool: ...
 

@@ -97,13 +97,13 @@ def build_router(session: Session, others: tuple[APIRouter, ...] = ()) -> APIRou
             req: ApiRequest = parse(body, session.config.sampling)
             # tools, a forced call, a JSON reply: what the model must take, and the grammar it is held to
             shaped = await asyncio.to_thread(shape, runtime, req)
-            await _check_prompt(runtime, req.prompt, shaped.tools)
+            await _check_prompt(runtime, req.prompt, shaped.tools, shaped.variables)
         except ApiError as exc:
             return exc.response()
         text = isinstance(req.prompt, str)
         echo = req.prompt if text and req.echo else ""
         reply = Shape(f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), model_id(), text, echo)
-        handle = runtime.submit(req.prompt, shaped.sampling, **({"tools": shaped.tools} if shaped.tools else {}))
+        handle = runtime.submit(req.prompt, shaped.sampling, **shaped.submit_options())
         # Recorded when the request ends, even after its client left (the worker runs this; a deque is thread-safe).
         handle.add_done_callback(lambda final: router.finished.append((final.reason, len(final.token_ids))))
         if req.stream:
@@ -132,7 +132,9 @@ def build_router(session: Session, others: tuple[APIRouter, ...] = ()) -> APIRou
     return router
 
 
-async def _check_prompt(runtime: LoadedRuntime, prompt: list[dict] | str, tools: list[dict]) -> int | None:
+async def _check_prompt(
+    runtime: LoadedRuntime, prompt: list[dict] | str, tools: list[dict], variables: dict | None = None
+) -> int | None:
     """The prompt's length in tokens (None when the runtime cannot tell: Runtime.check). A prompt the model cannot take (too long, or refused by its chat template) is the request's fault: a 400
     that the client does not retry, told before a stream's 200 is sent, not a 500 or an error event after it. A
     chat template stopped over its budget is the model's: a 500 with the sentence, before a stream starts too."""
@@ -140,7 +142,7 @@ async def _check_prompt(runtime: LoadedRuntime, prompt: list[dict] | str, tools:
     from fmoe_local.engine import ContextTooLong, PromptRefused
 
     try:
-        extra = (tools,) if tools else ()  # milliseconds; no turn is awaited
+        extra = (tools, variables) if variables else (tools,) if tools else ()  # milliseconds; no turn is awaited
         return await asyncio.to_thread(runtime.check, prompt, *extra)
     except TemplateOverBudget as exc:
         raise ApiError(500, str(exc)) from exc

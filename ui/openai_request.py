@@ -59,6 +59,7 @@ class ApiRequest:
     tool_choice: str = "none"  # "none", "auto", "required", or the one function's name the reply must call
     parallel_tool_calls: bool = True  # False: a forced reply is one call, not one or more
     response_format: ResponseFormat | None = None
+    thinking: str | None = None  # Anthropic's thinking type ("enabled", "adaptive", "disabled"); None: not asked
 
 
 def read_body(raw: bytes) -> dict:

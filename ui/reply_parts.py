@@ -47,7 +47,7 @@ class ReplyParts:
         found: list[ToolCall] = []
         if self.calls is not None:
             rest, found = self.calls.finish()
-            pieces.append((CONTENT, rest))
+            pieces += [(REASONING, self.calls.reasoning), (CONTENT, rest)]  # harmony's analysis, held with its calls
         return merged(pieces), found
 
     def _route(self, text: str) -> list[Piece]:

@@ -13,6 +13,7 @@ or write the reply (openai_stream.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 from fmoe_local.config import Sampling
 from ui import reasoning
@@ -20,10 +21,13 @@ from ui.loaded_runtime import LoadedRuntime
 from ui.openai_request import ApiError, ApiRequest
 from ui.reasoning import ThinkFormat, ThinkSplit
 from ui.reply_parts import ReplyParts
-from ui.tool_calls import FORMATS, CallStream, ToolFormat, format_of
+from ui.tool_calls import FORMATS, CallStream, TemplateFormat, ToolFormat, format_of
 
 # Where tool-calling works today, for the sentence that refuses a model without it.
-TOOL_MODELS = "Qwen2.5 and Qwen3 models (their chat templates show the model its tools and read its calls)"
+TOOL_MODELS = (
+    "Qwen3 30B-A3B Instruct and gpt-oss 20B in the catalog, and other Qwen2.5/Qwen3, Mistral (with [TOOL_CALLS] in "
+    "its template) and DeepSeek-V3 models (their chat templates show the model its tools and we read their calls)"
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,14 @@ class Shaped:
     fmt: ToolFormat | None = None
     think: ThinkFormat | None = None  # the reply's thinking format; None: the reply is not read for a thought
     opened: bool = False  # the prompt opened the thought: the reply starts inside it
+    keep: frozenset[str] = frozenset()  # the tool format's markers that are special tokens: the reply keeps them
+    variables: dict | None = None  # the chat template's switches the request sets (enable_thinking)
+
+    def submit_options(self) -> dict:
+        """Runtime.submit's keywords beyond the prompt and sampling: the tools, the markers the reply keeps, the
+        template's switches."""
+        options = ({"tools": self.tools} if self.tools else {}) | ({"keep": self.keep} if self.keep else {})
+        return options | ({"variables": self.variables} if self.variables else {})
 
     def calls(self) -> CallStream | None:
         """A new reader of the reply's tool calls; None when the model may not call any."""
@@ -48,10 +60,15 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
     """Blocking (renders and compiles): run it on a thread. Raises ApiError 400 for what the model cannot do."""
     from fmoe_local.constrained import JSON_OBJECT_SCHEMA, GrammarRefused, json_schema_grammar, lark_grammar
 
-    sampling, fmt = req.sampling, None
+    sampling, fmt, keep = req.sampling, None, frozenset()
     try:
         if req.tools:
             fmt = format_of(runtime.chat_template)
+            spec = runtime.response_template
+            if spec is not None and "tool_calls" in (spec.get("fields") or {}):  # the checkpoint's own reader first
+                opening = runtime.reply_opening()  # here, on a thread: the reply is parsed on the event loop
+                parse = partial(runtime.parse_reply, prefix=opening)
+                fmt = TemplateFormat(parse, tuple(runtime.special_tokens()), fmt)
             if fmt is None or not runtime.supports_tools():
                 raise ApiError(
                     400,
@@ -65,9 +82,19 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
                 params = tool["function"].get("parameters")
                 if params:
                     runtime.check_grammar(json_schema_grammar(params), params, f"tools[{i}].function.parameters")
+            specials = runtime.special_tokens(fmt.markers)
+            keep = frozenset(specials)
             if req.tool_choice not in ("auto", "none"):
+                if not fmt.can_force:
+                    raise ApiError(
+                        400,
+                        "The loaded model's tool calls are read by its own response template, and its chat template "
+                        "writes them in no format this app can force, so tool_choice 'required' or a named function "
+                        'cannot be guaranteed. Send tool_choice "auto" and check the reply\'s tool_calls.',
+                        "tool_choice",
+                    )
                 only = None if req.tool_choice == "required" else req.tool_choice
-                grammar = lark_grammar(fmt.grammar(req.tools, only, req.parallel_tool_calls))
+                grammar = lark_grammar(fmt.grammar(req.tools, only, req.parallel_tool_calls, specials))
                 runtime.check_grammar(grammar, None, "tools")
                 sampling = replace(sampling, grammar=grammar)
         rf = req.response_format
@@ -82,9 +109,29 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
     except ValueError as exc:  # a schema llguidance cannot even read as JSON schema
         raise ApiError(400, f"A JSON schema in the request cannot be read: {exc}.", "response_format") from exc
     think = reasoning.format_of(runtime.chat_template) if isinstance(req.prompt, list) else None
+    variables = _thinking(runtime.chat_template or "", think, req.thinking)
     if think is None or sampling.grammar is not None:
-        return Shaped(sampling, req.tools, fmt)
+        return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     last = req.prompt[-1] if req.prompt else {}
     if last.get("role") == "assistant" and last.get("content"):  # a prefill: the reply goes on from its text
-        return Shaped(sampling, req.tools, fmt, think, think.opened(last["content"]))
-    return Shaped(sampling, req.tools, fmt, think, think.opened(runtime.reply_opening()))
+        return Shaped(sampling, req.tools, fmt, think, think.opened(last["content"]), keep, variables)
+    return Shaped(sampling, req.tools, fmt, think, think.opened(runtime.reply_opening()), keep, variables)
+
+
+def _thinking(template: str, think: ThinkFormat | None, asked: str | None) -> dict | None:
+    """The template switch an Anthropic `thinking` option sets: Qwen3's hybrid models take `enable_thinking`;
+    "disabled" for a model that thinks with no switch to stop it is refused by name; "enabled"/"adaptive" for a
+    model that does not think is a reply without a thought (Anthropic's budget is a most, not a least)."""
+    if asked is None:
+        return None
+    if "enable_thinking" in template:
+        return {"enable_thinking": asked != "disabled"}
+    if asked == "disabled" and think is not None:
+        raise ApiError(
+            400,
+            "The loaded model thinks before every answer and its chat template has no switch to turn that off, so "
+            "'thinking' cannot be disabled. Send the request without 'thinking': the thought comes back as thinking "
+            "blocks, apart from the answer.",
+            "thinking",
+        )
+    return None

@@ -1,12 +1,16 @@
 """Tool calls in a model's own text format: which format a chat template writes, the grammar that forces a call
 (tool_choice "required" or a named function), and the reply's text parsed back into OpenAI's `tool_calls`.
 
-Formats: Hermes/Qwen (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen2.5/Qwen3 and the many
-templates that copied it), found from the template's own text (`format_of`); Mistral's `[TOOL_CALLS]`, GPT-OSS's
-harmony and DeepSeek's tool tokens are special tokens that the runtime's text leaves out, so they are not read yet
-(a template that writes them is refused as having no tool format we read). A reply whose call text is malformed
-(not JSON, an unknown function, arguments that are not an object) is returned as content, never an error: an
-unconstrained model may write anything. It does NOT render the prompt (the model's chat template does, given the
+Formats, each found from the template's own text (`format_of`): Hermes/Qwen (`<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>`, Qwen2.5/Qwen3 and the many templates that copied it); Mistral's
+`[TOOL_CALLS] [{"name": ..., "arguments": ...}]` (and the later `[TOOL_CALLS]name[ARGS]{...}`); GPT-OSS's harmony
+(`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`); DeepSeek-V3's tool tokens
+(`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a json code block; V3.1's
+`NAME<｜tool▁sep｜>{...}`). Markers that are special tokens (`ToolFormat.markers`) are dropped from a reply's text
+unless the request keeps them (Runtime.submit's `keep`, the markers the tokenizer has as special tokens): the
+parser reads them, and every text a user sees has them removed (`ToolFormat.clean`). A reply whose call text is
+malformed (not JSON, an unknown function, arguments that are not an object) is returned as content, never an error:
+an unconstrained model may write anything. It does NOT render the prompt (the model's chat template does, given the
 tools: fmoe_local/engine.py) or compile grammars (fmoe_local/constrained.py checks and enforces the text built here).
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -34,76 +39,342 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolFormat:
+    """One format: `start`, the text a reply's calls begin with ("" for harmony, whose reply is channels from its
+    first token: read whole at its end); `markers`, the format's marker texts that are special tokens where the
+    format is used."""
+
     name: str
-    start: str  # the text a reply's tool calls begin with
-    end: str  # the text a call ends with
+    start: str
+    markers: tuple[str, ...] = ()
 
     def parse(self, text: str, tools: list[dict]) -> tuple[str, list[ToolCall]] | None:
         """(content before the calls, the calls) from a reply's text; None when it holds no well-formed call of one
-        of `tools` (the caller then returns the text as content)."""
+        of `tools` (the caller then returns the text as content, `clean`ed)."""
         at = text.find(self.start)
         if at < 0:
             return None
+        found = self._objects(text[at:])
+        if not found:
+            return None
         names = {t["function"]["name"] for t in tools}
-        pattern = re.escape(self.start) + r"\s*(.*?)\s*" + re.escape(self.end)
-        rest = text[at:]
+        calls = []
+        for name, args in found:
+            if isinstance(args, str):  # some models write the arguments as a JSON string
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    return None
+            if not isinstance(name, str) or name not in names or not isinstance(args, dict):
+                return None  # a name that is no string (a list: unhashable) is malformed like an unknown one
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        return self.clean(text[:at]).strip(), calls
+
+    @property
+    def can_force(self) -> bool:
+        """Whether `grammar` can force a call in this format."""
+        return True
+
+    def _objects(self, rest: str) -> list[tuple[object, object]] | None:
+        """(name, arguments) of each call in `rest` (the text from `start` on), or None when it is not only calls."""
+        raise NotImplementedError
+
+    def reasoning(self, text: str) -> str:
+        """The model's reasoning in a reply held whole (harmony's analysis channel); "" for the formats whose
+        thought, if any, is read apart (ui/reasoning.py)."""
+        del text
+        return ""
+
+    def clean(self, text: str) -> str:
+        """`text` as a user may see it: the markers that are special tokens left out, as they are from any reply."""
+        for marker in self.markers:
+            text = text.replace(marker, "")
+        return text
+
+    def grammar(
+        self, tools: list[dict], only: str | None = None, parallel: bool = True, specials: Mapping[str, int] = {}
+    ) -> str:
+        """A Lark grammar (llguidance's dialect) of a reply that is nothing but calls of `tools` — one call of
+        `only` when a function is named, one or more otherwise (one when not `parallel`) — each call's arguments
+        held to its parameters. `specials`: the markers that are special tokens of the model's tokenizer, by id
+        (written as that token, never spelled out in text)."""
+        chosen = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+        return self._grammar(chosen, bool(parallel and only is None), lambda m: _lit(m, specials))
+
+    def _grammar(self, functions: list[dict], many: bool, lit) -> str:  # noqa: ANN001 - marker → Lark literal
+        raise NotImplementedError
+
+
+def _lit(text: str, specials: Mapping[str, int]) -> str:
+    if text in specials:
+        return f"<[{specials[text]}]>"
+    return json.dumps(text)  # a JSON string is a Lark string literal
+
+
+def _json_rule(schema: dict) -> str:
+    return "%json " + json.dumps(schema | {"x-guidance": {"whitespace_flexible": False}})
+
+
+def _params(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _call_schema(function: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": _params(function)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _json_at(text: str, at: int) -> tuple[object, int] | None:
+    """The JSON value at `at` (after whitespace) and where it ends; None if there is none."""
+    try:
+        return json.JSONDecoder().raw_decode(text, len(text) - len(text[at:].lstrip()))
+    except ValueError:
+        return None
+
+
+class _Hermes(ToolFormat):
+    def _objects(self, rest: str) -> list[tuple[object, object]] | None:
+        end = "</tool_call>"
+        pattern = re.escape(self.start) + r"\s*(.*?)\s*" + re.escape(end)
         if re.sub(pattern, "", rest, flags=re.DOTALL).strip():
             return None  # text between or after the calls, or a call never closed: not a well-formed call
         try:
             objects = [json.loads(m.group(1)) for m in re.finditer(pattern, rest, re.DOTALL)]
         except ValueError:
             return None
-        calls = []
-        for obj in objects:
-            if not isinstance(obj, dict) or obj.get("name") not in names:
+        if not all(isinstance(o, dict) for o in objects):
+            return None
+        return [(o.get("name"), o.get("arguments", o.get("parameters", {}))) for o in objects]
+
+    def _grammar(self, functions: list[dict], many: bool, lit) -> str:  # noqa: ANN001
+        one = f"{lit(self.start + chr(10))} obj {lit(chr(10) + '</tool_call>')}"
+        rule = 'call ("\\n" call)*' if many else "call"
+        obj = _json_rule({"anyOf": [_call_schema(f) for f in functions]})
+        return f"start: {rule}\ncall: {one}\nobj: {obj}\n"
+
+
+class _Mistral(ToolFormat):
+    def _objects(self, rest: str) -> list[tuple[object, object]] | None:
+        body = rest[len(self.start) :]
+        array = _json_at(body, 0)
+        if array is not None:  # [TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]
+            value, end = array
+            if body[end:].strip() or not isinstance(value, list) or not all(isinstance(o, dict) for o in value):
                 return None
-            args = obj.get("arguments", obj.get("parameters", {}))
-            if isinstance(args, str):  # some models write the arguments as a JSON string
+            return [(o.get("name"), o.get("arguments", {})) for o in value]
+        found = []  # [TOOL_CALLS]name[ARGS]{...}, repeated (Mistral's later tokenizers)
+        for part in body.split(self.start):
+            name, sep, args = part.partition("[ARGS]")
+            value = _json_at(args, 0) if sep else None
+            if value is None or args[value[1] :].strip():
+                return None
+            found.append((name.strip(), value[0]))
+        return found
+
+    def _grammar(self, functions: list[dict], many: bool, lit) -> str:  # noqa: ANN001
+        calls = {"type": "array", "items": {"anyOf": [_call_schema(f) for f in functions]}, "minItems": 1}
+        calls |= {} if many else {"maxItems": 1}
+        return f'start: {lit(self.start)} " " calls\ncalls: {_json_rule(calls)}\n'
+
+
+_CALL_BEGIN, _CALL_END, _SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_CALLS_END = "<｜tool▁calls▁end｜>"
+
+
+class _DeepSeek(ToolFormat):
+    """`block`: V3's form (`function<｜tool▁sep｜>NAME` and the arguments in a json code block); else V3.1's."""
+
+    block: bool = True
+
+    def __init__(self, name: str, block: bool) -> None:
+        super().__init__(
+            name, "<｜tool▁calls▁begin｜>", ("<｜tool▁calls▁begin｜>", _CALL_BEGIN, _CALL_END, _SEP, _CALLS_END)
+        )
+        object.__setattr__(self, "block", block)
+
+    def _objects(self, rest: str) -> list[tuple[object, object]] | None:
+        body = rest[len(self.start) :].strip()
+        if body.endswith(_CALLS_END):
+            body = body[: -len(_CALLS_END)]  # the end may also be cut by the end of the reply (an EOS after it)
+        found = []
+        for part in body.split(_CALL_END):
+            if not part.strip():
+                continue
+            if not part.lstrip().startswith(_CALL_BEGIN):
+                return None
+            head, sep, args = part.lstrip()[len(_CALL_BEGIN) :].partition(_SEP)
+            if not sep:
+                return None
+            if head.strip() == "function":  # V3: NAME, then the arguments in a json code block
+                name, _, args = args.partition("\n")
+                args = args.strip().removeprefix("```json").removesuffix("```")
+            else:
+                name = head
+            value = _json_at(args, 0)
+            if value is None or args[value[1] :].strip():
+                return None
+            found.append((name.strip(), value[0]))
+        return found or None
+
+    def _grammar(self, functions: list[dict], many: bool, lit) -> str:  # noqa: ANN001
+        rules, alts = [], []
+        for i, f in enumerate(functions):
+            args = _json_rule(_params(f))
+            if self.block:
+                head = (
+                    f'{lit(_CALL_BEGIN)} "function" {lit(_SEP)} {json.dumps(f["name"] + chr(10) + "```json" + chr(10))}'
+                )
+                tail = f"{json.dumps(chr(10) + '```')} {lit(_CALL_END)}"
+            else:
+                head, tail = f"{lit(_CALL_BEGIN)} {json.dumps(f['name'])} {lit(_SEP)}", lit(_CALL_END)
+            rules.append(f"call{i}: {head} args{i} {tail}\nargs{i}: {args}")
+            alts.append(f"call{i}")
+        rule = "call call*" if many else "call"
+        call = " | ".join(alts)
+        return f"start: {lit(self.start)} {rule} {lit(_CALLS_END)}\ncall: {call}\n" + "\n".join(rules) + "\n"
+
+
+_HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>", "<|end|>", "<|return|>")
+_HARMONY_CALL = re.compile(
+    r"(?:<\|start\|>assistant)?(?:\s*to=functions\.(?P<a>[^\s<]+))?\s*<\|channel\|>commentary"
+    r"(?:\s+to=functions\.(?P<b>[^\s<]+))?\s*(?:<\|constrain\|>\s*json|json)?\s*<\|message\|>"
+)
+
+_HARMONY_MESSAGE = re.compile(
+    r"<\|channel\|>([^<]*)(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)(?=<\|end\|>|<\|start\|>|<\|call\|>|<\|return\|>|$)",
+    re.DOTALL,
+)
+
+
+class _Harmony(ToolFormat):
+    """GPT-OSS: the reply is messages on channels (analysis: its reasoning; commentary to=functions.NAME: a call;
+    final: the answer), each opened by <|channel|> and its body by <|message|>; a call ends with <|call|>, which is
+    one of the model's end tokens, so the text may stop without it."""
+
+    def parse(self, text: str, tools: list[dict]) -> tuple[str, list[ToolCall]] | None:
+        found = []
+        for m in _HARMONY_CALL.finditer(text):
+            name = m.group("a") or m.group("b")
+            value = _json_at(text, m.end())
+            if name is None or value is None:
+                continue  # a commentary message to the user, or a call whose text is no JSON: left as content
+            after = text[value[1] :].lstrip()
+            if after and not after.startswith(("<|call|>", "<|end|>", "<|start|>")):
+                return None
+            found.append((m.start(), name, value[0]))
+        if not found:
+            return None
+        names = {t["function"]["name"] for t in tools}
+        if any(name not in names or not isinstance(args, dict) for _, name, args in found):  # names: regex text
+            return None
+        calls = [ToolCall(name, json.dumps(args, ensure_ascii=False)) for _, name, args in found]
+        return self.clean(text[: found[0][0]]).strip(), calls
+
+    def reasoning(self, text: str) -> str:
+        """The analysis channel's messages."""
+        return "\n".join(body.strip() for channel, body in self._messages(text) if channel == "analysis")
+
+    @staticmethod
+    def _messages(text: str) -> list[tuple[str, str]]:
+        """(channel, body) of each message; the channel's name without its recipient or format."""
+        return [((m.group(1).split() or [""])[0], m.group(2)) for m in _HARMONY_MESSAGE.finditer(text)]
+
+    def clean(self, text: str) -> str:
+        """The final channel's text when there is one; otherwise the text of every message but the analysis
+        channel's (the model's reasoning: `reasoning`); the markers and channel names left out."""
+        messages = self._messages(text)
+        if not messages:
+            return super().clean(text)
+        finals = [body for channel, body in messages if channel == "final"]
+        return finals[-1] if finals else "".join(body for channel, body in messages if channel != "analysis")
+
+    def _grammar(self, functions: list[dict], many: bool, lit) -> str:  # noqa: ANN001
+        del many  # <|call|> ends the reply: one call per reply
+        alts, rules = [], []
+        for i, f in enumerate(functions):
+            head = json.dumps(f"commentary to=functions.{f['name']} ")
+            alts.append(f"call{i}")
+            rules.append(
+                f'call{i}: {lit("<|channel|>")} {head} {lit("<|constrain|>")} "json" {lit("<|message|>")} args{i}\n'
+                f"args{i}: {_json_rule(_params(f))}"
+            )
+        return f"start: {' | '.join(alts)}\n" + "\n".join(rules) + "\n"
+
+
+class TemplateFormat(ToolFormat):
+    """A checkpoint's own response template (tokenizer_config.json's `response_template`), read by transformers'
+    parse_response (`parse`: Runtime.parse_reply): preferred over our parsers wherever a checkpoint ships one. The
+    reply is read whole at its end, every special token kept for the parser (`markers`) and left out of what a user
+    sees. A call is forced (tool_choice required or named) with `forced`'s grammar, the format the chat template
+    writes; without one, a forced call is refused (`can_force`)."""
+
+    def __init__(
+        self, parse: Callable[[str, list[dict]], dict | None], markers: tuple[str, ...], forced: ToolFormat | None
+    ) -> None:
+        super().__init__("response template", "", markers)
+        object.__setattr__(self, "_parse", parse)
+        object.__setattr__(self, "forced", forced)
+
+    @property
+    def can_force(self) -> bool:
+        return self.forced is not None
+
+    def parse(self, text: str, tools: list[dict]) -> tuple[str, list[ToolCall]] | None:
+        message = self._parse(text, tools)
+        if not isinstance(message, dict) or not message.get("tool_calls"):
+            return None
+        names = {t["function"]["name"] for t in tools}
+        calls = []
+        for call in message["tool_calls"]:
+            function = call.get("function", call) if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                return None
+            if function["name"] not in names:
+                return None
+            args = function.get("arguments", {})
+            if isinstance(args, str):
                 try:
                     args = json.loads(args)
                 except ValueError:
                     return None
             if not isinstance(args, dict):
                 return None
-            calls.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)))
-        return (text[:at].strip(), calls) if calls else None
+            calls.append(ToolCall(function["name"], json.dumps(args, ensure_ascii=False)))
+        content = message.get("content")
+        return self.clean(content if isinstance(content, str) else "").strip(), calls
 
-    def grammar(self, tools: list[dict], only: str | None = None, parallel: bool = True) -> str:
-        """A Lark grammar (llguidance's dialect) of a reply that is nothing but calls of `tools` — one call of
-        `only` when a function is named, one or more otherwise (one when not `parallel`) — each call's arguments
-        held to its parameters."""
-        chosen = [t for t in tools if only is None or t["function"]["name"] == only]
-        call = {"anyOf": [_call_schema(t["function"]) for t in chosen]}
-        call["x-guidance"] = {"whitespace_flexible": False}
-        one = f'"{_lark(self.start)}\\n" obj "\\n{_lark(self.end)}"'
-        rule = "call" if only or not parallel else 'call ("\\n" call)*'
-        return f"start: {rule}\ncall: {one}\nobj: %json {json.dumps(call)}\n"
+    def grammar(
+        self, tools: list[dict], only: str | None = None, parallel: bool = True, specials: Mapping[str, int] = {}
+    ) -> str:
+        if self.forced is None:
+            raise ValueError("a response template gives no grammar of a call")
+        return self.forced.grammar(tools, only, parallel, specials)
 
 
-def _call_schema(function: dict) -> dict:
-    params = function.get("parameters") or {"type": "object", "properties": {}}
-    return {
-        "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": params},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
-def _lark(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"')
-
-
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
-FORMATS = (HERMES,)
+HERMES = _Hermes("hermes", "<tool_call>")
+MISTRAL = _Mistral("mistral", "[TOOL_CALLS]", ("[TOOL_CALLS]", "[ARGS]"))
+DEEPSEEK_V3 = _DeepSeek("deepseek-v3", block=True)
+DEEPSEEK_V31 = _DeepSeek("deepseek-v3.1", block=False)
+HARMONY = _Harmony("harmony", "", _HARMONY_MARKERS)
+FORMATS = (HERMES, MISTRAL, DEEPSEEK_V3, DEEPSEEK_V31, HARMONY)
 
 
 def format_of(template: str | None) -> ToolFormat | None:
     """The format a chat template writes tool calls in (it shows the model an example or writes past calls in it);
     None when it is none of FORMATS."""
-    for fmt in FORMATS:
-        if template and fmt.start in template:
-            return fmt
+    if not template:
+        return None
+    if "to=functions." in template and "<|channel|>" in template:
+        return HARMONY
+    if "<｜tool▁calls▁begin｜>" in template:
+        return DEEPSEEK_V3 if "```json" in template else DEEPSEEK_V31
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if "<tool_call>" in template:
+        return HERMES
     return None
 
 
@@ -114,7 +385,7 @@ class CallStream:
 
     def __init__(self, fmt: ToolFormat, tools: list[dict]) -> None:
         self.fmt, self.tools = fmt, tools
-        self.text, self.sent, self.calling = "", 0, False
+        self.text, self.sent, self.calling, self.reasoning = "", 0, False, ""
 
     def add(self, delta: str) -> str:
         """Content that may be sent now."""
@@ -125,21 +396,23 @@ class CallStream:
         if at >= 0:
             self.calling = True
             out, self.sent = self.text[self.sent : at], at
-            return out
+            return self.fmt.clean(out)
         safe = len(self.text)
         for keep in range(min(len(self.fmt.start) - 1, len(self.text)), 0, -1):
             if self.fmt.start.startswith(self.text[-keep:]):
                 safe -= keep
                 break
         out, self.sent = self.text[self.sent : max(safe, self.sent)], max(safe, self.sent)
-        return out
+        return self.fmt.clean(out)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet sent, the calls): a call that does not parse is content, sent as it was written."""
+        """(content not yet sent, the calls): a call that does not parse is content, sent as it was written less
+        the format's special-token markers. The reasoning a format held with the calls is `reasoning` after it."""
+        self.reasoning = self.fmt.reasoning(self.text[self.sent :]) if self.calling else ""
         parsed = self.fmt.parse(self.text[self.sent :], self.tools) if self.calling else None
         if parsed is None:
             rest, self.sent = self.text[self.sent :], len(self.text)
-            return rest, []
+            return self.fmt.clean(rest), []
         before, calls = parsed
         self.sent = len(self.text)
         return before, calls
