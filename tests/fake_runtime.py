@@ -18,6 +18,7 @@ from fmoe_local.runtime_types import Finished, TextDelta
 
 class FakeRuntime:
     info = SimpleNamespace(name="fake-moe")
+    opening = ""  # reply_opening's answer
 
     def __init__(self) -> None:
         self.turn = threading.Lock()
@@ -27,6 +28,10 @@ class FakeRuntime:
 
     def check(self, prompt) -> int | None:  # noqa: ANN001
         return None
+
+    def reply_opening(self) -> str:
+        """What the template writes to open a reply: a fake whose replies start inside a thought says "<think>\n"."""
+        return self.opening
 
     def submit(self, prompt, sampling=None) -> RequestHandle:  # noqa: ANN001
         handle = RequestHandle(behind=self.turn.locked())

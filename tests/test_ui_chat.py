@@ -507,3 +507,45 @@ def test_import_adds_the_exported_chats_and_refuses_other_files_in_a_sentence(ap
         *kept, notice = fn("import_chats")(str(path))
         assert said in _notice_text(notice) and all(k == gr.skip() for k in kept)
     assert len(session.store.chats.list()) == 2
+
+
+def test_a_thought_the_template_opened_is_saved_with_its_marker_and_the_next_turn_reads_only_the_answer(chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    session.runtime = ScriptedRuntime(("They want more.\n</think>\n\nThe end.", "stop"), ("Fine.", "stop"))
+    session.runtime.opening = "<|im_start|>assistant\n<think>\n"  # as Qwen3-Thinking's template opens a reply
+    session.runtime.second_word.clear()
+    replies = chat_flow.regenerate(session, conv_id, "", Sampling())
+    first = next(replies)  # half the reply: all thinking so far, folded, no answer bubble yet
+    assert first[-1]["metadata"]["title"] == "Thinking" and first[-1]["content"] == "They want more."  # "<" held
+    session.runtime.second_word.set()
+    *_, shown = list(replies)
+    assert [b.get("metadata", {}).get("title") for b in shown] == [None, "Thinking", None]
+    assert shown[-1]["content"].startswith("The end.") and "They want" not in shown[-1]["content"]
+    stored = session.store.chats.messages(conv_id)
+    assert stored[-1].content == "<think>\nThey want more.\n</think>\n\nThe end."  # survives a reload as it is
+    session.store.chats.append(conv_id, "user", "Another.")
+    list(chat_flow.reply(session, conv_id, "", Sampling()))
+    assert session.runtime.seen[1][1] == {"role": "assistant", "content": "The end."}  # the thought is not re-read
+    # An edit counts the thought's block among the bubbles: "Another." is the fourth bubble.
+    session.runtime.replies.append(("Sure.", "stop"))
+    list(chat_flow.edit(session, conv_id, 3, "Another one.", "", Sampling()))
+    assert [m.content for m in session.store.chats.messages(conv_id)][-2:] == ["Another one.", "<think>\nSure."]
+
+
+def test_a_reply_cut_inside_its_thought_is_continued_with_the_thought_read_whole(chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    cut = {"finish_reason": "length", "tokens": 2}
+    session.store.chats.add_alternative(conv_id, 1, "<think>\nFirst, a king", cut)
+    session.runtime = ScriptedRuntime((" and a queen.\n</think>\n\nOnce upon a time.", "stop"))
+    session.runtime.opening = "<think>\n"  # a fresh reply would get the marker; a continued one has its own
+    *_, shown = list(chat_flow.continue_reply(session, conv_id, "", Sampling()))
+    assert session.runtime.seen[0][-1] == {"role": "assistant", "content": "<think>\nFirst, a king"}
+    stored = session.store.chats.messages(conv_id)[-1]
+    assert stored.content == "<think>\nFirst, a king and a queen.\n</think>\n\nOnce upon a time."
+    assert shown[-2]["content"] == "First, a king and a queen." and shown[-1]["content"].startswith("Once upon a")

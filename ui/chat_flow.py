@@ -10,6 +10,12 @@ saved by its request handle's done callback, on the runtime's worker as the requ
 another chat, reloads or closes loses nothing; a page only follows the handle (`follow`), and a page that comes
 back to the chat follows it again from its first word. Stop cancels through the handle; a reply the runtime ended
 without its owner asking (the model unloaded under it) is saved as interrupted.
+
+A reasoning model's reply is saved as it was written, its thought between `<think>` and `</think>`; where the chat
+template opened the thought for the model (Runtime.reply_opening ends inside `<think>`), the reply is saved with
+that opening marker, so every stored thought starts with it (chat_view.py shows it folded). The model reads earlier
+replies without their thoughts, as the thinking models' own templates show them; a reply being continued is read
+whole.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from dataclasses import dataclass
 from fmoe_local.config import Sampling
 from fmoe_local.request_handle import RequestHandle
 from fmoe_local.runtime_types import Finished, TextDelta
-from ui.chat_view import display, warning
-from ui.render import safe_markdown
+from ui.chat_view import bubble_messages, display, reply_bubbles, thought_of, warning
+from ui.reasoning import THINK
 from ui.session import Session
 
 log = logging.getLogger(__name__)
@@ -67,10 +73,24 @@ def runtime_of(session: Session):  # noqa: ANN201 - a fmoe_local.runtime.Runtime
     return session.runtime
 
 
-def model_messages(stored, system: str) -> list[dict]:
-    """What the model reads: the system prompt, then the stored messages (each its chosen text)."""
+def model_messages(stored, system: str, continued: bool = False) -> list[dict]:
+    """What the model reads: the system prompt, then the stored messages (each its chosen text), the replies without
+    their thoughts; `continued`: the last message is the reply being continued, read whole."""
     head = [{"role": "system", "content": system}] if system.strip() else []
-    return head + [{"role": m.role, "content": m.content} for m in stored]
+    last = len(stored) - 1
+    return head + [
+        {"role": m.role, "content": m.content if continued and i == last else _answer(m)} for i, m in enumerate(stored)
+    ]
+
+
+def _answer(message) -> str:  # noqa: ANN001 - a store Message
+    parts = thought_of(message.content) if message.role == "assistant" else None
+    return message.content if parts is None else parts[1]
+
+
+def thought_opening(runtime) -> str:  # noqa: ANN001 - a Runtime
+    """The marker a fresh reply is saved after: `<think>` where the chat template opens the thought itself."""
+    return THINK.start + "\n" if THINK.opened(runtime.reply_opening()) else ""
 
 
 @dataclass
@@ -83,6 +103,11 @@ class ChatReply:
     shown: list[dict]
     prefix: str = ""
     unsaved: Unsaved | None = None
+    opening: str = ""  # the thought's marker that the template wrote for the model (`thought_opening`)
+
+    def text(self, written: str) -> str:
+        """The whole reply as saved, once the model has written `written` of it."""
+        return self.prefix + self.opening + written
 
 
 def start(
@@ -99,8 +124,9 @@ def start(
     runtime = runtime_of(session)
     if session.chat_reply(conv_id) is not None:
         raise Problem(STILL_ANSWERING)
+    opening = "" if prefix else thought_opening(runtime)  # a continued reply carries its own marker
     handle = runtime.submit(messages, sampling)
-    reply = ChatReply(conv_id, handle, shown, prefix)
+    reply = ChatReply(conv_id, handle, shown, prefix, opening=opening)
     if not session.begin_chat_reply(conv_id, reply):  # another page started one in between
         handle.cancel()
         raise Problem(STILL_ANSWERING)
@@ -119,10 +145,10 @@ def _ended(session: Session, reply: ChatReply, save: Callable[[str, object], obj
             session.record(final.stats)
         if final.reason != "error" or final.text.strip():  # a failure keeps what was written before it
             try:
-                save(final.text, final.stats)
+                save(reply.opening + final.text, final.stats)
             except Exception as exc:  # noqa: BLE001 - the text must stay on the page, with why
                 log.exception("a finished reply could not be saved")
-                reply.unsaved = Unsaved(reply.prefix + final.text, unsaved_sentence(exc))
+                reply.unsaved = Unsaved(reply.text(final.text), unsaved_sentence(exc))
     finally:
         session.end_chat_reply(reply.conv_id, reply)
 
@@ -131,7 +157,7 @@ def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
     """The reply as it streams, under its bubbles, from its first word (a page that comes back to the chat sees it
     whole), then the chat as stored once it is saved. Closing this generator leaves the reply running."""
     if reply.handle.behind and not reply.handle.started:
-        yield reply.shown + [{"role": "assistant", "content": safe_markdown(reply.prefix) or "…"}, _bubble(WAITING)]
+        yield reply.shown + (reply_bubbles(reply.text(""), writing=True) or [_bubble("…")]) + [_bubble(WAITING)]
     text, final = "", None
     for batch in reply.handle.batches():
         for event in batch:
@@ -140,9 +166,9 @@ def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
             else:
                 final = event
         if final is None:
-            yield reply.shown + [{"role": "assistant", "content": safe_markdown(reply.prefix + text)}]
+            yield reply.shown + reply_bubbles(reply.text(text), writing=True)
     if reply.unsaved is not None:
-        yield reply.shown + [_bubble(safe_markdown(reply.unsaved.text)), _bubble(warning(reply.unsaved.sentence))]
+        yield reply.shown + reply_bubbles(reply.unsaved.text) + [_bubble(warning(reply.unsaved.sentence))]
         return
     shown_now = display(session.store.chats.messages(reply.conv_id))
     if final.reason == "error":
@@ -233,7 +259,7 @@ def continue_reply(session: Session, conv_id: int | None, system: str, sampling:
 
     # The model reads the reply so far as its own unfinished turn (Engine.encode_prompt continues a final assistant
     # message instead of opening a new one).
-    messages = model_messages(stored, system)
+    messages = model_messages(stored, system, continued=True)
     yield from stream_reply(session, conv_id, messages, display(stored[:-1]), save, sampling, prefix=last.content)
 
 
@@ -245,7 +271,7 @@ def edit(
     text = (text or "").strip()
     if not text:
         raise Problem("A message cannot be empty. Type the new text, or start a new chat.")
-    shown = [m for m in (chats.messages(conv_id) if conv_id is not None else []) if m.role != "system"]
+    shown = bubble_messages(chats.messages(conv_id) if conv_id is not None else [])  # a thought is a bubble too
     if not isinstance(index, int) or not 0 <= index < len(shown) or shown[index].role != "user":
         raise Problem("Only your own messages can be edited. Use Regenerate for another reply.")
     runtime_of(session)
