@@ -289,6 +289,7 @@ def test_the_chat_s_stop_also_ends_a_reply_whose_page_was_reloaded(chat):
     newest = chat_flow.reply(session, other.id, "", Sampling())
     waiting = next(newest)
     assert "Waiting for its turn" in waiting[-1]["content"]  # said plainly, not a silent spinner
+    assert waiting[-2] == {"role": "assistant", "content": "…"}  # the reply's own bubble, not an empty one
     session.stop_chat()  # before: only the newest reply's flag was reachable, the reloaded one ran to 40 tokens
     list(newest)
     for conv, count in ((conv_id, 4), (other.id, 2)):

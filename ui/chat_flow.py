@@ -157,7 +157,8 @@ def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
     """The reply as it streams, under its bubbles, from its first word (a page that comes back to the chat sees it
     whole), then the chat as stored once it is saved. Closing this generator leaves the reply running."""
     if reply.handle.behind and not reply.handle.started:
-        yield reply.shown + (reply_bubbles(reply.text(""), writing=True) or [_bubble("…")]) + [_bubble(WAITING)]
+        so_far = reply_bubbles(reply.text(""), writing=True) if reply.text("").strip() else [_bubble("…")]
+        yield reply.shown + so_far + [_bubble(WAITING)]
     text, final = "", None
     for batch in reply.handle.batches():
         for event in batch:
