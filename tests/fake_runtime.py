@@ -19,6 +19,7 @@ from fmoe_local.runtime_types import Finished, TextDelta
 class FakeRuntime:
     info = SimpleNamespace(name="fake-moe")
     opening = ""  # reply_opening's answer
+    context_length: int | None = None  # the model's maximum: a fake says none
 
     def __init__(self) -> None:
         self.turn = threading.Lock()

@@ -85,10 +85,10 @@ def _notice_text(update) -> str:
 
 def test_problems_are_a_sentence_in_the_chat_not_an_error_over_the_components(app):
     session, conv, fn = app
-    *kept, said = next(fn("send")("   ", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0))  # nothing typed
+    *kept, said = next(fn("send")("   ", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0, 0))  # nothing typed
     assert "Type a message first." in _notice_text(said)
     assert all(k == gr.skip() for k in kept)  # the chat, its list and the input stay as they are
-    *kept, said = next(fn("send")("Hello", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0))  # no model loaded
+    *kept, said = next(fn("send")("Hello", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0, 0))  # no model loaded
     assert "No model is loaded yet" in _notice_text(said)
     assert [m.content for m in session.store.chats.messages(conv.id)] == ["Tell me about the sea."]
     session.store.chats.delete(conv.id)  # gone behind the page's back (another tab)
@@ -431,7 +431,7 @@ def test_sending_on_a_full_disk_says_so_in_a_sentence(app):
     conn = session.store.db.db.conn
     # SQLite's own limit on the file's pages: the database cannot grow, exactly as when the disk has no room.
     conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
-    *kept, said = next(fn("send")("A long message. " * 4000, conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0))
+    *kept, said = next(fn("send")("A long message. " * 4000, conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0, 0))
     text = _notice_text(said)
     assert "Nothing was saved: the disk holding fmoe-local.db is full. Free some space" in text, text
     assert "OperationalError" not in text
@@ -550,3 +550,88 @@ def test_a_reply_cut_inside_its_thought_is_continued_with_the_thought_read_whole
     stored = session.store.chats.messages(conv_id)[-1]
     assert stored.content == "<think>\nFirst, a king and a queen.\n</think>\n\nOnce upon a time."
     assert shown[-2]["content"] == "First, a king and a queen." and shown[-1]["content"].startswith("Once upon a")
+
+
+class CountingRuntime(ScriptedRuntime):
+    """Counts a prompt as one token per word plus one per message, and reads at most `most` tokens."""
+
+    def __init__(self, *replies: tuple[str, str], most: int | None = None) -> None:
+        super().__init__(*replies)
+        self.context_length, self.counted = most, 0
+
+    def check(self, prompt):
+        self.counted += 1
+        return sum(1 + len(m["content"].split()) for m in prompt)
+
+
+@pytest.fixture
+def long_chat(tmp_path):
+    """Three turns of 3 + 3 words each (7 tokens a turn as CountingRuntime counts), then a fourth question."""
+    from fmoe_local.config import RuntimeConfig
+    from store import open_store
+    from ui.session import Session
+
+    store = open_store(tmp_path)
+    session = Session(store=store, config=RuntimeConfig())
+    conv = store.chats.create("long")
+    for turn in ("one", "two", "three"):
+        store.chats.append(conv.id, "user", f"question {turn} here")
+        store.chats.append(conv.id, "assistant", f"answer {turn} there")
+    store.chats.append(conv.id, "user", "the last question")
+    yield session, conv.id
+    store.close()
+
+
+def test_a_chats_context_length_leaves_out_the_oldest_turns_keeps_the_system_prompt_and_says_so(long_chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = long_chat
+    session.runtime = CountingRuntime(("Fine.", "stop"), ("Again.", "stop"), most=4096)
+    # system (3) + the last two turns (7 + 4) = 21 tokens fit in 22; the turn before them would make 29.
+    session.runtime.second_word.clear()
+    replies = chat_flow.reply(session, conv_id, "be brief now", Sampling(), 22)
+    streaming = next(replies)  # said under the reply while it streams
+    session.runtime.second_word.set()
+    *_, shown = list(replies)
+    seen = session.runtime.seen[0]
+    assert [m["content"] for m in seen] == [
+        "be brief now", "question three here", "answer three there", "the last question"
+    ]  # fmt: skip
+    said = streaming[-1]["content"]
+    assert "4 earlier messages were not sent to the model: this chat's context length is 22 tokens" in said
+    assert "4 earlier messages not sent (context length 22)" in shown[-1]["content"]  # the saved reply's stats line
+    stored = session.store.chats.messages(conv_id)[-1]
+    assert (stored.stats["left_out"], stored.stats["context_length"]) == (4, 22)
+    # 0: everything is sent, and nothing is said.
+    *_, shown = list(chat_flow.regenerate(session, conv_id, "be brief now", Sampling(), 0))
+    assert len(session.runtime.seen[1]) == 8 and "not sent" not in shown[-1]["content"]
+
+
+def test_a_context_length_the_model_cannot_read_or_too_short_for_the_last_message_is_a_sentence(long_chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = long_chat
+    session.runtime = CountingRuntime(("Fine.", "stop"), most=2048)
+    with pytest.raises(chat_flow.Problem, match="context length is 4,096 tokens, but fake-moe reads at most 2,048"):
+        next(chat_flow.reply(session, conv_id, "", Sampling(), 4096))
+    with pytest.raises(chat_flow.Problem, match="The last message alone take"):
+        next(chat_flow.reply(session, conv_id, "", Sampling(), 3))
+    assert session.runtime.seen == []  # nothing was asked of the model
+
+
+def test_the_context_length_is_kept_with_the_chat_and_refused_above_the_models_maximum(app):
+    from ui.chat import guarded, keep_generation
+
+    session, conv, fn = app
+    values = dict(_generation_shown(fn("open_chat")(conv.id)), context_length=1024)
+    assert _notice_text(keep_generation(session, conv.id, *values.values())) == ""
+    assert session.store.chats.get(conv.id).generation["context_length"] == 1024
+    assert _generation_shown(fn("open_chat")(conv.id))["context_length"] == 1024  # what a reload shows
+    session.runtime = CountingRuntime(most=512)
+    said = guarded(keep_generation, 1)(session, conv.id, *dict(values, context_length=2048).values())[-1]
+    assert "is 2,048 tokens, but fake-moe reads at most 512. Set it to at most 512 under" in _notice_text(said)
+    assert session.store.chats.get(conv.id).generation["context_length"] == 1024  # not kept
+    refused = guarded(keep_generation, 1)(session, conv.id, *dict(values, context_length=-5).values())[-1]
+    assert "A context length of -5 tokens is not possible" in _notice_text(refused)

@@ -9,7 +9,7 @@ A problem is said in the notice line under the chat (`guarded`); deleting a chat
 offers Continue when the token limit cut it and "< 1/2 >" when Regenerate made other versions; every message of
 the user's has Gradio's edit pencil (the chat goes on from the edited message).
 
-Each chat has its own Generation settings (system prompt, sampling): opening a chat shows them, changing one keeps
+Each chat has its own Generation settings (system prompt, sampling, context length): opening a chat shows them, changing one keeps
 it with the chat, and a new chat starts from the saved defaults ("Save as default"). The page's address names the
 chat shown (`?chat=ID`, `?chat=new`), so a reload and the browser's back and forward open that chat; the address is
 the page's own (history.pushState), read by the load event and on popstate. Escape presses Stop. Chats exported as
@@ -34,6 +34,7 @@ from store.chat_import import MAX_IMPORT_BYTES, ImportRefused, check_size, parse
 from store.chats import ChatNotFoundError
 from store.errors import StoreError
 from store.settings import (
+    CONTEXT_LENGTH_RANGE,
     GENERATION_KEYS,
     MAX_NEW_TOKENS_RANGE,
     PENALTY_RANGE,
@@ -117,6 +118,7 @@ class ChatTab:
     repetition_penalty: gr.Slider
     frequency_penalty: gr.Slider
     presence_penalty: gr.Slider
+    context_length: gr.Number
     save_default: gr.Button
     view: gr.State  # the page's PageView
 
@@ -125,7 +127,7 @@ class ChatTab:
         """The Generation panel's controls, in GENERATION_KEYS' order."""
         return [
             self.system, self.temperature, self.top_p, self.top_k, self.max_tokens, self.repetition_penalty,
-            self.frequency_penalty, self.presence_penalty,
+            self.frequency_penalty, self.presence_penalty, self.context_length,
         ]  # fmt: skip
 
 
@@ -255,6 +257,14 @@ def build(session: Session) -> ChatTab:
                         *PENALTY_RANGE, value=settings.presence_penalty, step=0.05, label="Presence penalty",
                         elem_id="presence-penalty",
                     )  # fmt: skip
+                with gr.Row():
+                    # Tokens of history sent: the oldest turns are left out beyond it (chat_flow.fit), and the reply
+                    # says so. Checked against the loaded model's own maximum when a reply is asked for.
+                    context_length = gr.Number(
+                        value=settings.context_length, precision=0, minimum=CONTEXT_LENGTH_RANGE[0],
+                        maximum=CONTEXT_LENGTH_RANGE[1], label="Context length (tokens of the chat sent; 0: all)",
+                        elem_id="context-length",
+                    )  # fmt: skip
                 save_default = gr.Button("Save as default for new chats", size="sm", elem_id="save-default")
     return ChatTab(
         conv_id=conv_id, search=search, conv_list=conv_list, new_chat=new_chat, rename_box=rename_box, rename=rename,
@@ -264,7 +274,7 @@ def build(session: Session) -> ChatTab:
         alt_prev=alt_prev, alt_label=alt_label, alt_next=alt_next, import_file=import_file, address=address, nav=nav,
         system=system, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
         repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        save_default=save_default, view=view,
+        context_length=context_length, save_default=save_default, view=view,
     )  # fmt: skip
 
 
@@ -330,13 +340,13 @@ def generation(session: Session, values: tuple | list) -> tuple[dict, Sampling]:
     return checked.generation(), checked.sampling()
 
 
-def chat_generation(session: Session, conv_id: int | None, values: tuple | list) -> tuple[str, Sampling]:
+def chat_generation(session: Session, conv_id: int | None, values: tuple | list) -> tuple[str, Sampling, int]:
     """The values checked and kept as chat `conv_id`'s own (a chat not yet sent keeps them at its first Send): the
-    system prompt and the Sampling of a reply."""
+    system prompt, the Sampling of a reply and the chat's context length."""
     own, sampling = generation(session, values)
     if conv_id is not None:
         session.store.chats.set_generation(conv_id, own)
-    return own["system_prompt"], sampling
+    return own["system_prompt"], sampling, own["context_length"]
 
 
 def keep_generation(session: Session, conv_id: int | None, *values) -> gr.Markdown:
@@ -344,6 +354,8 @@ def keep_generation(session: Session, conv_id: int | None, *values) -> gr.Markdo
     already has change nothing: the system prompt's change event also fires when opening a chat shows its prompt, and
     a chat that follows the defaults must not be pinned to them by being opened."""
     own, _ = generation(session, values)
+    if session.runtime is not None:  # said as it is set, not only at the next reply
+        chat_flow.check_context(session.runtime, own["context_length"])
     if conv_id is not None:
         conv = session.store.chats.get(conv_id)
         if own != session.store.settings.for_chat(conv.generation).generation():
@@ -471,6 +483,7 @@ class ChatHandlers:
         text = text.strip()
         own, sampling = generation(self.session, values)
         runtime = chat_flow.runtime_of(self.session)
+        chat_flow.check_context(runtime, own["context_length"])  # before the message is kept
         if conv_id is not None and self.session.chat_reply(conv_id) is not None:
             raise Problem(chat_flow.STILL_ANSWERING)
         if conv_id is None:
@@ -483,19 +496,21 @@ class ChatHandlers:
         choices = gr.Radio(choices=conversation_choices(self.session), value=conv_id)
         shown = display(self.chats.messages(conv_id))
         yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, str(conv_id), notice()
-        replies = chat_flow.reply(self.session, conv_id, own["system_prompt"], sampling)
+        replies = chat_flow.reply(self.session, conv_id, own["system_prompt"], sampling, own["context_length"])
         for chatbot in while_shown(view, conv_id, replies):
             yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
     def regenerate(self, conv_id, *values):  # noqa: ANN001, ANN201
         values, view = _with_view(values)
-        system, sampling = chat_generation(self.session, conv_id, values)
-        yield from self._streamed(view, conv_id, chat_flow.regenerate(self.session, conv_id, system, sampling))
+        system, sampling, context = chat_generation(self.session, conv_id, values)
+        replies = chat_flow.regenerate(self.session, conv_id, system, sampling, context)
+        yield from self._streamed(view, conv_id, replies)
 
     def continue_reply(self, conv_id, *values):  # noqa: ANN001, ANN201
         values, view = _with_view(values)
-        system, sampling = chat_generation(self.session, conv_id, values)
-        yield from self._streamed(view, conv_id, chat_flow.continue_reply(self.session, conv_id, system, sampling))
+        system, sampling, context = chat_generation(self.session, conv_id, values)
+        replies = chat_flow.continue_reply(self.session, conv_id, system, sampling, context)
+        yield from self._streamed(view, conv_id, replies)
 
     def take_edit(self, conv_id, data: gr.EditData):  # noqa: ANN001, ANN201
         """The edit event's own step: only it receives the event's data; the reply (`edit`) runs later in the chain."""
@@ -508,8 +523,9 @@ class ChatHandlers:
         if pending is None:
             raise Problem("That edit was already applied. Edit the message again to change it.")
         index, text = pending
-        system, sampling = chat_generation(self.session, conv_id, values)
-        yield from self._streamed(view, conv_id, chat_flow.edit(self.session, conv_id, index, text, system, sampling))
+        system, sampling, context = chat_generation(self.session, conv_id, values)
+        replies = chat_flow.edit(self.session, conv_id, index, text, system, sampling, context)
+        yield from self._streamed(view, conv_id, replies)
 
     def _streamed(self, view: PageView | None, conv_id: int | None, replies):  # noqa: ANN001, ANN202
         first = next(replies)  # a Problem (nothing to regenerate, no model) is raised before the notice is cleared

@@ -32,6 +32,9 @@ def stats_line(stats: dict | None) -> str:
         parts.append("length limit reached (raise Max new tokens under Generation for longer replies)")
     elif stats.get("finish_reason") == "context":  # the runtime's: no room left for more, whatever Max new tokens
         parts.append("the model's context is full (start a new chat to go on)")
+    left_out, context = stats.get("left_out"), stats.get("context_length")
+    if isinstance(left_out, int) and isinstance(context, int) and left_out > 0:  # chat_flow.fit
+        parts.append(f"{left_out} earlier message{'s' if left_out > 1 else ''} not sent (context length {context:,})")
     return " · ".join(parts)
 
 
