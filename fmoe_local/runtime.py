@@ -243,6 +243,11 @@ class Runtime:
         return self.submit(prompt, sampling).result()
 
     @property
+    def context_length(self) -> int | None:
+        """The most tokens (prompt + reply) the model reads, from its config; None when it does not say."""
+        return self._engine.context_length
+
+    @property
     def chat_template(self) -> str | None:
         """The model's chat template (its text), or None when it has none: what a server reads the model's tool-call
         format from."""

@@ -36,12 +36,15 @@ TOP_K_RANGE = (0, 200)  # 0: no limit
 MAX_NEW_TOKENS_RANGE = (1, 4096)
 REPETITION_PENALTY_RANGE = (1.0, 2.0)  # 1: off; below 1 would ask for repetition, which no chat wants
 PENALTY_RANGE = (-2.0, 2.0)  # frequency and presence: OpenAI's range
+# Tokens of a chat's history sent to the model (0: as many as the model reads). The loaded model's own maximum is
+# checked when a reply is asked for (ui/chat_flow.py): it is not known here.
+CONTEXT_LENGTH_RANGE = (0, 1_048_576)
 SYSTEM_PROMPT_CHARS = 100_000
 # What a chat holds of its own (store/chats.py, `generation`): the Chat tab's Generation panel. The fields of the
 # same names here are the defaults a new chat starts from ("Save as default").
 GENERATION_KEYS = (
     "system_prompt", "temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "frequency_penalty",
-    "presence_penalty",
+    "presence_penalty", "context_length",
 )  # fmt: skip
 
 
@@ -70,6 +73,7 @@ class AppSettings:
     frequency_penalty: float = Sampling.frequency_penalty
     presence_penalty: float = Sampling.presence_penalty
     system_prompt: str = ""
+    context_length: int = 0  # a chat's history budget in tokens; 0: the model's whole context
 
     def sampling(self, base: Sampling | None = None) -> Sampling:
         """`base` (default: Sampling's defaults) with these generation values; temperature 0 is greedy."""
@@ -138,6 +142,12 @@ class AppSettings:
                 raise ValueError(
                     f"A {name} penalty of {value:g} is not possible. Use a number from {low:g} to {high:g} (0 is off)."
                 )
+        low, high = CONTEXT_LENGTH_RANGE
+        if not low <= self.context_length <= high:
+            raise ValueError(
+                f"A context length of {_shown(self.context_length)} tokens is not possible. Use a whole number up to "
+                f"{high:,}, or 0 for as much as the model reads."
+            )
         if len(self.system_prompt) > SYSTEM_PROMPT_CHARS:
             raise ValueError(
                 f"The system prompt is {len(self.system_prompt):,} characters long; it can be at most "
@@ -174,6 +184,7 @@ _NAMES = {
         f"a whole number from {MAX_NEW_TOKENS_RANGE[0]} to {MAX_NEW_TOKENS_RANGE[1]:,}",
     ),
     "system_prompt": ("the system prompt", "text"),
+    "context_length": ("the context length", f"a whole number of tokens up to {CONTEXT_LENGTH_RANGE[1]:,} (0: all)"),
 }
 
 

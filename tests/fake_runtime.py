@@ -26,6 +26,8 @@ def _missing(what: str) -> NotImplementedError:
 
 class FakeRuntime:
     info = SimpleNamespace(name="fake-moe")
+    opening = ""  # reply_opening's answer
+    context_length: int | None = None  # the model's maximum: a fake says none
 
     def __init__(self) -> None:
         self.turn = threading.Lock()
@@ -76,7 +78,8 @@ class FakeRuntime:
         raise _missing("tool support")
 
     def reply_opening(self) -> str:
-        raise _missing("reply opening")
+        """What the template writes to open a reply: a fake whose replies start inside a thought says "<think>\n"."""
+        return self.opening
 
     def check_grammar(self, grammar, schema=None, where="schema") -> None:  # noqa: ANN001
         raise _missing("grammar check")

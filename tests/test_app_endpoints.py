@@ -55,12 +55,13 @@ def _text(message: dict) -> str:
 
 def _send(client, text: str, max_tokens: int = 6):
     # Inputs as the browser sends them: message, then the Generation panel's values (store.settings.GENERATION_KEYS):
-    # system prompt, temperature (0 = greedy), top-p, top-k, max tokens, repetition, frequency and presence penalties.
+    # system prompt, temperature (0 = greedy), top-p, top-k, max tokens, repetition, frequency and presence penalties,
+    # the context length (0: all).
     return client.predict(text, *_generation(max_tokens), api_name="/send")
 
 
 def _generation(max_tokens: int) -> tuple:
-    return "", 0.0, 0.9, 0, max_tokens, 1.0, 0.0, 0.0
+    return "", 0.0, 0.9, 0, max_tokens, 1.0, 0.0, 0.0, 0
 
 
 def test_send_streams_a_reply_and_stores_it(served):
@@ -217,7 +218,7 @@ def test_a_nan_temperature_sent_to_the_send_endpoint_is_refused_and_not_saved(se
     session, client, _ = served
     before = session.store.settings.load()
     url = f"{client.src.rstrip('/')}/gradio_api/call/send"
-    body = '{"data": ["Hello?", "", NaN, 0.9, 0, 6, 1.0, 0.0, 0.0]}'
+    body = '{"data": ["Hello?", "", NaN, 0.9, 0, 6, 1.0, 0.0, 0.0, 0]}'
     event = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60).json()
     answer = httpx.get(f"{url}/{event['event_id']}", timeout=120).text
     assert "A temperature of nan is not possible" in answer, answer

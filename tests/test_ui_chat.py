@@ -85,10 +85,10 @@ def _notice_text(update) -> str:
 
 def test_problems_are_a_sentence_in_the_chat_not_an_error_over_the_components(app):
     session, conv, fn = app
-    *kept, said = next(fn("send")("   ", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0))  # nothing typed
+    *kept, said = next(fn("send")("   ", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0, 0))  # nothing typed
     assert "Type a message first." in _notice_text(said)
     assert all(k == gr.skip() for k in kept)  # the chat, its list and the input stay as they are
-    *kept, said = next(fn("send")("Hello", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0))  # no model loaded
+    *kept, said = next(fn("send")("Hello", conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0, 0))  # no model loaded
     assert "No model is loaded yet" in _notice_text(said)
     assert [m.content for m in session.store.chats.messages(conv.id)] == ["Tell me about the sea."]
     session.store.chats.delete(conv.id)  # gone behind the page's back (another tab)
@@ -289,6 +289,7 @@ def test_the_chat_s_stop_also_ends_a_reply_whose_page_was_reloaded(chat):
     newest = chat_flow.reply(session, other.id, "", Sampling())
     waiting = next(newest)
     assert "Waiting for its turn" in waiting[-1]["content"]  # said plainly, not a silent spinner
+    assert waiting[-2] == {"role": "assistant", "content": "…"}  # the reply's own bubble, not an empty one
     session.stop_chat()  # before: only the newest reply's flag was reachable, the reloaded one ran to 40 tokens
     list(newest)
     for conv, count in ((conv_id, 4), (other.id, 2)):
@@ -430,7 +431,7 @@ def test_sending_on_a_full_disk_says_so_in_a_sentence(app):
     conn = session.store.db.db.conn
     # SQLite's own limit on the file's pages: the database cannot grow, exactly as when the disk has no room.
     conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
-    *kept, said = next(fn("send")("A long message. " * 4000, conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0))
+    *kept, said = next(fn("send")("A long message. " * 4000, conv.id, "", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0, 0))
     text = _notice_text(said)
     assert "Nothing was saved: the disk holding fmoe-local.db is full. Free some space" in text, text
     assert "OperationalError" not in text
@@ -507,3 +508,130 @@ def test_import_adds_the_exported_chats_and_refuses_other_files_in_a_sentence(ap
         *kept, notice = fn("import_chats")(str(path))
         assert said in _notice_text(notice) and all(k == gr.skip() for k in kept)
     assert len(session.store.chats.list()) == 2
+
+
+def test_a_thought_the_template_opened_is_saved_with_its_marker_and_the_next_turn_reads_only_the_answer(chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    session.runtime = ScriptedRuntime(("They want more.\n</think>\n\nThe end.", "stop"), ("Fine.", "stop"))
+    session.runtime.opening = "<|im_start|>assistant\n<think>\n"  # as Qwen3-Thinking's template opens a reply
+    session.runtime.second_word.clear()
+    replies = chat_flow.regenerate(session, conv_id, "", Sampling())
+    first = next(replies)  # half the reply: all thinking so far, folded, no answer bubble yet
+    assert first[-1]["metadata"]["title"] == "Thinking" and first[-1]["content"] == "They want more."  # "<" held
+    session.runtime.second_word.set()
+    *_, shown = list(replies)
+    assert [b.get("metadata", {}).get("title") for b in shown] == [None, "Thinking", None]
+    assert shown[-1]["content"].startswith("The end.") and "They want" not in shown[-1]["content"]
+    stored = session.store.chats.messages(conv_id)
+    assert stored[-1].content == "<think>\nThey want more.\n</think>\n\nThe end."  # survives a reload as it is
+    session.store.chats.append(conv_id, "user", "Another.")
+    list(chat_flow.reply(session, conv_id, "", Sampling()))
+    assert session.runtime.seen[1][1] == {"role": "assistant", "content": "The end."}  # the thought is not re-read
+    # An edit counts the thought's block among the bubbles: "Another." is the fourth bubble.
+    session.runtime.replies.append(("Sure.", "stop"))
+    list(chat_flow.edit(session, conv_id, 3, "Another one.", "", Sampling()))
+    assert [m.content for m in session.store.chats.messages(conv_id)][-2:] == ["Another one.", "<think>\nSure."]
+
+
+def test_a_reply_cut_inside_its_thought_is_continued_with_the_thought_read_whole(chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = chat
+    cut = {"finish_reason": "length", "tokens": 2}
+    session.store.chats.add_alternative(conv_id, 1, "<think>\nFirst, a king", cut)
+    session.runtime = ScriptedRuntime((" and a queen.\n</think>\n\nOnce upon a time.", "stop"))
+    session.runtime.opening = "<think>\n"  # a fresh reply would get the marker; a continued one has its own
+    *_, shown = list(chat_flow.continue_reply(session, conv_id, "", Sampling()))
+    assert session.runtime.seen[0][-1] == {"role": "assistant", "content": "<think>\nFirst, a king"}
+    stored = session.store.chats.messages(conv_id)[-1]
+    assert stored.content == "<think>\nFirst, a king and a queen.\n</think>\n\nOnce upon a time."
+    assert shown[-2]["content"] == "First, a king and a queen." and shown[-1]["content"].startswith("Once upon a")
+
+
+class CountingRuntime(ScriptedRuntime):
+    """Counts a prompt as one token per word plus one per message, and reads at most `most` tokens."""
+
+    def __init__(self, *replies: tuple[str, str], most: int | None = None) -> None:
+        super().__init__(*replies)
+        self.context_length, self.counted = most, 0
+
+    def check(self, prompt, tools=None, variables=None):
+        self.counted += 1
+        return sum(1 + len(m["content"].split()) for m in prompt)
+
+
+@pytest.fixture
+def long_chat(tmp_path):
+    """Three turns of 3 + 3 words each (7 tokens a turn as CountingRuntime counts), then a fourth question."""
+    from fmoe_local.config import RuntimeConfig
+    from store import open_store
+    from ui.session import Session
+
+    store = open_store(tmp_path)
+    session = Session(store=store, config=RuntimeConfig())
+    conv = store.chats.create("long")
+    for turn in ("one", "two", "three"):
+        store.chats.append(conv.id, "user", f"question {turn} here")
+        store.chats.append(conv.id, "assistant", f"answer {turn} there")
+    store.chats.append(conv.id, "user", "the last question")
+    yield session, conv.id
+    store.close()
+
+
+def test_a_chats_context_length_leaves_out_the_oldest_turns_keeps_the_system_prompt_and_says_so(long_chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = long_chat
+    session.runtime = CountingRuntime(("Fine.", "stop"), ("Again.", "stop"), most=4096)
+    # system (3) + the last two turns (7 + 4) = 21 tokens fit in 22; the turn before them would make 29.
+    session.runtime.second_word.clear()
+    replies = chat_flow.reply(session, conv_id, "be brief now", Sampling(), 22)
+    streaming = next(replies)  # said under the reply while it streams
+    session.runtime.second_word.set()
+    *_, shown = list(replies)
+    seen = session.runtime.seen[0]
+    assert [m["content"] for m in seen] == [
+        "be brief now", "question three here", "answer three there", "the last question"
+    ]  # fmt: skip
+    said = streaming[-1]["content"]
+    assert "4 earlier messages were not sent to the model: this chat's context length is 22 tokens" in said
+    assert "4 earlier messages not sent (context length 22)" in shown[-1]["content"]  # the saved reply's stats line
+    stored = session.store.chats.messages(conv_id)[-1]
+    assert (stored.stats["left_out"], stored.stats["context_length"]) == (4, 22)
+    # 0: everything is sent, and nothing is said.
+    *_, shown = list(chat_flow.regenerate(session, conv_id, "be brief now", Sampling(), 0))
+    assert len(session.runtime.seen[1]) == 8 and "not sent" not in shown[-1]["content"]
+
+
+def test_a_context_length_the_model_cannot_read_or_too_short_for_the_last_message_is_a_sentence(long_chat):
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+
+    session, conv_id = long_chat
+    session.runtime = CountingRuntime(("Fine.", "stop"), most=2048)
+    with pytest.raises(chat_flow.Problem, match="context length is 4,096 tokens, but fake-moe reads at most 2,048"):
+        next(chat_flow.reply(session, conv_id, "", Sampling(), 4096))
+    with pytest.raises(chat_flow.Problem, match="The last message alone take"):
+        next(chat_flow.reply(session, conv_id, "", Sampling(), 3))
+    assert session.runtime.seen == []  # nothing was asked of the model
+
+
+def test_the_context_length_is_kept_with_the_chat_and_refused_above_the_models_maximum(app):
+    from ui.chat import guarded, keep_generation
+
+    session, conv, fn = app
+    values = dict(_generation_shown(fn("open_chat")(conv.id)), context_length=1024)
+    assert _notice_text(keep_generation(session, conv.id, *values.values())) == ""
+    assert session.store.chats.get(conv.id).generation["context_length"] == 1024
+    assert _generation_shown(fn("open_chat")(conv.id))["context_length"] == 1024  # what a reload shows
+    session.runtime = CountingRuntime(most=512)
+    said = guarded(keep_generation, 1)(session, conv.id, *dict(values, context_length=2048).values())[-1]
+    assert "is 2,048 tokens, but fake-moe reads at most 512. Set it to at most 512 under" in _notice_text(said)
+    assert session.store.chats.get(conv.id).generation["context_length"] == 1024  # not kept
+    refused = guarded(keep_generation, 1)(session, conv.id, *dict(values, context_length=-5).values())[-1]
+    assert "A context length of -5 tokens is not possible" in _notice_text(refused)

@@ -97,3 +97,15 @@ def test_plain_markdown_in_a_reply_still_reads_as_markdown(tmp_path):
     )
     kinds = {t.type for t in _tokens(text)}
     assert {"blockquote_open", "bullet_list_open", "strong_open", "fence"} <= kinds
+
+
+def test_a_reasoning_models_thinking_is_its_own_section_before_the_answer(tmp_path):
+    from ui.export import chat_markdown
+
+    with open_store(tmp_path) as store:
+        conv = store.chats.create("Thought")
+        store.chats.append(conv.id, "user", "Hi")
+        store.chats.append(conv.id, "assistant", "<think>\nA greeting.\n</think>\n\nHello.")
+        text = chat_markdown(store.chats, conv.id)
+    assert "### Assistant (thinking)\n\n> A greeting.\n\n### Assistant\n\n> Hello.\n" in text
+    assert "think&gt;" not in text and "&lt;think" not in text

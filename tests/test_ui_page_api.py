@@ -68,9 +68,11 @@ def _notice(update) -> str:
     return update.value if isinstance(update, gr.Markdown) else update.get("value", "")
 
 
-def gen(system, temperature, top_p, max_tokens, top_k=0, repetition=1.0, frequency=0.0, presence=0.0) -> tuple:
+def gen(
+    system, temperature, top_p, max_tokens, top_k=0, repetition=1.0, frequency=0.0, presence=0.0, context=0
+) -> tuple:
     """The Generation panel's values in its order (store.settings.GENERATION_KEYS)."""
-    return system, temperature, top_p, top_k, max_tokens, repetition, frequency, presence
+    return system, temperature, top_p, top_k, max_tokens, repetition, frequency, presence, context
 
 
 GENERATION = [  # (system, temperature, top_p, max tokens, …) as a script may send them, and the sentence each gets
@@ -128,7 +130,7 @@ def test_values_the_page_allows_still_send_and_are_kept_typed_with_the_chat(page
     own = session.store.chats.get(conv_id).generation
     assert own == {
         "system_prompt": "Be brief.", "temperature": 0.0, "top_p": 0.5, "top_k": 40, "max_new_tokens": 8,
-        "repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": -0.5,
+        "repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": -0.5, "context_length": 0,
     }  # fmt: skip
     assert isinstance(own["max_new_tokens"], int) and isinstance(own["top_k"], int)
     assert session.store.settings.load() == defaults  # a chat's values are not the defaults of the next chat

@@ -81,7 +81,7 @@ def test_a_failed_or_running_load_s_sentence_is_text_in_the_header_tabs_and_chat
     demo = build(ui_session)
     for shown in (header(ui_session), settings.describe(ui_session), stats.summary(ui_session)):
         shows_as_text(shown)
-    generation = ("", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0)
+    generation = ("", 0.7, 0.9, 0, 16, 1.0, 0.0, 0.0, 0)
     *_, notice = next(_fn(demo, "send")("Hello", None, *generation))  # no model: the chat says why
     shows_as_text(notice.value)
     *_, (status, _, _) = _fn(demo, "load_ui")(str(broken), "auto", str(broken))

@@ -9,7 +9,7 @@ A problem is said in the notice line under the chat (`guarded`); deleting a chat
 offers Continue when the token limit cut it and "< 1/2 >" when Regenerate made other versions; every message of
 the user's has Gradio's edit pencil (the chat goes on from the edited message).
 
-Each chat has its own Generation settings (system prompt, sampling): opening a chat shows them, changing one keeps
+Each chat has its own Generation settings (system prompt, sampling, context length): opening a chat shows them, changing one keeps
 it with the chat, and a new chat starts from the saved defaults ("Save as default"). The page's address names the
 chat shown (`?chat=ID`, `?chat=new`), so a reload and the browser's back and forward open that chat; the address is
 the page's own (history.pushState), read by the load event and on popstate. Escape presses Stop. Chats exported as
@@ -34,6 +34,7 @@ from store.chat_import import MAX_IMPORT_BYTES, ImportRefused, check_size, parse
 from store.chats import ChatNotFoundError
 from store.errors import StoreError
 from store.settings import (
+    CONTEXT_LENGTH_RANGE,
     GENERATION_KEYS,
     MAX_NEW_TOKENS_RANGE,
     PENALTY_RANGE,
@@ -117,6 +118,7 @@ class ChatTab:
     repetition_penalty: gr.Slider
     frequency_penalty: gr.Slider
     presence_penalty: gr.Slider
+    context_length: gr.Number
     save_default: gr.Button
     view: gr.State  # the page's PageView
 
@@ -125,7 +127,7 @@ class ChatTab:
         """The Generation panel's controls, in GENERATION_KEYS' order."""
         return [
             self.system, self.temperature, self.top_p, self.top_k, self.max_tokens, self.repetition_penalty,
-            self.frequency_penalty, self.presence_penalty,
+            self.frequency_penalty, self.presence_penalty, self.context_length,
         ]  # fmt: skip
 
 
@@ -255,6 +257,14 @@ def build(session: Session) -> ChatTab:
                         *PENALTY_RANGE, value=settings.presence_penalty, step=0.05, label="Presence penalty",
                         elem_id="presence-penalty",
                     )  # fmt: skip
+                with gr.Row():
+                    # Tokens of history sent: the oldest turns are left out beyond it (chat_flow.fit), and the reply
+                    # says so. Checked against the loaded model's own maximum when a reply is asked for.
+                    context_length = gr.Number(
+                        value=settings.context_length, precision=0, minimum=CONTEXT_LENGTH_RANGE[0],
+                        maximum=CONTEXT_LENGTH_RANGE[1], label="Context length (tokens of the chat sent; 0: all)",
+                        elem_id="context-length",
+                    )  # fmt: skip
                 save_default = gr.Button("Save as default for new chats", size="sm", elem_id="save-default")
     return ChatTab(
         conv_id=conv_id, search=search, conv_list=conv_list, new_chat=new_chat, rename_box=rename_box, rename=rename,
@@ -264,7 +274,7 @@ def build(session: Session) -> ChatTab:
         alt_prev=alt_prev, alt_label=alt_label, alt_next=alt_next, import_file=import_file, address=address, nav=nav,
         system=system, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
         repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        save_default=save_default, view=view,
+        context_length=context_length, save_default=save_default, view=view,
     )  # fmt: skip
 
 
@@ -330,13 +340,13 @@ def generation(session: Session, values: tuple | list) -> tuple[dict, Sampling]:
     return checked.generation(), checked.sampling()
 
 
-def chat_generation(session: Session, conv_id: int | None, values: tuple | list) -> tuple[str, Sampling]:
+def chat_generation(session: Session, conv_id: int | None, values: tuple | list) -> tuple[str, Sampling, int]:
     """The values checked and kept as chat `conv_id`'s own (a chat not yet sent keeps them at its first Send): the
-    system prompt and the Sampling of a reply."""
+    system prompt, the Sampling of a reply and the chat's context length."""
     own, sampling = generation(session, values)
     if conv_id is not None:
         session.store.chats.set_generation(conv_id, own)
-    return own["system_prompt"], sampling
+    return own["system_prompt"], sampling, own["context_length"]
 
 
 def keep_generation(session: Session, conv_id: int | None, *values) -> gr.Markdown:
@@ -344,6 +354,8 @@ def keep_generation(session: Session, conv_id: int | None, *values) -> gr.Markdo
     already has change nothing: the system prompt's change event also fires when opening a chat shows its prompt, and
     a chat that follows the defaults must not be pinned to them by being opened."""
     own, _ = generation(session, values)
+    if session.runtime is not None:  # said as it is set, not only at the next reply
+        chat_flow.check_context(session.runtime, own["context_length"])
     if conv_id is not None:
         conv = session.store.chats.get(conv_id)
         if own != session.store.settings.for_chat(conv.generation).generation():
@@ -423,256 +435,282 @@ def _with_view(values: tuple) -> tuple[tuple, PageView | None]:
     return values, None
 
 
-def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
-    """Attach the events; returns the events after which a reply has finished (the Stats tab chains on them)."""
-    chats = session.store.chats
+def busy() -> gr.Button:
+    """Send while the shown chat's reply streams: it says so and cannot be pressed."""
+    return gr.Button(value="Generating…", interactive=False)
 
-    def send(text, conv_id, *values):
+
+def idle() -> gr.Button:
+    return gr.Button(value="Send", interactive=True)
+
+
+def asking(visible: bool, label: str = "") -> tuple:
+    """(Delete, the confirming button, Keep it): the question is shown, or the plain Delete again."""
+    confirm = gr.Button(value=label, visible=True) if visible else gr.Button(visible=False)
+    return gr.Button(visible=not visible), confirm, gr.Button(visible=visible)
+
+
+def shows(view: PageView | None, shown: tuple) -> tuple:
+    """`shown` (shown_chat's outputs), the page's PageView now naming its chat: a reply streaming into another chat
+    stops drawing itself here (`while_shown`)."""
+    showing(view, shown[0])
+    return shown
+
+
+def chat_outputs(tab: ChatTab) -> list:
+    """What `shown_chat` fills, in its order."""
+    return [tab.conv_id, tab.chatbot, tab.conv_list, tab.rename_box, tab.address, *tab.generation, tab.notice]
+
+
+CHAT_OUTPUTS = 6 + len(GENERATION_KEYS)  # len(chat_outputs(tab))
+
+
+class ChatHandlers:
+    """The chat tab's event handlers, one method per event, each taking the event's inputs in the order `wire`
+    connects them (the page's PageView last where a handler changes or follows the chat shown). Problems are raised
+    as `Problem` sentences; `wire` wraps each handler in `guarded`, which shows them in the notice line."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.chats = session.store.chats
+
+    # --- replies: each streams Chatbot message lists while the page shows its chat -----------------------------
+
+    def send(self, text, conv_id, *values):  # noqa: ANN001, ANN201 - the event's inputs; a generator of outputs
         values, view = _with_view(values)
         if not isinstance(text, str) or not text.strip():
             raise Problem("Type a message first.")
         text = text.strip()
-        own, sampling = generation(session, values)
-        runtime = chat_flow.runtime_of(session)
-        if conv_id is not None and session.chat_reply(conv_id) is not None:
+        own, sampling = generation(self.session, values)
+        runtime = chat_flow.runtime_of(self.session)
+        chat_flow.check_context(runtime, own["context_length"])  # before the message is kept
+        if conv_id is not None and self.session.chat_reply(conv_id) is not None:
             raise Problem(chat_flow.STILL_ANSWERING)
         if conv_id is None:
-            model = session.model_id or runtime.info.name
-            conv_id = chats.create(title=text[:TITLE_CHARS], model=model, generation=own).id
+            model = self.session.model_id or runtime.info.name
+            conv_id = self.chats.create(title=text[:TITLE_CHARS], model=model, generation=own).id
         else:
-            chats.set_generation(conv_id, own)
-        chats.append(conv_id, "user", text)
+            self.chats.set_generation(conv_id, own)
+        self.chats.append(conv_id, "user", text)
         showing(view, conv_id)
-        choices = gr.Radio(choices=conversation_choices(session), value=conv_id)
-        shown = display(chats.messages(conv_id))
+        choices = gr.Radio(choices=conversation_choices(self.session), value=conv_id)
+        shown = display(self.chats.messages(conv_id))
         yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, str(conv_id), notice()
-        replies = chat_flow.reply(session, conv_id, own["system_prompt"], sampling)
+        replies = chat_flow.reply(self.session, conv_id, own["system_prompt"], sampling, own["context_length"])
         for chatbot in while_shown(view, conv_id, replies):
             yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
-    def regenerate(conv_id, *values):
+    def regenerate(self, conv_id, *values):  # noqa: ANN001, ANN201
         values, view = _with_view(values)
-        system, sampling = chat_generation(session, conv_id, values)
-        replies = chat_flow.regenerate(session, conv_id, system, sampling)
+        system, sampling, context = chat_generation(self.session, conv_id, values)
+        replies = chat_flow.regenerate(self.session, conv_id, system, sampling, context)
+        yield from self._streamed(view, conv_id, replies)
+
+    def continue_reply(self, conv_id, *values):  # noqa: ANN001, ANN201
+        values, view = _with_view(values)
+        system, sampling, context = chat_generation(self.session, conv_id, values)
+        replies = chat_flow.continue_reply(self.session, conv_id, system, sampling, context)
+        yield from self._streamed(view, conv_id, replies)
+
+    def take_edit(self, conv_id, data: gr.EditData):  # noqa: ANN001, ANN201
+        """The edit event's own step: only it receives the event's data; the reply (`edit`) runs later in the chain."""
+        if conv_id is not None:
+            self.session.stop_chat(conv_id)  # the reply being generated answers the old text: end it
+        return (data.index, data.value if isinstance(data.value, str) else str(data.value))
+
+    def edit(self, pending, conv_id, *values):  # noqa: ANN001, ANN201
+        values, view = _with_view(values)
+        if pending is None:
+            raise Problem("That edit was already applied. Edit the message again to change it.")
+        index, text = pending
+        system, sampling, context = chat_generation(self.session, conv_id, values)
+        replies = chat_flow.edit(self.session, conv_id, index, text, system, sampling, context)
+        yield from self._streamed(view, conv_id, replies)
+
+    def _streamed(self, view: PageView | None, conv_id: int | None, replies):  # noqa: ANN001, ANN202
         first = next(replies)  # a Problem (nothing to regenerate, no model) is raised before the notice is cleared
         yield first, notice()
         for chatbot in while_shown(view, conv_id, replies):
             yield _drawn(chatbot), gr.skip()
 
-    def continue_reply(conv_id, *values):
-        values, view = _with_view(values)
-        system, sampling = chat_generation(session, conv_id, values)
-        replies = chat_flow.continue_reply(session, conv_id, system, sampling)
-        first = next(replies)
-        yield first, notice()
-        for chatbot in while_shown(view, conv_id, replies):
-            yield _drawn(chatbot), gr.skip()
+    def follow(self, conv_id, view=None):  # noqa: ANN001, ANN201
+        """The shown chat's reply still being written (after opening the chat, a reload): streamed until it ends."""
+        for chatbot in while_shown(view, conv_id, chat_flow.follow_chat(self.session, conv_id)):
+            yield (_drawn(chatbot), busy()) if chatbot is not None else (gr.skip(), gr.skip())
+        yield gr.skip(), gr.skip()  # a chat with no reply running: nothing to redraw
 
-    def take_edit(conv_id, data: gr.EditData):
-        # Only the event's own handler receives its data; the reply runs later in the chain.
-        if conv_id is not None:
-            session.stop_chat(conv_id)  # the reply being generated answers the old text: end it
-        return (data.index, data.value if isinstance(data.value, str) else str(data.value))
+    def stop(self) -> None:
+        self.session.stop_chat()
 
-    def edit(pending, conv_id, *values):
-        values, view = _with_view(values)
-        if pending is None:
-            raise Problem("That edit was already applied. Edit the message again to change it.")
-        index, text = pending
-        system, sampling = chat_generation(session, conv_id, values)
-        replies = chat_flow.edit(session, conv_id, index, text, system, sampling)
-        first = next(replies)
-        yield first, notice()
-        for chatbot in while_shown(view, conv_id, replies):
-            yield _drawn(chatbot), gr.skip()
+    def ended(self, conv_id) -> tuple:  # noqa: ANN001
+        """After a reply's chain, in one step: when Send is back, Continue and "< 1/2 >" already match the reply that
+        just ended. Send follows the shown chat's state, not the event that ended: a chain ending late cannot free
+        Send under a new reply."""
+        return (busy() if self.session.chat_reply(conv_id) is not None else idle()), *self.controls(conv_id)
 
-    def flip(step: int):
-        def choose(conv_id):
-            return chat_flow.choose(session, conv_id, step), notice()
-
-        return choose
-
-    def controls(conv_id):
+    def controls(self, conv_id) -> tuple:  # noqa: ANN001
         """Continue for a reply cut by the token limit, "< 1/2 >" when the last reply has versions."""
-        stored = chats.messages(conv_id) if conv_id is not None else []
+        stored = self.chats.messages(conv_id) if conv_id is not None else []
         label = chat_flow.versions_label(stored)
         cut = bool(stored) and chat_flow.can_continue(stored[-1])
         alt = gr.Button(visible=bool(label))
         return gr.Button(visible=cut), alt, gr.Button(value=label, visible=bool(label)), alt
 
-    def stop():
-        session.stop_chat()
+    def previous_version(self, conv_id) -> tuple:  # noqa: ANN001
+        return chat_flow.choose(self.session, conv_id, -1), notice()
 
-    def follow(conv_id, view=None):
-        """The shown chat's reply still being written (after opening the chat, a reload): streamed until it ends."""
-        for chatbot in while_shown(view, conv_id, chat_flow.follow_chat(session, conv_id)):
-            yield (_drawn(chatbot), busy()) if chatbot is not None else (gr.skip(), gr.skip())
-        yield gr.skip(), gr.skip()  # a chat with no reply running: nothing to redraw
+    def next_version(self, conv_id) -> tuple:  # noqa: ANN001
+        return chat_flow.choose(self.session, conv_id, 1), notice()
 
-    def shows(view: PageView | None, shown: tuple) -> tuple:
-        """`shown` (shown_chat's outputs), the page's PageView now naming its chat: a reply streaming into another
-        chat stops drawing itself here (`while_shown`)."""
-        showing(view, shown[0])
-        return shown
+    # --- which chat is shown: each returns shown_chat's outputs -------------------------------------------------
 
-    def new_chat(view=None):
-        return shows(view, shown_chat(session, None))
+    def new_chat(self, view=None) -> tuple:  # noqa: ANN001
+        return shows(view, shown_chat(self.session, None))
 
-    def on_load(address, view=None):  # the page's load, and back/forward: the chat the address names
-        return shows(view, open_address(session, address))
+    def on_load(self, address, view=None) -> tuple:  # noqa: ANN001
+        """The page's load, and back/forward: the chat the address names."""
+        return shows(view, open_address(self.session, address))
 
-    def select(conv_id, view=None):
+    def select(self, conv_id, view=None) -> tuple:  # noqa: ANN001
         if conv_id is None:
-            return (gr.skip(),) * len(chat_outputs)
-        return shows(view, shown_chat(session, int(conv_id), relist=False))
+            return (gr.skip(),) * CHAT_OUTPUTS
+        return shows(view, shown_chat(self.session, int(conv_id), relist=False))
 
-    def import_file(path, view=None):
-        return shows(view, import_chats(session, path))
+    def import_file(self, path, view=None) -> tuple:  # noqa: ANN001
+        return shows(view, import_chats(self.session, path))
 
-    def search(query, conv_id):
+    # --- the list: search, rename, delete, export -------------------------------------------------------------
+
+    def search(self, query, conv_id) -> tuple:  # noqa: ANN001
         query = query if isinstance(query, str) else ""
         if len(query) > SEARCH_CHARS:
             raise Problem(f"Search for at most {SEARCH_CHARS:,} characters: a few words from the chat are enough.")
-        return gr.Radio(choices=conversation_choices(session, query), value=conv_id), notice()
+        return gr.Radio(choices=conversation_choices(self.session, query), value=conv_id), notice()
 
-    def rename(conv_id, title):
+    def rename(self, conv_id, title) -> tuple:  # noqa: ANN001
         if conv_id is None:
             raise Problem("Pick a conversation to rename first.")
         if not isinstance(title, str) or not title.strip():
             raise Problem("Type the new title first.")
         if len(title.strip()) > RENAME_CHARS:
             raise Problem(f"A title can be at most {RENAME_CHARS} characters long. Type a shorter one.")
-        chats.rename(conv_id, title.strip())
-        return gr.Radio(choices=conversation_choices(session), value=conv_id), notice()
+        self.chats.rename(conv_id, title.strip())
+        return gr.Radio(choices=conversation_choices(self.session), value=conv_id), notice()
 
-    def asking(visible: bool, label: str = "") -> tuple:
-        """(Delete, the confirming button, Keep it): the question is shown, or the plain Delete again."""
-        confirm = gr.Button(value=label, visible=True) if visible else gr.Button(visible=False)
-        return gr.Button(visible=not visible), confirm, gr.Button(visible=visible)
-
-    def delete(conv_id):
+    def delete(self, conv_id) -> tuple:  # noqa: ANN001
+        """Asks first: the confirming button names the chat (nothing is deleted until it is pressed)."""
         if conv_id is None:
             raise Problem("Pick a conversation to delete first.")
-        conv = chats.get(conv_id)
+        conv = self.chats.get(conv_id)
         return conv.id, *asking(True, f"Yes, delete “{conv.title or 'Untitled'}”"), notice()
 
-    def confirm_delete(pending, view=None):
+    def confirm_delete(self, pending, view=None) -> tuple:  # noqa: ANN001
         if pending is None:  # a second click on an answered question: nothing is pending any more
-            return (None, *asking(False), *(gr.skip(),) * (len(chat_outputs) - 1), notice())
-        session.stop_chat(pending)  # a reply still being written there has nowhere to go
-        chats.delete(pending)
-        return None, *asking(False), *shows(view, shown_chat(session, None))
+            return (None, *asking(False), *(gr.skip(),) * (CHAT_OUTPUTS - 1), notice())
+        self.session.stop_chat(pending)  # a reply still being written there has nowhere to go
+        self.chats.delete(pending)
+        return None, *asking(False), *shows(view, shown_chat(self.session, None))
 
-    def keep_chat():
+    def keep_chat(self) -> tuple:
         return None, *asking(False)
 
-    def export(conv_id):
+    def export(self, conv_id) -> tuple:  # noqa: ANN001
         if conv_id is None:
             raise Problem("Pick a conversation to export first.")
-        title = chats.get(conv_id).title or "chat"
+        title = self.chats.get(conv_id).title or "chat"
         safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip()[:40] or "chat"
         # Gradio serves files from the system temp folder; a fresh folder per export avoids name clashes.
         path = Path(tempfile.mkdtemp(prefix="fmoe-export-")) / f"{safe}.md"
-        path.write_text(chat_markdown(chats, conv_id), encoding="utf-8")
+        path.write_text(chat_markdown(self.chats, conv_id), encoding="utf-8")
         return gr.File(value=str(path), visible=True), notice()
 
-    def export_all():
+    def export_all(self) -> tuple:
         stamp = time.strftime("%Y-%m-%d")
         path = Path(tempfile.mkdtemp(prefix="fmoe-export-")) / f"fmoe-local-chats-{stamp}.json"
-        path.write_text(chats.export_all_json(), encoding="utf-8")
+        path.write_text(self.chats.export_all_json(), encoding="utf-8")
         return gr.File(value=str(path), visible=True), notice()
 
-    t = tab
-    gen_inputs = t.generation
-    chat_outputs = [t.conv_id, t.chatbot, t.conv_list, t.rename_box, t.address, *gen_inputs, t.notice]
-    send_outputs = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.address, t.notice]
+    # --- the Generation panel ---------------------------------------------------------------------------------
+
+    def keep_generation(self, conv_id, *values) -> gr.Markdown:  # noqa: ANN001
+        return keep_generation(self.session, conv_id, *values)
+
+    def save_default(self, *values) -> gr.Markdown:  # noqa: ANN002
+        return save_default(self.session, *values)
+
+
+def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
+    """Attach the events; returns the events after which a reply has finished (the Stats tab chains on them).
+
+    While the shown chat's reply streams, Send says so and cannot be pressed; each reply's chain ends in `ended`,
+    which re-enables it however the reply ended. Opening, starting or deleting another chat stops the page drawing
+    the reply (`while_shown`), never the reply itself, and shows that chat's state instead."""
+    h, t = ChatHandlers(session), tab
+    gen = t.generation
+    shown = chat_outputs(t)
+    quick = dict(queue=False, api_visibility="private")
     # No concurrency slot: the runtime queues requests itself, and a chat has one reply at a time (chat_flow.start).
     free = dict(concurrency_limit=None)
-
-    # While the shown chat's reply streams, Send says so and cannot be pressed; `.then` re-enables it however the reply
-    # ended. Opening, starting or deleting another chat stops the page drawing the reply (`while_shown`), never the
-    # reply itself, and shows that chat's state instead.
-    def busy():
-        return gr.Button(value="Generating…", interactive=False)
-
-    def idle():
-        return gr.Button(value="Send", interactive=True)
+    held, ctrl = [t.send], [t.continue_reply, t.alt_prev, t.alt_label, t.alt_next]
 
     def on(event, fn, inputs, outputs, **kwargs):  # noqa: ANN001, ANN202
         return event(guarded(fn, len(outputs)), inputs, outputs, **kwargs)
 
-    quick = dict(queue=False, api_visibility="private")
-    held = [t.send]
-    send_inputs = [t.textbox, t.conv_id, *gen_inputs, t.view]
-    sent = t.send.click(busy, None, held, **quick)
-    sent = on(sent.then, send, send_inputs, send_outputs, api_name="send", **free)
-    submitted = t.textbox.submit(busy, None, held, **quick)
-    submitted = on(submitted.then, send, send_inputs, send_outputs, api_visibility="private", **free)
-    regen = t.regenerate.click(busy, None, held, **quick)
-    reply_inputs = [t.conv_id, *gen_inputs, t.view]
-    regen = on(regen.then, regenerate, reply_inputs, [t.chatbot, t.notice], api_name="regenerate", **free)
-    cont = t.continue_reply.click(busy, None, held, **quick)
-    cont = on(cont.then, continue_reply, reply_inputs, [t.chatbot, t.notice], api_name="continue", **free)
+    def reply(trigger, fn, inputs, outputs, **kwargs):  # noqa: ANN001, ANN202 - Send held, then the reply
+        return on(trigger(busy, None, held, **quick).then, fn, inputs, outputs, **kwargs, **free)
+
+    send_out = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.address, t.notice]
+    send_in, reply_in = [t.textbox, t.conv_id, *gen, t.view], [t.conv_id, *gen, t.view]
+    sent = reply(t.send.click, h.send, send_in, send_out, api_name="send")
+    submitted = reply(t.textbox.submit, h.send, send_in, send_out, api_visibility="private")
+    regen = reply(t.regenerate.click, h.regenerate, reply_in, [t.chatbot, t.notice], api_name="regenerate")
+    cont = reply(t.continue_reply.click, h.continue_reply, reply_in, [t.chatbot, t.notice], api_name="continue")
     # Editing a question ends the reply being generated (it would answer the old text), then answers the new one.
-    edited = t.chatbot.edit(take_edit, [t.conv_id], [t.pending_edit], **quick).then(busy, None, held, **quick)
-    edit_inputs = [t.pending_edit, t.conv_id, *gen_inputs, t.view]
-    edited = on(edited.then, edit, edit_inputs, [t.chatbot, t.notice], api_visibility="private", **free)
+    taken = t.chatbot.edit(h.take_edit, [t.conv_id], [t.pending_edit], **quick).then
+    edit_in = [t.pending_edit, t.conv_id, *gen, t.view]
+    edited = reply(taken, h.edit, edit_in, [t.chatbot, t.notice], api_visibility="private")
     replies = [sent, submitted, regen, cont, edited]
-    ctrl = [t.continue_reply, t.alt_prev, t.alt_label, t.alt_next]
-
-    def ended(conv_id):
-        # One step: when Send is back, Continue and "< 1/2 >" already match the reply that just ended. Send follows
-        # the shown chat's state, not the event that ended: a chain ending late cannot free Send under a new reply.
-        return (busy() if session.chat_reply(conv_id) is not None else idle()), *controls(conv_id)
-
     for event in replies:
-        event.then(ended, [t.conv_id], [*held, *ctrl], **quick)
-    t.stop.click(stop, None, None, api_name="stop", concurrency_limit=None)
-    for button, step in ((t.alt_prev, -1), (t.alt_next, 1)):
-        flipped = on(button.click, flip(step), [t.conv_id], [t.chatbot, t.notice], api_visibility="private")
-        flipped.then(controls, [t.conv_id], ctrl, **quick)
+        event.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)
+    t.stop.click(h.stop, None, None, api_name="stop", concurrency_limit=None)
+    for button, choose in ((t.alt_prev, h.previous_version), (t.alt_next, h.next_version)):
+        flipped = on(button.click, choose, [t.conv_id], [t.chatbot, t.notice], api_visibility="private")
+        flipped.then(h.controls, [t.conv_id], ctrl, **quick)
 
     followers = []
 
     def then_follow(event):  # noqa: ANN001, ANN202 - another chat is shown: follow its reply if one runs
-        following = event.then(follow, [t.conv_id, t.view], [t.chatbot, *held], api_visibility="private", **free)
+        following = event.then(h.follow, [t.conv_id, t.view], [t.chatbot, *held], api_visibility="private", **free)
         followers.append(following)
-        return following.then(ended, [t.conv_id], [*held, *ctrl], **quick)
+        return following.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)
 
-    opened = on(t.new_chat.click, new_chat, [t.view], chat_outputs, api_name="new_chat")
-    opened.then(ended, [t.conv_id], [*held, *ctrl], **quick)  # a new chat has no reply to follow
-    opened = on(t.conv_list.input, select, [t.conv_list, t.view], chat_outputs, api_name="open_chat")
-    then_follow(opened)
+    opened = on(t.new_chat.click, h.new_chat, [t.view], shown, api_name="new_chat")
+    opened.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)  # a new chat has no reply to follow
+    then_follow(on(t.conv_list.input, h.select, [t.conv_list, t.view], shown, api_name="open_chat"))
     # The address follows the chat shown; back and forward (the page's script presses the hidden nav) open its chat.
     # The script only reads the address (into `address`); the handler then gets it with the page's PageView.
     t.address.change(None, [t.address], None, js=ADDRESS_JS, **quick)
     read = t.nav.click(None, None, [t.address], js=READ_ADDRESS_JS, **quick)
-    then_follow(on(read.then, on_load, [t.address, t.view], chat_outputs, api_visibility="private"))
+    then_follow(on(read.then, h.on_load, [t.address, t.view], shown, api_visibility="private"))
     # Each control's change is kept with the chat at once; Save as default makes the values new chats start from. The
     # system prompt's input event sends the text as it was before the last keystroke (Gradio 6): its change event.
-    keep = functools.partial(keep_generation, session)
-    on(t.system.change, keep, [t.conv_id, *gen_inputs], [t.notice], **quick)
-    for control in gen_inputs[1:]:
-        on(control.input, keep, [t.conv_id, *gen_inputs], [t.notice], **quick)
-    on(t.save_default.click, functools.partial(save_default, session), gen_inputs, [t.notice], api_name="save_default")
-    imported = on(t.import_file.upload, import_file, [t.import_file, t.view], chat_outputs, api_name="import_chats")
-    imported.then(ended, [t.conv_id], [*held, *ctrl], **quick)  # imported chats have no reply to follow
-    on(t.search.input, search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats")
-    on(t.rename.click, rename, [t.conv_id, t.rename_box], [t.conv_list, t.notice], api_name="rename_chat")
+    on(t.system.change, h.keep_generation, [t.conv_id, *gen], [t.notice], **quick)
+    for control in gen[1:]:
+        on(control.input, h.keep_generation, [t.conv_id, *gen], [t.notice], **quick)
+    on(t.save_default.click, h.save_default, gen, [t.notice], api_name="save_default")
+    imported = on(t.import_file.upload, h.import_file, [t.import_file, t.view], shown, api_name="import_chats")
+    imported.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)  # imported chats have no reply to follow
+    on(t.search.input, h.search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats")
+    on(t.rename.click, h.rename, [t.conv_id, t.rename_box], [t.conv_list, t.notice], api_name="rename_chat")
     question = [t.delete, t.confirm_delete, t.keep_chat]
-    on(t.delete.click, delete, [t.conv_id], [t.pending_delete, *question, t.notice], api_name="delete_chat")
-    deleted = on(
-        t.confirm_delete.click,
-        confirm_delete,
-        [t.pending_delete, t.view],
-        [t.pending_delete, *question, *chat_outputs],
-        api_name="confirm_delete_chat",
-    )
-    deleted.then(ended, [t.conv_id], [*held, *ctrl], **quick)
-    t.keep_chat.click(keep_chat, None, [t.pending_delete, *question], api_visibility="private")
-    on(t.export.click, export, [t.conv_id], [t.export_file, t.notice], api_name="export_chat")
-    on(t.export_all.click, export_all, None, [t.export_file, t.notice], api_name="export_all_chats")
+    on(t.delete.click, h.delete, [t.conv_id], [t.pending_delete, *question, t.notice], api_name="delete_chat")
+    confirm_out = [t.pending_delete, *question, *shown]
+    deleted = on(t.confirm_delete.click, h.confirm_delete, [t.pending_delete, t.view], confirm_out,
+                 api_name="confirm_delete_chat")  # fmt: skip
+    deleted.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)
+    t.keep_chat.click(h.keep_chat, None, [t.pending_delete, *question], api_visibility="private")
+    on(t.export.click, h.export, [t.conv_id], [t.export_file, t.notice], api_name="export_chat")
+    on(t.export_all.click, h.export_all, None, [t.export_file, t.notice], api_name="export_all_chats")
     read = demo.load(None, None, [t.address], js=READ_ADDRESS_JS, **quick)
-    loaded = on(read.then, on_load, [t.address, t.view], chat_outputs, api_visibility="private")
-    then_follow(loaded)  # a reloaded page shows the reply still being written in its chat
+    then_follow(on(read.then, h.on_load, [t.address, t.view], shown, api_visibility="private"))  # a reply still written
     return replies + followers

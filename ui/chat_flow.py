@@ -10,20 +10,32 @@ saved by its request handle's done callback, on the runtime's worker as the requ
 another chat, reloads or closes loses nothing; a page only follows the handle (`follow`), and a page that comes
 back to the chat follows it again from its first word. Stop cancels through the handle; a reply the runtime ended
 without its owner asking (the model unloaded under it) is saved as interrupted.
+
+A reasoning model's reply is saved as it was written, its thought between `<think>` and `</think>`; where the chat
+template opened the thought for the model (Runtime.reply_opening ends inside `<think>`), the reply is saved with
+that opening marker, so every stored thought starts with it (chat_view.py shows it folded). The model reads earlier
+replies without their thoughts, as the thinking models' own templates show them; a reply being continued is read
+whole.
+
+A chat's context length (its Generation value; 0: all the model reads) bounds the tokens of the prompt sent: the
+oldest turns (a question and the replies after it) are left out whole until the rest fits, the system prompt and the
+last turn always kept (`fit`, counting with Runtime.check). The reply then says how many messages were left out,
+while it streams and in its stats line once saved.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fmoe_local.config import Sampling
 from fmoe_local.request_handle import RequestHandle
 from fmoe_local.runtime_types import Finished, TextDelta
-from ui.chat_view import display, warning
+from ui.chat_view import bubble_messages, display, reply_bubbles, thought_of, warning
 from ui.loaded_runtime import LoadedRuntime
-from ui.render import safe_markdown
+from ui.reasoning import THINK
 from ui.session import Session
 
 log = logging.getLogger(__name__)
@@ -68,10 +80,83 @@ def runtime_of(session: Session) -> LoadedRuntime:
     return session.runtime
 
 
-def model_messages(stored, system: str) -> list[dict]:
-    """What the model reads: the system prompt, then the stored messages (each its chosen text)."""
+def model_messages(stored, system: str, continued: bool = False) -> list[dict]:
+    """What the model reads: the system prompt, then the stored messages (each its chosen text), the replies without
+    their thoughts; `continued`: the last message is the reply being continued, read whole."""
     head = [{"role": "system", "content": system}] if system.strip() else []
-    return head + [{"role": m.role, "content": m.content} for m in stored]
+    last = len(stored) - 1
+    return head + [
+        {"role": m.role, "content": m.content if continued and i == last else _answer(m)} for i, m in enumerate(stored)
+    ]
+
+
+def _answer(message) -> str:  # noqa: ANN001 - a store Message
+    parts = thought_of(message.content) if message.role == "assistant" else None
+    return message.content if parts is None else parts[1]
+
+
+def check_context(runtime, context: int) -> None:  # noqa: ANN001 - a Runtime
+    """Refuse a chat context length above what the loaded model reads (a Problem saying what to set)."""
+    most = runtime.context_length
+    if most is not None and context > most:
+        raise Problem(
+            f"This chat's context length is {context:,} tokens, but {runtime.info.name} reads at most {most:,}. Set it "
+            f"to at most {most:,} under Generation, or to 0 for all the model reads."
+        )
+
+
+def fit(runtime, messages: list[dict], context: int) -> tuple[list[dict], int]:  # noqa: ANN001 - a Runtime
+    """`messages` (the system prompt first, if any) cut to at most `context` prompt tokens (0: all of them) by
+    leaving out the oldest turns whole, and how many messages were left out. The system prompt and the last turn
+    (the question, or the reply being continued) are always sent: a Problem says so when they alone are longer."""
+    if not context:
+        return messages, 0
+    from fmoe_local.engine import ContextTooLong, PromptRefused  # the tokenizer's machinery, for a chat that cuts
+
+    check_context(runtime, context)
+    head = messages[:1] if messages and messages[0]["role"] == "system" else []
+    body = messages[len(head) :]
+    cuts = [0] + [i for i, m in enumerate(body) if m["role"] == "user" and i > 0]  # where a turn starts
+
+    def tokens(cut: int) -> float:
+        try:
+            counted = runtime.check(head + body[cut:])
+        except ContextTooLong:
+            return math.inf
+        except PromptRefused as exc:  # the template refused these messages: no cut makes them a prompt
+            raise Problem(str(exc)) from exc
+        return counted or 0  # None: not known here; the request's own check decides
+
+    if tokens(0) <= context:
+        return messages, 0
+    if tokens(cuts[-1]) > context:
+        raise Problem(
+            f"The last message{' and the system prompt' if head else ''} alone take more than this chat's context "
+            f"length of {context:,} tokens. Raise it under Generation (0 sends all the model reads), or shorten the "
+            "message."
+        )
+    low, high = 1, len(cuts) - 1  # the first cut that fits: cuts[high] fits, cuts[low - 1] does not
+    while low < high:
+        mid = (low + high) // 2
+        if tokens(cuts[mid]) <= context:
+            high = mid
+        else:
+            low = mid + 1
+    return head + body[cuts[low] :], cuts[low]
+
+
+def left_out_sentence(left_out: int, context: int) -> str:
+    """What the chat says of a reply that was asked without the oldest messages."""
+    what = "1 earlier message was" if left_out == 1 else f"{left_out} earlier messages were"
+    return (
+        f"{what} not sent to the model: this chat's context length is {context:,} tokens. Raise it under Generation "
+        "to send more."
+    )
+
+
+def thought_opening(runtime) -> str:  # noqa: ANN001 - a Runtime
+    """The marker a fresh reply is saved after: `<think>` where the chat template opens the thought itself."""
+    return THINK.start + "\n" if THINK.opened(runtime.reply_opening()) else ""
 
 
 @dataclass
@@ -84,6 +169,19 @@ class ChatReply:
     shown: list[dict]
     prefix: str = ""
     unsaved: Unsaved | None = None
+    opening: str = ""  # the thought's marker that the template wrote for the model (`thought_opening`)
+    left_out: int = 0  # the oldest messages not sent (`fit`), under the chat's context length `context`
+    context: int = 0
+
+    def stats(self, stats: object) -> object:
+        """The reply's stats as saved: with the messages left out, which its stats line says (chat_view.py)."""
+        if not self.left_out:
+            return stats
+        return {**stats.to_dict(), "left_out": self.left_out, "context_length": self.context}
+
+    def text(self, written: str) -> str:
+        """The whole reply as saved, once the model has written `written` of it."""
+        return self.prefix + self.opening + written
 
 
 def start(
@@ -94,14 +192,18 @@ def start(
     save: Callable[[str, object], object],
     sampling: Sampling,
     prefix: str = "",
+    context: int = 0,
 ) -> ChatReply:
-    """Submit the model's reply to `messages` for chat `conv_id`; `save(text, stats)` stores it when it ends (even a
-    stopped or interrupted one), whatever becomes of the page that asked."""
+    """Submit the model's reply to `messages` for chat `conv_id`, within the chat's `context` length (`fit`);
+    `save(text, stats)` stores it when it ends (even a stopped or interrupted one), whatever becomes of the page that
+    asked."""
     runtime = runtime_of(session)
     if session.chat_reply(conv_id) is not None:
         raise Problem(STILL_ANSWERING)
+    messages, left_out = fit(runtime, messages, context)
+    opening = "" if prefix else thought_opening(runtime)  # a continued reply carries its own marker
     handle = runtime.submit(messages, sampling)
-    reply = ChatReply(conv_id, handle, shown, prefix)
+    reply = ChatReply(conv_id, handle, shown, prefix, opening=opening, left_out=left_out, context=context)
     if not session.begin_chat_reply(conv_id, reply):  # another page started one in between
         handle.cancel()
         raise Problem(STILL_ANSWERING)
@@ -120,10 +222,10 @@ def _ended(session: Session, reply: ChatReply, save: Callable[[str, object], obj
             session.record(final.stats)
         if final.reason != "error" or final.text.strip():  # a failure keeps what was written before it
             try:
-                save(final.text, final.stats)
+                save(reply.opening + final.text, reply.stats(final.stats))
             except Exception as exc:  # noqa: BLE001 - the text must stay on the page, with why
                 log.exception("a finished reply could not be saved")
-                reply.unsaved = Unsaved(reply.prefix + final.text, unsaved_sentence(exc))
+                reply.unsaved = Unsaved(reply.text(final.text), unsaved_sentence(exc))
     finally:
         session.end_chat_reply(reply.conv_id, reply)
 
@@ -131,8 +233,10 @@ def _ended(session: Session, reply: ChatReply, save: Callable[[str, object], obj
 def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
     """The reply as it streams, under its bubbles, from its first word (a page that comes back to the chat sees it
     whole), then the chat as stored once it is saved. Closing this generator leaves the reply running."""
+    said = [_bubble(f"*{left_out_sentence(reply.left_out, reply.context)}*")] if reply.left_out else []
     if reply.handle.behind and not reply.handle.started:
-        yield reply.shown + [{"role": "assistant", "content": safe_markdown(reply.prefix) or "…"}, _bubble(WAITING)]
+        so_far = reply_bubbles(reply.text(""), writing=True) if reply.text("").strip() else [_bubble("…")]
+        yield reply.shown + so_far + [_bubble(WAITING)]
     text, final = "", None
     for batch in reply.handle.batches():
         for event in batch:
@@ -141,9 +245,9 @@ def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
             else:
                 final = event
         if final is None:
-            yield reply.shown + [{"role": "assistant", "content": safe_markdown(reply.prefix + text)}]
+            yield reply.shown + reply_bubbles(reply.text(text), writing=True) + said
     if reply.unsaved is not None:
-        yield reply.shown + [_bubble(safe_markdown(reply.unsaved.text)), _bubble(warning(reply.unsaved.sentence))]
+        yield reply.shown + reply_bubbles(reply.unsaved.text) + [_bubble(warning(reply.unsaved.sentence))]
         return
     shown_now = display(session.store.chats.messages(reply.conv_id))
     if final.reason == "error":
@@ -171,13 +275,14 @@ def stream_reply(
     save: Callable[[str, object], object],
     sampling: Sampling,
     prefix: str = "",
+    context: int = 0,
 ) -> Iterator[list[dict]]:
     """`start` the reply, then `follow` it: Chatbot message lists."""
-    yield from follow(session, start(session, conv_id, messages, shown, save, sampling, prefix))
+    yield from follow(session, start(session, conv_id, messages, shown, save, sampling, prefix, context))
 
 
-def reply(session: Session, conv_id: int, system: str, sampling: Sampling) -> Iterator[list[dict]]:
-    """A new reply at the end of the stored conversation."""
+def reply(session: Session, conv_id: int, system: str, sampling: Sampling, context: int = 0) -> Iterator[list[dict]]:
+    """A new reply at the end of the stored conversation; `context`: the chat's context length (0: all)."""
     chats = session.store.chats
     stored = chats.messages(conv_id)
     after = stored[-1].position if stored else -1  # the reply belongs after this message, or nowhere
@@ -185,10 +290,13 @@ def reply(session: Session, conv_id: int, system: str, sampling: Sampling) -> It
     def save(text: str, stats: object) -> None:
         chats.append(conv_id, "assistant", text, stats, after=after)
 
-    yield from stream_reply(session, conv_id, model_messages(stored, system), display(stored), save, sampling)
+    messages = model_messages(stored, system)
+    yield from stream_reply(session, conv_id, messages, display(stored), save, sampling, context=context)
 
 
-def regenerate(session: Session, conv_id: int | None, system: str, sampling: Sampling) -> Iterator[list[dict]]:
+def regenerate(
+    session: Session, conv_id: int | None, system: str, sampling: Sampling, context: int = 0
+) -> Iterator[list[dict]]:
     """Another reply to the last question; the reply it replaces stays as an alternative (< 1/2 >)."""
     chats = session.store.chats
     stored = chats.messages(conv_id) if conv_id is not None else []
@@ -197,18 +305,19 @@ def regenerate(session: Session, conv_id: int | None, system: str, sampling: Sam
     runtime_of(session)
     last = stored[-1]
     if last.role == "assistant":
-        context = stored[:-1]
+        earlier = stored[:-1]
 
         def save(text: str, stats: object) -> None:
             chats.add_alternative(conv_id, last.position, text, stats)
 
     else:  # the last reply failed before any text: there is nothing to keep, only a reply to add
-        context = stored
+        earlier = stored
 
         def save(text: str, stats: object) -> None:
             chats.append(conv_id, "assistant", text, stats, after=last.position)
 
-    yield from stream_reply(session, conv_id, model_messages(context, system), display(context), save, sampling)
+    messages = model_messages(earlier, system)
+    yield from stream_reply(session, conv_id, messages, display(earlier), save, sampling, context=context)
 
 
 def can_continue(message) -> bool:  # noqa: ANN001 - a store Message
@@ -216,7 +325,9 @@ def can_continue(message) -> bool:  # noqa: ANN001 - a store Message
     return message.role == "assistant" and (message.stats or {}).get("finish_reason") == "length"
 
 
-def continue_reply(session: Session, conv_id: int | None, system: str, sampling: Sampling) -> Iterator[list[dict]]:
+def continue_reply(
+    session: Session, conv_id: int | None, system: str, sampling: Sampling, context: int = 0
+) -> Iterator[list[dict]]:
     """Go on with the last reply where the token limit cut it: the new text is appended to the same message."""
     chats = session.store.chats
     stored = chats.messages(conv_id) if conv_id is not None else []
@@ -234,19 +345,20 @@ def continue_reply(session: Session, conv_id: int | None, system: str, sampling:
 
     # The model reads the reply so far as its own unfinished turn (Engine.encode_prompt continues a final assistant
     # message instead of opening a new one).
-    messages = model_messages(stored, system)
-    yield from stream_reply(session, conv_id, messages, display(stored[:-1]), save, sampling, prefix=last.content)
+    messages = model_messages(stored, system, continued=True)
+    shown = display(stored[:-1])
+    yield from stream_reply(session, conv_id, messages, shown, save, sampling, prefix=last.content, context=context)
 
 
 def edit(
-    session: Session, conv_id: int | None, index: int, text: str, system: str, sampling: Sampling
+    session: Session, conv_id: int | None, index: int, text: str, system: str, sampling: Sampling, context: int = 0
 ) -> Iterator[list[dict]]:
     """Replace the user message shown at `index` with `text`, drop everything after it, and reply to it again."""
     chats = session.store.chats
     text = (text or "").strip()
     if not text:
         raise Problem("A message cannot be empty. Type the new text, or start a new chat.")
-    shown = [m for m in (chats.messages(conv_id) if conv_id is not None else []) if m.role != "system"]
+    shown = bubble_messages(chats.messages(conv_id) if conv_id is not None else [])  # a thought is a bubble too
     if not isinstance(index, int) or not 0 <= index < len(shown) or shown[index].role != "user":
         raise Problem("Only your own messages can be edited. Use Regenerate for another reply.")
     runtime_of(session)
@@ -255,7 +367,7 @@ def edit(
         previous.handle.cancel()
         previous.handle.result(timeout=EDIT_WAIT_S)
     chats.edit(conv_id, shown[index].position, text)
-    yield from reply(session, conv_id, system, sampling)
+    yield from reply(session, conv_id, system, sampling, context)
 
 
 def choose(session: Session, conv_id: int | None, step: int) -> list[dict]:

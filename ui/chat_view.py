@@ -2,12 +2,21 @@
 
 Scope: pure formatting of store records (no events, no store writes). What the model reads is always the stored
 text; the stats line is display-only and kept outside the reply's Markdown.
+
+A reasoning model's reply is stored as the model wrote it, its thinking between `<think>` and `</think>`
+(chat_flow.py writes the opening marker when the chat template opened the thought for the model). It is shown as
+two bubbles: the thinking in Gradio's folded thought block ("Thinking", closed until clicked), then the answer with
+its stats line, so the thought is never part of the answer's text. `bubble_messages` maps a bubble back to its
+stored message (an edit's index counts the thought blocks).
 """
 
 from __future__ import annotations
 
+from ui.reasoning import REASONING, THINK, ThinkSplit
 from ui.render import literal, safe_markdown
 from ui.session import Session
+
+THINKING = "Thinking"  # the folded block's title
 
 
 def stats_line(stats: dict | None) -> str:
@@ -23,21 +32,66 @@ def stats_line(stats: dict | None) -> str:
         parts.append("length limit reached (raise Max new tokens under Generation for longer replies)")
     elif stats.get("finish_reason") == "context":  # the runtime's: no room left for more, whatever Max new tokens
         parts.append("the model's context is full (start a new chat to go on)")
+    left_out, context = stats.get("left_out"), stats.get("context_length")
+    if isinstance(left_out, int) and isinstance(context, int) and left_out > 0:  # chat_flow.fit
+        parts.append(f"{left_out} earlier message{'s' if left_out > 1 else ''} not sent (context length {context:,})")
     return " · ".join(parts)
 
 
 def display(messages) -> list[dict]:
     """Stored messages → Chatbot messages, with the stats line under each reply."""
+    return [bubble for _, bubble in _bubbles(messages)]
+
+
+def bubble_messages(messages) -> list:  # noqa: ANN001 - store Messages
+    """The stored message each of `display(messages)`'s bubbles shows, bubble by bubble."""
+    return [m for m, _ in _bubbles(messages)]
+
+
+def _bubbles(messages) -> list[tuple[object, dict]]:  # noqa: ANN001 - store Messages
     out = []
     for m in messages:
         if m.role == "system":
             continue
-        content = safe_markdown(m.content)
-        line = stats_line(m.stats) if m.role == "assistant" else ""
-        if line:
-            # A reply cut inside a code block would swallow the stats line as code: close the block first.
-            content = f"{content}{close_fences(content)}\n\n<span class='reply-stats'>{line}</span>"
-        out.append({"role": m.role, "content": content})
+        if m.role == "assistant":
+            out += [(m, bubble) for bubble in reply_bubbles(m.content, stats_line(m.stats))]
+        else:
+            out.append((m, {"role": m.role, "content": safe_markdown(m.content)}))
+    return out
+
+
+def thought_of(text: str, whole: bool = True) -> tuple[str, str, bool] | None:
+    """(thinking, answer, still open) of a reply that starts with a thought (`<think>`), read by the API's reader
+    (reasoning.ThinkSplit); None when it has none. Not `whole` (still streaming): what may be the start of a marker
+    is held back."""
+    if not text.lstrip().startswith(THINK.start):
+        return None
+    split = ThinkSplit(THINK)
+    pieces = split.add(text) + (split.finish() if whole else [])
+    thinking = "".join(piece for kind, piece in pieces if kind == REASONING)
+    return thinking, "".join(piece for kind, piece in pieces if kind != REASONING), THINK.end not in text
+
+
+def reply_bubbles(text: str, line: str = "", writing: bool = False) -> list[dict]:
+    """A reply's bubbles: its thinking folded (when it has one), then its answer with the stats `line` under it.
+    `writing`: the reply is still streaming (no answer bubble before the answer starts; a thought still open says
+    so beside its title)."""
+    if writing and text.strip() and THINK.start.startswith(text.lstrip()):
+        return [{"role": "assistant", "content": "…"}]  # the start of a thought's marker: not shown as text
+    parts = thought_of(text, whole=not writing)
+    out = []
+    if parts is not None:
+        thinking, text, still_open = parts
+        meta = {"title": THINKING, "status": "done"}  # "done": Gradio draws the block closed
+        if writing and still_open:
+            meta["log"] = "still thinking…"
+        out.append({"role": "assistant", "content": safe_markdown(thinking) or "…", "metadata": meta})
+    content = safe_markdown(text)
+    if line:
+        # A reply cut inside a code block would swallow the stats line as code: close the block first.
+        content = f"{content}{close_fences(content)}\n\n<span class='reply-stats'>{line}</span>"
+    if content or parts is None:  # a reply cut inside its thought has no answer to show
+        out.append({"role": "assistant", "content": content})
     return out
 
 

@@ -9,7 +9,7 @@ become links (`![x](http://…?c=secret)` would fetch the URL, the chat in its q
 opened) and HTML is text. And the transcript's structure is ours alone: each message is quoted (every line of it
 starts with "> "), so nothing a user or a model writes can leave its quote. A "### Assistant" line in a message is
 a heading inside that message's quote, never a turn of the transcript; the turn headings are the only headings
-outside a quote. Names (the title, the model) are shown as text with render.literal.
+outside a quote. A reasoning model's thinking is a section of its own before the answer (chat_view.thought_of). Names (the title, the model) are shown as text with render.literal.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import re
 from datetime import datetime, timezone
 
+from ui.chat_view import thought_of
 from ui.render import literal, safe_markdown
 
 _LINE_END = re.compile(r"\r\n?|\n")  # CommonMark's line endings: a lone "\r" ends a line too
@@ -32,11 +33,19 @@ def chat_markdown(chats, conversation_id: int) -> str:  # noqa: ANN001 - a store
         meta.append(f"model: {literal(conv.model)}")
     lines = [f"# {literal(conv.title) or 'Untitled'}", "", "*" + " · ".join(meta) + "*", ""]
     for m in chats.messages(conversation_id):
-        text = _LINE_END.sub("\n", m.content)  # else a "\r" would start a line of its own outside the quote
-        lines += [f"### {m.role.capitalize()}", "", quoted(safe_markdown(text).strip("\n")), ""]
+        parts = thought_of(m.content) if m.role == "assistant" else None
+        if parts is not None:  # a reasoning model's thinking: its own section, never part of the answer
+            lines += ["### Assistant (thinking)", "", _quoted_text(parts[0]), ""]
+        text = parts[1] if parts is not None else m.content
+        lines += [f"### {m.role.capitalize()}", "", _quoted_text(text), ""]
         if m.stats:
             lines += [f"*{literal(_stats_line(m.stats))}*", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _quoted_text(text: str) -> str:
+    text = _LINE_END.sub("\n", text)  # else a "\r" would start a line of its own outside the quote
+    return quoted(safe_markdown(text).strip("\n"))
 
 
 def quoted(markdown: str) -> str:

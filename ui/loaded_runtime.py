@@ -39,6 +39,11 @@ class LoadedRuntime(Protocol):
     def load_notice(self) -> str: ...
 
     @property
+    def context_length(self) -> int | None:
+        """The most tokens the model reads (a chat's context length is checked against it); None when unknown."""
+        ...
+
+    @property
     def chat_template(self) -> str | None: ...
 
     def submit(

@@ -182,54 +182,63 @@ def load_steps(session: Session, path: str | None, fmt: str | None) -> Iterator[
     yield (f"⚠️ {literal(job.error)}" if job.error else literal(job.message)), ""
 
 
-def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) -> list:
-    """Attach the events; returns the events after which a model was (un)loaded. `top`: the page's header, which
-    Load redraws while it loads (it names the model loading, then the one loaded, or the failure)."""
+class ModelsHandlers:
+    """The Models tab's event handlers and its scripts' endpoints, one method per event, each taking the event's
+    inputs in the order `wire` connects them."""
 
-    def machine_md(refresh: bool = False) -> str:
-        return f"**This computer:** {literal(session.machine(refresh).summary())}"
+    def __init__(self, session: Session) -> None:
+        self.session = session
 
-    def on_load():
-        # The loaded model is preselected, so "Your models" shows what is running.
+    def machine_md(self, refresh: bool = False) -> str:
+        return f"**This computer:** {literal(self.session.machine(refresh).summary())}"
+
+    def on_load(self) -> tuple:
+        """The page's load. The loaded model is preselected, so "Your models" shows what is running."""
+        session = self.session
         loaded = session.model_dir.resolve() if session.model_dir is not None else None
         choices = downloaded_choices(session)
         value = next((path for _, path in choices if Path(path).resolve() == loaded), None)
         fmt = model_formats.format_for(session, value)
-        return machine_md(), catalog_rows(session), gr.Dropdown(choices=choices, value=value), fmt, *copies_shown()
+        return self.machine_md(), catalog_rows(session), gr.Dropdown(choices=choices, value=value), fmt, *self.copies()
 
-    def copies_shown():
-        line = model_formats.copies_line(session)
+    def copies(self) -> tuple:
+        line = model_formats.copies_line(self.session)
         return line, gr.Button(visible=bool(line))
 
-    def recheck():
-        return machine_md(refresh=True), catalog_rows(session)
+    def recheck(self) -> tuple:
+        return self.machine_md(refresh=True), catalog_rows(self.session)
 
-    def pick(evt: gr.SelectData):
-        # The wizard's row: its repo id and table per format. The format choice stays with the model picked for
-        # Load (a row is a model to download; it used to switch the choice another model's Load then took).
+    def pick(self, evt: gr.SelectData) -> tuple:
+        """The wizard's row: its repo id and table per format. The format choice stays with the model picked for
+        Load (a row is a model to download; it used to switch the choice another model's Load then took)."""
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
         entry = CATALOG[row]
-        have = {m.repo_id for m in list_downloaded(session.models_dir)}
-        fits = format_fits(entry, session.machine(), downloaded=entry.repo_id in have)
+        have = {m.repo_id for m in list_downloaded(self.session.models_dir)}
+        fits = format_fits(entry, self.session.machine(), downloaded=entry.repo_id in have)
         return entry.repo_id, model_formats.detail(entry, fits)
 
-    def follow(folder):
-        # The model picked for Load, in the list or typed as a folder, brings its own format (its last choice, else
-        # its recommendation), and the note names that model.
+    def follow(self, folder) -> tuple:  # noqa: ANN001
+        """The model picked for Load, in the list or typed as a folder, brings its own format (its last choice, else
+        its recommendation), and the note names that model."""
         folder = (folder or "").strip() or None
-        fmt = model_formats.format_for(session, folder)
-        return fmt, model_formats.choice_note(session, fmt, folder), folder
+        fmt = model_formats.format_for(self.session, folder)
+        return fmt, model_formats.choice_note(self.session, fmt, folder), folder
 
-    def follow_typed(typed, picked, current):
+    def follow_typed(self, typed, picked, current) -> tuple:  # noqa: ANN001
         typed = (typed or "").strip()
         if not typed:
-            return follow(picked)  # an emptied box hands the choice back to the model picked in the list
+            return self.follow(picked)  # an emptied box hands the choice back to the model picked in the list
         # A folder with no format of its own keeps the one chosen now: the user may have picked it for this folder.
-        fmt = model_formats.own_format(session, typed) or current
-        return fmt, model_formats.choice_note(session, fmt, typed), typed
+        fmt = model_formats.own_format(self.session, typed) or current
+        return fmt, model_formats.choice_note(self.session, fmt, typed), typed
 
-    def start(repo_id, token):
-        # The button: a refusal is a sentence in the progress line under it, like every other problem on the page.
+    def note(self, choice, folder) -> str:  # noqa: ANN001
+        return model_formats.choice_note(self.session, choice, folder)
+
+    def start(self, repo_id, token):  # noqa: ANN001, ANN201 - a generator of (progress line, "Your models")
+        """The Download button: a refusal is a sentence in the progress line under it, like every other problem on
+        the page."""
+        session = self.session
         try:
             for fraction, text, dest in download_steps(session, repo_id, token):
                 if dest is None:
@@ -246,34 +255,33 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
         # Cancelled or failed: "Your models" now lists what it left on disk as incomplete.
         yield gr.skip(), gr.Dropdown(choices=downloaded_choices(session))
 
-    def download(repo_id: str, token: str = "") -> Iterator[str]:
-        """Download a model: yields how far it got, then the outcome's sentence; raises with a sentence when the
-        download cannot start (a bad repo id, another download running, not enough disk)."""
-        try:
-            for _, text, _ in download_steps(session, repo_id, token):
-                yield text
-        except DownloadRefused as exc:
-            raise gr.Error(str(exc)) from exc
+    def follow_line(self, shown) -> tuple:  # noqa: ANN001
+        """The timer's tick: the download's progress line, and "Your models" once it ended."""
+        line, ended = follow_download(self.session, shown)
+        return (gr.skip() if line is None else line), (
+            gr.Dropdown(choices=downloaded_choices(self.session)) if ended else gr.skip()
+        )
 
-    def cancel():
-        if downloading_dir(session) is None:
+    def cancel(self) -> str:
+        if downloading_dir(self.session) is None:
             return "No download is running."
-        session.download.cancel()
+        self.session.download.cancel()
         return ""  # the progress line under the buttons says it (the download loop sees the cancel)
 
-    def load_model(folder: str, expert_format: str = "") -> str:
-        """Load a model folder (a downloaded one or any on disk); expert_format: auto, bf16, int8 or nf4 ("" keeps
-        the saved one). Returns the sentence the app shows; raises with a sentence when it cannot."""
-        if not folder:
-            raise gr.Error("Name a downloaded model's folder or another model folder.")
-        try:
-            if expert_format:
-                session.choose_format(folder, expert_format)
-            return session.load(Path(folder))
-        except (ModelLoadError, ValueError) as exc:
-            raise gr.Error(str(exc)) from exc
+    def load_ui(self, path, fmt, target):  # noqa: ANN001, ANN201 - a generator of (status, bar, header)
+        # The format shown is for the model its note names; the other button loads its model in that one's own.
+        same = bool(path) and bool(target) and str(path).strip() == target
+        for status, bar in load_steps(self.session, path, fmt if same else ""):
+            yield status, bar, page_header.header(self.session)
 
-    def delete(path):
+    def stop_load(self) -> str:
+        return literal(self.session.cancel_load())
+
+    def delete_copies(self) -> tuple:
+        return model_formats.delete_copies(self.session), *self.copies()
+
+    def delete(self, path) -> tuple:  # noqa: ANN001
+        session = self.session
         if not path:
             return "⚠️ Pick a downloaded model to delete.", gr.skip()
         if demo_dir() is not None and Path(path).resolve() == demo_dir():
@@ -302,62 +310,70 @@ def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) ->
             choices=downloaded_choices(session), value=None
         )
 
-    def list_models() -> list[dict]:
+    # --- endpoints for scripts and tests (gr.api: their signatures and docstrings are the API's) --------------
+
+    def list_models(self) -> list[dict]:
         return [
             # Not "path": gradio_client would take a dict with a "path" key for a file to download.
             {"repo_id": m.repo_id, "folder": str(m.path), "size_bytes": m.size_bytes}
-            for m in list_downloaded(session.models_dir)
+            for m in list_downloaded(self.session.models_dir)
         ]
 
-    def load_ui(path, fmt, target):
-        # The format shown is for the model its note names; the other button loads its model in that one's own.
-        same = bool(path) and bool(target) and str(path).strip() == target
-        for status, bar in load_steps(session, path, fmt if same else ""):
-            yield status, bar, page_header.header(session)
+    def download(self, repo_id: str, token: str = "") -> Iterator[str]:
+        """Download a model: yields how far it got, then the outcome's sentence; raises with a sentence when the
+        download cannot start (a bad repo id, another download running, not enough disk)."""
+        try:
+            for _, text, _ in download_steps(self.session, repo_id, token):
+                yield text
+        except DownloadRefused as exc:
+            raise gr.Error(str(exc)) from exc
 
-    def note(choice, folder):
-        return model_formats.choice_note(session, choice, folder)
+    def load_model(self, folder: str, expert_format: str = "") -> str:
+        """Load a model folder (a downloaded one or any on disk); expert_format: auto, bf16, int8 or nf4 ("" keeps
+        the saved one). Returns the sentence the app shows; raises with a sentence when it cannot."""
+        if not folder:
+            raise gr.Error("Name a downloaded model's folder or another model folder.")
+        try:
+            if expert_format:
+                self.session.choose_format(folder, expert_format)
+            return self.session.load(Path(folder))
+        except (ModelLoadError, ValueError) as exc:
+            raise gr.Error(str(exc)) from exc
 
+
+def wire(session: Session, tab: ModelsTab, demo: gr.Blocks, top: gr.Markdown) -> list:
+    """Attach the events; returns the events after which a model was (un)loaded. `top`: the page's header, which
+    Load redraws while it loads (it names the model loading, then the one loaded, or the failure)."""
+    h, t = ModelsHandlers(session), tab
     private = dict(api_visibility="private")
-    on_page = [tab.machine, tab.catalog, tab.downloaded, tab.expert_format, tab.copies, tab.delete_copies]
-    demo.load(on_load, None, on_page, **private)
-    tab.refresh_machine.click(recheck, None, [tab.machine, tab.catalog], **private)
-    tab.catalog.select(pick, None, [tab.repo_id, tab.fit_detail], **private)
-    followed = [tab.expert_format, tab.format_note, tab.format_target]
-    tab.downloaded.change(follow, [tab.downloaded], followed, queue=False, **private)
-    tab.folder.change(follow_typed, [tab.folder, tab.downloaded, tab.expert_format], followed, queue=False, **private)
-    tab.expert_format.change(note, [tab.expert_format, tab.format_target], [tab.format_note], queue=False, **private)
-    tab.download.click(start, [tab.repo_id, tab.token], [tab.progress, tab.downloaded], **private)
-    tab.cancel.click(cancel, None, [tab.status], api_name="cancel_download", concurrency_limit=None)
-    outputs = [tab.status, tab.load_progress, top]
-    chosen = [tab.expert_format, tab.format_target]
-    loaded = tab.load.click(load_ui, [tab.downloaded, *chosen], outputs, concurrency_id="runtime", **private)
-    loaded_folder = tab.load_folder.click(load_ui, [tab.folder, *chosen], outputs, concurrency_id="runtime", **private)
-
-    def follow_line(shown):
-        line, ended = follow_download(session, shown)
-        return (gr.skip() if line is None else line), (
-            gr.Dropdown(choices=downloaded_choices(session)) if ended else gr.skip()
-        )
-
+    on_page = [t.machine, t.catalog, t.downloaded, t.expert_format, t.copies, t.delete_copies]
+    demo.load(h.on_load, None, on_page, **private)
+    t.refresh_machine.click(h.recheck, None, [t.machine, t.catalog], **private)
+    t.catalog.select(h.pick, None, [t.repo_id, t.fit_detail], **private)
+    followed = [t.expert_format, t.format_note, t.format_target]
+    t.downloaded.change(h.follow, [t.downloaded], followed, queue=False, **private)
+    t.folder.change(h.follow_typed, [t.folder, t.downloaded, t.expert_format], followed, queue=False, **private)
+    t.expert_format.change(h.note, [t.expert_format, t.format_target], [t.format_note], queue=False, **private)
+    t.download.click(h.start, [t.repo_id, t.token], [t.progress, t.downloaded], **private)
+    t.cancel.click(h.cancel, None, [t.status], api_name="cancel_download", concurrency_limit=None)
+    outputs, chosen = [t.status, t.load_progress, top], [t.expert_format, t.format_target]
+    loaded = t.load.click(h.load_ui, [t.downloaded, *chosen], outputs, concurrency_id="runtime", **private)
+    loaded_folder = t.load_folder.click(h.load_ui, [t.folder, *chosen], outputs, concurrency_id="runtime", **private)
     gr.Timer(DOWNLOAD_REFRESH_S).tick(
-        follow_line, [tab.progress], [tab.progress, tab.downloaded], queue=False, show_progress="hidden", **private
+        h.follow_line, [t.progress], [t.progress, t.downloaded], queue=False, show_progress="hidden", **private
     )
-    tab.delete_copies.click(
-        lambda: (model_formats.delete_copies(session), *copies_shown()),
-        None,
-        [tab.status, tab.copies, tab.delete_copies],
-        concurrency_id="runtime",  # not under a Load making a copy
-        **private,
+    # Not under a Load making a copy.
+    t.delete_copies.click(
+        h.delete_copies, None, [t.status, t.copies, t.delete_copies], concurrency_id="runtime", **private
     )
     # Not in the "runtime" queue: it must reach a load that Load's own event is still running.
-    tab.stop_load.click(lambda: literal(session.cancel_load()), None, [tab.status], **private)
-    deleted = tab.delete.click(
-        delete, [tab.downloaded], [tab.status, tab.downloaded], api_name="delete_model", concurrency_id="runtime"
+    t.stop_load.click(h.stop_load, None, [t.status], **private)
+    deleted = t.delete.click(
+        h.delete, [t.downloaded], [t.status, t.downloaded], api_name="delete_model", concurrency_id="runtime"
     )
     # Invisible endpoints for scripts and tests: the downloaded models as data, and loading one.
-    gr.api(list_models, api_name="list_models")
-    gr.api(download, api_name="download")
-    gr.api(load_model, api_name="load_model", concurrency_id="runtime")
-    gr.api(load_model, api_name="load_folder", concurrency_id="runtime")
+    gr.api(h.list_models, api_name="list_models")
+    gr.api(h.download, api_name="download")
+    gr.api(h.load_model, api_name="load_model", concurrency_id="runtime")
+    gr.api(h.load_model, api_name="load_folder", concurrency_id="runtime")
     return [loaded, loaded_folder, deleted]

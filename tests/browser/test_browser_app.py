@@ -47,9 +47,18 @@ class App:
     """`python app.py` in a subprocess; `url` once it serves."""
 
     def __init__(
-        self, data_dir: Path, model: Path, net_log: Path, port: int = 7880, token_delay_s: float = 0.0
+        self,
+        data_dir: Path,
+        model: Path,
+        net_log: Path,
+        port: int = 7880,
+        token_delay_s: float = 0.0,
+        reply: str = "",
     ) -> None:
+        """`reply`: every reply is this text (tests/browser/netguard/scripted_reply.py), not the tiny model's."""
         env = dict(os.environ)
+        if reply:
+            env["FMOE_TEST_REPLY"], env["FMOE_TEST_REPLY_MODEL"] = reply, str(model)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "browser" / "netguard"), str(ROOT)])
         env["FMOE_NET_LOG"] = str(net_log)
         if token_delay_s:

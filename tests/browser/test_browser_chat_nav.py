@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from store.settings import GENERATION_KEYS
 from tests.browser.test_browser_app import (
     CHROMIUM,
     CHROMIUM_ARGS,
@@ -75,14 +76,14 @@ def slider(page, elem_id: str):
 
 def kept(page, action, value) -> None:
     """Do `action` (a change of one Generation control to `value`) and wait for the server's answer to the event that
-    keeps it with the chat (its request: the chat and the panel's 8 values, `value` among them)."""
+    keeps it with the chat (its request: the chat and the panel's values, `value` among them)."""
 
     def keeping(response) -> bool:
         try:
             data = json.loads(response.request.post_data or "{}").get("data")
         except ValueError:
             return False
-        return isinstance(data, list) and len(data) == 9 and value in data
+        return isinstance(data, list) and len(data) == 1 + len(GENERATION_KEYS) and value in data
 
     with page.expect_response(keeping, timeout=30_000):
         action()

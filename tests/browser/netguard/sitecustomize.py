@@ -56,3 +56,5 @@ socket.getaddrinfo = getaddrinfo
 
 if os.environ.get("FMOE_TEST_TOKEN_DELAY_S"):
     import slow_tokens  # noqa: F401 - patches token sampling on import
+if os.environ.get("FMOE_TEST_REPLY"):
+    import scripted_reply  # noqa: F401 - patches token choice on import
