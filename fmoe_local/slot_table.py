@@ -77,6 +77,7 @@ class SlotTable:
         # [L·J] landed and unpinned: the eviction candidates are one flatnonzero away, in (layer, expert) order. The
         # replay evicts about a million times per trace, so this is kept up to date rather than rebuilt.
         self._evictable = np.zeros(self.total, bool)
+        self._candidate = [False] * self.capacity  # the same flag per slot, read without touching numpy
         self._num_evictable = 0
         self._num_landed = 0
         self._free = list(range(self.capacity - 1, -1, -1))
@@ -226,11 +227,11 @@ class SlotTable:
 
     def _update(self, s: int) -> None:
         """Keep slot `s`'s candidate flag equal to landed and unpinned."""
-        key = self._key[s]
-        code = key[0] * self._experts + key[1]
         now = self._landed[s] and self._pins[s] == 0
-        if self._evictable[code] != now:
-            self._evictable[code] = now
+        if self._candidate[s] != now:
+            key = self._key[s]
+            self._candidate[s] = now
+            self._evictable[key[0] * self._experts + key[1]] = now
             self._num_evictable += 1 if now else -1
 
     def _choose(self, count: int) -> list[ExpertKey]:
@@ -262,6 +263,7 @@ class SlotTable:
         if self._by_prefetch[s]:
             self.counters.prefetch_wasted += 1
         self._evictable[victim[0] * self._experts + victim[1]] = False
+        self._candidate[s] = False
         self._num_evictable -= 1
         self._num_landed -= 1
         self._key[s], self._landed[s], self._by_prefetch[s] = None, False, False
