@@ -1,8 +1,9 @@
 """Replay: drive the runtime's own policy objects with recorded routing and a cost model instead of a model.
 
-Scope: a simulated expert cache (slots, one in-flight prefetch copy, pins, on-demand loads) and the event order the
-runtime's prefetcher uses, timed by a `CostModel`; hit/miss/stall accounting and simulated TPOT. It does NOT
-implement any policy (policies/ and fmoe_bench/oracle.py do), print tables (fmoe_bench/cli.py) or run a model.
+Scope: the runtime's cache rules (fmoe_local/slot_table.py) driven by a simulated copier (simcache.py: one
+in-flight prefetch copy, on-demand loads) and the event order the runtime's prefetcher uses, timed by a `CostModel`;
+hit/miss/stall accounting and simulated TPOT. It does NOT implement any policy (policies/ and fmoe_bench/oracle.py
+do), print tables (fmoe_bench/cli.py) or run a model.
 
 Timeline of one iteration (the runtime's order, prefetcher.py + cache.py):
   begin_iteration(semantic) → prefetches queued; then for each MoE layer l:
@@ -294,8 +295,7 @@ def replay(
         if r < warm - 1:  # the last warm-up request is served, so the measured part starts with a warm cache
             _learn(policy, schedule, i)
             continue
-        sim.current_layer = -1
-        sim.set_pinned(())
+        sim.begin_iteration()
         queue.push(i, policy.begin_iteration(schedule.semantics[i]))
         layer_s = cost.layer_s(int(schedule.tokens[i]))
         budget = cost.bandwidth * layer_s
@@ -304,7 +304,7 @@ def replay(
         counts = schedule.counts.get(i)
         for layer, experts in enumerate(schedule.needed[i]):
             transfer(budget, queue, i)
-            _, stall, host = access(layer, experts, None if counts is None else counts[layer], plan)
+            stall, host = access(layer, experts, None if counts is None else counts[layer], plan)
             stall_total += stall + host
             push(i, observe_layer(layer, probs[layer]))
         policy.end_iteration()

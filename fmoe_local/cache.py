@@ -1,7 +1,9 @@
 """ExpertCache: a fixed number of device slots holding expert weights, allocated once.
 
-Scope: residency (which (layer, expert) sits in which slot), on-demand loads, prefetch loads, pinning of the experts
-a layer is computing with, eviction through the policy, and hit/miss/prefetch accounting. It does NOT decide what to
+Scope: the slot tensors, the copies into them (on-demand loads on the loader thread, prefetches on the prefetcher's),
+the waits for those copies, and their failures. The rules — residency, pins, eviction through the policy, prefetch
+admission, hit/late/miss/prefetch accounting — are the SlotTable's (slot_table.py), the object the replay drives too
+(fmoe_bench/simcache.py); this class applies them under its lock and does the moving. It does NOT decide what to
 prefetch (policies/), when (prefetcher.py), or how experts are computed (experts.py).
 
 Budget: the slot tensors are the only device memory expert weights ever occupy, so `capacity * expert_bytes` is a
@@ -12,8 +14,8 @@ again, and acquire takes a short path (no loads, waits or stall clock).
 
 Threads (the Offload's rule, offload.py, which alone owns the cache): the forward thread calls acquire/release; the
 prefetcher thread calls try_prefetch and copies its own prefetches; the forward pass's on-demand loads run on the
-loader thread (copier.py) while the forward thread waits for them. One lock guards the residency tables (slot_table.py);
-copies run outside it, in chunks, and a prefetch gives way to a running on-demand load between chunks (`_give_way`).
+loader thread (copier.py) while the forward thread waits for them. One lock guards the slot table; copies run outside
+it, in chunks, and a prefetch gives way to a running on-demand load between chunks (`_give_way`).
 On CUDA a landing means the copy is issued: the forward thread never waits for a copy on the host, the compute stream
 waits for its event (`before_use`). Host copies are permanent, so eviction only frees a slot.
 
@@ -22,9 +24,8 @@ which reports it to the request); every wait has a deadline (`load_timeout_s`) a
 `interrupt` is set (Stop, close; loads nobody waits for any more are then dropped unless started), so no wait here
 is unbounded.
 
-Counting (the one definition, DESIGN.md "Hits, late and misses"): an access is a hit when its expert is resident
-and copied, late when a prefetch of it is still copying, a miss when it is not in the cache at all — loaded on
-demand, or computed from the host copy when the caller's `on_host` says so (miss handling, miss_cost.py).
+Counting: slot_table.py holds the one definition (DESIGN.md "Hits, late and misses"); a miss is computed from the
+host copy when the caller's `on_host` says so (miss handling, miss_cost.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,10 +43,18 @@ from fmoe_local.cache_budget import check_capacity
 from fmoe_local.copier import Copier, Interrupted, Landing, Loader, LoadTimeout
 from fmoe_local.host import HostStore
 from fmoe_local.policies.base import ExpertKey, Policy
-from fmoe_local.slot_table import SlotTable
+from fmoe_local.slot_table import OnHost, SlotTable
 from fmoe_local.stats import LayerCounters
 
-OnHost = Callable[[list[int]], Sequence[bool]]  # an access's missing experts → computed on the host, each?
+
+@dataclass
+class DeviceSlot:
+    """What a slot needs beyond the table's rules: the Landing of its current claim (a new one per claim) and, on
+    CUDA, the events a copy into it must wait for (copier.py reads and sets them)."""
+
+    ready: Landing = field(default_factory=Landing)
+    copy_event: object | None = None  # CUDA: the copy's completion on the copy stream
+    last_use: object | None = None  # CUDA: compute stream event after the last kernel reading this slot
 
 
 class ExpertLoadError(RuntimeError):
@@ -70,7 +80,6 @@ class ExpertCache:
         self.host = host
         self.device = device
         self.capacity = min(capacity, host.num_layers * host.num_experts)
-        self.policy = policy
         self.counters = counters
         self.expert_bytes = host.expert_bytes
         self.tensors = {
@@ -79,7 +88,8 @@ class ExpertCache:
             )
             for name, shape in host.param_shapes.items()
         }
-        self._slots = SlotTable(self.capacity)
+        self._slots = SlotTable(host.num_layers, host.num_experts, self.capacity, policy, counters, self.expert_bytes)
+        self._dev = [DeviceSlot() for _ in range(self.capacity)]
         self._lock = threading.Condition()
         self._demand = 0  # on-demand loads in progress: the prefetcher yields to them
         # CUDA: the event of the last on-demand copy issued (the loader's stream runs them in order, so it stands
@@ -87,16 +97,30 @@ class ExpertCache:
         # for this event, or its copies would take half the link from every demand copy still on the wire.
         self._last_demand_copy: object | None = None
         self._slot_waiters = 0  # claims waiting for a slot to become evictable: prefetches must not pause then
-        self._held: list[int] = []  # slots of the last acquire, pinned until the next one
         self._copier = Copier(device, copy_chunk_bytes, streams)
         self._loader = Loader()
         self.interrupt = interrupt or threading.Event()
         self.load_timeout_s = load_timeout_s
-        self.current_layer = -1
-        self._total = host.num_layers * host.num_experts
-        self._complete = False  # every expert resident and loaded: see `complete`
 
     # ---- introspection -------------------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        return self._slots.policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        with self._lock:
+            self._slots.policy = policy
+
+    @property
+    def current_layer(self) -> int:
+        """The layer of the last acquire; −1 once a forward pass starts (the prefetcher sets it)."""
+        return self._slots.current_layer
+
+    @current_layer.setter
+    def current_layer(self, layer: int) -> None:
+        self._slots.current_layer = layer
+
     @property
     def budget_bytes(self) -> int:
         return self.capacity * self.expert_bytes
@@ -113,13 +137,8 @@ class ExpertCache:
 
     def claimed_mask(self) -> np.ndarray:
         """[L, J] bool: experts resident or being copied in, i.e. what a prefetch would find already there."""
-        mask = np.zeros((self.host.num_layers, self.host.num_experts), bool)
         with self._lock:
-            keys = list(self._slots.slot_of)
-        if keys:
-            layers, experts = zip(*keys, strict=True)
-            mask[list(layers), list(experts)] = True
-        return mask
+            return self._slots.claimed.copy()
 
     @property
     def on_demand_active(self) -> bool:
@@ -129,41 +148,36 @@ class ExpertCache:
     def complete(self) -> bool:
         """Every expert of the model is resident and loaded. Final: with no key ever missing, no slot is claimed
         again, so nothing is evicted and nothing can miss — prediction and copies have nothing left to do."""
-        return self._complete
+        return self._slots.complete
 
     # ---- forward thread ------------------------------------------------------------------------------------------
     def acquire(self, layer: int, experts: Sequence[int], on_host: OnHost | None = None) -> list[int]:
         """Make `experts` of `layer` resident and pinned; returns their slots. Misses load now (on demand), except
         those `on_host(missing)` claims (one flag per missing expert, in access order): they are counted as misses
         (and as computed on the host), get slot −1 and load nothing — the caller computes them from the host copy,
-        after this returns, so the loads are under way by then. The policy sees every access either way."""
+        after this returns, so the loads are under way by then. The policy sees every access either way (the rules:
+        slot_table.py)."""
         if len(experts) > self.capacity:
             raise ValueError("acquire() got more experts than the cache has slots; compute in chunks.")
         with self._lock:
-            self._unhold_locked()
-            self.current_layer = layer
-            if self._complete:
+            if self._slots.complete:
                 # Nothing to load or wait for (every slot is ready): no on-demand bracket, no stall clock.
-                slots = [self._pin_hit_locked(layer, e, self._slots.slot_of[(layer, e)]) for e in experts]
-                self.policy.record_access(layer, list(experts), [True] * len(experts))
-                return slots
+                return self._slots.access(layer, experts, _Access(self, math.inf))
             self._demand += 1
         t0 = time.perf_counter()
-        deadline = t0 + self.load_timeout_s
-        pinned: list[tuple[int, Landing]] = []  # what this access pinned, to undo if it fails
+        access = _Access(self, t0 + self.load_timeout_s)
         try:
             with self._lock:
-                slots, waits = self._pin_and_claim_locked(layer, experts, pinned, deadline, on_host)
-            for landing, key in waits:
-                landing.wait_until(deadline, self.interrupt, f"expert {key[1]} of MoE layer {key[0]}")
+                slots = self._slots.access(layer, experts, access, on_host)
+            for landing, key in access.waits:
+                landing.wait_until(access.deadline, self.interrupt, f"expert {key[1]} of MoE layer {key[0]}")
         except BaseException as exc:
             with self._lock:
-                for s, landing in pinned:
-                    slot = self._slots[s]
-                    if slot.ready is not landing:  # a failed load already released its slot
+                for s, landing in access.pinned_slots:
+                    if self._dev[s].ready is not landing:  # a failed load already released its slot
                         continue
-                    slot.pins -= 1
-                    if slot.pins or landing.is_set():
+                    self._slots.unpin(s)
+                    if self._slots.pins(s) or landing.is_set():
                         continue
                     landing.abandoned = True  # nobody waits for it now: skipped if not started
                     if not isinstance(exc, (LoadTimeout, Interrupted)) or landing.copying:
@@ -176,7 +190,7 @@ class ExpertCache:
                         # Past its deadline the read counts as lost: the claim is released, so the next access
                         # reads the expert again instead of waiting on this landing (a late result is dropped).
                         # After Stop it may just be slow: it keeps the claim and lands when the read returns.
-                        self._release_locked(s, slot.key, landing, exc)
+                        self._release_locked(s, landing, exc)
             raise
         finally:
             with self._lock:
@@ -185,69 +199,6 @@ class ExpertCache:
                 self._lock.notify_all()
         return slots
 
-    def _pin_and_claim_locked(
-        self,
-        layer: int,
-        experts: Sequence[int],
-        pinned: list[tuple[int, Landing]],
-        deadline: float,
-        on_host: OnHost | None = None,
-    ) -> tuple[list[int], list[tuple[Landing, ExpertKey]]]:
-        """Pin the resident experts of this access, then claim slots for the missing ones and start their loads.
-        Returns the slots and the landings to wait for (late prefetches and the new loads)."""
-        waits: list[tuple[Landing, ExpertKey]] = []
-        hits: list[bool] = []
-        slots = []
-        # Pin every resident expert of this access first, so that loading a missing one can never evict
-        # another expert the same layer is about to use.
-        for e in experts:
-            s = self._slots.slot_of.get((layer, e))
-            hits.append(s is not None)  # what the policy is told, late or not (the replay tells it the same)
-            slots.append(-1 if s is None else s)
-            if s is None:
-                continue
-            slot = self._slots[s]
-            if slot.ready.is_set():
-                self._pin_hit_locked(layer, e, s)
-            else:  # late: its prefetch is still copying
-                slot.pins += 1
-                if slot.by_prefetch:
-                    slot.by_prefetch = False
-                    self.counters.prefetch_used += 1
-                self.counters.late[layer, e] += 1
-                waits.append((slot.ready, (layer, e)))
-            pinned.append((s, slot.ready))
-        missing = [e for e, hit in zip(experts, hits, strict=True) if not hit]
-        host = {e for e, cpu in zip(missing, on_host(missing), strict=True) if cpu} if on_host and missing else ()
-        for i, e in enumerate(experts):
-            if hits[i]:
-                continue
-            if e in host:
-                self.counters.misses[layer, e] += 1
-                self.counters.on_host[layer, e] += 1
-                continue  # slot −1: computed from the host copy, nothing loaded
-            key = (layer, e)
-            s = self._claim_locked(key, current_layer=layer, deadline=deadline)
-            slot = self._slots[s]
-            slot.pins += 1
-            pinned.append((s, slot.ready))
-            slots[i] = s
-            self.counters.misses[layer, e] += 1
-            waits.append((slot.ready, key))
-            landing = slot.ready
-            landing.job = self._loader.submit(lambda s=s, key=key, landing=landing: self._load(s, key, landing))
-        self.policy.record_access(layer, list(experts), hits)
-        return slots, waits
-
-    def _pin_hit_locked(self, layer: int, expert: int, s: int) -> int:
-        slot = self._slots[s]
-        slot.pins += 1
-        if slot.by_prefetch:
-            slot.by_prefetch = False
-            self.counters.prefetch_used += 1
-        self.counters.hits[layer, expert] += 1
-        return s
-
     def before_use(self, s: int) -> None:
         """Call right before computing with slot `s` (an acquired slot). CUDA: the compute stream waits for the copy
         into it — per expert, so the first expert of a layer computes while the copies of the next ones go on. Once
@@ -255,50 +206,42 @@ class ExpertCache:
         is pinned: no copy can replace it)."""
         if not self._copier.cuda:
             return
-        slot = self._slots[s]
+        slot = self._dev[s]
         if slot.copy_event is not None:
             self._copier.streams.current().wait_event(slot.copy_event)
             slot.copy_event = None
 
     def release(self, slots: Sequence[int]) -> None:
         last_use = None
-        if self._copier.cuda and not self._complete:  # complete: no copy will ever need to wait for these kernels
+        if self._copier.cuda and not self._slots.complete:  # complete: no copy will ever wait for these kernels
             last_use = self._copier.streams.event()
             last_use.record(self._copier.streams.current())
         with self._lock:
             for s in slots:
                 if last_use is not None:
-                    self._slots[s].last_use = last_use
+                    self._dev[s].last_use = last_use
             # The layer's experts stay pinned until the next acquire (or the next forward pass): copies that
-            # overlap this layer must not evict what it is using — the replay benchmark models the same rule.
-            self._held.extend(slots)
+            # overlap this layer must not evict what it is using (slot_table.py).
+            self._slots.release(slots)
             self._lock.notify_all()
 
     def unhold(self) -> None:
         """A new forward pass starts: the previous layer's experts are no longer in use."""
         with self._lock:
-            self._unhold_locked()
+            self._slots.unhold()
             self._lock.notify_all()
-
-    def _unhold_locked(self) -> None:
-        for s in self._held:
-            self._slots[s].pins -= 1
-        self._held.clear()
 
     # ---- prefetcher thread ---------------------------------------------------------------------------------------
     def try_prefetch(self, layer: int, expert: int) -> bool:
         """Load (layer, expert) if absent and a slot can be freed without touching pinned experts."""
-        key = (layer, expert)
         with self._lock:
-            if key in self._slots.slot_of or self._demand:
+            if self._demand:
                 return False
-            if not self._slots.has_free() and not self._slots.evictable():
+            s = self._slots.admit_prefetch(layer, expert)
+            if s is None:
                 return False
-            s = self._claim_locked(key, current_layer=self.current_layer)
-            self._slots[s].by_prefetch = True
-            self.counters.prefetched[layer, expert] += 1
-            landing = self._slots[s].ready
-        error = self._load(s, key, landing, pause=lambda: self._give_way(s))
+            landing = self._dev[s].ready = Landing()
+        error = self._load(s, (layer, expert), landing, pause=lambda: self._give_way(s))
         if error is not None:
             raise error
         return True
@@ -309,46 +252,21 @@ class ExpertCache:
         free up (this copy's end may be what frees one). Bounded: every demand load ends (its own deadline, Stop,
         close), and so does a DMA once issued."""
         with self._lock:
-            while self._demand and not self._slots[s].pins and not self._slot_waiters and not self.interrupt.is_set():
+            while self._demand and not self._slots.pins(s) and not self._slot_waiters and not self.interrupt.is_set():
                 self._lock.wait(timeout=0.05)
             demand_copy = None
-            if not (self._slots[s].pins or self._slot_waiters):
+            if not (self._slots.pins(s) or self._slot_waiters):
                 demand_copy, self._last_demand_copy = self._last_demand_copy, None
         if demand_copy is not None:
             demand_copy.synchronize()  # the prefetcher's thread; a DMA already issued always ends
 
     # ---- internals -----------------------------------------------------------------------------------------------
-    def _claim_locked(self, key: ExpertKey, current_layer: int, deadline: float = math.inf) -> int:
-        s = self._slots.take_free()
-        if s is None:
-            candidates = self._slots.evictable()
-            self._slot_waiters += 1
-            try:
-                while not candidates:
-                    # Every slot is pinned or still loading: wait for an in-flight copy or a release.
-                    if self.interrupt.is_set():
-                        raise Interrupted("Stopped while waiting for a free slot in the expert cache.")
-                    if time.perf_counter() > deadline:
-                        raise LoadTimeout(
-                            "Every slot of the expert cache stayed busy loading for too long. The disk or the model "
-                            "files may be failing; check the disk, or download the model again."
-                        )
-                    self._lock.notify_all()  # a paused prefetch sees the waiter and goes on
-                    self._lock.wait(timeout=0.05)
-                    candidates = self._slots.evictable()
-            finally:
-                self._slot_waiters -= 1
-            victim = self.policy.choose_victims(candidates, current_layer, 1)[0]
-            s = self._slots.evict(victim)
-            if self._slots[s].by_prefetch:
-                self.counters.prefetch_wasted += 1
-        self._slots.occupy(s, key)
-        return s
-
-    def _release_locked(self, s: int, key: ExpertKey, landing: Landing, error: BaseException) -> None:
-        """A load that will not land: the claim is released (the expert is simply not resident) and its waiters
-        hear `error`."""
-        self._slots.vacate(s, key, landing)
+    def _release_locked(self, s: int, landing: Landing, error: BaseException) -> None:
+        """A load that will not land: if slot `s` still holds that claim (`landing`), it is released (the expert is
+        simply not resident); the landing's waiters hear `error`."""
+        if self._dev[s].ready is landing:
+            self._slots.vacate(s)
+            self._dev[s].ready = Landing()
         landing.set(error)
         self._lock.notify_all()
 
@@ -357,13 +275,13 @@ class ExpertCache:
     ) -> ExpertLoadError | None:
         """Copy `key` into slot `s` and settle `landing`. Never raises: a failure releases the slot and is
         returned (and handed to every waiter through the landing)."""
-        slot = self._slots[s]
+        slot = self._dev[s]
         with self._lock:
             if landing.is_set():  # given up and released before it started (acquire, on a timeout or Stop)
                 return None
-            if landing.abandoned and slot.ready is landing and slot.pins == 0:
+            if landing.abandoned and slot.ready is landing and self._slots.pins(s) == 0:
                 # Everyone who wanted it stopped before it started: give the slot back unread.
-                self._release_locked(s, key, landing, Interrupted("Stopped before this expert was loaded."))
+                self._release_locked(s, landing, Interrupted("Stopped before this expert was loaded."))
                 return None
         try:
             rows = self.host.read(*key)
@@ -379,15 +297,13 @@ class ExpertCache:
             )
             error.__cause__ = exc
             with self._lock:
-                self._release_locked(s, key, landing, error)
+                self._release_locked(s, landing, error)
             return error
         with self._lock:
-            self.counters.bytes_moved += self.expert_bytes
             if pause is None and self._copier.cuda:  # an on-demand copy (read before landing: nobody cleared it)
                 self._last_demand_copy = slot.copy_event
+            self._slots.land(s)
             landing.set()
-            if self._slots.all_loaded(self._total):
-                self._complete = True
             self._lock.notify_all()
         return None
 
@@ -405,6 +321,44 @@ class ExpertCache:
     def drop_unused_prefetches(self) -> int:
         """Count prefetched experts still unused at the end of a request as wasted (they stay resident)."""
         with self._lock:
-            wasted = self._slots.forget_prefetches()
-            self.counters.prefetch_wasted += wasted
-            return wasted
+            return self._slots.end_request()
+
+
+class _Access:
+    """One acquire's side of the table's access (slot_table.Loads), run under the cache's lock: it notes what the
+    access pinned (to undo on a failure) and what to wait for, starts the misses' loads on the loader thread, and
+    waits — releasing the lock — while every slot is pinned or loading."""
+
+    def __init__(self, cache: ExpertCache, deadline: float) -> None:
+        self.cache, self.deadline = cache, deadline
+        self.pinned_slots: list[tuple[int, Landing]] = []  # what this access pinned, with the claim's landing
+        self.waits: list[tuple[Landing, ExpertKey]] = []  # late prefetches and the new loads
+
+    def pinned(self, s: int, key: ExpertKey, landed: bool) -> None:
+        ready = self.cache._dev[s].ready
+        self.pinned_slots.append((s, ready))
+        if not landed:  # late: its prefetch is still copying
+            self.waits.append((ready, key))
+
+    def load(self, s: int, key: ExpertKey) -> None:
+        cache = self.cache
+        landing = cache._dev[s].ready = Landing()
+        self.pinned_slots.append((s, landing))
+        self.waits.append((landing, key))
+        landing.job = cache._loader.submit(lambda: cache._load(s, key, landing))
+
+    def wait_for_slot(self) -> None:
+        cache = self.cache
+        if cache.interrupt.is_set():
+            raise Interrupted("Stopped while waiting for a free slot in the expert cache.")
+        if time.perf_counter() > self.deadline:
+            raise LoadTimeout(
+                "Every slot of the expert cache stayed busy loading for too long. The disk or the model "
+                "files may be failing; check the disk, or download the model again."
+            )
+        cache._slot_waiters += 1
+        try:
+            cache._lock.notify_all()  # a paused prefetch sees the waiter and goes on
+            cache._lock.wait(timeout=0.05)
+        finally:
+            cache._slot_waiters -= 1

@@ -78,11 +78,11 @@ def test_cache_is_complete_once_every_expert_is_loaded_and_then_only_hits():
     assert policy.accesses[-1] == (1, [0, 3], [True, True])
     assert int(cache.counters.hits[1, 0]) == 1 and int(cache.counters.hits[1, 3]) == 1
     # The running layer's experts stay pinned until the next acquire, as on the general path.
-    assert all(cache._slots[s].pins == 1 for s in slots)
+    assert all(cache._slots.pins(s) == 1 for s in slots)
     cache.release(slots)
-    assert all(cache._slots[s].pins == 1 for s in slots)
+    assert all(cache._slots.pins(s) == 1 for s in slots)
     cache.release(cache.acquire(2, [1]))
-    assert all(cache._slots[s].pins == 0 for s in slots)
+    assert all(cache._slots.pins(s) == 0 for s in slots)
     assert len(host.reads) == L * J  # nothing was copied again
     assert not cache.try_prefetch(0, 0)
 
@@ -153,7 +153,7 @@ def test_a_failed_load_releases_its_slot_and_raises_a_sentence():
     with pytest.raises(ExpertLoadError, match="Could not load expert 1 of MoE layer 0.*download the model again"):
         cache.acquire(0, [0, 1])
     assert not cache.claimed_mask()[0, 1]
-    assert all(s.pins == 0 for s in cache._slots)  # the access's pins were undone, the hit's too
+    assert all(cache._slots.pins(s) == 0 for s in range(cache.capacity))  # the access's pins undone, the hit's too
     cache.host.broken.clear()
     slots = cache.acquire(0, [0, 1])
     assert holds(cache, slots[1], 0, 1)
@@ -172,7 +172,7 @@ def test_interrupt_ends_a_wait_for_a_stuck_read_and_the_read_settles_later():
     threading.Timer(0.2, cache.interrupt.set).start()
     with pytest.raises(Interrupted):
         cache.acquire(0, [0])
-    assert all(s.pins == 0 for s in cache._slots)
+    assert all(cache._slots.pins(s) == 0 for s in range(cache.capacity))
     cache.interrupt.clear()
     host.gate.set()  # the read finishes in the background and its slot becomes an ordinary resident expert
     slots = cache.acquire(0, [0])

@@ -94,7 +94,7 @@ def test_int4_experts_on_the_gpu_use_the_cuda_product_and_decode(tiny_model_dir,
     with Runtime.load(tiny_model_dir("mixtral"), config) as runtime:
         final = runtime.generate([{"role": "user", "content": "Tell me about the ocean."}])
         engine = runtime.engine
-        key = engine.cache._slots[0].key
+        key = engine.cache._slots.key_of(0)
         slot = engine.host.view(SlotRows(engine.cache.tensors, 0))
         ram = engine.host.view(engine.host.read(*key))  # the portable bytes the copy started from
         products = {}

@@ -212,8 +212,9 @@ def test_capacity_and_live_only_policies() -> None:
     assert out[0].note == "needs hidden states (live only)" and out[0].hits == 0
 
 
-def test_sim_cache_keeps_candidates_apart_from_held_experts() -> None:
-    """Random pins, copies and loads: the candidate rows are exactly the resident experts not pinned or in flight."""
+def test_sim_cache_never_offers_the_copy_in_flight_or_the_layer_in_use_as_a_victim():
+    """Random windows and accesses through the simulated copier: every victim asked for is landed and unpinned, and
+    the copy in flight and the experts of the last access (pinned until the next) never are candidates."""
     from fmoe_bench.simcache import SimCache
     from fmoe_local.prefetch_queue import PrefetchQueue
 
@@ -222,23 +223,30 @@ def test_sim_cache_keeps_candidates_apart_from_held_experts() -> None:
 
     class Checking(LRU):
         def choose_victims(self, candidates, current_layer, count=1):
-            keys = set(candidates)
+            keys, t = set(candidates), sim.table
             seen.append(keys)
-            assert not keys & set(sim.pinned) and sim.inflight not in keys
-            assert keys == set(sim.resident) - set(sim.pinned) - {sim.inflight}
+            assert sim.inflight is None or t.key_of(sim.inflight) not in keys
+            assert all(t.landed(t.slot_of[k]) and t.pins(t.slot_of[k]) == 0 for k in keys)
+            assert not (window and keys & set(last))  # during a window the last access is still in use
             return [candidates[int(i)] for i in rng.choice(len(candidates), size=count, replace=False)]
 
     shape = ModelShape(3, 8, 2)
     sim = SimCache(shape, 7, Checking(), CostModel(100, 1000.0, 0.01, 0.0))
+    last: list = []
+    window = False
     for step in range(300):
         layer = step % 3
+        if layer == 0:
+            sim.begin_iteration()
+            last = []
         queue = PrefetchQueue(3, 8)
         queue.push(0, [Prefetch(int(rng.integers(layer, 3)), int(rng.integers(8)), 1.0) for _ in range(2)])
-        sim.current_layer = layer - 1
+        window = True
         sim.transfer(float(rng.choice([0, 50, 100, 250])), queue, 0)
-        sim.access(layer, tuple(int(e) for e in rng.choice(8, size=2, replace=False)))
-        assert set(sim.candidates()) == set(sim.resident) - set(sim.pinned) - {sim.inflight}
-        assert {tuple(k) for k in np.argwhere(sim.resident_mask)} == set(sim.resident)
+        window = False
+        experts = tuple(int(e) for e in rng.choice(8, size=2, replace=False))
+        sim.access(layer, experts)
+        last = [(layer, e) for e in experts]
     assert len(seen) > 100
 
 

@@ -114,10 +114,10 @@ def lowest(
     in np.lexsort).
 
     Exact ties go to the smallest (layer, expert), so a choice never depends on the order the cache lists its
-    candidates in: the runtime and the replay benchmark list them differently and must still agree.
+    candidates in: a caller (a test, a policy wrapping another) may list them in any order.
     The result is np.lexsort's first rows without sorting everything: this runs for every eviction, about a
     million times per replayed trace. Candidates known to come in (layer, expert) order (`CandidateKeys.in_order`,
-    the replay's) break ties by position, so one victim under a single key is one argmin.
+    the cache's, slot_table.py) break ties by position, so one victim under a single key is one argmin.
     """
     n = len(layers)
     need = min(count, n)
@@ -206,7 +206,7 @@ def flat_codes(
 
 def split_keys(candidates: Sequence[ExpertKey]) -> tuple[np.ndarray, np.ndarray]:
     """Candidates as two int arrays (layers, experts), for vectorised priority lookups."""
-    if isinstance(candidates, CandidateKeys):  # the replay's candidates are arrays already
+    if isinstance(candidates, CandidateKeys):  # the cache's candidates are arrays already
         return candidates.layers, candidates.experts
     if hasattr(candidates, "__array__"):
         keys = np.asarray(candidates, dtype=np.int64).reshape(-1, 2)

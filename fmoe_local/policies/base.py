@@ -137,9 +137,9 @@ class Policy(Protocol):
     def choose_victims(self, candidates: Sequence[ExpertKey], current_layer: int, count: int = 1) -> list[ExpertKey]:
         """The `count` resident experts to evict among `candidates` (never empty, never in use), first victim first.
 
-        Must equal picking one victim, removing it from `candidates`, and picking again: a cache that needs several
-        slots for one layer asks once (the replay does), another may ask one at a time (the runtime does), and the
-        two must agree.
+        Must equal picking one victim, removing it from `candidates`, and picking again: the cache's rules
+        (slot_table.py) ask once for every slot an access's misses need, and ask again one at a time only when a
+        slot frees up later; both must give what asking one at a time would.
         """
         ...
 
