@@ -84,7 +84,7 @@ def test_summary_takes_each_rounds_share_of_its_own_limit():
         cpu_decode.Sample("int8", tok_s=3.0, experts_s=0.5, dram_gbps=2e-6, bytes=tb),  # limit 2 tok/s
         cpu_decode.Sample("int8", tok_s=8.0, experts_s=0.1, dram_gbps=4e-6, bytes=tb, note="spill"),  # limit 4 tok/s
     ]
-    (row,) = cpu_decode.summarise(samples, "bfloat16")
+    (row,) = cpu_decode.summarise(samples, {"int8": "bfloat16"})
     assert row.tok_s == 3.0 and row.limit_tok_s == pytest.approx(2.0)
     assert row.of_limit == pytest.approx(2.0)  # ratios 2, 1.5, 2
     # experts' limit: 600 bytes at 1, 2, 4 kB/s = 0.6, 0.3, 0.15 s against 0.5, 0.5, 0.1 s
