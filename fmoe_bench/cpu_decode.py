@@ -18,8 +18,8 @@ copies predicted experts into RAM slots (hits are then computed from the slots w
 Method: formats interleaved in every round (the order reversed every other round, so a drifting machine load does
 not favour one format), each round's DRAM figure (bandwidth.dram_read_gbps, all torch threads) measured at its
 start; per format the medians over rounds of tok/s and of each round's own share of its limit. The compute dtype is
-resolved once for every format (`--dtype auto`: engine.resolve_dtype's probe, what a load would choose), so all
-formats compute in the same one. The prompt is one character, so the prefill is one token as every decode step.
+resolved once per format before the first round (`--dtype auto`: engine.resolve_dtype's probes, what a load of that
+format would choose: int8/int4 keep bf16 where torch's products are faster so), and kept over the rounds. The prompt is one character, so the prefill is one token as every decode step.
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def token_bytes(runtime: object) -> TokenBytes:
     return TokenBytes(int(experts), int(resident))
 
 
-def compute_dtype(name: str, model_dir: Path) -> str:
-    """The compute dtype every format runs in: `name`, or with auto what a CPU load of this checkpoint chooses."""
+def compute_dtype(name: str, model_dir: Path, fmt: str = "auto") -> str:
+    """The compute dtype `fmt` runs in: `name`, or with auto what a CPU load of this checkpoint in `fmt` chooses."""
     import torch
 
     from fmoe_local.engine import resolve_dtype
@@ -125,7 +125,7 @@ def compute_dtype(name: str, model_dir: Path) -> str:
 
     if name != "auto":
         return name
-    chosen = resolve_dtype("auto", torch.device("cpu"), partial(checkpoint_dtype, model_dir))
+    chosen = resolve_dtype("auto", torch.device("cpu"), partial(checkpoint_dtype, model_dir), expert_format=fmt)
     return str(chosen or checkpoint_dtype(model_dir)).removeprefix("torch.")
 
 
@@ -179,8 +179,9 @@ def measure_format(
     return Sample(fmt, stats.tokens_per_s, per_token, dram_gbps, counted, note, saved[fmt].cpu_kernel)
 
 
-def summarise(samples: Sequence[Sample], dtype: str) -> list[Row]:
-    """One row per format (in the order first measured): medians over its rounds."""
+def summarise(samples: Sequence[Sample], dtypes: dict[str, str]) -> list[Row]:
+    """One row per format (in the order first measured): medians over its rounds. `dtypes`: each format's compute
+    dtype."""
     rows = []
     for fmt in dict.fromkeys(s.fmt for s in samples):
         mine = [s for s in samples if s.fmt == fmt]
@@ -194,7 +195,7 @@ def summarise(samples: Sequence[Sample], dtype: str) -> list[Row]:
         rows.append(
             Row(
                 fmt=fmt,
-                dtype=dtype,
+                dtype=dtypes[fmt],
                 rounds=len(mine),
                 tok_s=median([s.tok_s for s in mine]),
                 bytes_per_token=first.total,
@@ -224,9 +225,10 @@ def benchmark(
     from fmoe_local import bandwidth
 
     measure_dram = dram or bandwidth.dram_read_gbps
-    dtype = compute_dtype(settings.dtype, model_dir)
-    log(f"compute dtype: {dtype} (--dtype {settings.dtype})")
-    info: dict = {"dtype": dtype, "dram_gbps": [], "loadavg": [_loadavg()]}
+    dtypes = {fmt: compute_dtype(settings.dtype, model_dir, fmt) for fmt in settings.formats}
+    log(f"compute dtype (--dtype {settings.dtype}): {', '.join(f'{f} {d}' for f, d in dtypes.items())}")
+    one = set(dtypes.values())
+    info: dict = {"dtype": one.pop() if len(one) == 1 else "per format", "dram_gbps": [], "loadavg": [_loadavg()]}
     samples: list[Sample] = []
     saved: dict = {}
     for r in range(settings.rounds):
@@ -235,14 +237,14 @@ def benchmark(
         order = settings.formats if r % 2 == 0 else tuple(reversed(settings.formats))
         for fmt in order:
             t0 = time.perf_counter()
-            sample = measure_format(model_dir, fmt, dtype, settings, quant_dir, gbps, saved)
+            sample = measure_format(model_dir, fmt, dtypes[fmt], settings, quant_dir, gbps, saved)
             samples.append(sample)
             log(
                 f"round {r + 1}/{settings.rounds} {fmt}: {sample.tok_s:.2f} tok/s, DRAM {gbps:.1f} GB/s "
                 f"({time.perf_counter() - t0:.0f} s with the load)"
             )
     info["loadavg"].append(_loadavg())
-    return summarise(samples, dtype), info
+    return summarise(samples, dtypes), info
 
 
 def _loadavg() -> str:
@@ -263,11 +265,11 @@ def table(rows: Sequence[Row], info: dict) -> str:
         f"{' → '.join(info['loadavg'])}\n"
         "limit = DRAM read ÷ bytes per token; experts: the runtime's host-compute time per token against the active "
         "experts' bytes ÷ DRAM read\n\n"
-        "| format | tok/s | MB / token (experts + rest) | limit tok/s | % of limit | experts ms / token "
-        "| experts % of their limit | experts' kernel | rounds | note |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| format | computes in | tok/s | MB / token (experts + rest) | limit tok/s | % of limit | experts ms / token "
+        "| experts % of their limit | experts' kernel | rounds | note |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
-        f"| {r.fmt} | {r.tok_s:.2f} | {r.bytes_per_token / 1e6:.1f} ({r.expert_bytes_per_token / 1e6:.1f} + "
+        f"| {r.fmt} | {r.dtype} | {r.tok_s:.2f} | {r.bytes_per_token / 1e6:.1f} ({r.expert_bytes_per_token / 1e6:.1f} + "
         f"{(r.bytes_per_token - r.expert_bytes_per_token) / 1e6:.1f}) | {r.limit_tok_s:.1f} | {100 * r.of_limit:.0f} % "
         f"| {r.experts_ms:.1f} | {100 * r.experts_of_limit:.0f} % | {r.kernel} | {r.rounds} | {r.note} |"
         for r in rows

@@ -104,3 +104,55 @@ def half_decode_ratio(dtype: object, repeats: int = 7) -> float:
 def cpu_keeps_half(dtype: object) -> bool:
     """Does this CPU decode with weights in half precision `dtype` about as fast as in float32 (measured)?"""
     return half_decode_ratio(dtype) <= HALF_DECODE_SLACK
+
+
+def products_decode_ratio(fmt: str, repeats: int = 3) -> float:
+    """Seconds of torch's one-token weight-only product for packed `fmt` ("int8" or "int4", expert_formats'
+    Int8Weight / Int4Weight) with bf16 activations over the same with float32 ones: below 1 bf16 decodes faster.
+    Two weights of `half_decode_ratio`'s shape with constant codes (no packing): the gap is the kernels' arithmetic
+    (3–10× here), not memory, so two suffice and the probe costs well under a second. Each pass times float32 then
+    bf16, the median ratio counts. Where torch lacks the product it measures as infinitely slow."""
+    import torch
+
+    from fmoe_local.expert_formats import Int4Weight, Int8Weight, int4_group
+
+    shape = (HALF_PROBE_OUT, HALF_PROBE_IN)
+    group = int4_group(HALF_PROBE_IN)
+    packed = None  # int4: torch's CPU layout of constant codes, made once (the products' speed does not hang on them)
+
+    def weight(dtype: torch.dtype) -> object:
+        if fmt == "int8":
+            return Int8Weight(torch.full(shape, 77, dtype=torch.int8), torch.full((HALF_PROBE_OUT,), 0.01))
+        sz = torch.full((HALF_PROBE_IN // group, HALF_PROBE_OUT, 2), 0.01, dtype=dtype)
+        return Int4Weight(packed.clone(), sz, group)
+
+    try:
+        if fmt not in ("int8", "int4"):
+            raise ValueError(f"No weight-only product for '{fmt}'.")
+        if fmt == "int4":
+            packed = Int4Weight.from_portable(torch.full((HALF_PROBE_OUT, HALF_PROBE_IN // 2), 0x97, dtype=torch.uint8))
+        pairs = [
+            (torch.full((1, HALF_PROBE_IN), 0.5, dtype=d), [weight(d) for _ in range(2)])
+            for d in (torch.float32, torch.bfloat16)
+        ]
+        ratios = []
+        with torch.inference_mode():
+            for x, ws in pairs:
+                ws[0].linear(x, None)  # warm-up
+            for _ in range(repeats):
+                seconds = []
+                for x, ws in pairs:
+                    start = time.perf_counter()
+                    for w in ws:
+                        w.linear(x, None)
+                    seconds.append(time.perf_counter() - start)
+                ratios.append(seconds[1] / seconds[0])
+    except (RuntimeError, TypeError, NotImplementedError, ValueError):  # a build without the product
+        return float("inf")
+    return sorted(ratios)[len(ratios) // 2]
+
+
+def cpu_products_prefer_bf16(fmt: str) -> bool:
+    """Does this CPU compute torch's weight-only products for `fmt` faster with bf16 activations than with float32
+    ones (measured)? On CPUs without bf16 units they are 4–11× faster so (docs/bench.md, "Session 15")."""
+    return products_decode_ratio(fmt) < 1.0

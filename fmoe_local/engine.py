@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
-from fmoe_local import bandwidth, cache_budget, chat_template, cpu_experts, hardware, miss_cost
+from fmoe_local import bandwidth, cache_budget, chat_template, cpu_experts, expert_formats, hardware, miss_cost
 from fmoe_local.cache import ExpertCache
 from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
 from fmoe_local.chat_template import TemplateOverBudget
@@ -77,18 +77,27 @@ def resolve_dtype(
     device: torch.device,
     stored: Callable[[], torch.dtype] | None = None,
     keeps_half: Callable[[torch.dtype], bool] = bandwidth.cpu_keeps_half,
+    expert_format: str = "auto",
+    products_prefer_bf16: Callable[[str], bool] = bandwidth.cpu_products_prefer_bf16,
 ) -> torch.dtype | None:
     """None = keep the checkpoint's dtype (`stored()` says which it is). On a GPU auto keeps it. On the CPU auto keeps
-    a bf16 checkpoint only where this CPU decodes in bf16 about as fast as in float32 (`keeps_half`, a measurement:
-    CPUs range from ones without bf16 units to AMX), so the model holds its own size in RAM; else, and for fp16
+    a bf16 checkpoint where this CPU decodes in bf16 about as fast as in float32 (`keeps_half`, a measurement:
+    CPUs range from ones without bf16 units to AMX), so the model holds its own size in RAM, and where its experts
+    are int8/int4 (`expert_format`) that torch's weight-only products compute faster with bf16 activations
+    (`products_prefer_bf16`, measured; asked first: the experts are most of a token's bytes). Else, and for fp16
     checkpoints (models trained in bf16 can overflow fp16, and CPUs' fp16 products are slow), float32."""
     if name != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
     if device.type == "cuda" or stored is None:
         return None
     dtype = stored()
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and keeps_half(dtype)):
+    if dtype == torch.float32:
         return None
+    if dtype == torch.bfloat16:
+        if expert_format in expert_formats.PRODUCTS and products_prefer_bf16(expert_format):
+            return None
+        if keeps_half(dtype):
+            return None
     return torch.float32
 
 
@@ -112,7 +121,9 @@ class Engine:
         self.model_dir = model_dir
         self.config = config
         self.device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, self.device, partial(checkpoint_dtype, model_dir))
+        dtype = resolve_dtype(
+            config.dtype, self.device, partial(checkpoint_dtype, model_dir), expert_format=config.expert_format
+        )
         loaded = load_model(model_dir, config, self.device, dtype, progress)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
         self._encoding = threading.Lock()  # tokenize_prompt: the worker's and Runtime.check's callers'

@@ -50,6 +50,9 @@ class Machine:
     # Without a CUDA GPU: does this CPU decode with bf16 weights about as fast as with float32 (measured by probe(),
     # bandwidth.cpu_keeps_half)? Then a bf16 model stays bf16 in RAM, else the runtime computes it in float32.
     cpu_keeps_bf16: bool = False
+    # Without a CUDA GPU: the packed expert formats (int8, int4) whose weight-only products this CPU computes faster
+    # with bf16 activations (bandwidth.cpu_products_prefer_bf16): a bf16 model in one of them stays bf16 in RAM.
+    cpu_bf16_products: tuple[str, ...] = ()
 
     @property
     def has_gpu(self) -> bool:
@@ -175,6 +178,9 @@ def probe(data_dir: str | os.PathLike = ".") -> Machine:
     ram_total, ram_avail = ram_bytes()
     unused = unused_gpu_reason(torch.version.cuda) if device == "cpu" else ""
     keeps_bf16 = device != "cuda" and bandwidth.cpu_keeps_half(torch.bfloat16)
+    from fmoe_local.expert_formats import PRODUCTS
+
+    products = () if device == "cuda" else tuple(f for f in PRODUCTS if bandwidth.cpu_products_prefer_bf16(f))
     return Machine(
         device,
         name,
@@ -185,6 +191,7 @@ def probe(data_dir: str | os.PathLike = ".") -> Machine:
         disk_free_bytes(data_dir),
         unused_gpu=unused,
         cpu_keeps_bf16=keeps_bf16,
+        cpu_bf16_products=products,
     )
 
 
@@ -240,24 +247,28 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: st
 
 def cpu_widening(entry: CatalogEntry, fmt: str, machine: Machine) -> float:
     """How many times larger than its size in `expert_formats.BITS` an expert of `fmt` is in RAM here. Without a CUDA
-    GPU, on a CPU that computes bf16 slowly, the runtime computes in float32 (engine.resolve_dtype): bf16 experts
-    take twice their size, and int4's group scales and zeros, kept in the compute dtype, 5 bits per weight instead
-    of 4.5. Else, and for int8, nf4 and MXFP4 (their scales are float32 or bytes either way), 1."""
+    GPU the runtime computes in float32 where the CPU computes bf16 slowly (engine.resolve_dtype: `_widens`): bf16
+    experts take twice their size, and int4's group scales and zeros, kept in the compute dtype, 5 bits per weight
+    instead of 4.5. Else, and for int8, nf4 and MXFP4 (their scales are float32 or bytes either way), 1."""
     from fmoe_local.expert_formats import BITS, INT4_FLOAT32_BITS
 
     stored = entry.native_format if fmt == "auto" else fmt
-    if not _widens(machine):
+    if not _widens(machine, stored):
         return 1.0
     return {"bf16": 2.0, "int4": INT4_FLOAT32_BITS / BITS["int4"]}.get(stored, 1.0)
 
 
-def resident_widening(machine: Machine) -> int:
-    """How many times larger than on disk the non-expert (bf16) weights are in RAM here (see cpu_widening)."""
-    return 2 if _widens(machine) else 1
+def resident_widening(machine: Machine, fmt: str = "bf16") -> int:
+    """How many times larger than on disk the non-expert (bf16) weights are in RAM here with experts stored in `fmt`
+    (see cpu_widening)."""
+    return 2 if _widens(machine, fmt) else 1
 
 
-def _widens(machine: Machine) -> bool:
-    return not machine.has_gpu and not machine.cpu_keeps_bf16
+def _widens(machine: Machine, fmt: str) -> bool:
+    """Does a bf16 model with experts in `fmt` compute in float32 here (engine.resolve_dtype's rule)?"""
+    if machine.has_gpu or machine.cpu_keeps_bf16:
+        return False
+    return fmt not in machine.cpu_bf16_products
 
 
 def _fit(entry: CatalogEntry, machine: Machine, downloaded: bool, fmt: str) -> FitVerdict:
@@ -266,7 +277,7 @@ def _fit(entry: CatalogEntry, machine: Machine, downloaded: bool, fmt: str) -> F
     if not machine.has_gpu:  # float32 on a CPU slow in bf16: the resident part always, bf16 experts too
         expert_bytes = round(expert_bytes * cpu_widening(entry, fmt, machine))
         experts_bytes = round(experts_bytes * cpu_widening(entry, fmt, machine))
-        entry = replace(entry, resident_bytes=resident_widening(machine) * entry.resident_bytes)
+        entry = replace(entry, resident_bytes=resident_widening(machine, fmt) * entry.resident_bytes)
     min_cache = min_cache_bytes(entry.top_k, expert_bytes)
     disk_needed = 0 if downloaded else entry.download_bytes + DISK_MARGIN_BYTES
     if disk_needed and machine.disk_free < disk_needed:
@@ -366,7 +377,7 @@ def format_fits(entry: CatalogEntry, machine: Machine, downloaded: bool = False)
                 fmt,
                 "auto" if fmt == entry.native_format and fmt != "bf16" else fmt,
                 entry.download_bytes + copy_bytes(entry, fmt, machine),
-                experts + (0 if machine.has_gpu else resident_widening(machine) * entry.resident_bytes),
+                experts + (0 if machine.has_gpu else resident_widening(machine, fmt) * entry.resident_bytes),
                 gpu,
                 verdict,
                 fmt == best and verdict.level != "no",  # nothing is recommended where nothing fits

@@ -23,3 +23,10 @@ def test_half_precision_decode_is_measured_against_float32():
     ratio = bandwidth.half_decode_ratio(torch.bfloat16, repeats=1)
     assert 0 < ratio < float("inf")
     assert bandwidth.half_decode_ratio(torch.bool, repeats=1) == float("inf")  # a dtype the product cannot take
+
+
+def test_the_packed_products_are_measured_with_bf16_against_float32_activations():
+    for fmt in ("int8", "int4"):
+        ratio = bandwidth.products_decode_ratio(fmt, repeats=1)
+        assert 0 < ratio < float("inf"), fmt
+    assert bandwidth.products_decode_ratio("nf4", repeats=1) == float("inf")  # no product to measure

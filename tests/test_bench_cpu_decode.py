@@ -77,6 +77,18 @@ def test_rows_count_each_format_at_its_stored_size(tiny_dir, tmp_path, dtype):
     assert by["int4"].expert_bytes_per_token < by["int8"].expert_bytes_per_token < by["bf16"].expert_bytes_per_token
 
 
+def test_auto_gives_each_format_the_dtype_a_load_of_it_would_choose(tiny_dir, monkeypatch):
+    from fmoe_local import engine
+
+    def resolve(name, device, stored, expert_format):  # noqa: ANN001, ANN202 - engine.resolve_dtype's call
+        return torch.bfloat16 if expert_format in ("int8", "int4") else torch.float32
+
+    monkeypatch.setattr(engine, "resolve_dtype", resolve)
+    got = [cpu_decode.compute_dtype("auto", tiny_dir, fmt) for fmt in cpu_decode.FORMATS]
+    assert got == ["float32", "bfloat16", "bfloat16", "float32"]
+    assert cpu_decode.compute_dtype("float32", tiny_dir, "int4") == "float32"  # an explicit dtype stays
+
+
 def test_summary_takes_each_rounds_share_of_its_own_limit():
     tb = cpu_decode.TokenBytes(experts=600, resident=400)
     samples = [
@@ -84,7 +96,7 @@ def test_summary_takes_each_rounds_share_of_its_own_limit():
         cpu_decode.Sample("int8", tok_s=3.0, experts_s=0.5, dram_gbps=2e-6, bytes=tb),  # limit 2 tok/s
         cpu_decode.Sample("int8", tok_s=8.0, experts_s=0.1, dram_gbps=4e-6, bytes=tb, note="spill"),  # limit 4 tok/s
     ]
-    (row,) = cpu_decode.summarise(samples, "bfloat16")
+    (row,) = cpu_decode.summarise(samples, {"int8": "bfloat16"})
     assert row.tok_s == 3.0 and row.limit_tok_s == pytest.approx(2.0)
     assert row.of_limit == pytest.approx(2.0)  # ratios 2, 1.5, 2
     # experts' limit: 600 bytes at 1, 2, 4 kB/s = 0.6, 0.3, 0.15 s against 0.5, 0.5, 0.1 s
@@ -103,8 +115,9 @@ def test_command_builds_once_then_reuses_the_checkpoint_and_prints_the_table(tmp
     first = capsys.readouterr()
     assert "built the synthetic checkpoint" in first.err
     lines = [line for line in first.out.splitlines() if line.startswith("|")]
-    assert lines[0].startswith("| format | tok/s | MB / token") and len(lines) == 4
+    assert lines[0].startswith("| format | computes in | tok/s | MB / token") and len(lines) == 4
     assert [line.split("|")[1].strip() for line in lines[2:]] == ["int4", "bf16"]
+    assert [line.split("|")[2].strip() for line in lines[2:]] == ["float32", "float32"]
     saved = json.loads((tmp_path / "out.json").read_text())
     assert [r["fmt"] for r in saved["rows"]] == ["int4", "bf16"] and saved["info"]["dtype"] == "float32"
     assert cpu_decode.main(argv) == 0

@@ -47,3 +47,30 @@ def test_a_distance_change_retunes_a_policy_that_can_and_replaces_one_that_canno
         assert lru.reconfigure(prefetch_distance=3) is False  # Policy's default: it cannot retune
         runtime.reconfigure(prefetch_distance=3)
         assert runtime.engine.policy is not lru and runtime.engine.policy.name == "lru"  # so it is made anew
+
+
+def test_auto_keeps_bf16_for_int8_and_int4_experts_where_the_products_are_measured_faster_so():
+    asked = []
+
+    def products(fmt: str) -> bool:
+        asked.append(fmt)
+        return fmt == "int4"
+
+    def slow_dense(dtype: torch.dtype) -> bool:
+        return False
+
+    def bf16() -> torch.dtype:
+        return torch.bfloat16
+
+    # The dense probe says float32, the products' probe bf16: a packed model computes in bf16 (its experts are most
+    # of a token's bytes), an unpacked one in float32.
+    assert resolve_dtype("auto", CPU, bf16, slow_dense, "int4", products) is None
+    assert resolve_dtype("auto", CPU, bf16, slow_dense, "int8", products) == torch.float32  # measured slower so
+    assert resolve_dtype("auto", CPU, bf16, slow_dense, "bf16", products) == torch.float32
+    assert resolve_dtype("auto", CPU, bf16, slow_dense, "nf4", products) == torch.float32  # no product: not asked
+    assert asked == ["int4", "int8"]
+    # An explicit dtype, a float32 checkpoint and a GPU are not measured.
+    assert resolve_dtype("float32", CPU, bf16, slow_dense, "int4", products) == torch.float32
+    assert resolve_dtype("auto", CPU, lambda: torch.float32, slow_dense, "int4", products) is None
+    assert resolve_dtype("auto", CUDA, bf16, slow_dense, "int4", products) is None
+    assert asked == ["int4", "int8"]

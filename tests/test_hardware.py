@@ -127,6 +127,17 @@ def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
     assert keeps["bf16"].ram_bytes == OLMOE.experts_bytes + OLMOE.resident_bytes
     assert keeps["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + OLMOE.resident_bytes
     assert keeps["int4"].ram_bytes == OLMOE.experts_bytes_for("int4") + OLMOE.resident_bytes  # bf16 scales: 4.5 bits
+    # On a CPU whose int4 product is measured faster with bf16 activations (and dense bf16 slower), an int4 model stays
+    # bf16 (the resident part at its own size, 4.5 bits per expert weight); the other formats still widen.
+    products = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_bf16_products=("int4",)))}
+    assert products["int4"].ram_bytes == OLMOE.experts_bytes_for("int4") + OLMOE.resident_bytes
+    assert products["int4"].disk_bytes == OLMOE.download_bytes + OLMOE.experts_bytes_for("int4")
+    assert (
+        products["int8"].ram_bytes
+        == cpu["int8"].ram_bytes
+        == OLMOE.experts_bytes_for("int8") + 2 * OLMOE.resident_bytes
+    )
+    assert products["bf16"].ram_bytes == cpu["bf16"].ram_bytes
     gpt_oss = format_fits(find("openai/gpt-oss-20b"), desktop)
     assert (gpt_oss[0].fmt, gpt_oss[0].choice) == ("mxfp4", "auto")
     assert gpt_oss[0].disk_bytes == find("openai/gpt-oss-20b").download_bytes  # its own form: no copy

@@ -119,3 +119,37 @@ def test_quantised_output_differs_from_the_unquantised_model_but_only_slightly(t
         original = full.model.layers[0].mlp.experts.gate_up_proj[0]
         assert not torch.equal(dense, original)
         assert (dense - original).abs().max() < 0.25 * original.abs().max()
+
+
+# GPT-OSS's [in, out] rows have no weight-only product (they dequantise, as before): not what this test is about.
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_oss"])
+def test_packed_experts_computed_in_bf16_give_eager_s_tokens_in_bf16(family, fmt, tiny_model_dir, tmp_path):
+    """What `dtype` auto gives a bf16 model with int8/int4 experts on a CPU whose products are faster with bf16
+    activations (engine.resolve_dtype): torch's products with bf16 activations, against eager in bf16 on the same
+    dequantised weights — misses computed on the CPU and copied into slots."""
+    model_dir = tiny_model_dir(family, dtype=torch.bfloat16)
+    config = RuntimeConfig(
+        device="cpu",
+        dtype="bfloat16",
+        cache_experts=1,
+        expert_format=fmt,
+        quant_cache_dir=str(tmp_path),
+        sampling=Sampling(greedy=True, max_new_tokens=NEW_TOKENS),
+    )
+    with Runtime.load(model_dir, config) as runtime:
+        engine = runtime.engine
+        assert engine.dtype == torch.bfloat16 and engine.host.products
+        ids = engine.encode_prompt(PROMPT)
+        with torch.no_grad():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
+            dequantise_experts(model.eval(), fmt, torch.bfloat16)
+            model = model.to(torch.bfloat16)
+            out = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        expected = out[0, ids.shape[1] :].tolist()
+        for policy, misses in (("on_demand", "cpu"), ("fmoe", "copy")):
+            runtime.reconfigure(cache_experts=engine.shape.top_k, policy=policy, miss_handling=misses)
+            final = runtime.generate(PROMPT)
+            assert final.token_ids == expected[: len(final.token_ids)], f"{family} {fmt} {policy} {misses}"
+            assert len(final.token_ids) == NEW_TOKENS or final.token_ids[-1] in engine.eos_ids
+            assert (final.stats.on_host > 0) == (misses == "cpu") and final.stats.misses > 0
