@@ -14,6 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# One torch thread, here and in the apps and commands the tests start (they inherit the environment): the tiny
+# models gain nothing from a second one, and on a busy 2-core machine two OpenMP threads spin-wait on each other,
+# which made CPU-bound tests two to three times slower (docs/bench.md, "Test suite"). OMP_NUM_THREADS=2 undoes it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

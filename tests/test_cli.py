@@ -55,13 +55,25 @@ def test_run_json_last_line_matches_the_runtime(tiny_model_dir, tmp_path):
     assert recorded.embeddings is not None and recorded.embeddings.shape[1] == shape.embed_dim
 
 
-def test_run_without_a_model_folder_says_what_to_do(tmp_path):
-    proc = run_cli("--model", str(tmp_path / "nowhere"), "--prompt", "hi")
-    assert proc.returncode == 2
-    assert "config.json" in proc.stderr and "Traceback" not in proc.stderr
+def refused(capsys, *args: str) -> str:
+    """`fmoe-local run ARGS` in this process (a subprocess costs seconds of imports each; the entry point itself is
+    run as one in the JSON test above): exit code 2, and what it said on stderr, with no traceback escaping."""
+    from fmoe_local.cli import main
+
+    try:
+        code = main(["run", *args])
+    except SystemExit as exc:  # argparse's refusals
+        code = exc.code
+    assert code == 2
+    return capsys.readouterr().err
 
 
-def test_run_dense_model_names_the_supported_families(tmp_path):
+def test_run_without_a_model_folder_says_what_to_do(tmp_path, capsys):
+    err = refused(capsys, "--model", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert "config.json" in err and "Traceback" not in err
+
+
+def test_run_dense_model_names_the_supported_families(tmp_path, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.tiny import train_tokenizer
@@ -69,21 +81,20 @@ def test_run_dense_model_names_the_supported_families(tmp_path):
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=400)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     train_tokenizer(tmp_path)
-    proc = run_cli("--model", str(tmp_path), "--prompt", "hi")
-    assert proc.returncode == 2
-    assert "mixtral" in proc.stderr.lower() and "Traceback" not in proc.stderr
+    err = refused(capsys, "--model", str(tmp_path), "--prompt", "hi")
+    assert "mixtral" in err.lower() and "Traceback" not in err
 
 
-def test_run_with_an_unknown_miss_handling_names_the_choices(tiny_model_dir):
-    proc = run_cli("--model", str(tiny_model_dir("mixtral")), "--prompt", "hi", "--miss-handling", "gpu")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "Unknown miss handling 'gpu'" in proc.stderr and "auto" in proc.stderr and "cpu" in proc.stderr
+def test_run_with_an_unknown_miss_handling_names_the_choices(tiny_model_dir, capsys):
+    err = refused(capsys, "--model", str(tiny_model_dir("mixtral")), "--prompt", "hi", "--miss-handling", "gpu")
+    assert "Traceback" not in err
+    assert "Unknown miss handling 'gpu'" in err and "auto" in err and "cpu" in err
 
 
-def test_run_with_an_unknown_expert_format_names_the_choices(tiny_model_dir):
-    proc = run_cli("--model", str(tiny_model_dir("mixtral")), "--prompt", "hi", "--expert-format", "q3")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "Unknown expert format 'q3'" in proc.stderr and "nf4" in proc.stderr and "int8" in proc.stderr
+def test_run_with_an_unknown_expert_format_names_the_choices(tiny_model_dir, capsys):
+    err = refused(capsys, "--model", str(tiny_model_dir("mixtral")), "--prompt", "hi", "--expert-format", "q3")
+    assert "Traceback" not in err
+    assert "Unknown expert format 'q3'" in err and "nf4" in err and "int8" in err
 
 
 def test_run_takes_auto_as_the_prefetch_distance() -> None:

@@ -30,9 +30,11 @@ RUNS = (
 )
 
 
-def reference_tokens(model_dir, prompt_ids: torch.Tensor, n: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
-    model.eval()
+def eager_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32).eval()
+
+
+def reference_tokens(model, prompt_ids: torch.Tensor, n: int) -> list[int]:
     out = model.generate(prompt_ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
     return out[0, prompt_ids.shape[1] :].tolist()
 
@@ -46,9 +48,10 @@ def test_greedy_tokens_equal_eager_for_every_policy_and_cache_size(family, tiny_
         # EOS would end one side early; the reference is forced to the same length, so ban nothing and compare
         # up to the first EOS of ours.
         k, total = engine.shape.top_k, engine.shape.num_layers * engine.shape.num_experts
+        reference = eager_model(model_dir)  # loaded once: generate() keeps no state between prompts
         for prompt in PROMPTS:
             ids = engine.encode_prompt(prompt)
-            expected = reference_tokens(model_dir, ids, NEW_TOKENS)
+            expected = reference_tokens(reference, ids, NEW_TOKENS)
             for policy, misses in RUNS:
                 for slots in (k, 3 * k, total):
                     runtime.reconfigure(cache_experts=slots, policy=policy, miss_handling=misses)
