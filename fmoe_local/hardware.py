@@ -8,8 +8,10 @@ know about the UI.
 The fit verdicts per expert format (`format_fits`: disk for the download and an int8/int4/nf4 copy, RAM and GPU,
 the recommended format: the most faithful that fits; `instead`: the sentence naming a format that fits when the
 chosen one does not) are the download wizard's rows; the UI only renders them. Without a CUDA GPU a bf16 checkpoint
-stays bf16 where the CPU decodes it about as fast as float32 (`Machine.cpu_keeps_bf16`), else it is computed in
-float32 and counts twice its size (`cpu_widening`). `host_ram_budget_gb` is the RAM the host store may fill.
+stays bf16 where the CPU decodes it about as fast as float32 (`Machine.cpu_keeps_bf16`), or where its experts are
+int8/int4 and torch's weight-only products are measured faster with bf16 activations (`Machine.cpu_bf16_products`,
+bandwidth.products_decode_ratio; engine.resolve_dtype makes both probes at load), else it is computed in float32
+and counts twice its size (`cpu_widening`). `host_ram_budget_gb` is the RAM the host store may fill.
 """
 
 from __future__ import annotations
