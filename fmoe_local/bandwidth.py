@@ -9,6 +9,7 @@ when (miss_cost.py at a model's first load, fmoe_bench/cpu_experts.py). It does 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fmoe_local.catalog import GB
@@ -84,20 +85,28 @@ def half_decode_ratio(dtype: object, repeats: int = 7) -> float:
     try:
         half = [w.to(dtype) for w in full]
         pairs = ((torch.full((1, HALF_PROBE_IN), 0.5), full), (torch.full((1, HALF_PROBE_IN), 0.5, dtype=dtype), half))
-        ratios = []
-        with torch.inference_mode():
-            for x, ws in pairs:
-                F.linear(x, ws[0])  # warm-up: the first call picks the kernel
-            for _ in range(repeats):
-                seconds = []
-                for x, ws in pairs:
-                    start = time.perf_counter()
-                    for w in ws:
-                        F.linear(x, w)
-                    seconds.append(time.perf_counter() - start)
-                ratios.append(seconds[1] / seconds[0])
+        return _median_ratio(pairs, F.linear, repeats)
     except (RuntimeError, TypeError):  # e.g. "not implemented for 'BFloat16'" on an old CPU build
         return float("inf")
+
+
+def _median_ratio(pairs: list, product: Callable[[object, object], object], repeats: int) -> float:
+    """The median over `repeats` passes of (seconds of the second pair's products) / (the first's); each pass times
+    both back to back, so a busy machine slows both alike. `pairs`: two (x, [w, …]); `product(x, w)`."""
+    import torch
+
+    ratios = []
+    with torch.inference_mode():
+        for x, ws in pairs:
+            product(x, ws[0])  # warm-up: the first call picks the kernel
+        for _ in range(repeats):
+            seconds = []
+            for x, ws in pairs:
+                start = time.perf_counter()
+                for w in ws:
+                    product(x, w)
+                seconds.append(time.perf_counter() - start)
+            ratios.append(seconds[1] / seconds[0])
     return sorted(ratios)[len(ratios) // 2]
 
 
@@ -135,21 +144,9 @@ def products_decode_ratio(fmt: str, repeats: int = 3) -> float:
             (torch.full((1, HALF_PROBE_IN), 0.5, dtype=d), [weight(d) for _ in range(2)])
             for d in (torch.float32, torch.bfloat16)
         ]
-        ratios = []
-        with torch.inference_mode():
-            for x, ws in pairs:
-                ws[0].linear(x, None)  # warm-up
-            for _ in range(repeats):
-                seconds = []
-                for x, ws in pairs:
-                    start = time.perf_counter()
-                    for w in ws:
-                        w.linear(x, None)
-                    seconds.append(time.perf_counter() - start)
-                ratios.append(seconds[1] / seconds[0])
+        return _median_ratio(pairs, lambda x, w: w.linear(x, None), repeats)
     except (RuntimeError, TypeError, NotImplementedError, ValueError):  # a build without the product
         return float("inf")
-    return sorted(ratios)[len(ratios) // 2]
 
 
 def cpu_products_prefer_bf16(fmt: str) -> bool:
