@@ -12,7 +12,7 @@ import pytest
 
 from fmoe_local.config import Sampling
 from tests.api_server import serving
-from tests.tool_templates import HERMES_TEMPLATE
+from tests.tool_templates import ASK, HERMES_TEMPLATE, WEATHER
 from ui.openai_request import ApiError, parse_chat
 from ui.structured import shape
 from ui.tool_calls import TemplateFormat
@@ -35,19 +35,6 @@ RESPONSE_TEMPLATE = {
         "content": {"close_pattern": r"\s*<\|eos\|>", "content": "text"},
     },
 }
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Oslo", "Lisbon"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-ASK = [{"role": "user", "content": "Is it dry in Oslo?"}]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,15 @@ import pytest
 
 from tests.api_server import serving
 from tests.tiny import with_special_tokens
-from tests.tool_templates import DEEPSEEK_TEMPLATE, HARMONY_TEMPLATE, HERMES_TEMPLATE, MISTRAL_TEMPLATE
+from tests.tool_templates import (
+    ASK,
+    DEEPSEEK_TEMPLATE,
+    HARMONY_TEMPLATE,
+    HERMES_TEMPLATE,
+    MISTRAL_TEMPLATE,
+    TIME,
+    WEATHER,
+)
 from ui.tool_calls import DEEPSEEK_V3, HARMONY, HERMES, MISTRAL
 
 openai = pytest.importorskip("openai")
@@ -25,20 +33,6 @@ FAMILIES = {  # family → (its tool template, its format, the port it is served
     "gpt_oss": (HARMONY_TEMPLATE, HARMONY, 7973),
     "deepseek_v3": (DEEPSEEK_TEMPLATE, DEEPSEEK_V3, 7974),
 }
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Oslo", "Lisbon"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {}}}}
-ASK = [{"role": "user", "content": "Is it dry in Oslo?"}]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

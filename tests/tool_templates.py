@@ -152,3 +152,19 @@ HYBRID_TEMPLATE = """\
 </think>
 {%- endif %}
 {% endif %}"""
+
+# A tool call the API tests ask for: its arguments are an enum, so even an untrained model's constrained call is valid.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Oslo", "Lisbon"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "Is it dry in Oslo?"}]
