@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from fmoe_local.request_handle import RequestHandle
 from fmoe_local.runtime_types import Finished, TextDelta
 from fmoe_local.stats import RequestStats
+from tests.client_gone import complete_for_a_gone_client, running, stream_until_the_client_goes
 from ui.anthropic_stream import Head, complete, sse
 from ui.openai_stream import Streamed
 from ui.reply_parts import ReplyParts
@@ -154,56 +154,17 @@ def test_usage_counts_the_prompt_tokens_a_kept_cache_held_apart():
     assert events[-2][1]["usage"] == {"input_tokens": 2, "cache_read_input_tokens": 7, "output_tokens": 1}
 
 
-def _running() -> RequestHandle:
-    """A request that has written one word and produces no other: only a cancel ends it (its worker sees the stop
-    flag at its next token and ends it, as the runtime's does)."""
-
-    def worker_sees_the_stop(handle: RequestHandle) -> None:
-        handle.finish(Finished("Once", [1], RequestStats(finish_reason="cancelled"), "cancelled"))
-
-    handle = RequestHandle(on_cancel=worker_sees_the_stop)
-    handle.claim()
-    handle.publish(TextDelta("Once", 1))
-    return handle
-
-
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/v1/messages"}
 
 
 def test_a_streamed_reply_s_client_gone_mid_reply_cancels_it():
-    handle = _running()
-    sent: list[dict] = []
-
-    async def main() -> None:
-        gone = asyncio.Event()
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-            if b"Once" in message.get("body", b""):
-                gone.set()  # the client read the first word and went away
-
-        async def receive() -> dict:
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        response = Streamed(sse(handle, ReplyParts([]), HEAD), handle)
-        await asyncio.wait_for(response(SCOPE, receive, send), 10)  # without the watch: waits for a token forever
-
-    asyncio.run(main())
+    handle = running()
+    sent = stream_until_the_client_goes(lambda: Streamed(sse(handle, ReplyParts([]), HEAD), handle), SCOPE)
     assert handle.cancelled and handle.result(timeout=0).reason == "cancelled"
     assert any(b"Once" in m.get("body", b"") for m in sent)
 
 
 def test_a_plain_reply_s_client_gone_cancels_it():
-    from starlette.requests import Request
-
-    handle = _running()
-
-    async def main() -> None:
-        async def receive() -> dict:
-            return {"type": "http.disconnect"}
-
-        await asyncio.wait_for(complete(handle, ReplyParts([]), HEAD, Request(SCOPE, receive)), 10)
-
-    asyncio.run(main())
+    handle = running()
+    complete_for_a_gone_client(lambda req: complete(handle, ReplyParts([]), HEAD, req), SCOPE)
     assert handle.cancelled and handle.result(timeout=0).reason == "cancelled"
