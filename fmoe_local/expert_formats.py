@@ -36,6 +36,7 @@ the portable bytes). Every other case dequantises.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -320,28 +321,34 @@ class Int4CudaWeight:
         return out if bias is None else out + bias
 
 
-def cuda_int4_tiles(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
+def cuda_int4_tiles(param: PackedParam, dtype: torch.dtype, device: torch.device) -> int:
     """torch's inner k-tiles for an int4 [out, in] parameter multiplied by its CUDA int4 product, or 0 where that
-    product does not apply: bf16 activations only, a GPU of compute capability 8.0 or later (tinygemm's), out a
-    multiple of 8 and in of 32."""
-    out_f, in_f = shape
-    if dtype != torch.bfloat16 or device.type != "cuda" or out_f % 8 or int4_group(in_f) not in (32, 64, 128, 256):
+    product does not apply: int4 rows in [out, in] layout, bf16 activations, a GPU of compute capability 8.0 or later
+    (tinygemm's), out a multiple of 8 and in of 32. The one rule both the copy's landing (`to_cuda_layout`) and the
+    reader (`PackedRows`) follow, so a slot is never read in a layout it was not given."""
+    if param.fmt != "int4" or param.transpose or dtype != torch.bfloat16 or device.type != "cuda":
         return 0
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    out_f, in_f = param.shape
+    if out_f % 8 or int4_group(in_f) not in (32, 64, 128, 256) or not _has_tinygemm(device):
         return 0
     return next((t for t in (8, 4, 2) if in_f % (16 * t) == 0), 0)
+
+
+@functools.cache
+def _has_tinygemm(device: torch.device) -> bool:
+    """Asked on every int4 hit: the GPU's capability is read once per device."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def to_cuda_layout(params: Mapping[str, PackedParam], slot: Mapping[str, Tensor], dtype: torch.dtype) -> None:
     """A CUDA slot's int4 codes rewritten in place into torch's CUDA layout, where its product applies
     (`cuda_int4_tiles`): run on the copy stream once the copy has landed, so every later hit multiplies directly.
     The layout is made on the GPU (torch converts only there) and is the same size as our bytes."""
+    device = next(iter(slot.values())).device
     for name, param in params.items():
-        if param.fmt != "int4" or param.transpose:
-            continue
-        q = slot[part_key(name, "q")]
-        tiles = cuda_int4_tiles(param.shape, dtype, q.device)
+        tiles = cuda_int4_tiles(param, dtype, device)
         if tiles:
+            q = slot[part_key(name, "q")]
             swapped = (q << 4) | (q >> 4)  # torch's CUDA layout takes the first code in the high nibble
             packed = torch._convert_weight_to_int4pack(swapped, tiles)
             q.view(-1).copy_(packed.view(torch.uint8).view(-1))
@@ -390,10 +397,9 @@ class PackedRows(Mapping[str, Tensor]):
             return Int8Weight(parts["q"], parts["scale"])
         if self._products and param.fmt == "int4":
             return Int4Weight(parts["q"], parts["sz"], int4_group(param.shape[1]))
-        if param.fmt == "int4" and parts["q"].is_cuda and not param.transpose:
-            tiles = cuda_int4_tiles(param.shape, self._dtype, parts["q"].device)
-            if tiles:
-                return Int4CudaWeight(parts["q"], parts["sz"], int4_group(param.shape[1]), tiles)
+        tiles = cuda_int4_tiles(param, self._dtype, next(iter(parts.values())).device)
+        if tiles:  # a slot `to_cuda_layout` rewrote when its copy landed
+            return Int4CudaWeight(parts["q"], parts["sz"], int4_group(param.shape[1]), tiles)
         return unpack(param, parts, self._dtype)
 
     def __contains__(self, name: object) -> bool:

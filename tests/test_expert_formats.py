@@ -140,16 +140,14 @@ def test_cache_gb_buys_more_experts_in_a_packed_format(tiny_model_dir, tmp_path)
 
 
 def test_the_cuda_int4_product_applies_only_where_torch_offers_it():
-    # bf16 activations on a GPU, rows torch's tinygemm tiles: anything else dequantises (no GPU is asked here).
-    cpu = torch.device("cpu")
-    assert ef.cuda_int4_tiles((64, 128), torch.bfloat16, cpu) == 0
-    stored = {
-        f"w.{k}": v
-        for k, v in ef.pack(ef.layout("int4", {"w": (64, 128)})["w"], _weights(64, 128), torch.bfloat16).items()
-    }
-    assert isinstance(
-        ef.PackedRows(stored, {"w": ef.layout("int4", {"w": (64, 128)})["w"]}, torch.bfloat16)["w"], torch.Tensor
-    )
-    cuda = torch.device("cuda")
-    assert ef.cuda_int4_tiles((64, 128), torch.float32, cuda) == 0  # float32 compute: the dequantised path
-    assert ef.cuda_int4_tiles((60, 128), torch.bfloat16, cuda) == 0  # out not a multiple of 8
+    # bf16 activations on a GPU, [out, in] int4 rows torch's tinygemm tiles: anything else dequantises (no GPU is
+    # asked here: every refusal below is decided before the device's capability is read).
+    int4 = ef.layout("int4", {"w": (64, 128)})["w"]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert ef.cuda_int4_tiles(int4, torch.bfloat16, cpu) == 0
+    stored = {f"w.{k}": v for k, v in ef.pack(int4, _weights(64, 128), torch.bfloat16).items()}
+    assert isinstance(ef.PackedRows(stored, {"w": int4}, torch.bfloat16)["w"], torch.Tensor)
+    assert ef.cuda_int4_tiles(int4, torch.float32, cuda) == 0  # float32 compute: the dequantised path
+    assert ef.cuda_int4_tiles(ef.layout("int4", {"w": (60, 128)})["w"], torch.bfloat16, cuda) == 0  # out % 8
+    assert ef.cuda_int4_tiles(ef.layout("int8", {"w": (64, 128)})["w"], torch.bfloat16, cuda) == 0
+    assert ef.cuda_int4_tiles(ef.layout("int4", {"w": (64, 128)}, True)["w"], torch.bfloat16, cuda) == 0  # [in, out]
