@@ -273,6 +273,19 @@ def test_a_reply_whose_page_went_away_runs_to_its_end_and_is_saved_in_its_chat(c
     assert not session.chat_replies  # a saved reply leaves nothing for Stop to reach
 
 
+def test_a_message_whose_page_reloads_at_once_still_gets_its_reply(app):
+    session, conv, fn = app
+    session.runtime = SlowRuntime()
+    # The page reloads right after Send drew the message: Gradio closes the handler at its first yield. Before, the
+    # reply was submitted only after that yield: the message was stored and never answered (found under load, where
+    # the browser test reloaded in that window).
+    sent = fn("send")("Go on.", conv.id, "", 0.7, 0.9, 0, 40, 1.0, 0.0, 0.0, 0)
+    next(sent)
+    sent.close()
+    last = _saved_reply(session, conv.id, 3)
+    assert last.role == "assistant" and last.content == " on" * 40 and last.stats["finish_reason"] == "length"
+
+
 def test_the_chat_s_stop_also_ends_a_reply_whose_page_was_reloaded(chat):
     from fmoe_local.config import Sampling
     from ui import chat_flow

@@ -495,9 +495,13 @@ class ChatHandlers:
         showing(view, conv_id)
         choices = gr.Radio(choices=conversation_choices(self.session), value=conv_id)
         shown = display(self.chats.messages(conv_id))
+        try:  # submitted before the first yield: the page may be gone by the next one (a reload), the reply not
+            reply = chat_flow.start_reply(self.session, conv_id, own["system_prompt"], sampling, own["context_length"])
+        except Exception:
+            yield shown, conv_id, "", choices, str(conv_id), notice()  # the message as sent, then why no reply
+            raise
         yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, str(conv_id), notice()
-        replies = chat_flow.reply(self.session, conv_id, own["system_prompt"], sampling, own["context_length"])
-        for chatbot in while_shown(view, conv_id, replies):
+        for chatbot in while_shown(view, conv_id, chat_flow.follow(self.session, reply)):
             yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
     def regenerate(self, conv_id, *values):  # noqa: ANN001, ANN201

@@ -281,8 +281,11 @@ def stream_reply(
     yield from follow(session, start(session, conv_id, messages, shown, save, sampling, prefix, context))
 
 
-def reply(session: Session, conv_id: int, system: str, sampling: Sampling, context: int = 0) -> Iterator[list[dict]]:
-    """A new reply at the end of the stored conversation; `context`: the chat's context length (0: all)."""
+def start_reply(session: Session, conv_id: int, system: str, sampling: Sampling, context: int = 0) -> ChatReply:
+    """Submit a new reply at the end of the stored conversation now; `context`: the chat's context length (0: all).
+
+    Not a generator, so that a handler can submit before it first yields: a page that goes away right after its
+    message was stored (a reload, a closed tab) must still get the reply it asked for."""
     chats = session.store.chats
     stored = chats.messages(conv_id)
     after = stored[-1].position if stored else -1  # the reply belongs after this message, or nowhere
@@ -290,8 +293,12 @@ def reply(session: Session, conv_id: int, system: str, sampling: Sampling, conte
     def save(text: str, stats: object) -> None:
         chats.append(conv_id, "assistant", text, stats, after=after)
 
-    messages = model_messages(stored, system)
-    yield from stream_reply(session, conv_id, messages, display(stored), save, sampling, context=context)
+    return start(session, conv_id, model_messages(stored, system), display(stored), save, sampling, context=context)
+
+
+def reply(session: Session, conv_id: int, system: str, sampling: Sampling, context: int = 0) -> Iterator[list[dict]]:
+    """`start_reply`, then `follow` it: Chatbot message lists."""
+    yield from follow(session, start_reply(session, conv_id, system, sampling, context))
 
 
 def regenerate(
