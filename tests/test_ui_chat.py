@@ -286,6 +286,24 @@ def test_a_message_whose_page_reloads_at_once_still_gets_its_reply(app):
     assert last.role == "assistant" and last.content == " on" * 40 and last.stats["finish_reason"] == "length"
 
 
+def test_a_stop_pressed_before_the_reply_started_stops_it(app):
+    from ui.chat import ChatHandlers, PageView
+
+    session, conv, _ = app
+    session.runtime = SlowRuntime()
+    handlers, view = ChatHandlers(session), PageView()
+    # Send draws "Generating…" at once and its handler waits for a worker: on a busy machine Stop is pressed before
+    # the reply exists. Before, that Stop found nothing to stop and the reply ran to its end.
+    handlers.ask(view)
+    handlers.stop(view)
+    list(handlers.send("Go on.", conv.id, "", 0.7, 0.9, 0, 40, 1.0, 0.0, 0.0, 0, view))
+    last = _saved_reply(session, conv.id, 3)
+    assert last.role == "assistant" and last.stats["finish_reason"] == "cancelled", last.content
+    handlers.ask(view)  # the next Send is not stopped by the old Stop
+    list(handlers.send("Again.", conv.id, "", 0.7, 0.9, 0, 40, 1.0, 0.0, 0.0, 0, view))
+    assert _saved_reply(session, conv.id, 5).stats["finish_reason"] == "length"
+
+
 def test_the_chat_s_stop_also_ends_a_reply_whose_page_was_reloaded(chat):
     from fmoe_local.config import Sampling
     from ui import chat_flow

@@ -138,6 +138,9 @@ class PageView:
     (gr.State's value is passed by reference; a returned value would replace it instead)."""
 
     conv_id: int | None = None
+    # Stop pressed since this page last asked for a reply. The reply it asked for may not have started yet (Send
+    # draws at once; its handler waits for a worker, seconds on a busy machine): it is stopped as soon as it starts.
+    stop_asked: bool = False
 
 
 def showing(view: PageView | None, conv_id: int | None) -> None:
@@ -500,6 +503,8 @@ class ChatHandlers:
         except Exception:
             yield shown, conv_id, "", choices, str(conv_id), notice()  # the message as sent, then why no reply
             raise
+        if view is not None and view.stop_asked:  # Stop came before this reply existed (`stop`: flag, then cancel)
+            reply.handle.cancel()
         yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, str(conv_id), notice()
         for chatbot in while_shown(view, conv_id, chat_flow.follow(self.session, reply)):
             yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
@@ -533,6 +538,8 @@ class ChatHandlers:
 
     def _streamed(self, view: PageView | None, conv_id: int | None, replies):  # noqa: ANN001, ANN202
         first = next(replies)  # a Problem (nothing to regenerate, no model) is raised before the notice is cleared
+        if view is not None and view.stop_asked and conv_id is not None:  # Stop came before the reply existed
+            self.session.stop_chat(conv_id)
         yield first, notice()
         for chatbot in while_shown(view, conv_id, replies):
             yield _drawn(chatbot), gr.skip()
@@ -543,7 +550,18 @@ class ChatHandlers:
             yield (_drawn(chatbot), busy()) if chatbot is not None else (gr.skip(), gr.skip())
         yield gr.skip(), gr.skip()  # a chat with no reply running: nothing to redraw
 
-    def stop(self) -> None:
+    def ask(self, view: PageView | None = None) -> gr.Button:
+        """Send (Regenerate, Continue, an edit) pressed, before its handler runs: Send shows that a reply is coming,
+        and a Stop from now on is for that reply."""
+        if view is not None:
+            view.stop_asked = False
+        return busy()
+
+    def stop(self, view: PageView | None = None) -> None:
+        # The flag first, the replies next; a reply handler registers its reply first, reads the flag next: whichever
+        # order the two run in, a reply asked for before this Stop is stopped.
+        if view is not None:
+            view.stop_asked = True
         self.session.stop_chat()
 
     def ended(self, conv_id) -> tuple:  # noqa: ANN001
@@ -661,7 +679,7 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         return event(guarded(fn, len(outputs)), inputs, outputs, **kwargs)
 
     def reply(trigger, fn, inputs, outputs, **kwargs):  # noqa: ANN001, ANN202 - Send held, then the reply
-        return on(trigger(busy, None, held, **quick).then, fn, inputs, outputs, **kwargs, **free)
+        return on(trigger(h.ask, [t.view], held, **quick).then, fn, inputs, outputs, **kwargs, **free)
 
     send_out = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.address, t.notice]
     send_in, reply_in = [t.textbox, t.conv_id, *gen, t.view], [t.conv_id, *gen, t.view]
@@ -676,7 +694,7 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     replies = [sent, submitted, regen, cont, edited]
     for event in replies:
         event.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)
-    t.stop.click(h.stop, None, None, api_name="stop", concurrency_limit=None)
+    t.stop.click(h.stop, [t.view], None, api_name="stop", concurrency_limit=None)
     for button, choose in ((t.alt_prev, h.previous_version), (t.alt_next, h.next_version)):
         flipped = on(button.click, choose, [t.conv_id], [t.chatbot, t.notice], api_visibility="private")
         flipped.then(h.controls, [t.conv_id], ctrl, **quick)
