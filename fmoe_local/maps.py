@@ -78,6 +78,7 @@ class MapStore:
         self._capacity = capacity
         self._request_ids = np.zeros(capacity, np.int64)
         self._stamps = np.zeros(capacity, np.int64)  # insertion order: which maps to keep when shrinking
+        self._revisions = np.zeros(capacity, np.int64)  # the `_version` each slot was last written at
 
     @classmethod
     def for_config(
@@ -107,8 +108,9 @@ class MapStore:
         traj, semantic = copy.copy(self._traj), copy.copy(self._semantic)
         traj.alloc(capacity)
         semantic.alloc(capacity)
-        ids, stamps = np.zeros(capacity, np.int64), np.zeros(capacity, np.int64)
+        ids, stamps, revisions = (np.zeros(capacity, np.int64) for _ in range(3))
         self._traj, self._semantic, self._request_ids, self._stamps = traj, semantic, ids, stamps
+        self._revisions = revisions
         self._capacity = capacity
 
     # --- reading ---------------------------------------------------------------------------------------------
@@ -122,6 +124,13 @@ class MapStore:
         with self._lock:
             self._check_slot(slot)
             return ExpertMap(self.probs(slot), self._semantic.get(slot), int(self._request_ids[slot]))
+
+    def revision(self, slot: int) -> int:
+        """A number that changes whenever `slot` is written (never repeated): a reader may keep what it derived from
+        a slot's map for as long as its revision stays the same."""
+        with self._lock:
+            self._check_slot(slot)
+            return int(self._revisions[slot])
 
     def successor(self, slot: int) -> int:
         """The slot of the map stored right after `slot` in its request (a prediction of what follows), or −1."""
@@ -289,6 +298,7 @@ class MapStore:
         self._stamps[slot] = self._next_stamp
         self._next_stamp += 1
         self._version += 1
+        self._revisions[slot] = self._version
 
     def _validate(self, expert_map: ExpertMap) -> tuple[np.ndarray, np.ndarray | None]:
         L, J = self.shape.num_layers, self.shape.num_experts

@@ -43,20 +43,27 @@ class MixChoice:
         self.top_k = top_k
         self._weights = np.asarray(MIX_WEIGHTS, np.float32)
         self._held = np.zeros(len(MIX_WEIGHTS))  # [W] used experts each candidate's top-K held, all layers together
+        self._weight = self._best()  # read for every predicted row, changed only by `score`
 
     @property
     def weight(self) -> float:
+        return self._weight
+
+    def _best(self) -> float:
         best = np.flatnonzero(self._held == self._held.max())[-1]  # ties: the larger weight (the map)
         return float(self._weights[best])
 
     def score(self, predicted: np.ndarray, prior: np.ndarray, used: np.ndarray) -> None:
         """One layer run: `predicted` [J] the map's row for it, `prior` [J] the layer's previous routing, `used` [J]
         bool the experts it ran. Rows without mass are not scored (one side had nothing to say)."""
-        p, q = _unit_rows(predicted), _unit_rows(prior)
-        if p.sum() <= 0 or q.sum() <= 0:
+        predicted, prior = np.asarray(predicted, np.float32), np.asarray(prior, np.float32)
+        p_sum, q_sum = predicted.sum(), prior.sum()
+        if not (p_sum > 0 and q_sum > 0):
             return
+        p, q = predicted / p_sum, prior / q_sum  # _unit_rows of a row with mass
         mixes = self._weights[:, None] * p + (1.0 - self._weights[:, None]) * q  # [W, J]
         self._held += (predicted_use(mixes, self.top_k) & used).sum(1)
+        self._weight = self._best()
 
 
 def _unit_rows(rows: np.ndarray) -> np.ndarray:
