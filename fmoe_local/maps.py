@@ -178,7 +178,7 @@ class MapStore:
             cache = self._traj_cache
             if cache is not None and cache[2] == self._version:
                 prev, prev_dots = cache[0], cache[1]
-                if prev.shape[0] <= depth and np.array_equal(prev, q[: prev.shape[0]]):
+                if prev.shape[0] <= depth and (prev == q[: prev.shape[0]]).all():
                     start, dots = prev.shape[0], prev_dots.copy()
             if dots is None:
                 dots = np.zeros(n, np.float32)

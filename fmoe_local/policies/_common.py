@@ -39,8 +39,8 @@ def normalised(probs: np.ndarray) -> np.ndarray | None:
 def predicted_use(rows: np.ndarray, k: int) -> np.ndarray:
     """[..., J] bool: each row's k most probable experts (all of a tie at the k-th), never a zero entry: the experts a
     predicted row says will run, whether a map holds full softmaxes or only top-k entries."""
-    k = min(k, rows.shape[-1])
-    kth = -np.partition(-rows, k - 1, axis=-1)[..., k - 1 : k]
+    top = rows.shape[-1] - min(k, rows.shape[-1])  # the k-th largest's position in ascending order
+    kth = np.partition(rows, top, axis=-1)[..., top : top + 1]
     return (rows >= kth) & (rows > 0)
 
 

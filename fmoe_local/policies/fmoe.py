@@ -124,6 +124,8 @@ class FMoEPolicy(Policy):
         # whenever the chain's head changes or p_est is written from anything else.
         self._head_epoch = 0
         self._estimated: tuple[int, float, int] | None = None  # (head epoch, weight, layer) of the latest estimate
+        self._estimate = np.zeros((L, J), np.float32)  # [L, J] that estimate's rows, normalised (p_est before others)
+        self._estimate_ok = np.zeros(L, bool)  # [L] rows the estimate had mass for
         self._reset_chain()
         # Match confidence sets the mix (blend.py): every row a map predicts is blended with the layer's last routing
         # at the weight that has predicted best so far; the map's row per layer is kept until the layer runs, to
@@ -219,8 +221,9 @@ class FMoEPolicy(Policy):
         if target >= L:
             return []
         with self._lock:
-            row = self._mixed(target, matched[target : target + 1])[0]
-        return self._plan(target, row, _delta(score), l_now=layer)
+            # The target's row was just estimated, from the same match and mix, for eviction (p_est holds it already).
+            p = self._estimate[target].copy() if self._estimate_ok[target] else None
+        return self._plan_normalised(target, p, _delta(score), l_now=layer) if p is not None else []
 
     def end_iteration(self) -> None:
         with self._lock:
@@ -341,7 +344,7 @@ class FMoEPolicy(Policy):
                 # The same match and mix as one layer ago: only this layer's row moved (to the successor, blended with
                 # the routing just observed); without a successor, none did.
                 if successor is not None:
-                    self._set_estimates(layer, self._mixed(layer, successor[layer : layer + 1]))
+                    self._set_estimate(layer, self._mixed(layer, successor[layer : layer + 1])[0])
             else:
                 rows = matched[first:].copy()  # [L − first, J]
                 if successor is not None:
@@ -366,8 +369,10 @@ class FMoEPolicy(Policy):
         reached) keeps the previous estimate."""
         sums = rows.sum(1)
         known = sums > 0
+        self._estimate_ok[first : first + known.size] = known
         layers = first + np.flatnonzero(known)
         rows = rows[known] / sums[known, None]
+        self._estimate[layers] = rows
         # Within an iteration the match is mostly the same map as one layer earlier: only the rows that moved need
         # their keys recomputed at the next eviction.
         moved = (self._p_est[layers] != rows).any(1)
@@ -375,13 +380,24 @@ class FMoEPolicy(Policy):
             self._p_est[layers[moved]] = rows[moved]
             self._refresh_evict(layers[moved])
 
+    def _set_estimate(self, layer: int, row: np.ndarray) -> None:  # under self._lock
+        """`_set_estimates` of one row, without the block's indexing (the usual case: one layer moved)."""
+        p = normalised(row)
+        self._estimate_ok[layer] = p is not None
+        if p is not None:
+            self._estimate[layer] = p
+            self._set_p(layer, p)
+
     def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
         p = normalised(predicted)
         if p is None:
             return []
-        chosen = prefetch_set(p, delta, self.shape.top_k)
         with self._lock:
             self._set_p(layer, p)
+        return self._plan_normalised(layer, p, delta, l_now)
+
+    def _plan_normalised(self, layer: int, p: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
+        chosen = prefetch_set(p, delta, self.shape.top_k)
         distance = layer - l_now
         # Target layer first (module docstring); p/distance ≤ 1 is scaled into [0, 0.5] so it only orders a layer.
         priority = layer + 0.5 * p[chosen].astype(np.float64) / distance
