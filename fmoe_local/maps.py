@@ -132,6 +132,17 @@ class MapStore:
             self._check_slot(slot)
             return int(self._revisions[slot])
 
+    def chain(self, slot: int, length: int) -> list[tuple[int, int]]:
+        """(slot, revision) of `slot` and the maps linked after it (its successor, that one's successor, ...), at most
+        `length` in all: the walk `successor` makes one step at a time, under one lock."""
+        with self._lock:
+            out: list[tuple[int, int]] = []
+            while len(out) < length and slot >= 0:
+                self._check_slot(slot)
+                out.append((slot, int(self._revisions[slot])))
+                slot = self._links.get(slot, self._n)
+            return out
+
     def successor(self, slot: int) -> int:
         """The slot of the map stored right after `slot` in its request (a prediction of what follows), or −1."""
         with self._lock:

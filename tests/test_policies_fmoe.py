@@ -365,3 +365,16 @@ def test_recent_routing_outweighs_a_map_once_it_has_predicted_better():
     out = policy.observe_layer(1, MAP_B[1])
     best = max(out, key=lambda p: p.priority)
     assert (best.layer, best.expert) == (2, 3)  # B's top expert of layer 2, not A's 4
+
+
+def test_a_slot_rewritten_since_the_policy_last_read_it_is_read_again():
+    # The policy keeps each slot's map between chain rebuilds (a rebuild per change of match); a rewrite of the slot
+    # (here the store cleared and refilled with another map) must reach its predictions.
+    policy = make(d=1, maps=[ExpertMap(MAP_A, None, 0)])
+    policy.begin_iteration(None)
+    assert {p.expert for p in policy.observe_layer(0, MAP_A[0])} == {2, 3}  # slot 0 = A: layer 1 on experts 2, 3
+    policy.end_iteration()  # one layer observed: nothing stored
+    policy.store.clear()
+    policy.store.add(ExpertMap(MAP_B, None, 0))  # slot 0 = B now
+    policy.begin_iteration(None)
+    assert {p.expert for p in policy.observe_layer(0, MAP_B[0])} == {5, 4}  # B's layer 1

@@ -55,7 +55,8 @@ class MixChoice:
         return self._weight
 
     def _best(self) -> float:
-        best = np.flatnonzero(self._held == self._held.max())[-1]  # ties: the larger weight (the map)
+        held = self._held.tolist()  # 5 numbers: plain Python is quicker than numpy here
+        best = len(held) - 1 - held[::-1].index(max(held))  # ties: the larger weight (the map)
         return float(self._weights[best])
 
     def score(self, predicted: np.ndarray, prior: np.ndarray, used: np.ndarray) -> None:

@@ -270,36 +270,27 @@ class FMoEPolicy(Policy):
         The arrays returned are read-only (kept per slot)."""
         if self._chain_head is not None and self._chain_head[0] == slot:  # unchanged since the last layer
             return self._chain_head[1], self._chain_head[2]
-        maps: list[np.ndarray] = []  # [L, J] each: the match, its successor, the successor's successor, ...
-        uses: list[np.ndarray] = []  # [L, J] bool each: their top-K
-        key: list[tuple[int, int]] = []  # (slot, revision) each
-        s = slot
-        while len(maps) <= self._horizon and s >= 0:
-            revision, probs, use = self._slot_map(s)
-            maps.append(probs)
-            uses.append(use)
-            key.append((s, revision))
-            s = self.store.successor(s)
-        successor = maps[1] if len(maps) > 1 else None
+        key = tuple(self.store.chain(slot, self._horizon + 1))  # (slot, revision): the match, its successor, ...
+        maps = [self._slot_map(s, revision) for s, revision in key]  # (probs [L, J], top-K [L, J] bool) each
+        successor = maps[1][0] if len(maps) > 1 else None
         with self._lock:
-            self._set_chain(uses, tuple(key))
-            self._new_head((slot, maps[0], successor))
-        return maps[0], successor
+            self._set_chain([use for _, use in maps], key)
+            self._new_head((slot, maps[0][0], successor))
+        return maps[0][0], successor
 
-    def _slot_map(self, slot: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """(revision, probs [L, J], top-K [L, J] bool) of a stored map, read again only when the slot was rewritten."""
-        revision = self.store.revision(slot)
+    def _slot_map(self, slot: int, revision: int) -> tuple[np.ndarray, np.ndarray]:
+        """(probs [L, J], top-K [L, J] bool) of a stored map, read again only when the slot was rewritten."""
         kept = self._slot_maps.get(slot)
         if kept is not None and kept[0] == revision:
             self._slot_maps.move_to_end(slot)
-            return kept
+            return kept[1], kept[2]
         probs = self.store.probs(slot)
         use = predicted_use(probs, self.shape.top_k)
         probs.flags.writeable = use.flags.writeable = False
-        self._slot_maps[slot] = kept = (revision, probs, use)
+        self._slot_maps[slot] = (revision, probs, use)
         if len(self._slot_maps) > 4 * (self._horizon + 1):  # a few chains' worth
             self._slot_maps.popitem(last=False)
-        return kept
+        return probs, use
 
     def _new_head(self, head: tuple[int, np.ndarray, np.ndarray | None] | None) -> None:  # under self._lock
         self._chain_head = head
