@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 from typing import TYPE_CHECKING
 
@@ -190,17 +191,17 @@ class MapStore:
             if cache is not None and cache[2] == self._version:
                 prev, prev_dots = cache[0], cache[1]
                 if prev.shape[0] <= depth and (prev == q[: prev.shape[0]]).all():
-                    start, dots = prev.shape[0], prev_dots.copy()
+                    start, dots = prev.shape[0], prev_dots
             if dots is None:
                 dots = np.zeros(n, np.float32)
             for i in range(start, depth):
-                dots += self._traj.layer_dots(i, q[i], n)
+                dots = dots + self._traj.layer_dots(i, q[i], n)  # a new array: the cached one stays as it was
             self._traj_cache = (q.copy(), dots, self._version)
-            qn = float(np.sqrt(np.square(q, dtype=np.float64).sum()))
+            qn = math.sqrt(np.square(q, dtype=np.float64).sum())
             if qn == 0.0:
                 return 0, 0.0
             scores = dots * self._traj.inv_norms(depth, n)  # cosine × ‖q‖: the same argmax
-            best = int(np.argmax(scores))
+            best = int(scores.argmax())
             return best, float(scores[best]) / qn
 
     # --- writing ---------------------------------------------------------------------------------------------

@@ -361,7 +361,7 @@ class FMoEPolicy(Policy):
         sums = rows.sum(1)
         known = sums > 0
         self._estimate_ok[first : first + known.size] = known
-        layers = first + np.flatnonzero(known)
+        layers = first + known.nonzero()[0]
         rows = rows[known] / sums[known, None]
         self._estimate[layers] = rows
         # Within an iteration the match is mostly the same map as one layer earlier: only the rows that moved need
@@ -413,8 +413,8 @@ class FMoEPolicy(Policy):
         chain) the runs it covers plus the expected wait 1/rate at the use rate freq / runs (Laplace-smoothed).
         """
         if self._stale.any():
-            rows = np.flatnonzero(self._stale)
-            p_rows = np.flatnonzero(self._p_stale)
+            rows = self._stale.nonzero()[0]
+            p_rows = self._p_stale.nonzero()[0]
             if p_rows.size:
                 self._p_use[p_rows] = predicted_use(self._p_est[p_rows], self.shape.top_k)
             wait = np.maximum((self._runs[rows, None] + 2.0) / (self._freq[rows] + 1.0), 1.0)  # [r, J] 1/rate
