@@ -135,11 +135,11 @@ class MapStore:
 
     def chain(self, slot: int, length: int) -> list[tuple[int, int]]:
         """(slot, revision) of `slot` and the maps linked after it (its successor, that one's successor, ...), at most
-        `length` in all: the walk `successor` makes one step at a time, under one lock."""
+        `length` in all: the walk `successor` makes one step at a time, under one lock. Empty for a slot not stored
+        (as `successor` answers −1 for one)."""
         with self._lock:
             out: list[tuple[int, int]] = []
-            while len(out) < length and slot >= 0:
-                self._check_slot(slot)
+            while len(out) < length and 0 <= slot < self._n:
                 out.append((slot, int(self._revisions[slot])))
                 slot = self._links.get(slot, self._n)
             return out

@@ -398,4 +398,4 @@ def test_chain_is_the_successor_walk_with_each_slots_revision():
     rev = [store.revision(s) for s in range(4)]
     assert store.chain(0, 10) == [(0, rev[0]), (1, rev[1]), (2, rev[2])]
     assert store.chain(0, 2) == [(0, rev[0]), (1, rev[1])]
-    assert store.chain(2, 5) == [(2, rev[2])] and store.chain(-1, 5) == []
+    assert store.chain(2, 5) == [(2, rev[2])] and store.chain(-1, 5) == store.chain(4, 5) == []  # 4: not stored

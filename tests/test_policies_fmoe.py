@@ -418,3 +418,16 @@ def test_reusing_the_previous_layers_estimate_decides_as_recomputing_it():
             for policy in (a, b):
                 policy.end_iteration()
     assert a._mix.weight == b._mix.weight
+
+
+def test_a_store_cleared_between_iterations_leaves_no_successor_to_follow():
+    # The previous iteration's final match is slot 1 (map B), which the cleared store no longer holds: the next
+    # iteration predicts as without a match, from each layer's last routing, and raises nothing.
+    policy = make(d=1, maps=[ExpertMap(MAP_A, None, 0), ExpertMap(MAP_B, None, 0)])
+    policy.begin_iteration(None)
+    for layer in range(4):
+        policy.observe_layer(layer, MAP_B[layer])
+    policy.store.clear()
+    policy.end_iteration()  # this iteration's map goes to slot 0: one map stored
+    assert len(policy.store) == 1
+    assert {p.expert for p in policy.begin_iteration(None)} == {7, 6}  # layer 0's last routing, top-2

@@ -262,9 +262,10 @@ class FMoEPolicy(Policy):
 
     # --- prediction ------------------------------------------------------------------------------------------
     def _successor(self, slot: int) -> np.ndarray | None:
-        """[L, J] the map stored after `slot` in its request, if a link is known (a prediction of what follows)."""
-        nxt = self.store.successor(slot)
-        return self.store.probs(nxt) if nxt >= 0 else None
+        """[L, J] the map stored after `slot` in its request, if a link is known (a prediction of what follows);
+        read-only (kept per slot: it was in the chain of the match at `slot`)."""
+        after = self.store.chain(slot, 2)[1:]
+        return self._slot_map(*after[0])[0] if after else None
 
     def _follow(self, slot: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The match's map and its successor; also makes the chain from `slot` the one eviction looks ahead with.
