@@ -3,6 +3,7 @@
   python tools/gpu_check/matcher_calls.py record calls.pkl [--layers 16]   # a live CPU run, narrow Qwen3 shapes
   python tools/gpu_check/matcher_calls.py replay calls.pkl                 # any machine: ms per observed layer
   python tools/gpu_check/matcher_calls.py replay calls.pkl --check         # and every return value as recorded
+  python tools/gpu_check/matcher_calls.py replay calls.pkl --split         # CPU time in each policy method
   python tools/gpu_check/matcher_calls.py replay calls.pkl --profile 30    # cProfile of one replay, top 30 rows
 
 The record runs `thread_time.py --narrow` (real L, J and K, small widths, routing from the shared trace) on the CPU
@@ -123,6 +124,24 @@ def check(path: Path) -> None:
     print(f"check: all {len(calls)} returns identical ({counted} prefetch lists and victim lists compared)")
 
 
+def split(path: Path, repeats: int, warm_store: bool) -> None:
+    """CPU ms per observed layer inside each policy method (the best of `repeats` replays by their sum)."""
+    calls, _ = _load(path)
+    make = _warmed(_replay_policy(calls)) if warm_store else _replay_policy(calls)
+    layers = sum(1 for name, _, _ in calls if name == "observe_layer")
+    best: dict[str, float] | None = None
+    for _ in range(repeats + 1):  # the first one warms up
+        policy, spent = make(), dict.fromkeys(METHODS, 0.0)
+        for name, args, kwargs in calls:
+            c0 = time.process_time()
+            getattr(policy, name)(*args, **kwargs)
+            spent[name] += time.process_time() - c0
+        if best is None or sum(spent.values()) < sum(best.values()):
+            best = spent
+    parts = sorted(best.items(), key=lambda kv: -kv[1])
+    print("CPU ms per observed layer: " + ", ".join(f"{k} {v * 1e3 / layers:.3f}" for k, v in parts if v > 0))
+
+
 def profile(path: Path, rows: int) -> None:
     import cProfile
     import pstats
@@ -190,6 +209,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--check", action="store_true", help="assert every return equals the recorded one")
     ap.add_argument("--rebase", action="store_true", help="keep this checkout's returns as the recorded ones")
+    ap.add_argument("--split", action="store_true", help="CPU time per observed layer in each policy method")
     ap.add_argument("--profile", type=int, metavar="ROWS", help="cProfile one replay, print the top ROWS by own time")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warm-store", action="store_true", help="fault the new store's arrays in before timing")
@@ -200,6 +220,8 @@ def main() -> int:
         rebase(args.path)
     elif args.check:
         check(args.path)
+    elif args.split:
+        split(args.path, args.repeats, args.warm_store)
     elif args.profile:
         profile(args.path, args.profile)
     else:
