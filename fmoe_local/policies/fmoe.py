@@ -116,8 +116,8 @@ class FMoEPolicy(Policy):
         self._stale = np.ones(L, bool)  # [L] layers whose eviction keys need recomputing
         self._p_stale = np.ones(L, bool)  # [L] layers whose p_use needs recomputing
         # A chain is rebuilt whenever the match changes, mostly from the same few dozen maps and chains: kept per
-        # slot (probs and top-K, while the slot's revision stays; read and written by `_follow` only, on the matcher's
-        # thread) and per chain (its eviction keys; under self._lock), a few of each.
+        # slot (probs and top-K, while the slot's revision stays; read and written by `_follow` and `_successor`
+        # only, on the matcher's thread) and per chain (its eviction keys; under self._lock), a few of each.
         self._slot_maps: OrderedDict[int, tuple[int, np.ndarray, np.ndarray]] = OrderedDict()
         self._chain_keys: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._chain_key: tuple | None = None  # ((slot, revision), ...) of the chain eviction reads now
