@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,7 @@ class MapStore:
         self._capacity = capacity
         self._request_ids = np.zeros(capacity, np.int64)
         self._stamps = np.zeros(capacity, np.int64)  # insertion order: which maps to keep when shrinking
+        self._revisions = np.zeros(capacity, np.int64)  # the `_version` each slot was last written at
 
     @classmethod
     def for_config(
@@ -107,8 +109,9 @@ class MapStore:
         traj, semantic = copy.copy(self._traj), copy.copy(self._semantic)
         traj.alloc(capacity)
         semantic.alloc(capacity)
-        ids, stamps = np.zeros(capacity, np.int64), np.zeros(capacity, np.int64)
+        ids, stamps, revisions = (np.zeros(capacity, np.int64) for _ in range(3))
         self._traj, self._semantic, self._request_ids, self._stamps = traj, semantic, ids, stamps
+        self._revisions = revisions
         self._capacity = capacity
 
     # --- reading ---------------------------------------------------------------------------------------------
@@ -122,6 +125,24 @@ class MapStore:
         with self._lock:
             self._check_slot(slot)
             return ExpertMap(self.probs(slot), self._semantic.get(slot), int(self._request_ids[slot]))
+
+    def revision(self, slot: int) -> int:
+        """A number that changes whenever `slot` is written (never repeated): a reader may keep what it derived from
+        a slot's map for as long as its revision stays the same."""
+        with self._lock:
+            self._check_slot(slot)
+            return int(self._revisions[slot])
+
+    def chain(self, slot: int, length: int) -> list[tuple[int, int]]:
+        """(slot, revision) of `slot` and the maps linked after it (its successor, that one's successor, ...), at most
+        `length` in all: the walk `successor` makes one step at a time, under one lock. Empty for a slot not stored
+        (as `successor` answers −1 for one)."""
+        with self._lock:
+            out: list[tuple[int, int]] = []
+            while len(out) < length and 0 <= slot < self._n:
+                out.append((slot, int(self._revisions[slot])))
+                slot = self._links.get(slot, self._n)
+            return out
 
     def successor(self, slot: int) -> int:
         """The slot of the map stored right after `slot` in its request (a prediction of what follows), or −1."""
@@ -169,18 +190,18 @@ class MapStore:
             cache = self._traj_cache
             if cache is not None and cache[2] == self._version:
                 prev, prev_dots = cache[0], cache[1]
-                if prev.shape[0] <= depth and np.array_equal(prev, q[: prev.shape[0]]):
-                    start, dots = prev.shape[0], prev_dots.copy()
+                if prev.shape[0] <= depth and (prev == q[: prev.shape[0]]).all():
+                    start, dots = prev.shape[0], prev_dots
             if dots is None:
                 dots = np.zeros(n, np.float32)
             for i in range(start, depth):
-                dots += self._traj.layer_dots(i, q[i], n)
+                dots = dots + self._traj.layer_dots(i, q[i], n)  # a new array: the cached one stays as it was
             self._traj_cache = (q.copy(), dots, self._version)
-            qn = float(np.sqrt(np.square(q, dtype=np.float64).sum()))
+            qn = math.sqrt(np.square(q, dtype=np.float64).sum())
             if qn == 0.0:
                 return 0, 0.0
             scores = dots * self._traj.inv_norms(depth, n)  # cosine × ‖q‖: the same argmax
-            best = int(np.argmax(scores))
+            best = int(scores.argmax())
             return best, float(scores[best]) / qn
 
     # --- writing ---------------------------------------------------------------------------------------------
@@ -289,6 +310,7 @@ class MapStore:
         self._stamps[slot] = self._next_stamp
         self._next_stamp += 1
         self._version += 1
+        self._revisions[slot] = self._version
 
     def _validate(self, expert_map: ExpertMap) -> tuple[np.ndarray, np.ndarray | None]:
         L, J = self.shape.num_layers, self.shape.num_experts

@@ -52,7 +52,7 @@ class TrajectoryIndex:
 
     def layer_dots(self, layer: int, q: np.ndarray, n: int) -> np.ndarray:
         """[n] dot products of one layer's query row `q` [J] with every stored map's same layer."""
-        nz = np.flatnonzero(q)
+        nz = q.nonzero()[0]
         if nz.size * 4 <= q.size:  # top-k-only maps: read just the rows that can contribute
             qv, rows = q[nz], self._traj[layer, nz, :n]
         else:

@@ -368,3 +368,34 @@ def test_a_capacity_memory_cannot_hold_leaves_the_store_as_it_was(monkeypatch):
     store.add(maps[3], after=2)  # full: replaces a map, within the arrays it has
     assert len(store) == 3 and store.match_semantic(maps[4].semantic)[0] in range(3)
     assert store.match_trajectory(maps[4].probs)[0] in range(3)
+
+
+def test_a_slots_revision_changes_whenever_the_slot_is_written_and_never_repeats():
+    store = MapStore(SHAPE, capacity=8, prefetch_distance=1)
+    store.add(one_hot_map([0, 1, 2, 3], sem=[1, 0, 0]))
+    store.add(one_hot_map([0, 1, 2, 4], sem=[1, 0, 0]), after=0)
+    first = [store.revision(s) for s in range(2)]
+    assert first[0] != first[1] and [store.revision(s) for s in range(2)] == first  # reading changes nothing
+    assert store.add(one_hot_map([0, 1, 2, 3], sem=[1, 0, 0.001])) == 0  # a near-duplicate rewrites slot 0
+    assert store.revision(0) not in first and store.revision(1) == first[1]
+    seen = {*first, store.revision(0)}
+    store.reconfigure(capacity=16)  # every map rewritten into new arrays
+    assert not {store.revision(0), store.revision(1)} & seen
+    seen |= {store.revision(0), store.revision(1)}
+    store.clear()
+    store.add(one_hot_map([0, 1, 2, 3]))
+    assert store.revision(0) not in seen
+    with pytest.raises(IndexError):
+        store.revision(1)
+
+
+def test_chain_is_the_successor_walk_with_each_slots_revision():
+    store = MapStore(SHAPE, capacity=8, prefetch_distance=1)
+    prev = -1
+    for experts in ([0, 1, 2, 3], [4, 5, 6, 7], [1, 2, 3, 4]):
+        prev = store.add(one_hot_map(experts), after=prev)
+    store.add(one_hot_map([7, 6, 5, 4]))  # a new request: not linked to slot 2
+    rev = [store.revision(s) for s in range(4)]
+    assert store.chain(0, 10) == [(0, rev[0]), (1, rev[1]), (2, rev[2])]
+    assert store.chain(0, 2) == [(0, rev[0]), (1, rev[1])]
+    assert store.chain(2, 5) == [(2, rev[2])] and store.chain(-1, 5) == store.chain(4, 5) == []  # 4: not stored

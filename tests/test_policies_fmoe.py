@@ -365,3 +365,69 @@ def test_recent_routing_outweighs_a_map_once_it_has_predicted_better():
     out = policy.observe_layer(1, MAP_B[1])
     best = max(out, key=lambda p: p.priority)
     assert (best.layer, best.expert) == (2, 3)  # B's top expert of layer 2, not A's 4
+
+
+def test_a_slot_rewritten_since_the_policy_last_read_it_is_read_again():
+    # The policy keeps each slot's map between chain rebuilds (a rebuild per change of match); a rewrite of the slot
+    # (here the store cleared and refilled with another map) must reach its predictions.
+    policy = make(d=1, maps=[ExpertMap(MAP_A, None, 0)])
+    policy.begin_iteration(None)
+    assert {p.expert for p in policy.observe_layer(0, MAP_A[0])} == {2, 3}  # slot 0 = A: layer 1 on experts 2, 3
+    policy.end_iteration()  # one layer observed: nothing stored
+    policy.store.clear()
+    policy.store.add(ExpertMap(MAP_B, None, 0))  # slot 0 = B now
+    policy.begin_iteration(None)
+    assert {p.expert for p in policy.observe_layer(0, MAP_B[0])} == {5, 4}  # B's layer 1
+
+
+class _Recomputing(FMoEPolicy):
+    """The policy with every layer's eviction estimate computed from scratch (no reuse of the previous layer's)."""
+
+    def _estimate_next_use(self, layer, matched, successor):
+        with self._lock:
+            self._estimated = None
+        super()._estimate_next_use(layer, matched, successor)
+
+
+def test_reusing_the_previous_layers_estimate_decides_as_recomputing_it():
+    # Random routing over several linked requests, the mix weight moving as layers are scored: after every layer
+    # the prefetches and the whole eviction order are those of a policy that re-estimates every row.
+    shape = ModelShape(num_layers=6, num_experts=16, top_k=2, embed_dim=3)
+    rng = np.random.default_rng(7)
+    a, b = (
+        cls(shape, RuntimeConfig(prefetch_distance=2), MapStore(shape, 64, 2)) for cls in (FMoEPolicy, _Recomputing)
+    )
+    every = [(layer, e) for layer in range(6) for e in range(16)]
+    base = rng.dirichlet(np.full(16, 0.3), size=6).astype(np.float32)
+    for request in range(4):
+        for policy in (a, b):
+            policy.begin_request(request)
+        for _ in range(5):
+            sem = rng.standard_normal(3).astype(np.float32)
+            assert a.begin_iteration(sem) == b.begin_iteration(sem)
+            for layer in range(6):
+                noisy = base[layer] + rng.dirichlet(np.full(16, 0.3)).astype(np.float32) * rng.uniform(0, 2)
+                p = (noisy / noisy.sum()).astype(np.float32)
+                assert list(a.observe_layer(layer, p)) == list(b.observe_layer(layer, p))
+                used = np.argsort(-p)[:2].tolist()
+                for policy in (a, b):
+                    policy.record_access(layer, used, [False, False])
+                assert a.choose_victims(every, layer, count=len(every)) == b.choose_victims(
+                    every, layer, count=len(every)
+                )
+            for policy in (a, b):
+                policy.end_iteration()
+    assert a._mix.weight == b._mix.weight
+
+
+def test_a_store_cleared_between_iterations_leaves_no_successor_to_follow():
+    # The previous iteration's final match is slot 1 (map B), which the cleared store no longer holds: the next
+    # iteration predicts as without a match, from each layer's last routing, and raises nothing.
+    policy = make(d=1, maps=[ExpertMap(MAP_A, None, 0), ExpertMap(MAP_B, None, 0)])
+    policy.begin_iteration(None)
+    for layer in range(4):
+        policy.observe_layer(layer, MAP_B[layer])
+    policy.store.clear()
+    policy.end_iteration()  # this iteration's map goes to slot 0: one map stored
+    assert len(policy.store) == 1
+    assert {p.expert for p in policy.begin_iteration(None)} == {7, 6}  # layer 0's last routing, top-2

@@ -21,9 +21,11 @@ def prefetch_set(probs: np.ndarray, delta: float, k: int) -> np.ndarray:
     `probs` [J] is taken as given (callers normalise it). Ties keep the lower expert index first. If the mass never
     reaches `delta` (a distribution summing below it), every expert with non-zero probability is taken.
     """
-    order = np.argsort(-probs, kind="stable")  # [J] highest first
-    csum = np.cumsum(probs[order])
-    reach = int(np.searchsorted(csum, delta - 1e-7)) + 1  # first prefix whose sum ≥ δ (float slack for δ = 1)
+    # Array methods rather than np.* functions: this runs after every layer, and their Python wrappers cost more
+    # than the work on J numbers.
+    order = (-probs).argsort(kind="stable")  # [J] highest first
+    csum = probs[order].cumsum()
+    reach = int(csum.searchsorted(delta - 1e-7)) + 1  # first prefix whose sum ≥ δ (float slack for δ = 1)
     if reach > order.size:
         reach = int(np.count_nonzero(probs))
     return order[: min(order.size, max(k, reach))]
@@ -39,8 +41,10 @@ def normalised(probs: np.ndarray) -> np.ndarray | None:
 def predicted_use(rows: np.ndarray, k: int) -> np.ndarray:
     """[..., J] bool: each row's k most probable experts (all of a tie at the k-th), never a zero entry: the experts a
     predicted row says will run, whether a map holds full softmaxes or only top-k entries."""
-    k = min(k, rows.shape[-1])
-    kth = -np.partition(-rows, k - 1, axis=-1)[..., k - 1 : k]
+    top = rows.shape[-1] - min(k, rows.shape[-1])  # the k-th largest's position in ascending order
+    kth = rows.copy()
+    kth.partition(top, axis=-1)  # in place: np.partition's wrapper costs more than the work on a few rows
+    kth = kth[..., top : top + 1]
     return (rows >= kth) & (rows > 0)
 
 
@@ -135,17 +139,17 @@ def lowest(
         head = k <= bound
         if level == len(ordered) - 1 or np.count_nonzero(head) <= 2 * need + 8:
             # Few enough: sort everything up to the need-th smallest, ties included, on all remaining keys.
-            sel = _within(idx, np.flatnonzero(head))
+            sel = _within(idx, head.nonzero()[0])
             picked += sel[_lexsort(sel, ordered[level:], layers, experts, in_order)[:need]].tolist()
             break
         # Many ties at `bound` (a bool key, a shared timestamp): the ones below it are in, then narrow the ties.
         tied = k == bound
         if np.count_nonzero(tied) == k.size:  # all tie (a bool key nobody sets): the next key decides
             continue
-        below = _within(idx, np.flatnonzero(k < bound))
+        below = _within(idx, (k < bound).nonzero()[0])
         picked += below[_lexsort(below, ordered[level:], layers, experts, in_order)].tolist()
         need -= below.size
-        idx = _within(idx, np.flatnonzero(tied))
+        idx = _within(idx, tied.nonzero()[0])
     return [candidates[i] for i in picked]
 
 
@@ -183,7 +187,7 @@ def _first(keys: tuple[np.ndarray, ...], layers: np.ndarray, experts: np.ndarray
         if ties == 1:
             return pos if idx is None else int(idx[pos])
         if ties < k.size:  # else all tie (a bool key nobody sets): the next key decides among the same ones
-            idx = _within(idx, np.flatnonzero(tied))
+            idx = _within(idx, tied.nonzero()[0])
     pos = int(np.argmin(_order_key(idx, layers, experts, in_order)))  # distinct: one smallest
     return pos if idx is None else int(idx[pos])
 

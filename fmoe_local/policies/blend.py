@@ -30,8 +30,12 @@ def blend(predicted: np.ndarray, prior: np.ndarray, weight: float) -> np.ndarray
     """
     if weight >= 1.0:
         return predicted
+    predicted, prior = np.asarray(predicted, np.float32), np.asarray(prior, np.float32)
+    p_sum, q_sum = predicted.sum(-1, keepdims=True), prior.sum(-1, keepdims=True)
+    if (p_sum > 0).all() and (q_sum > 0).all():  # the usual case: both sides have mass in every row
+        return weight * (predicted / p_sum) + (1.0 - weight) * (prior / q_sum)
     p, q = _unit_rows(predicted), _unit_rows(prior)
-    p_has, q_has = p.sum(-1, keepdims=True) > 0, q.sum(-1, keepdims=True) > 0
+    p_has, q_has = p_sum > 0, q_sum > 0
     mixed = weight * p + (1.0 - weight) * q
     return np.where(p_has & q_has, mixed, np.where(p_has, p, q)).astype(np.float32)
 
@@ -42,21 +46,30 @@ class MixChoice:
     def __init__(self, top_k: int) -> None:
         self.top_k = top_k
         self._weights = np.asarray(MIX_WEIGHTS, np.float32)
+        self._w_map, self._w_prior = self._weights[:, None], 1.0 - self._weights[:, None]  # [W, 1] each
         self._held = np.zeros(len(MIX_WEIGHTS))  # [W] used experts each candidate's top-K held, all layers together
+        self._weight = self._best()  # read for every predicted row, changed only by `score`
 
     @property
     def weight(self) -> float:
-        best = np.flatnonzero(self._held == self._held.max())[-1]  # ties: the larger weight (the map)
+        return self._weight
+
+    def _best(self) -> float:
+        held = self._held.tolist()  # 5 numbers: plain Python is quicker than numpy here
+        best = len(held) - 1 - held[::-1].index(max(held))  # ties: the larger weight (the map)
         return float(self._weights[best])
 
     def score(self, predicted: np.ndarray, prior: np.ndarray, used: np.ndarray) -> None:
         """One layer run: `predicted` [J] the map's row for it, `prior` [J] the layer's previous routing, `used` [J]
         bool the experts it ran. Rows without mass are not scored (one side had nothing to say)."""
-        p, q = _unit_rows(predicted), _unit_rows(prior)
-        if p.sum() <= 0 or q.sum() <= 0:
+        predicted, prior = np.asarray(predicted, np.float32), np.asarray(prior, np.float32)
+        p_sum, q_sum = predicted.sum(), prior.sum()
+        if not (p_sum > 0 and q_sum > 0):
             return
-        mixes = self._weights[:, None] * p + (1.0 - self._weights[:, None]) * q  # [W, J]
+        p, q = predicted / p_sum, prior / q_sum  # _unit_rows of a row with mass
+        mixes = self._w_map * p + self._w_prior * q  # [W, J]
         self._held += (predicted_use(mixes, self.top_k) & used).sum(1)
+        self._weight = self._best()
 
 
 def _unit_rows(rows: np.ndarray) -> np.ndarray:

@@ -65,6 +65,7 @@ predict nothing and let misses load on demand.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -114,6 +115,18 @@ class FMoEPolicy(Policy):
         self._p_use = np.zeros((L, J), bool)  # [L, J] p_est's top-K: predicted to be used at the next run
         self._stale = np.ones(L, bool)  # [L] layers whose eviction keys need recomputing
         self._p_stale = np.ones(L, bool)  # [L] layers whose p_use needs recomputing
+        # A chain is rebuilt whenever the match changes, mostly from the same few dozen maps and chains: kept per
+        # slot (probs and top-K, while the slot's revision stays; read and written by `_follow` and `_successor`
+        # only, on the matcher's thread) and per chain (its eviction keys; under self._lock), a few of each.
+        self._slot_maps: OrderedDict[int, tuple[int, np.ndarray, np.ndarray]] = OrderedDict()
+        self._chain_keys: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._chain_key: tuple | None = None  # ((slot, revision), ...) of the chain eviction reads now
+        # Which match and mix the eviction p of the layers still to run came from (`_estimate_next_use`): bumped
+        # whenever the chain's head changes or p_est is written from anything else.
+        self._head_epoch = 0
+        self._estimated: tuple[int, float, int] | None = None  # (head epoch, weight, layer) of the latest estimate
+        self._estimate = np.zeros((L, J), np.float32)  # [L, J] that estimate's rows, normalised (p_est before others)
+        self._estimate_ok = np.zeros(L, bool)  # [L] rows the estimate had mass for
         self._reset_chain()
         # Match confidence sets the mix (blend.py): every row a map predicts is blended with the layer's last routing
         # at the weight that has predicted best so far; the map's row per layer is kept until the layer runs, to
@@ -163,8 +176,8 @@ class FMoEPolicy(Policy):
             final, self._final = self._final, (-1, 0.0)
             # The chain's successor is this iteration's map now; read it again at the first match (a link may have
             # been added, a slot rewritten).
-            self._set_chain(self._chain[1:])
-            self._chain_head = None
+            self._set_chain(self._chain[1:], self._chain_key[1:])
+            self._new_head(None)
         first = min(self.prefetch_distance, self.shape.num_layers)
         successor = self._successor(final[0])
         if successor is not None:  # the previous iteration's routing says more than the semantic match here
@@ -209,8 +222,9 @@ class FMoEPolicy(Policy):
         if target >= L:
             return []
         with self._lock:
-            row = self._mixed(target, matched[target : target + 1])[0]
-        return self._plan(target, row, _delta(score), l_now=layer)
+            # The target's row was just estimated, from the same match and mix, for eviction (p_est holds it already).
+            p = self._estimate[target].copy() if self._estimate_ok[target] else None
+        return self._plan_normalised(target, p, _delta(score), l_now=layer) if p is not None else []
 
     def end_iteration(self) -> None:
         with self._lock:
@@ -248,50 +262,88 @@ class FMoEPolicy(Policy):
 
     # --- prediction ------------------------------------------------------------------------------------------
     def _successor(self, slot: int) -> np.ndarray | None:
-        """[L, J] the map stored after `slot` in its request, if a link is known (a prediction of what follows)."""
-        nxt = self.store.successor(slot)
-        return self.store.probs(nxt) if nxt >= 0 else None
+        """[L, J] the map stored after `slot` in its request, if a link is known (a prediction of what follows);
+        read-only (kept per slot: it was in the chain of the match at `slot`)."""
+        after = self.store.chain(slot, 2)[1:]
+        return self._slot_map(*after[0])[0] if after else None
 
     def _follow(self, slot: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The match's map and its successor; also makes the chain from `slot` the one eviction looks ahead with."""
+        """The match's map and its successor; also makes the chain from `slot` the one eviction looks ahead with.
+        The arrays returned are read-only (kept per slot)."""
         if self._chain_head is not None and self._chain_head[0] == slot:  # unchanged since the last layer
             return self._chain_head[1], self._chain_head[2]
-        maps: list[np.ndarray] = []  # [L, J] each: the match, its successor, the successor's successor, ...
-        s = slot
-        while len(maps) <= self._horizon and s >= 0:
-            maps.append(self.store.probs(s))
-            s = self.store.successor(s)
-        successor = maps[1] if len(maps) > 1 else None
+        key = tuple(self.store.chain(slot, self._horizon + 1))  # (slot, revision): the match, its successor, ...
+        maps = [self._slot_map(s, revision) for s, revision in key]  # (probs [L, J], top-K [L, J] bool) each
+        successor = maps[1][0] if len(maps) > 1 else None
         with self._lock:
-            self._set_chain(predicted_use(np.stack(maps), self.shape.top_k))
-            self._chain_head = (slot, maps[0], successor)
-        return maps[0], successor
+            self._set_chain([use for _, use in maps], key)
+            self._new_head((slot, maps[0][0], successor))
+        return maps[0][0], successor
+
+    def _slot_map(self, slot: int, revision: int) -> tuple[np.ndarray, np.ndarray]:
+        """(probs [L, J], top-K [L, J] bool) of a stored map, read again only when the slot was rewritten."""
+        kept = self._slot_maps.get(slot)
+        if kept is not None and kept[0] == revision:
+            self._slot_maps.move_to_end(slot)
+            return kept[1], kept[2]
+        probs = self.store.probs(slot)
+        use = predicted_use(probs, self.shape.top_k)
+        probs.flags.writeable = use.flags.writeable = False
+        self._slot_maps[slot] = (revision, probs, use)
+        if len(self._slot_maps) > 4 * (self._horizon + 1):  # a few chains' worth
+            self._slot_maps.popitem(last=False)
+        return probs, use
+
+    def _new_head(self, head: tuple[int, np.ndarray, np.ndarray | None] | None) -> None:  # under self._lock
+        self._chain_head = head
+        self._head_epoch += 1
 
     def _reset_chain(self) -> None:  # under self._lock (or before the policy is shared)
-        L, J = self.shape.num_layers, self.shape.num_experts
-        self._chain_head: tuple[int, np.ndarray, np.ndarray | None] | None = None
-        self._set_chain(np.zeros((0, L, J), bool))
+        self._new_head(None)
+        self._set_chain([], ())
 
-    def _set_chain(self, chain: np.ndarray) -> None:  # under self._lock
-        """chain [m, L, J] bool: predicted use in the current iteration's map (row 0) and the m − 1 after it.
+    def _set_chain(self, chain: Sequence[np.ndarray], key: tuple) -> None:  # under self._lock
+        """chain: m [L, J] bool, predicted use in the current iteration's map (row 0) and the m − 1 after it; key:
+        their (slot, revision) pairs.
 
         Kept per case (still to run, ran; successor_chain.py): the key of an expert that p_est does not predict, as
         `_base` (the first later run the chain predicts, else the runs it covers) plus `_past` (1 where the chain
         predicts none, to be scaled by the expected wait at the use rate).
         """
-        self._chain = chain[: self._horizon + 1]
-        runs, self._past = runs_until_predicted(self._chain, self._horizon)
-        self._base = self._offset + self.shape.num_layers * runs
+        chain, key = chain[: self._horizon + 1], key[: self._horizon + 1]
+        self._chain = chain
+        if key == self._chain_key:
+            return
+        self._chain_key = key
+        kept = self._chain_keys.get(key)
+        if kept is None:
+            L, J = self.shape.num_layers, self.shape.num_experts
+            stacked = np.stack(chain) if len(chain) else np.zeros((0, L, J), bool)
+            runs, past = runs_until_predicted(stacked, self._horizon)
+            kept = self._chain_keys[key] = (self._offset + L * runs, past)
+            if len(self._chain_keys) > 16:
+                self._chain_keys.popitem(last=False)
+        else:
+            self._chain_keys.move_to_end(key)
+        self._base, self._past = kept
         self._refresh_evict(slice(None), p_changed=False)
 
     def _estimate_next_use(self, layer: int, matched: np.ndarray, successor: np.ndarray | None) -> None:
         """Eviction p after `layer` ran: the match for layers still to run, its successor for those that ran."""
         first = 0 if successor is not None else layer + 1  # without a successor, run layers keep the observed p
-        rows = matched[first:].copy()  # [L − first, J]
-        if successor is not None:
-            rows[: layer + 1] = successor[: layer + 1]
         with self._lock:
-            self._set_estimates(first, self._mixed(first, rows))
+            weight = self._mix.weight
+            if self._estimated == (self._head_epoch, weight, layer - 1):
+                # The same match and mix as one layer ago: only this layer's row moved (to the successor, blended with
+                # the routing just observed); without a successor, none did.
+                if successor is not None:
+                    self._set_estimate(layer, self._mixed(layer, successor[layer : layer + 1])[0])
+            else:
+                rows = matched[first:].copy()  # [L − first, J]
+                if successor is not None:
+                    rows[: layer + 1] = successor[: layer + 1]
+                self._set_estimates(first, self._mixed(first, rows))
+            self._estimated = (self._head_epoch, weight, layer)
 
     def _mixed(self, first: int, rows: np.ndarray) -> np.ndarray:  # under self._lock
         """A map's prediction rows for layers first.. blended with those layers' last routing (blend.py), and kept
@@ -310,8 +362,10 @@ class FMoEPolicy(Policy):
         reached) keeps the previous estimate."""
         sums = rows.sum(1)
         known = sums > 0
-        layers = first + np.flatnonzero(known)
+        self._estimate_ok[first : first + known.size] = known
+        layers = first + known.nonzero()[0]
         rows = rows[known] / sums[known, None]
+        self._estimate[layers] = rows
         # Within an iteration the match is mostly the same map as one layer earlier: only the rows that moved need
         # their keys recomputed at the next eviction.
         moved = (self._p_est[layers] != rows).any(1)
@@ -319,13 +373,24 @@ class FMoEPolicy(Policy):
             self._p_est[layers[moved]] = rows[moved]
             self._refresh_evict(layers[moved])
 
+    def _set_estimate(self, layer: int, row: np.ndarray) -> None:  # under self._lock
+        """`_set_estimates` of one row, without the block's indexing (the usual case: one layer moved)."""
+        p = normalised(row)
+        self._estimate_ok[layer] = p is not None
+        if p is not None:
+            self._estimate[layer] = p
+            self._set_p(layer, p)
+
     def _plan(self, layer: int, predicted: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
         p = normalised(predicted)
         if p is None:
             return []
-        chosen = prefetch_set(p, delta, self.shape.top_k)
         with self._lock:
             self._set_p(layer, p)
+        return self._plan_normalised(layer, p, delta, l_now)
+
+    def _plan_normalised(self, layer: int, p: np.ndarray, delta: float, l_now: int) -> Sequence[Prefetch]:
+        chosen = prefetch_set(p, delta, self.shape.top_k)
         distance = layer - l_now
         # Target layer first (module docstring); p/distance ≤ 1 is scaled into [0, 0.5] so it only orders a layer.
         priority = layer + 0.5 * p[chosen].astype(np.float64) / distance
@@ -350,8 +415,8 @@ class FMoEPolicy(Policy):
         chain) the runs it covers plus the expected wait 1/rate at the use rate freq / runs (Laplace-smoothed).
         """
         if self._stale.any():
-            rows = np.flatnonzero(self._stale)
-            p_rows = np.flatnonzero(self._p_stale)
+            rows = self._stale.nonzero()[0]
+            p_rows = self._p_stale.nonzero()[0]
             if p_rows.size:
                 self._p_use[p_rows] = predicted_use(self._p_est[p_rows], self.shape.top_k)
             wait = np.maximum((self._runs[rows, None] + 2.0) / (self._freq[rows] + 1.0), 1.0)  # [r, J] 1/rate
@@ -367,6 +432,7 @@ class FMoEPolicy(Policy):
 
     def _fallback(self, layer: int, l_now: int) -> Sequence[Prefetch]:
         with self._lock:
+            self._head_epoch += 1  # p_est[layer] from the observed routing, not from the estimate
             if not self._has_seen[layer]:
                 return []
             last = self._last_seen[layer].copy()
@@ -397,4 +463,4 @@ class FMoEPolicy(Policy):
 
 
 def _delta(score: float) -> float:
-    return float(np.clip(1.0 - score, 0.0, 1.0))
+    return min(max(1.0 - score, 0.0), 1.0)
