@@ -1,9 +1,10 @@
 """The one place fmoe-local touches transformers' internals (anything not in its documented public API).
 
 Scope: loading a checkpoint key by key the way `from_pretrained` does (key renaming, keep-in-fp32 rules, weight
-tying, computed buffers), the experts hook (`ExpertsInterface`), the attributes of the fused experts modules
-our experts implementation reads (layout flags, the gate), and rendering a chat template the way
-`apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child process; what each
+tying, computed buffers), the experts hook (`ExpertsInterface`), which attention implementation a model runs, the
+attributes of the fused experts modules our experts implementation reads (layout flags, the gate), and rendering a
+chat template the way `apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child
+process; what each
 layer of a DynamicCache holds (prefix_cache.py keeps and cuts them). torch is
 imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
 It does NOT decide anything: each function is a thin, named door to one internal.
@@ -178,6 +179,11 @@ def init_computed_buffers(model: nn.Module, module: nn.Module) -> None:
 
 
 # ---- the experts hook and the fused experts modules ----------------------------------------------------------------
+
+
+def attention_implementation(model: nn.Module) -> str | None:
+    """The attention implementation `model` runs ("sdpa", "eager", …; set_attn_implementation sets it)."""
+    return model.config._attn_implementation
 
 
 def register_experts_implementation(name: str, forward: Callable) -> None:
