@@ -21,6 +21,7 @@ import torch
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
 from fmoe_local import bandwidth, cache_budget, chat_template, cpu_experts, expert_formats, hardware, miss_cost
+from fmoe_local.attention import use_grouped_sdpa
 from fmoe_local.cache import ExpertCache
 from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
 from fmoe_local.chat_template import TemplateOverBudget
@@ -191,6 +192,7 @@ class Engine:
         self.observer.attach()
         self.offloaded = OffloadedExperts({id(ref.experts): ref.moe_index for ref in self.moe_layers}, self.offload)
         self.model.set_experts_implementation(self.offloaded.register())
+        use_grouped_sdpa(self.model)  # a pass over a kept prefix does not copy its keys per head
         self.eos_ids = self._eos_ids()
         # Grammars are compiled against this tokenizer, the model's logits' width and its end tokens.
         self.grammars = Grammars(self.tokenizer, int(self.model.config.vocab_size), self.eos_ids)

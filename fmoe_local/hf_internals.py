@@ -1,11 +1,11 @@
 """The one place fmoe-local touches transformers' internals (anything not in its documented public API).
 
 Scope: loading a checkpoint key by key the way `from_pretrained` does (key renaming, keep-in-fp32 rules, weight
-tying, computed buffers), the experts hook (`ExpertsInterface`), the attributes of the fused experts modules
-our experts implementation reads (layout flags, the gate), and rendering a chat template the way
-`apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child process; what each
-layer of a DynamicCache holds (prefix_cache.py keeps and cuts them). torch is
-imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
+tying, computed buffers), the experts hook (`ExpertsInterface`), which attention implementation a model runs, the
+attributes of the fused experts modules our experts implementation reads (layout flags, the gate), and rendering a
+chat template the way `apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child
+process; what each layer of a DynamicCache holds, and a cache built from views of another's (prefix_cache.py keeps
+and cuts them). torch is imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
 It does NOT decide anything: each function is a thin, named door to one internal.
 
 Why: these internals change between transformers releases without notice. pyproject and constraints.txt pin the
@@ -64,6 +64,7 @@ _REQUIRED = (
         keywords=("conversations", "chat_template", "add_generation_prompt", "continue_final_message", "**"),
     ),
     _Internal("transformers.cache_utils", "DynamicLayer", called=False),
+    _Internal("transformers.cache_utils", "DynamicLayer.lazy_initialization", ("self", "key_states", "value_states")),
     _Internal("transformers.cache_utils", "DynamicSlidingWindowLayer", called=False),
 )
 _EXPERTS_FLAGS = ("is_transposed", "has_bias", "has_gate", "num_experts")
@@ -180,6 +181,11 @@ def init_computed_buffers(model: nn.Module, module: nn.Module) -> None:
 # ---- the experts hook and the fused experts modules ----------------------------------------------------------------
 
 
+def attention_implementation(model: nn.Module) -> str | None:
+    """The attention implementation `model` runs ("sdpa", "eager", …; set_attn_implementation sets it)."""
+    return model.config._attn_implementation
+
+
 def register_experts_implementation(name: str, forward: Callable) -> None:
     from transformers.integrations.moe import ExpertsInterface
 
@@ -261,3 +267,26 @@ def kv_layers(cache: DynamicCache) -> list[KVLayer] | None:
         keys, values = (layer.keys, layer.values) if held else (None, None)
         out.append(KVLayer(keys, values, layer.get_seq_length(), window))
     return out
+
+
+def cache_of_views(config: object, layers: list[KVLayer], tokens: int) -> DynamicCache | None:
+    """A DynamicCache for `config` holding the first `tokens` tokens of `layers` as views of their tensors, not
+    copies; None when the layers are not this config's. Safe because DynamicLayer.update concatenates into new
+    tensors and never writes into those it holds: the cache the views come from stays as it was
+    (tests/test_prefix_cache.py checks it). A sliding-window layer must hold every token it has seen (prefix_cache's
+    `_cuttable`); it is told how many that is, as update would count them."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    if len(cache.layers) != len(layers):
+        return None
+    for target, source in zip(cache.layers, layers, strict=True):
+        if source.keys is None:
+            continue
+        keys, values = source.keys[:, :, :tokens], source.values[:, :, :tokens]
+        target.lazy_initialization(keys, values)
+        target.keys, target.values = keys, values
+        if type(target) is DynamicSlidingWindowLayer:
+            target.cumulative_length = tokens
+    return cache

@@ -1,7 +1,9 @@
 """PrefixCache: the KV caches of recent requests, kept so that a request sharing a prompt prefix prefills only the rest.
 
-Scope: which kept cache serves a new prompt (the longest common token prefix), handing it over (whole, or its first
-tokens copied so that the kept one stays for its own conversation), taking the request's cache back afterwards, and
+Scope: which kept cache serves a new prompt (the longest common token prefix), handing it over (whole, or views of
+its first tokens so that the kept one stays for its own conversation: the request's first forward pass concatenates
+its tokens onto them into new tensors, the one copy of the prefix it makes either way), taking the request's cache
+back afterwards, and
 the byte budget (RuntimeConfig.prefix_cache_gb; the least recently used cache goes first). It does NOT run the model,
 know a request's text, or touch the expert cache.
 
@@ -25,8 +27,9 @@ its full keys and values per layer, so it is cut like any other.
 
 Budget (cache_budget.prefix_budget_bytes): bytes on the device the KV cache lives on, on top of the running
 request's own KV cache; least recently used dropped first. On a GPU, kept caches are dropped before a request whose
-KV cache would not fit the free memory, and a copy that runs out of memory drops kept caches and retries, else the
-prompt is prefilled whole.
+KV cache would not fit the free memory (a request served from views needs room for its whole prompt: its first pass
+copies the prefix), and the copy that trims a cache over the whole budget drops kept caches and retries when it runs
+out of memory, else keeps nothing.
 
 Offloading: a reused prefix's experts are not loaded again — the prefill runs only the new tokens, and the policy
 observes that pass as it ran (its expert map is the routing the cache had to serve). The semantic embedding still
@@ -44,7 +47,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
-from fmoe_local.hf_internals import KVLayer, kv_layers
+from fmoe_local.hf_internals import KVLayer, cache_of_views, kv_layers
 
 
 @dataclass(eq=False)  # identity: list.remove must not compare the ids arrays
@@ -127,8 +130,8 @@ class PrefixCache:
 
     def take(self, prompt: Sequence[int], new_tokens: int = 0) -> tuple[DynamicCache, int]:
         """A KV cache for `prompt` and how many of its first tokens it already holds (0: a fresh cache). A kept
-        cache the prompt extends is handed over whole (no longer kept); one sharing less is copied up to the shared
-        tokens and stays kept. `new_tokens`: tokens the request may still add (the reply), for the room check."""
+        cache the prompt extends is handed over whole (no longer kept); one sharing less stays kept, and the request
+        gets views of its shared tokens. `new_tokens`: tokens the request may still add (the reply), for the room check."""
         if not self.enabled or len(prompt) < 2 or (self._rope_limit is not None and len(prompt) > self._rope_limit):
             return self._fresh(prompt, new_tokens)
         ids = np.asarray(prompt, dtype=np.int64)
@@ -147,11 +150,11 @@ class PrefixCache:
             self._make_room(len(prompt) - shared + new_tokens, entry.nbytes / len(entry.ids))
             return entry.cache, shared
         self._entries.append(entry)  # stays kept, now the most recently used
-        copy = self._copy(layers, shared, keep=entry)
-        if copy is None:
+        views = cache_of_views(self._config, layers, shared)
+        if views is None:
             return self._fresh(prompt, new_tokens)
-        self._make_room(len(prompt) - shared + new_tokens, entry.nbytes / len(entry.ids))
-        return copy, shared
+        self._make_room(len(prompt) + new_tokens, entry.nbytes / len(entry.ids))
+        return views, shared
 
     def put(self, ids: Sequence[int], cache: DynamicCache) -> None:
         """Keep `cache` (after a request that ended between two forward passes), which holds the first tokens of
@@ -200,9 +203,10 @@ class PrefixCache:
                 return
             self._entries.pop(0)
 
-    def _copy(self, layers: list[KVLayer], tokens: int, keep: _Entry | None = None) -> DynamicCache | None:
-        """A new cache holding the first `tokens` tokens of `layers`; kept caches other than `keep` are dropped
-        (least recently used first) while the copy runs out of memory, and None when even that does not help."""
+    def _copy(self, layers: list[KVLayer], tokens: int) -> DynamicCache | None:
+        """A new cache holding a copy of the first `tokens` tokens of `layers` (not views: it must let the rest go);
+        kept caches are dropped (least recently used first) while the copy runs out of memory, and None when even
+        that does not help."""
         states = [
             (None, None) if layer.keys is None else (layer.keys[:, :, :tokens], layer.values[:, :, :tokens])
             for layer in layers
@@ -212,7 +216,6 @@ class PrefixCache:
                 # The constructor concatenates each layer's states onto an empty one: a copy, not a view.
                 return DynamicCache(ddp_cache_data=states, config=self._config)
             except (torch.OutOfMemoryError, MemoryError):
-                others = [e for e in self._entries if e is not keep]
-                if not others:
+                if not self._entries:
                     return None
-                self._entries.remove(others[0])
+                self._entries.pop(0)

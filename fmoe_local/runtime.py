@@ -468,13 +468,13 @@ class Runtime:
             # makes room), not in positions it was never trained on.
             sampling, full = replace(sampling, max_new_tokens=e.context_length - int(prompt_ids.shape[1])), "context"
         prompt = prompt_ids[0].tolist()
+        t0 = time.perf_counter()  # the time to first token counts handing over a kept cache
         kv_cache, reused = self._prefixes.take(prompt, sampling.max_new_tokens)
         stats = RequestStats(prompt_tokens=len(prompt), cached_tokens=reused)
         detok = Detokenizer(e.tokenizer, request.keep)
         reason, error = "length", ""
         times: list[float] = []
         request_id = next(self._request_ids)
-        t0 = time.perf_counter()
         waited = 0.0  # the forward pass's waits for experts up to the first token (decode's are the rest)
         stop = request.handle.stop
         try:

@@ -153,7 +153,32 @@ def test_sliding_window_cache_within_its_window_is_cut(tiny_model_dir):
     cache, reused = prefixes.take(edited)
     assert reused == 20
     assert run(model, edited, cache, reused) == run(model, edited, None, 0)
-    assert len(prefixes) == 1  # the kept cache stays for its own conversation; the edit got a copy
+    assert len(prefixes) == 1  # the kept cache stays for its own conversation; the edit got views of it
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_a_cut_is_views_of_the_kept_cache_which_the_request_leaves_as_it_was(family, tiny_model_dir):
+    """A request sharing part of a kept cache gets views of it, not a copy (its first pass's concatenation is the one
+    copy), and its passes leave the kept tensors bit for bit as they were, so the kept conversation still gets the
+    tokens of a whole prefill."""
+    model = eager(tiny_model_dir(family))
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    prompt = list(range(10, 40))
+    cache, _ = prefixes.take(prompt)
+    prefixes.put(prompt + run(model, prompt, cache, 0), cache)
+    kept = [(layer.keys, layer.values.clone()) for layer in kv_layers(cache)]
+    before = [keys.clone() for keys, _ in kept]
+    edited = prompt[:20] + [99, 98, 97]
+    views, reused = prefixes.take(edited)
+    assert reused == 20
+    for layer, (keys, _) in zip(kv_layers(views), kept, strict=True):
+        assert layer.length == 20 and layer.keys.data_ptr() == keys.data_ptr()  # shared storage: nothing copied
+    assert run(model, edited, views, reused) == run(model, edited, None, 0)
+    for layer, (_, values), old in zip(kv_layers(cache), kept, before, strict=True):
+        assert torch.equal(layer.keys, old) and torch.equal(layer.values, values)
+    again, reused = prefixes.take(prompt + [5])
+    assert reused > 20
+    assert run(model, prompt + [5], again, reused) == run(model, prompt + [5], None, 0)
 
 
 def test_length_dependent_rope_reuses_only_within_its_original_context():

@@ -1,0 +1,73 @@
+"""The attention implementation fmoe-local gives a model that uses transformers' SDPA: the same, except that on the CPU
+the key/value heads stay grouped (SDPA's `enable_gqa`) also when the pass has a mask.
+
+Why: transformers' `sdpa_attention_forward` copies every layer's keys and values out to the query heads (`repeat_kv`)
+whenever SDPA gets a mask, because CUDA's fast kernels do not take grouped heads under a mask. A pass that extends a
+kept KV cache (prefix_cache.py) always has one — its new tokens see the whole past and each other causally — so each
+such pass copied the whole past twice over and ran the attention on the repeated heads: on the demo model most of
+what a reused 4,000-token prefix added to the first token's time (docs/bench.md, "Prefix reuse"). torch's CPU
+kernel takes a mask and grouped heads together, and gives the same bits as on the repeated heads
+(tests/test_attention.py); a fresh prompt's pass (no mask) already runs grouped.
+
+Scope: registering the function and the mask function under one name with transformers' AttentionInterface and
+AttentionMaskInterface (its documented way to customise attention), and choosing it for a model loaded with "sdpa".
+Every other case — a GPU, one query token (transformers packs the groups into the query instead), no mask, a
+position bias, a paged cache, a model without grouped heads — is transformers' function unchanged. It does NOT
+choose the implementation of a model that is not on SDPA (GPT-OSS's sinks: eager).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from fmoe_local import hf_internals
+
+NAME = "fmoe_local_sdpa"
+
+
+def sdpa_grouped(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, q, d]
+    key: torch.Tensor,  # [B, H_kv, k, d]
+    value: torch.Tensor,  # [B, H_kv, k, d_v]
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa_attention_forward, with grouped heads under a mask on the CPU (the module docstring)."""
+    q_length = query.shape[2]
+    grouped = (
+        query.device.type == "cpu"
+        and attention_mask is not None
+        and q_length > 1
+        and getattr(module, "num_key_value_groups", 1) > 1
+        and key.shape[-1] == value.shape[-1] <= 256
+        and kwargs.get("position_bias") is None
+        and kwargs.get("cache") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
+    if not grouped:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    # As transformers' function runs it with a mask (is_causal is then False), less the repeat.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_grouped_sdpa(model: PreTrainedModel) -> bool:
+    """Switch `model` to sdpa_grouped if it runs transformers' SDPA; whether it did."""
+    if hf_internals.attention_implementation(model) != "sdpa":
+        return False
+    AttentionInterface.register(NAME, sdpa_grouped)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    model.set_attn_implementation(NAME)
+    return hf_internals.attention_implementation(model) == NAME

@@ -1,0 +1,77 @@
+"""The attention function fmoe-local registers: transformers' SDPA with the key/value heads kept grouped under a mask
+on the CPU — the same bits as transformers' own function, without its copy of the past per query head — and
+transformers' function itself everywhere else."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.integrations import sdpa_attention
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from fmoe_local.attention import NAME, sdpa_grouped, use_grouped_sdpa
+from fmoe_local.config import Sampling
+from fmoe_local.generate import generate_ids
+from fmoe_local.hf_internals import attention_implementation
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 2
+
+
+def _inputs(q: int, k: int, d: int = 16) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 4, q, d), torch.randn(1, 2, k, d), torch.randn(1, 2, k, d)
+    mask = (torch.arange(k)[None, :] <= torch.arange(k - q, k)[:, None])[None, None]  # new tokens after a past
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize(("q", "k"), [(5, 40), (1, 40), (7, 7)])
+def test_same_bits_as_transformers_sdpa(q, k):
+    query, key, value, mask = _inputs(q, k)
+    for m in (mask, None):
+        ours, _ = sdpa_grouped(_Attention(), query, key, value, m, scaling=0.25)
+        theirs, _ = sdpa_attention_forward(_Attention(), query, key, value, m, scaling=0.25)
+        assert torch.equal(ours, theirs)
+
+
+def test_a_masked_pass_does_not_repeat_the_past(monkeypatch):
+    query, key, value, mask = _inputs(5, 40)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the past was copied per query head")
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", refuse)
+    sdpa_grouped(_Attention(), query, key, value, mask)
+    with pytest.raises(AssertionError, match="copied per query head"):
+        sdpa_attention_forward(_Attention(), query, key, value, mask)
+
+
+def test_a_model_on_sdpa_switches_and_keeps_its_tokens(tiny_model_dir, monkeypatch):
+    """A pass over a past (the mask case) runs without repeat_kv and gives the tokens of a whole prefill."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3_moe"), dtype=torch.float32).eval()
+    assert attention_implementation(model) == "sdpa"
+    prompt = torch.tensor([list(range(10, 40))])
+    greedy = Sampling(greedy=True, max_new_tokens=4)
+
+    def run(cache, cached):
+        return list(generate_ids(model, prompt, greedy, set(), threading.Event(), cache=cache, cached=cached))
+
+    whole = run(None, 0)
+    assert use_grouped_sdpa(model) and attention_implementation(model) == NAME
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: pytest.fail("the past was copied per query head"))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=prompt[:, :20], past_key_values=cache, use_cache=True)
+    assert run(cache, 20) == whole
+
+
+def test_a_model_not_on_sdpa_is_left_alone(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("gpt_oss"), dtype=torch.float32)
+    before = attention_implementation(model)
+    assert before != "sdpa"
+    assert not use_grouped_sdpa(model)
+    assert attention_implementation(model) == before

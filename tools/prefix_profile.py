@@ -1,0 +1,99 @@
+"""Where a prefill over a kept prefix spends its time: torch.profiler over the runtime's own steps, per op and shape.
+
+`python tools/prefix_profile.py [--system-tokens 4000] [--passes 10]` loads the demo model (context raised as
+`bench prefix` does) twice, keeping KV caches and not, prefills a system prompt once, then profiles `--passes`
+requests that reuse it (PrefixCache.take, the request bracket with its semantic embedding over the reused tokens,
+and the one forward pass of the first token) and as many fresh prompts of the same new tokens. It prints the time of
+each (min and median, unprofiled) and each side's ops by self CPU time with their input shapes: the ops whose shapes
+carry the prefix length (3961 for the default) are what reuse adds. The steps run on this thread while the runtime's
+worker is idle (the profiler records the thread it is started on); their order is Runtime._run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from fmoe_bench.prefix import new_part, system_prompt, with_context  # noqa: E402
+from fmoe_local.config import RuntimeConfig, Sampling  # noqa: E402
+from fmoe_local.demo import demo_model_dir  # noqa: E402
+from fmoe_local.generate import generate_ids  # noqa: E402
+from fmoe_local.runtime import Runtime  # noqa: E402
+from fmoe_local.stats import RequestStats  # noqa: E402
+
+SAMPLING = Sampling(greedy=True, max_new_tokens=1)
+
+
+def first_token(runtime: Runtime, prompt: str, request_id: int) -> tuple[int, float]:
+    """Runtime._run's steps up to the first token: how many tokens were reused and the ms it took."""
+    e = runtime.engine
+    ids = e.encode_prompt(prompt, None, None)
+    prompt_list = ids[0].tolist()
+    t0 = time.perf_counter()
+    cache, reused = runtime._prefixes.take(prompt_list, 1)
+    with e.request(request_id, RequestStats(), reused_ids=ids[:, :reused]):
+        stop = threading.Event()
+        tokens = generate_ids(e.model, ids, SAMPLING, e.eos_ids, stop, e.end_iteration, cache=cache, cached=reused)
+        token = next(tokens)
+    ms = 1000 * (time.perf_counter() - t0)
+    runtime._prefixes.put(prompt_list + [token], cache)
+    return reused, ms
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--system-tokens", type=int, default=4000)
+    p.add_argument("--passes", type=int, default=10)
+    p.add_argument("--rows", type=int, default=20, help="ops shown per side")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = with_context(demo_model_dir(), Path(tmp) / "demo")
+        config = RuntimeConfig(device="cpu")
+        with Runtime.load(model, config) as reuse, Runtime.load(model, config.with_changes(prefix_cache_gb=0)) as whole:
+            for r in (reuse, whole):
+                r.generate("User: hello\nAssistant:", SAMPLING)
+            system = system_prompt(reuse.engine.tokenizer, args.system_tokens)
+            prompts = [
+                f"System: {system}\nUser: question {i} about the tides?\nAssistant:" for i in range(3 * args.passes)
+            ]
+            reuse.generate(prompts[0], SAMPLING)
+            second = reuse.generate(prompts[1], SAMPLING)
+            fresh = new_part(reuse, prompts[1], second.stats.cached_tokens)  # the new tokens alone
+            times: dict[str, list[float]] = {"reuse": [], "fresh": []}
+            for i in range(2, args.passes + 2):  # unprofiled, interleaved
+                reused, ms = first_token(reuse, prompts[i], i)
+                times["reuse"].append(ms)
+                times["fresh"].append(first_token(whole, fresh, 1000 + i)[1])
+            n_fresh = len(whole.tokenize(fresh))
+            print(f"reused {reused} tokens; new tokens {n_fresh}; torch threads {torch.get_num_threads()}")
+            for name, ms in times.items():
+                print(f"{name}: min {min(ms):.1f} ms, median {statistics.median(ms):.1f} ms")
+            for name, runtime, texts in (
+                ("reuse", reuse, prompts[args.passes + 2 : 2 * args.passes + 2]),
+                ("fresh", whole, [fresh] * args.passes),
+            ):
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    for i, text in enumerate(texts):
+                        first_token(runtime, text, 2000 + i)
+                print(f"\n{name}: {args.passes} passes, ops by self CPU time")
+                table = prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=44,
+                    max_shapes_column_width=72,
+                )  # fmt: skip
+                print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
