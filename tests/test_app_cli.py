@@ -155,7 +155,7 @@ def test_a_closed_terminal_or_a_shutdown_stops_the_app_through_its_cleanup(signa
     """SIGHUP (the launcher's terminal closed) and SIGTERM end the app like Ctrl+C: saved and closed, exit 0, also
     when the signal comes during start-up (after its first line, while the model loads)."""
     root = Path(app.__file__).resolve().parent
-    args = [sys.executable, str(root / "app.py"), "--no-browser", "--data-dir", str(tmp_path), "--port", "7961"]
+    args = [sys.executable, str(root / "app.py"), "--no-browser", "--data-dir", str(tmp_path), "--port", "7967"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
     try:
         lines = []
