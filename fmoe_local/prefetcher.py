@@ -90,25 +90,9 @@ class Prefetcher:
 
     # ---- forward thread ------------------------------------------------------------------------------------------
     def publish(self, kind: str, layer: int = -1, value: object = None, lookahead: object = None) -> None:
-        if kind == "begin_iteration":
-            self._iteration += 1
-            self.cache.current_layer = -1
-            self.cache.unhold()
-            # Every expert resident: nothing can miss, so nothing is urgent. The pass's distributions still teach
-            # the policy, in one event at its end: no per-layer wake-up, no matching while the layers run.
-            self._pass = _Pass(value, [], []) if self.cache.complete else None
-        if self._pass is not None:
-            if kind == "layer":
-                self._pass.layers.append(layer)
-                self._pass.probs.append(value)
-                return
-            if kind == "begin_iteration":
-                return
-            if kind == "end_iteration":
-                kind, value, self._pass = "pass", self._pass, None
-            else:  # the request ended inside a pass: an incomplete map has nothing to teach
-                self._pass = None
-        event = _Event(kind, self._iteration, layer, value, lookahead)
+        event = self._event(kind, layer, value, lookahead)
+        if event is None:
+            return
         if self.synchronous:
             # A router's event is handled when the next event arrives, i.e. after its layer's experts ran: the
             # replay benchmark's order (access, record, observe, copies), so the two give the same hit counts.
@@ -117,7 +101,7 @@ class Prefetcher:
                 if pending is not None:
                     self._handle(pending)
                     self._drain_queue()
-                if kind == "layer":
+                if event.kind == "layer":
                     self._pending = event
                     return
                 self._handle(event)
@@ -130,6 +114,29 @@ class Prefetcher:
             self._events.append(event)
             self._idle.clear()
             self._cond.notify_all()
+
+    def _event(self, kind: str, layer: int, value: object, lookahead: object) -> _Event | None:
+        """What a publish hands on after the forward pass's bookkeeping; None while a complete cache's pass is being
+        gathered (it reaches the policy as one "pass" event at its end)."""
+        if kind == "begin_iteration":
+            self._iteration += 1
+            self.cache.current_layer = -1
+            self.cache.unhold()
+            # Every expert resident: nothing can miss, so nothing is urgent. The pass's distributions still teach
+            # the policy, in one event at its end: no per-layer wake-up, no matching while the layers run.
+            self._pass = _Pass(value, [], []) if self.cache.complete else None
+        if self._pass is not None:
+            if kind == "layer":
+                self._pass.layers.append(layer)
+                self._pass.probs.append(value)
+                return None
+            if kind == "begin_iteration":
+                return None
+            if kind == "end_iteration":
+                kind, value, self._pass = "pass", self._pass, None
+            else:  # the request ended inside a pass: an incomplete map has nothing to teach
+                self._pass = None
+        return _Event(kind, self._iteration, layer, value, lookahead)
 
     @property
     def per_layer(self) -> bool:

@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fmoe_bench.live import LiveSettings, benchmark  # noqa: E402
 from fmoe_bench.prompts import sample_prompts, shared_data_dir  # noqa: E402
 from fmoe_bench.synthetic import SYNTHETIC, ForcedRouting, build_synthetic, experts_and_top_k, fold_trace  # noqa: E402
+from fmoe_local.prefetcher import Prefetcher  # noqa: E402
 
+THREADED_PUBLISH = Prefetcher.publish  # the shipped method, put back after an inline run
 NARROW = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
 _time: dict[tuple[str, str, str], float] = collections.defaultdict(float)
@@ -65,52 +67,27 @@ def instrument() -> None:
             _timed(ExpertCache, method)
 
 
-_THREADED_PUBLISH = None
+def _publish_inline(self, kind: str, layer: int = -1, value: object = None, lookahead: object = None) -> None:
+    """Prefetcher.publish with the policy called here, on the forward thread, as synchronous mode does but without
+    waiting for copies: the prefetcher thread then only copies."""
+    if self.synchronous:
+        return THREADED_PUBLISH(self, kind, layer, value, lookahead)
+    event = self._event(kind, layer, value, lookahead)  # the forward pass's bookkeeping, as publish does it
+    if event is None:
+        return
+    try:
+        self._handle(event)
+    except Exception as exc:  # noqa: BLE001 - reported as the worker's failures are
+        self._fail(exc)
+        self.raise_if_failed()
+    with self._cond:
+        self._idle.clear()
+        self._cond.notify_all()
 
 
 def inline_matcher(on: bool) -> None:
-    """The experiment: the policy's begin/observe/end calls made on the forward thread as events are published
-    (as synchronous mode does, but without waiting for copies); the prefetcher thread then only copies."""
-    global _THREADED_PUBLISH
-    from fmoe_local.prefetcher import Prefetcher, _Event
-
-    if _THREADED_PUBLISH is None:
-        _THREADED_PUBLISH = Prefetcher.publish
-    if not on:
-        Prefetcher.publish = _THREADED_PUBLISH
-        return
-
-    def publish(self, kind: str, layer: int = -1, value: object = None, lookahead: object = None) -> None:
-        if self.synchronous:
-            return _THREADED_PUBLISH(self, kind, layer, value, lookahead)
-        if kind == "begin_iteration":
-            self._iteration += 1
-            self.cache.current_layer = -1
-            self.cache.unhold()
-            self._pass = _Pass(value, [], []) if self.cache.complete else None
-        if self._pass is not None:
-            if kind == "layer":
-                self._pass.layers.append(layer)
-                self._pass.probs.append(value)
-                return
-            if kind == "begin_iteration":
-                return
-            if kind == "end_iteration":
-                kind, value, self._pass = "pass", self._pass, None
-            else:
-                self._pass = None
-        try:
-            self._handle(_Event(kind, self._iteration, layer, value, lookahead))
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc)
-            self.raise_if_failed()
-        with self._cond:
-            self._idle.clear()
-            self._cond.notify_all()
-
-    from fmoe_local.prefetcher import _Pass
-
-    Prefetcher.publish = publish
+    """The experiment: the matcher on the forward thread (on) or on its own thread, as shipped (off)."""
+    Prefetcher.publish = _publish_inline if on else THREADED_PUBLISH
 
 
 def main() -> int:
