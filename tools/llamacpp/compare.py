@@ -11,7 +11,7 @@ comparison needs a llama.cpp source tree (its converter and gguf-py) and a llama
   weights, seed 0), kept in --work-dir, converted once with llama.cpp's own convert_hf_to_gguf.py to bf16 GGUF
   (its byte-level test tokenizer has no known pre-tokenizer hash, so the converter is told "default": the
   tokenizer does not matter to a decode timing) and quantised once per type with llama.cpp's own quantiser.
-- Each round runs `bench cpu-decode --rounds 1` (its table: tok/s, the DRAM bandwidth it measured at the round's
+- Each round runs `bench cpu-decode --rounds 1 --threads T` (T: --threads, llama.cpp's too) (its table: tok/s, the DRAM bandwidth it measured at the round's
   start, each format's share of its limit), then llama.cpp on every type (tools/llamacpp/time_gguf.py in
   --llama-python: `Llama.eval` of one token at a time after a warm-up, as many tokens), the order of the two
   reversed every other round. llama.cpp's limit uses the same round's bandwidth and the bytes a token reads in that
@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+TIME_GGUF = Path(__file__).with_name("time_gguf.py")  # llama.cpp's side, run in --llama-python
 PAIRS = (("bf16", "bf16"), ("int8", "q8_0"), ("int4", "q4_0"), ("int4", "q4_k_m"), ("nf4", "q4_0"))
 CONVERT = """
 import sys
@@ -56,21 +57,22 @@ def gguf_files(src: Path, py: str, model_dir: Path, work: Path, types: list[str]
         subprocess.run(cmd, check=True, env=_gguf_env(src))
     for t, path in out.items():
         if t != "bf16" and not path.exists():
-            cmd = [py, str(Path(__file__).with_name("time_gguf.py")), "quantize", str(base), str(path), t]
+            cmd = [py, str(TIME_GGUF), "quantize", str(base), str(path), t]
             subprocess.run(cmd, check=True, env=_gguf_env(src))
     return out
 
 
-def ours(model_dir_root: Path, layers: int, formats: str, tokens: int) -> dict:
+def ours(model_dir_root: Path, layers: int, formats: str, tokens: int, threads: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "fmoe_bench.cli", "cpu-decode", "--layers", str(layers), "--rounds", "1"]
         cmd += ["--tokens", str(tokens), "--formats", formats, "--work-dir", str(model_dir_root), "--json", f.name]
+        cmd += ["--threads", str(threads)]  # as many as llama.cpp gets: torch's own choice may differ
         subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
         return json.loads(Path(f.name).read_text())
 
 
 def theirs(src: Path, py: str, files: dict[str, Path], tokens: int, threads: int) -> dict[str, dict]:
-    cmd = [py, str(Path(__file__).with_name("time_gguf.py")), "time", "--tokens", str(tokens), "--threads"]
+    cmd = [py, str(TIME_GGUF), "time", "--tokens", str(tokens), "--threads"]
     cmd += [str(threads), *[f"{t}={p}" for t, p in files.items()]]
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=_gguf_env(src))
     return json.loads(done.stdout)
@@ -104,7 +106,7 @@ def main() -> int:
         gbps, llama = None, {}
         for step in ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours"):
             if step == "ours":
-                got = ours(args.work_dir, args.layers, args.formats, args.tokens)
+                got = ours(args.work_dir, args.layers, args.formats, args.tokens, args.threads)
                 gbps = got["info"]["dram_gbps"][0]  # measured at the start of cpu-decode's one round
                 rows += [(r, "fmoe-local", row["fmt"], row["tok_s"], row["of_limit"]) for row in got["rows"]]
             else:
