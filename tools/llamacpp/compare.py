@@ -11,8 +11,8 @@ comparison needs a llama.cpp source tree (its converter and gguf-py) and a llama
   weights, seed 0), kept in --work-dir, converted once with llama.cpp's own convert_hf_to_gguf.py to bf16 GGUF
   (its byte-level test tokenizer has no known pre-tokenizer hash, so the converter is told "default": the
   tokenizer does not matter to a decode timing) and quantised once per type with llama.cpp's own quantiser.
-- Each round runs `bench cpu-decode --rounds 1 --threads T` (T: --threads, llama.cpp's too) (its table: tok/s, the DRAM bandwidth it measured at the round's
-  start, each format's share of its limit), then llama.cpp on every type (tools/llamacpp/time_gguf.py in
+- Each round runs `bench cpu-decode --rounds 1 --threads T` (T: --threads, llama.cpp's too; its table: tok/s, the
+  DRAM bandwidth it measured at the round's start, each format's share of its limit), then llama.cpp on every type (tools/llamacpp/time_gguf.py in
   --llama-python: `Llama.eval` of one token at a time after a warm-up, as many tokens), the order of the two
   reversed every other round. llama.cpp's limit uses the same round's bandwidth and the bytes a token reads in that
   file (gguf-py's reader: every tensor but the token embedding, of which one row, with the expert tensors at K/J).
