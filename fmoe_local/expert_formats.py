@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -136,24 +137,71 @@ def stored_shapes(
 
 
 # Rows quantised per step: a few MB of float32 temporaries stay in the core's caches (a whole Mixtral weight's 700 MB
-# of temporaries made quantising memory-bound: docs/bench.md, "Quantise-on-load").
+# of temporaries made quantising memory-bound), and every step writes into the same buffers: a fresh 2 MB temporary
+# per op is a fresh mapping the kernel zero-fills page by page, which cost more than the arithmetic (docs/bench.md,
+# "Quantise-on-load in place"). Each packer gives the bytes of the plain vectorised formula it replaced
+# (tests/test_expert_formats.py keeps that formula and compares).
 PACK_BLOCK_BYTES = 1 << 21
 
 
-def _row_blocks(w: Tensor) -> range:
-    rows = max(1, PACK_BLOCK_BYTES // (4 * w.shape[-1]))
-    return range(0, w.shape[0], rows)
+def _block_rows(w: Tensor) -> int:
+    return max(1, min(w.shape[0], PACK_BLOCK_BYTES // (4 * w.shape[-1])))
+
+
+def _blocks(w: Tensor, rows: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, w.shape[0], rows):
+        yield start, min(rows, w.shape[0] - start)
+
+
+class _Nibbles:
+    """Two 4-bit codes per byte, from int8 codes [r, 2c] into uint8 [r, c], through buffers reused for every block:
+    each pair of codes read as one little-endian int16 (three vectorised passes, where strided halves are not
+    vectorised). `first_high`: the first code in the high nibble (nf4) or the low one (int4)."""
+
+    def __init__(self, rows: int, cols: int, first_high: bool) -> None:
+        self.codes = torch.empty(rows, cols, dtype=torch.int8)  # float → int8 is vectorised, float → uint8 is not
+        self.shifted = torch.empty(rows, cols // 2, dtype=torch.int16)
+        self.first_high = first_high
+
+    def pack(self, block: Tensor, out: Tensor) -> None:
+        codes = self.codes[: block.shape[0]].copy_(block)
+        if sys.byteorder != "little":  # no platform we ship: the plain strided form
+            even, odd = codes[:, 0::2].to(torch.uint8), codes[:, 1::2].to(torch.uint8)
+            out.copy_((even << 4) | odd if self.first_high else even | (odd << 4))
+            return
+        pair, shifted = codes.view(torch.int16), self.shifted[: block.shape[0]]  # pair = first | second << 8
+        if self.first_high:
+            torch.bitwise_left_shift(pair, 4, out=shifted).bitwise_or_(pair >> 8)
+        else:
+            torch.bitwise_right_shift(pair, 4, out=shifted).bitwise_or_(pair)
+        out.copy_(shifted)  # int16 → uint8 keeps the low byte: the two codes
+
+
+def _check_finite(figures: Tensor, fmt: str) -> None:
+    """Refuses a weight holding inf or NaN, seen in the figures of its rows, groups or blocks (a reduction carries
+    both; asked once at the end, the codes of such a weight are discarded): its codes would be arbitrary bytes, a
+    model that answers nonsense with no word why."""
+    if not bool(torch.isfinite(figures).all()):
+        raise ValueError(
+            f"An expert weight holds inf or NaN, so it has no {fmt} form: the checkpoint is damaged. Download it "
+            "again, or verify its files against the model's page."
+        )
 
 
 def pack_int8(w: Tensor) -> dict[str, Tensor]:
-    q = torch.empty(w.shape, dtype=torch.int8)
-    scale = torch.empty(w.shape[0], dtype=torch.float32)
-    step = _row_blocks(w).step
-    for start in _row_blocks(w):
-        block = w[start : start + step].float()
-        s = (block.abs().amax(1) / 127).clamp_(min=1e-12)
-        q[start : start + step] = torch.round(block / s[:, None]).clamp_(-127, 127)
-        scale[start : start + step] = s
+    """Symmetric int8 per row: q = round(w / s), s = max|w| / 127 (float32), in place on a row block at a time."""
+    a, b = w.shape
+    q = torch.empty(a, b, dtype=torch.int8)
+    scale = torch.empty(a, dtype=torch.float32)
+    rows = _block_rows(w)
+    work, magnitude = torch.empty(rows, b), torch.empty(rows, b)
+    for start, n in _blocks(w, rows):
+        block, s = work[:n], scale[start : start + n]
+        block.copy_(w[start : start + n])
+        torch.amax(torch.abs(block, out=magnitude[:n]), 1, out=s)
+        s.div_(127).clamp_(min=1e-12)
+        q[start : start + n].copy_(block.div_(s[:, None]).round_().clamp_(-127, 127))
+    _check_finite(scale, "int8")
     return {"q": q, "scale": scale}
 
 
@@ -164,31 +212,56 @@ def int4_group(in_features: int) -> int:
 
 def pack_int4(w: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
     """Asymmetric 4-bit per group: w [a, b] → codes with (code − 8) · scale + zero ≈ w, scale and zero rounded to
-    `dtype` first so that the codes are chosen against the values every reader uses. Vectorised per block of rows."""
+    `dtype` first so that the codes are chosen against the values every reader uses. In place per block of rows."""
     a, b = w.shape
     g = int4_group(b)
     q = torch.empty(a, b // 2, dtype=torch.uint8)
     sz = torch.empty(b // g, a, 2, dtype=dtype)
-    step = _row_blocks(w).step
-    for start in _row_blocks(w):
-        groups = w[start : start + step].float().reshape(-1, b // g, g)
+    rows = _block_rows(w)
+    work, nibbles = torch.empty(rows, b), _Nibbles(rows, b, first_high=False)
+    for start, n in _blocks(w, rows):
+        block = work[:n]
+        block.copy_(w[start : start + n])
+        groups = block.view(n, b // g, g)
         low, high = groups.amin(-1), groups.amax(-1)  # [rows, b/g]
         scale = ((high - low) / 15).clamp_(min=1e-6).to(dtype).float()
         zero = (low + 8 * scale).to(dtype).float()
-        codes = (groups - zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15).to(torch.uint8)
-        codes = codes.reshape(-1, b)
-        q[start : start + step] = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        sz[:, start : start + step] = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype)
+        groups.sub_(zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15)
+        nibbles.pack(block, q[start : start + n])
+        sz[:, start : start + n, 0] = scale.t()
+        sz[:, start : start + n, 1] = zero.t()
+    _check_finite(sz, "int4")
     return {"q": q, "sz": sz}
 
 
+# NF4's nearest level: the count of midpoints between ascending levels below a weight (bucketize's answer, faster;
+# one compare per midpoint into float32, which torch vectorises, where a bool result is not).
+_NF4_MIDS = tuple(((torch.tensor(NF4_CODE[1:]) + torch.tensor(NF4_CODE[:-1])) / 2).tolist())
+
+
 def pack_nf4(w: Tensor) -> dict[str, Tensor]:
-    if w.dim() == 2 and w.shape[1] % NF4_BLOCK == 0 and w.shape[1] % 2 == 0:
-        # Whole blocks in every row: a block of rows at a time is the same packing, with cache-sized temporaries.
-        step = _row_blocks(w).step
-        parts = [_pack_nf4_flat(w[start : start + step]) for start in _row_blocks(w)]
-        return {k: torch.cat([p[k] for p in parts]) for k in ("q", "absmax")}
-    return _pack_nf4_flat(w)
+    if w.dim() != 2 or w.shape[1] % NF4_BLOCK:
+        return _pack_nf4_flat(w)
+    # Whole blocks in every row: a block of rows at a time is the same packing, in place on cache-sized buffers.
+    a, b = w.shape
+    q = torch.empty(a, b // 2, dtype=torch.uint8)
+    absmax = torch.empty(a * b // NF4_BLOCK, dtype=torch.float32)
+    rows = _block_rows(w)
+    work, other, count = torch.empty(rows, b), torch.empty(rows, b), torch.empty(rows, b)
+    nibbles = _Nibbles(rows, b, first_high=True)
+    per_row = b // NF4_BLOCK
+    for start, n in _blocks(w, rows):
+        block = work[:n]
+        block.copy_(w[start : start + n])
+        blocks, maxima = block.view(-1, NF4_BLOCK), absmax[start * per_row : (start + n) * per_row]
+        torch.amax(torch.abs(blocks, out=other[:n].view(-1, NF4_BLOCK)), 1, out=maxima)
+        blocks.div_(maxima.clamp(min=1e-12)[:, None])
+        above, total = other[:n], count[:n].zero_()
+        for mid in _NF4_MIDS:
+            total.add_(torch.gt(block, mid, out=above))
+        nibbles.pack(total, q[start : start + n])
+    _check_finite(absmax, "nf4")
+    return {"q": q.view(-1), "absmax": absmax}
 
 
 def _pack_nf4_flat(w: Tensor) -> dict[str, Tensor]:
@@ -199,6 +272,7 @@ def _pack_nf4_flat(w: Tensor) -> dict[str, Tensor]:
     padded[:n] = flat
     padded = padded.view(blocks, NF4_BLOCK)
     absmax = padded.abs().amax(1)
+    _check_finite(absmax, "nf4")
     normed = padded / absmax.clamp(min=1e-12)[:, None]
     code = torch.tensor(NF4_CODE, dtype=torch.float32)
     # Nearest level: the midpoints between ascending levels split the line into 16 bins; counting the midpoints below
