@@ -53,6 +53,8 @@ FORMATS = EXPERT_FORMATS  # what a user chooses; mxfp4 is what auto picks for an
 PACKED = ("int8", "int4", "nf4", "mxfp4")
 NF4_BLOCK = 64
 INT4_GROUP = 64  # weights per int4 scale and zero: 4.5 bits per weight with bf16 ones, as nf4's 64-blocks
+# Rows per step of torch's CPU int4 layout: a multiple of the row blocks its layout uses (16 to 64 by vector width).
+INT4_LAYOUT_ROWS = 64
 # bitsandbytes' NormalFloat4 levels (bitsandbytes/functional.py, get_4bit_type("nf4")), ascending.
 NF4_CODE = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -368,9 +370,26 @@ class Int4Weight:
     @staticmethod
     def from_portable(q: Tensor) -> Tensor:
         """Our stored `q` [out, in/2] (low nibble first) in torch's CPU layout: made where RAM is filled, since the
-        layout depends on the CPU torch was built for and so is never written to disk."""
-        codes = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(q.shape[0], -1).to(torch.int32)
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        layout depends on the CPU torch was built for and so is never written to disk. Converted a block of
+        INT4_LAYOUT_ROWS rows at a time through reused buffers: torch takes one int32 per code, four times the
+        packed bytes, and its layout blocks rows in groups that divide that count, so the blocks give the whole
+        conversion's bytes (tests/test_expert_formats.py compares)."""
+        convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+        if sys.byteorder != "little":  # no platform we ship: the plain form, whole
+            return convert(torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(q.shape[0], -1).to(torch.int32), 1)
+        out_f, half = q.shape
+        rows = min(out_f, max(INT4_LAYOUT_ROWS, PACK_BLOCK_BYTES // (8 * half) // INT4_LAYOUT_ROWS * INT4_LAYOUT_ROWS))
+        pairs, high = torch.empty(rows, half, dtype=torch.int64), torch.empty(rows, half, dtype=torch.int64)
+        packed: Tensor | None = None
+        for start, n in _blocks(q, rows):
+            codes = pairs[:n].copy_(q[start : start + n])  # one int64 per byte: its two codes as two int32
+            torch.bitwise_right_shift(codes, 4, out=high[:n]).bitwise_left_shift_(32)
+            codes.bitwise_and_(0x0F).bitwise_or_(high[:n])  # the first code in the low int32 (little-endian)
+            part = convert(codes.view(torch.int32), 1)
+            if packed is None:
+                packed = part.new_empty((out_f, *part.shape[1:]))
+            packed[start : start + n] = part
+        return packed
 
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.sz.to(x.dtype))

@@ -241,3 +241,12 @@ def test_a_weight_with_inf_or_nan_is_refused_with_a_sentence(fmt, bad):
     param = ef.layout(fmt, {"w": (8, 64)})["w"]
     with pytest.raises(ValueError, match="inf or NaN.*damaged"):
         ef.pack(param, w, torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (208, 2048), (320, 2048)])  # blocks of 64 rows, and a tail of 16
+def test_torch_s_cpu_int4_layout_made_in_blocks_is_the_whole_conversion(shape, monkeypatch):
+    monkeypatch.setattr(ef, "PACK_BLOCK_BYTES", 64 * 1024)
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    codes = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(shape[0], -1).to(torch.int32)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(ef.Int4Weight.from_portable(q), whole)
