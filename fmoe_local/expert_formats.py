@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,13 +146,27 @@ def stored_shapes(
 PACK_BLOCK_BYTES = 1 << 21
 
 
-def _block_rows(w: Tensor) -> int:
-    return max(1, min(w.shape[0], PACK_BLOCK_BYTES // (4 * w.shape[-1])))
+Rows = Tensor | Sequence[Tensor]  # a weight [a, b], or its rows in parts stacked along dim 0 (gate then up)
 
 
-def _blocks(w: Tensor, rows: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, w.shape[0], rows):
-        yield start, min(rows, w.shape[0] - start)
+def _stacked(w: Rows) -> tuple[list[Tensor], int, int]:
+    """The parts of `w`, its row count and its row length: a packer reads the parts in turn, with no stacked copy."""
+    parts = [w] if isinstance(w, Tensor) else list(w)
+    return parts, sum(p.shape[0] for p in parts), parts[0].shape[-1]
+
+
+def _block_rows(rows: int, cols: int) -> int:
+    return max(1, min(rows, PACK_BLOCK_BYTES // (4 * cols)))
+
+
+def _row_blocks(parts: list[Tensor], rows: int) -> Iterator[tuple[Tensor, int, int]]:
+    """(the block's source rows, its first row in the whole weight, its row count); a block never spans two parts."""
+    at = 0
+    for part in parts:
+        for start in range(0, part.shape[0], rows):
+            n = min(rows, part.shape[0] - start)
+            yield part[start : start + n], at + start, n
+        at += part.shape[0]
 
 
 class _Nibbles:
@@ -190,16 +204,16 @@ def _check_finite(figures: Tensor, fmt: str) -> None:
         )
 
 
-def pack_int8(w: Tensor) -> dict[str, Tensor]:
+def pack_int8(w: Rows) -> dict[str, Tensor]:
     """Symmetric int8 per row: q = round(w / s), s = max|w| / 127 (float32), in place on a row block at a time."""
-    a, b = w.shape
+    parts, a, b = _stacked(w)
     q = torch.empty(a, b, dtype=torch.int8)
     scale = torch.empty(a, dtype=torch.float32)
-    rows = _block_rows(w)
+    rows = _block_rows(a, b)
     work, magnitude = torch.empty(rows, b), torch.empty(rows, b)
-    for start, n in _blocks(w, rows):
+    for source, start, n in _row_blocks(parts, rows):
         block, s = work[:n], scale[start : start + n]
-        block.copy_(w[start : start + n])
+        block.copy_(source)
         torch.amax(torch.abs(block, out=magnitude[:n]), 1, out=s)
         s.div_(127).clamp_(min=1e-12)
         q[start : start + n].copy_(block.div_(s[:, None]).round_().clamp_(-127, 127))
@@ -212,18 +226,18 @@ def int4_group(in_features: int) -> int:
     return INT4_GROUP if in_features % INT4_GROUP == 0 else 32
 
 
-def pack_int4(w: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+def pack_int4(w: Rows, dtype: torch.dtype) -> dict[str, Tensor]:
     """Asymmetric 4-bit per group: w [a, b] → codes with (code − 8) · scale + zero ≈ w, scale and zero rounded to
     `dtype` first so that the codes are chosen against the values every reader uses. In place per block of rows."""
-    a, b = w.shape
+    parts, a, b = _stacked(w)
     g = int4_group(b)
     q = torch.empty(a, b // 2, dtype=torch.uint8)
     sz = torch.empty(b // g, a, 2, dtype=dtype)
-    rows = _block_rows(w)
+    rows = _block_rows(a, b)
     work, nibbles = torch.empty(rows, b), _Nibbles(rows, b, first_high=False)
-    for start, n in _blocks(w, rows):
+    for source, start, n in _row_blocks(parts, rows):
         block = work[:n]
-        block.copy_(w[start : start + n])
+        block.copy_(source)
         groups = block.view(n, b // g, g)
         low, high = groups.amin(-1), groups.amax(-1)  # [rows, b/g]
         scale = ((high - low) / 15).clamp_(min=1e-6).to(dtype).float()
@@ -241,20 +255,20 @@ def pack_int4(w: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
 _NF4_MIDS = tuple(((torch.tensor(NF4_CODE[1:]) + torch.tensor(NF4_CODE[:-1])) / 2).tolist())
 
 
-def pack_nf4(w: Tensor) -> dict[str, Tensor]:
-    if w.dim() != 2 or w.shape[1] % NF4_BLOCK:
-        return _pack_nf4_flat(w)
+def pack_nf4(w: Rows) -> dict[str, Tensor]:
+    parts, a, b = _stacked(w)
+    if parts[0].dim() != 2 or b % NF4_BLOCK:
+        return _pack_nf4_flat(torch.cat(parts) if len(parts) > 1 else parts[0])
     # Whole blocks in every row: a block of rows at a time is the same packing, in place on cache-sized buffers.
-    a, b = w.shape
     q = torch.empty(a, b // 2, dtype=torch.uint8)
     absmax = torch.empty(a * b // NF4_BLOCK, dtype=torch.float32)
-    rows = _block_rows(w)
+    rows = _block_rows(a, b)
     work, other, count = torch.empty(rows, b), torch.empty(rows, b), torch.empty(rows, b)
     nibbles = _Nibbles(rows, b, first_high=True)
     per_row = b // NF4_BLOCK
-    for start, n in _blocks(w, rows):
+    for source, start, n in _row_blocks(parts, rows):
         block = work[:n]
-        block.copy_(w[start : start + n])
+        block.copy_(source)
         blocks, maxima = block.view(-1, NF4_BLOCK), absmax[start * per_row : (start + n) * per_row]
         torch.amax(torch.abs(blocks, out=other[:n].view(-1, NF4_BLOCK)), 1, out=maxima)
         blocks.div_(maxima.clamp(min=1e-12)[:, None])
@@ -288,10 +302,11 @@ def _pack_nf4_flat(w: Tensor) -> dict[str, Tensor]:
     return {"q": ((q[0::2] << 4) | q[1::2]).contiguous(), "absmax": absmax.contiguous()}
 
 
-def pack(param: PackedParam, dense: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
-    """One parameter's stored parts ({stored key: tensor}) from its dense row (any float dtype)."""
+def pack(param: PackedParam, dense: Rows, dtype: torch.dtype) -> dict[str, Tensor]:
+    """One parameter's stored parts ({stored key: tensor}) from its dense row (any float dtype), or from that row's
+    parts stacked along dim 0 (read_expert's for a packer: a gate and an up projection, never concatenated)."""
     if param.fmt == "dense":
-        return {"": dense.to(dtype).contiguous()}
+        return {"": (dense if isinstance(dense, Tensor) else torch.cat(list(dense))).to(dtype).contiguous()}
     if param.fmt == "int8":
         return pack_int8(dense)
     if param.fmt == "int4":
@@ -381,8 +396,8 @@ class Int4Weight:
         rows = min(out_f, max(INT4_LAYOUT_ROWS, PACK_BLOCK_BYTES // (8 * half) // INT4_LAYOUT_ROWS * INT4_LAYOUT_ROWS))
         pairs, high = torch.empty(rows, half, dtype=torch.int64), torch.empty(rows, half, dtype=torch.int64)
         packed: Tensor | None = None
-        for start, n in _blocks(q, rows):
-            codes = pairs[:n].copy_(q[start : start + n])  # one int64 per byte: its two codes as two int32
+        for source, start, n in _row_blocks([q], rows):
+            codes = pairs[:n].copy_(source)  # one int64 per byte: its two codes as two int32
             torch.bitwise_right_shift(codes, 4, out=high[:n]).bitwise_left_shift_(32)
             codes.bitwise_and_(0x0F).bitwise_or_(high[:n])  # the first code in the low int32 (little-endian)
             part = convert(codes.view(torch.int32), 1)

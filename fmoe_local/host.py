@@ -125,14 +125,18 @@ class CheckpointFiles:
 
 
 def read_expert(files: CheckpointFiles, sources: Mapping[str, ExpertSource], dtype: torch.dtype | None) -> dict:
-    """Assemble one expert's rows {param: tensor} from the checkpoint, in `dtype`; None: plain rows in their stored
-    float dtype and decoded ones (MXFP4, bitsandbytes 4-bit) in float32, for a packer, which converts a cache-sized
-    block at a time (a whole Mixtral expert read as float32 cost more CPU time than packing it)."""
+    """Assemble one expert's rows {param: tensor} from the checkpoint, in `dtype`. None, for a packer (which
+    converts a cache-sized block at a time, expert_formats.pack): plain rows in their stored float dtype, decoded
+    ones (MXFP4, bitsandbytes 4-bit) in float32, and rows the checkpoint splits (gate and up) as the list of their
+    parts: a whole Mixtral expert read as float32, or concatenated, cost more CPU time than packing it."""
     decoded = torch.float32 if dtype is None else dtype
     out = {}
     for name, src in sources.items():
         if isinstance(src, ConcatRows):
             parts = [_dense(files, k, decoded) for k in src.keys]
+            if dtype is None and len(parts) > 1:
+                out[name] = [p.contiguous() for p in parts]
+                continue
             row = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         elif isinstance(src, FusedRow):
             row = files.get_row(src.key, src.expert)

@@ -250,3 +250,15 @@ def test_torch_s_cpu_int4_layout_made_in_blocks_is_the_whole_conversion(shape, m
     codes = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(shape[0], -1).to(torch.int32)
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     assert torch.equal(ef.Int4Weight.from_portable(q), whole)
+
+
+@pytest.mark.parametrize(("out_f", "in_f"), [(300, 896), (37, 96)])  # 37 × 96: nf4's flat path (no whole blocks)
+def test_a_weight_read_in_parts_packs_as_the_stacked_weight(out_f, in_f, monkeypatch):
+    # A checkpoint's separate gate and up rows are packed in turn (read_expert for a packer), never concatenated.
+    monkeypatch.setattr(ef, "PACK_BLOCK_BYTES", 64 * 1024)
+    w = _edge_weights(out_f, in_f, torch.bfloat16)
+    parts = [w[:100], w[100:]] if out_f > 100 else [w[:10], w[10:]]
+    for fmt in ("int8", "int4", "nf4"):
+        param = ef.layout(fmt, {"w": (out_f, in_f)})["w"]
+        got, want = ef.pack(param, parts, torch.bfloat16), ef.pack(param, w, torch.bfloat16)
+        assert all(torch.equal(got[k], want[k]) for k in want), fmt
