@@ -3,9 +3,10 @@ one expert it quantises (issue 26, item 5; the goal is ≤ 0.5 s of CPU per expe
 
 Per format: packing the expert's three [14336, 4096]-sized matrices (gate, up: [14336, 4096] each, down [4096, 14336];
 random bf16 weights, as the checkpoint holds them) with expert_formats' packers; beside them the other per-expert
-steps of a load: reading the bf16 rows as float32 (CheckpointPackedSource reads them so), torch's CPU int4 layout
-(Int4Weight.from_portable, made for every int4 expert a CPU device holds) and writing the packed expert to a
-safetensors file (what quant_cache writes per layer, here one expert, fsync'd).
+steps of a load: converting the bf16 rows to float32 whole (what a load did before packing until the packers
+converted a block at a time: a "before" figure), torch's CPU int4 layout (Int4Weight.from_portable, made for every int4
+expert a CPU device holds) and writing the packed expert to a safetensors file (what quant_cache writes per layer,
+here one expert, fsync'd).
 
 Run from the repository root: `python tools/pack_bench.py --threads 1,2 --repeats 2`. To time another checkout's
 packers (the "before" of a change), put its root first: `PYTHONPATH=/path/to/other python tools/pack_bench.py`.
