@@ -208,7 +208,7 @@ def test_what_fits_is_judged_with_the_app_s_own_model_counted_as_free(ui_session
 
     probes = []
 
-    def probe(_):
+    def probe(_, verdicts=None):  # noqa: ANN001 - hardware.probe(data_dir, verdicts)
         probes.append(1)
         return Machine("cpu", "", 0, 0, 16 * GB, 6 * GB, 200 * GB)  # what a probe sees with our model in RAM
 
