@@ -28,6 +28,7 @@ from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.constrained import Grammars
 from fmoe_local.cpu_experts import Kernel
+from fmoe_local.dtype_verdicts import DtypeVerdicts
 from fmoe_local.experts import OffloadedExperts
 from fmoe_local.loading import checkpoint_dtype, load_model
 from fmoe_local.maps import MapStore
@@ -114,16 +115,25 @@ class Engine:
         map_persistence: object | None = None,
         saved_costs: MissCosts | None = None,
         progress: Progress | None = None,
+        dtype_verdicts: DtypeVerdicts | None = None,
     ) -> Engine:
         """`saved_costs`: figures an earlier load measured on this machine for this model (`miss_costs`); used
         instead of a new probe when they match the model's stored format and size and the device. `progress`:
-        load_model's, while a quantised copy of the experts is made."""
+        load_model's, while a quantised copy of the experts is made. `dtype_verdicts`: what `dtype` auto decides
+        with on a CPU (dtype_verdicts.py: saved ratios of this machine, probes run only for those missing); kept
+        as `self.dtype_verdicts`, with what this load measured added, for the app to save."""
         self = object.__new__(cls)
         self.model_dir = model_dir
         self.config = config
         self.device = resolve_device(config.device)
+        self.dtype_verdicts = verdicts = dtype_verdicts if dtype_verdicts is not None else DtypeVerdicts()
         dtype = resolve_dtype(
-            config.dtype, self.device, partial(checkpoint_dtype, model_dir), expert_format=config.expert_format
+            config.dtype,
+            self.device,
+            partial(checkpoint_dtype, model_dir),
+            verdicts.keeps_half,
+            config.expert_format,
+            verdicts.products_prefer_bf16,
         )
         loaded = load_model(model_dir, config, self.device, dtype, progress)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host

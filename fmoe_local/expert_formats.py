@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,8 @@ FORMATS = EXPERT_FORMATS  # what a user chooses; mxfp4 is what auto picks for an
 PACKED = ("int8", "int4", "nf4", "mxfp4")
 NF4_BLOCK = 64
 INT4_GROUP = 64  # weights per int4 scale and zero: 4.5 bits per weight with bf16 ones, as nf4's 64-blocks
+# Rows per step of torch's CPU int4 layout: a multiple of the row blocks its layout uses (16 to 64 by vector width).
+INT4_LAYOUT_ROWS = 64
 # bitsandbytes' NormalFloat4 levels (bitsandbytes/functional.py, get_4bit_type("nf4")), ascending.
 NF4_CODE = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -136,24 +139,85 @@ def stored_shapes(
 
 
 # Rows quantised per step: a few MB of float32 temporaries stay in the core's caches (a whole Mixtral weight's 700 MB
-# of temporaries made quantising memory-bound: docs/bench.md, "Quantise-on-load").
+# of temporaries made quantising memory-bound), and every step writes into the same buffers: a fresh 2 MB temporary
+# per op is a fresh mapping the kernel zero-fills page by page, which cost more than the arithmetic (docs/bench.md,
+# "Quantise-on-load in place"). Each packer gives the bytes of the plain vectorised formula it replaced
+# (tests/test_expert_formats.py keeps that formula and compares).
 PACK_BLOCK_BYTES = 1 << 21
 
 
-def _row_blocks(w: Tensor) -> range:
-    rows = max(1, PACK_BLOCK_BYTES // (4 * w.shape[-1]))
-    return range(0, w.shape[0], rows)
+Rows = Tensor | Sequence[Tensor]  # a weight [a, b], or its rows in parts stacked along dim 0 (gate then up)
 
 
-def pack_int8(w: Tensor) -> dict[str, Tensor]:
-    q = torch.empty(w.shape, dtype=torch.int8)
-    scale = torch.empty(w.shape[0], dtype=torch.float32)
-    step = _row_blocks(w).step
-    for start in _row_blocks(w):
-        block = w[start : start + step].float()
-        s = (block.abs().amax(1) / 127).clamp_(min=1e-12)
-        q[start : start + step] = torch.round(block / s[:, None]).clamp_(-127, 127)
-        scale[start : start + step] = s
+def _stacked(w: Rows) -> tuple[list[Tensor], int, int]:
+    """The parts of `w`, its row count and its row length: a packer reads the parts in turn, with no stacked copy."""
+    parts = [w] if isinstance(w, Tensor) else list(w)
+    return parts, sum(p.shape[0] for p in parts), parts[0].shape[-1]
+
+
+def _block_rows(rows: int, cols: int) -> int:
+    return max(1, min(rows, PACK_BLOCK_BYTES // (4 * cols)))
+
+
+def _row_blocks(parts: list[Tensor], rows: int) -> Iterator[tuple[Tensor, int, int]]:
+    """(the block's source rows, its first row in the whole weight, its row count); a block never spans two parts."""
+    at = 0
+    for part in parts:
+        for start in range(0, part.shape[0], rows):
+            n = min(rows, part.shape[0] - start)
+            yield part[start : start + n], at + start, n
+        at += part.shape[0]
+
+
+class _Nibbles:
+    """Two 4-bit codes per byte, from int8 codes [r, 2c] into uint8 [r, c], through buffers reused for every block:
+    each pair of codes read as one little-endian int16 (three vectorised passes, where strided halves are not
+    vectorised). `first_high`: the first code in the high nibble (nf4) or the low one (int4)."""
+
+    def __init__(self, rows: int, cols: int, first_high: bool) -> None:
+        self.codes = torch.empty(rows, cols, dtype=torch.int8)  # float → int8 is vectorised, float → uint8 is not
+        self.shifted = torch.empty(rows, cols // 2, dtype=torch.int16)
+        self.first_high = first_high
+
+    def pack(self, block: Tensor, out: Tensor) -> None:
+        codes = self.codes[: block.shape[0]].copy_(block)
+        if sys.byteorder != "little":  # no platform we ship: the plain strided form
+            even, odd = codes[:, 0::2].to(torch.uint8), codes[:, 1::2].to(torch.uint8)
+            out.copy_((even << 4) | odd if self.first_high else even | (odd << 4))
+            return
+        pair, shifted = codes.view(torch.int16), self.shifted[: block.shape[0]]  # pair = first | second << 8
+        if self.first_high:
+            torch.bitwise_left_shift(pair, 4, out=shifted).bitwise_or_(pair >> 8)
+        else:
+            torch.bitwise_right_shift(pair, 4, out=shifted).bitwise_or_(pair)
+        out.copy_(shifted)  # int16 → uint8 keeps the low byte: the two codes
+
+
+def _check_finite(figures: Tensor, fmt: str) -> None:
+    """Refuses a weight holding inf or NaN, seen in the figures of its rows, groups or blocks (a reduction carries
+    both; asked once at the end, the codes of such a weight are discarded): its codes would be arbitrary bytes, a
+    model that answers nonsense with no word why."""
+    if not bool(torch.isfinite(figures).all()):
+        raise ValueError(
+            f"An expert weight holds inf or NaN, so it has no {fmt} form: the checkpoint is damaged. Download it "
+            "again, or verify its files against the model's page."
+        )
+
+
+def pack_int8(w: Rows) -> dict[str, Tensor]:
+    """Symmetric int8 per row: q = round(w / s), s = max|w| / 127 (float32), in place on a row block at a time."""
+    parts, a, b = _stacked(w)
+    q = torch.empty(a, b, dtype=torch.int8)
+    scale = torch.empty(a, dtype=torch.float32)
+    rows = _block_rows(a, b)
+    work, magnitude = torch.empty(rows, b), torch.empty(rows, b)
+    for source, start, n in _row_blocks(parts, rows):
+        block, s = work[:n], scale[start : start + n]
+        block.copy_(source)
+        torch.amax(torch.abs(block, out=magnitude[:n]), 1, out=s)
+        s.div_(127).clamp_(min=1e-12)
+        q[start : start + n].copy_(block.div_(s[:, None]).round_().clamp_(-127, 127))
+    _check_finite(scale, "int8")
     return {"q": q, "scale": scale}
 
 
@@ -162,33 +226,58 @@ def int4_group(in_features: int) -> int:
     return INT4_GROUP if in_features % INT4_GROUP == 0 else 32
 
 
-def pack_int4(w: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+def pack_int4(w: Rows, dtype: torch.dtype) -> dict[str, Tensor]:
     """Asymmetric 4-bit per group: w [a, b] → codes with (code − 8) · scale + zero ≈ w, scale and zero rounded to
-    `dtype` first so that the codes are chosen against the values every reader uses. Vectorised per block of rows."""
-    a, b = w.shape
+    `dtype` first so that the codes are chosen against the values every reader uses. In place per block of rows."""
+    parts, a, b = _stacked(w)
     g = int4_group(b)
     q = torch.empty(a, b // 2, dtype=torch.uint8)
     sz = torch.empty(b // g, a, 2, dtype=dtype)
-    step = _row_blocks(w).step
-    for start in _row_blocks(w):
-        groups = w[start : start + step].float().reshape(-1, b // g, g)
+    rows = _block_rows(a, b)
+    work, nibbles = torch.empty(rows, b), _Nibbles(rows, b, first_high=False)
+    for source, start, n in _row_blocks(parts, rows):
+        block = work[:n]
+        block.copy_(source)
+        groups = block.view(n, b // g, g)
         low, high = groups.amin(-1), groups.amax(-1)  # [rows, b/g]
         scale = ((high - low) / 15).clamp_(min=1e-6).to(dtype).float()
         zero = (low + 8 * scale).to(dtype).float()
-        codes = (groups - zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15).to(torch.uint8)
-        codes = codes.reshape(-1, b)
-        q[start : start + step] = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        sz[:, start : start + step] = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype)
+        groups.sub_(zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15)
+        nibbles.pack(block, q[start : start + n])
+        sz[:, start : start + n, 0] = scale.t()
+        sz[:, start : start + n, 1] = zero.t()
+    _check_finite(sz, "int4")
     return {"q": q, "sz": sz}
 
 
-def pack_nf4(w: Tensor) -> dict[str, Tensor]:
-    if w.dim() == 2 and w.shape[1] % NF4_BLOCK == 0 and w.shape[1] % 2 == 0:
-        # Whole blocks in every row: a block of rows at a time is the same packing, with cache-sized temporaries.
-        step = _row_blocks(w).step
-        parts = [_pack_nf4_flat(w[start : start + step]) for start in _row_blocks(w)]
-        return {k: torch.cat([p[k] for p in parts]) for k in ("q", "absmax")}
-    return _pack_nf4_flat(w)
+# NF4's nearest level: the count of midpoints between ascending levels below a weight (bucketize's answer, faster;
+# one compare per midpoint into float32, which torch vectorises, where a bool result is not).
+_NF4_MIDS = tuple(((torch.tensor(NF4_CODE[1:]) + torch.tensor(NF4_CODE[:-1])) / 2).tolist())
+
+
+def pack_nf4(w: Rows) -> dict[str, Tensor]:
+    parts, a, b = _stacked(w)
+    if parts[0].dim() != 2 or b % NF4_BLOCK:
+        return _pack_nf4_flat(torch.cat(parts) if len(parts) > 1 else parts[0])
+    # Whole blocks in every row: a block of rows at a time is the same packing, in place on cache-sized buffers.
+    q = torch.empty(a, b // 2, dtype=torch.uint8)
+    absmax = torch.empty(a * b // NF4_BLOCK, dtype=torch.float32)
+    rows = _block_rows(a, b)
+    work, other, count = torch.empty(rows, b), torch.empty(rows, b), torch.empty(rows, b)
+    nibbles = _Nibbles(rows, b, first_high=True)
+    per_row = b // NF4_BLOCK
+    for source, start, n in _row_blocks(parts, rows):
+        block = work[:n]
+        block.copy_(source)
+        blocks, maxima = block.view(-1, NF4_BLOCK), absmax[start * per_row : (start + n) * per_row]
+        torch.amax(torch.abs(blocks, out=other[:n].view(-1, NF4_BLOCK)), 1, out=maxima)
+        blocks.div_(maxima.clamp(min=1e-12)[:, None])
+        above, total = other[:n], count[:n].zero_()
+        for mid in _NF4_MIDS:
+            total.add_(torch.gt(block, mid, out=above))
+        nibbles.pack(total, q[start : start + n])
+    _check_finite(absmax, "nf4")
+    return {"q": q.view(-1), "absmax": absmax}
 
 
 def _pack_nf4_flat(w: Tensor) -> dict[str, Tensor]:
@@ -199,6 +288,7 @@ def _pack_nf4_flat(w: Tensor) -> dict[str, Tensor]:
     padded[:n] = flat
     padded = padded.view(blocks, NF4_BLOCK)
     absmax = padded.abs().amax(1)
+    _check_finite(absmax, "nf4")
     normed = padded / absmax.clamp(min=1e-12)[:, None]
     code = torch.tensor(NF4_CODE, dtype=torch.float32)
     # Nearest level: the midpoints between ascending levels split the line into 16 bins; counting the midpoints below
@@ -212,10 +302,11 @@ def _pack_nf4_flat(w: Tensor) -> dict[str, Tensor]:
     return {"q": ((q[0::2] << 4) | q[1::2]).contiguous(), "absmax": absmax.contiguous()}
 
 
-def pack(param: PackedParam, dense: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
-    """One parameter's stored parts ({stored key: tensor}) from its dense row (any float dtype)."""
+def pack(param: PackedParam, dense: Rows, dtype: torch.dtype) -> dict[str, Tensor]:
+    """One parameter's stored parts ({stored key: tensor}) from its dense row (any float dtype), or from that row's
+    parts stacked along dim 0 (read_expert's for a packer: a gate and an up projection, never concatenated)."""
     if param.fmt == "dense":
-        return {"": dense.to(dtype).contiguous()}
+        return {"": (dense if isinstance(dense, Tensor) else torch.cat(list(dense))).to(dtype).contiguous()}
     if param.fmt == "int8":
         return pack_int8(dense)
     if param.fmt == "int4":
@@ -294,9 +385,26 @@ class Int4Weight:
     @staticmethod
     def from_portable(q: Tensor) -> Tensor:
         """Our stored `q` [out, in/2] (low nibble first) in torch's CPU layout: made where RAM is filled, since the
-        layout depends on the CPU torch was built for and so is never written to disk."""
-        codes = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(q.shape[0], -1).to(torch.int32)
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        layout depends on the CPU torch was built for and so is never written to disk. Converted a block of
+        INT4_LAYOUT_ROWS rows at a time through reused buffers: torch takes one int32 per code, four times the
+        packed bytes, and its layout blocks rows in groups that divide that count, so the blocks give the whole
+        conversion's bytes (tests/test_expert_formats.py compares)."""
+        convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+        if sys.byteorder != "little":  # no platform we ship: the plain form, whole
+            return convert(torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(q.shape[0], -1).to(torch.int32), 1)
+        out_f, half = q.shape
+        rows = min(out_f, max(INT4_LAYOUT_ROWS, PACK_BLOCK_BYTES // (8 * half) // INT4_LAYOUT_ROWS * INT4_LAYOUT_ROWS))
+        pairs, high = torch.empty(rows, half, dtype=torch.int64), torch.empty(rows, half, dtype=torch.int64)
+        packed: Tensor | None = None
+        for source, start, n in _row_blocks([q], rows):
+            codes = pairs[:n].copy_(source)  # one int64 per byte: its two codes as two int32
+            torch.bitwise_right_shift(codes, 4, out=high[:n]).bitwise_left_shift_(32)
+            codes.bitwise_and_(0x0F).bitwise_or_(high[:n])  # the first code in the low int32 (little-endian)
+            part = convert(codes.view(torch.int32), 1)
+            if packed is None:
+                packed = part.new_empty((out_f, *part.shape[1:]))
+            packed[start : start + n] = part
+        return packed
 
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.sz.to(x.dtype))

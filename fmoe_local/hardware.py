@@ -10,7 +10,7 @@ the recommended format: the most faithful that fits; `instead`: the sentence nam
 chosen one does not) are the download wizard's rows; the UI only renders them. Without a CUDA GPU a bf16 checkpoint
 stays bf16 where the CPU decodes it about as fast as float32 (`Machine.cpu_keeps_bf16`), or where its experts are
 int8/int4 and torch's weight-only products are measured faster with bf16 activations (`Machine.cpu_bf16_products`,
-bandwidth.products_decode_ratio; engine.resolve_dtype makes both probes at load), else it is computed in float32
+bandwidth.products_decode_ratio; both probes once per machine: dtype_verdicts.py), else it is computed in float32
 and counts twice its size (`cpu_widening`). `host_ram_budget_gb` is the RAM the host store may fill.
 """
 
@@ -21,9 +21,12 @@ import platform
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fmoe_local import bandwidth
 from fmoe_local.catalog import GB, CatalogEntry
+
+if TYPE_CHECKING:
+    from fmoe_local.dtype_verdicts import DtypeVerdicts
 
 # The runtime counts cache_gb in binary gigabytes (cache.py); every cache figure here does the same, while sizes
 # shown to the user (downloads, RAM, disk) stay decimal like file managers show them.
@@ -166,9 +169,13 @@ def volume_of(path: str | os.PathLike) -> str:
     return str(p)
 
 
-def probe(data_dir: str | os.PathLike = ".") -> Machine:
-    """Look at this machine now. Imports torch lazily so that a CPU-only UI test pays nothing for CUDA."""
+def probe(data_dir: str | os.PathLike = ".", verdicts: DtypeVerdicts | None = None) -> Machine:
+    """Look at this machine now. Imports torch lazily so that a CPU-only UI test pays nothing for CUDA. `verdicts`:
+    the dtype probes' ratios saved for this machine (dtype_verdicts.py); those missing are measured into it, and
+    without it all are."""
     import torch
+
+    from fmoe_local.dtype_verdicts import DtypeVerdicts
 
     device, name, total, free = "cpu", "", 0, 0
     if torch.cuda.is_available():
@@ -179,10 +186,11 @@ def probe(data_dir: str | os.PathLike = ".") -> Machine:
         device = "mps"
     ram_total, ram_avail = ram_bytes()
     unused = unused_gpu_reason(torch.version.cuda) if device == "cpu" else ""
-    keeps_bf16 = device != "cuda" and bandwidth.cpu_keeps_half(torch.bfloat16)
+    verdicts = DtypeVerdicts() if verdicts is None else verdicts
+    keeps_bf16 = device != "cuda" and verdicts.keeps_half(torch.bfloat16)
     from fmoe_local.expert_formats import PRODUCTS
 
-    products = () if device == "cuda" else tuple(f for f in PRODUCTS if bandwidth.cpu_products_prefer_bf16(f))
+    products = () if device == "cuda" else tuple(f for f in PRODUCTS if verdicts.products_prefer_bf16(f))
     return Machine(
         device,
         name,

@@ -124,24 +124,31 @@ class CheckpointFiles:
             self._handles.clear()
 
 
-def read_expert(files: CheckpointFiles, sources: Mapping[str, ExpertSource], dtype: torch.dtype) -> dict:
-    """Assemble one expert's rows {param: tensor} from the checkpoint, in `dtype`."""
+def read_expert(files: CheckpointFiles, sources: Mapping[str, ExpertSource], dtype: torch.dtype | None) -> dict:
+    """Assemble one expert's rows {param: tensor} from the checkpoint, in `dtype`. None, for a packer (which
+    converts a cache-sized block at a time, expert_formats.pack): plain rows in their stored float dtype, decoded
+    ones (MXFP4, bitsandbytes 4-bit) in float32, and rows the checkpoint splits (gate and up) as the list of their
+    parts: a whole Mixtral expert read as float32, or concatenated, cost more CPU time than packing it."""
+    decoded = torch.float32 if dtype is None else dtype
     out = {}
     for name, src in sources.items():
         if isinstance(src, ConcatRows):
-            parts = [_dense(files, k, dtype) for k in src.keys]
+            parts = [_dense(files, k, decoded) for k in src.keys]
+            if dtype is None and len(parts) > 1:
+                out[name] = [p.contiguous() for p in parts]
+                continue
             row = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         elif isinstance(src, FusedRow):
             row = files.get_row(src.key, src.expert)
         elif isinstance(src, Mxfp4Row):
             dense = dequantize_mxfp4(
-                files.get_row(src.blocks_key, src.expert), files.get_row(src.scales_key, src.expert), dtype
+                files.get_row(src.blocks_key, src.expert), files.get_row(src.scales_key, src.expert), decoded
             )
             dense = dense.reshape(dense.shape[0], -1)  # [out, in]
             row = dense.t() if src.transpose else dense
         else:  # pragma: no cover - ExpertSource is closed
             raise TypeError(f"unknown expert source {src!r}")
-        out[name] = row.to(dtype).contiguous()
+        out[name] = (row if dtype is None else row.to(dtype)).contiguous()
     return out
 
 

@@ -84,7 +84,8 @@ class PackedHostStore(TieredHostStore):
 
 class CheckpointPackedSource:
     """One expert of the checkpoint in its packed form: MXFP4 parameters as their checkpoint rows, every other
-    packed parameter quantised from its dense rows (read as float32), dense ones in the compute dtype."""
+    packed parameter quantised from its dense rows (read as stored: the packer converts a block at a time), dense
+    ones in the compute dtype."""
 
     def __init__(
         self,
@@ -112,7 +113,7 @@ class CheckpointPackedSource:
                     raise ValueError(f"'{src.keys[0]}' is {shape} in the checkpoint; the model expects {param.shape}.")
                 out[f"{name}.q"], out[f"{name}.absmax"] = q, absmax
                 continue
-            wanted = self.dtype if param.fmt == "dense" else torch.float32
+            wanted = self.dtype if param.fmt == "dense" else None  # a packer converts block by block
             dense = read_expert(self.files, {name: src}, wanted)[name]
             for part, t in expert_formats.pack(param, dense, self.dtype).items():
                 out[expert_formats.part_key(name, part)] = t

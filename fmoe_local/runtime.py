@@ -38,6 +38,7 @@ from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.constrained import GrammarRefused
 from fmoe_local.copier import Interrupted, LoadTimeout
+from fmoe_local.dtype_verdicts import DtypeVerdicts
 from fmoe_local.engine import Engine, PromptRefused
 from fmoe_local.generate import Detokenizer, generate_ids, special_token_ids
 from fmoe_local.logits_rules import LogitsRules
@@ -119,14 +120,17 @@ class Runtime:
         map_persistence: object | None = None,
         miss_costs: MissCosts | None = None,
         progress: Progress | None = None,
+        dtype_verdicts: DtypeVerdicts | None = None,
     ) -> Runtime:
         """`miss_costs`: the figures an earlier load measured here for this model (`Runtime.miss_costs`, saved by
         the app); without them (or when they no longer fit the model) a short probe measures them again.
         `progress(done, total)`: experts quantised so far while the first load in int8/nf4 makes its copy (called
-        on the loading thread; a UI shows it instead of a silent wait of minutes)."""
+        on the loading thread; a UI shows it instead of a silent wait of minutes). `dtype_verdicts`: the ratios
+        `dtype` auto decides with on a CPU, as an earlier load measured them here (`Runtime.dtype_verdicts`, saved by
+        the app; dtype_verdicts.py), so that this load does not run those probes again."""
         config = config or RuntimeConfig()
         config.validate()
-        return cls(Engine.build(Path(model_dir), config, map_persistence, miss_costs, progress))
+        return cls(Engine.build(Path(model_dir), config, map_persistence, miss_costs, progress, dtype_verdicts))
 
     # ---- public API ----------------------------------------------------------------------------------------------
     @property
@@ -161,6 +165,11 @@ class Runtime:
             prefetch_distance=e.config.prefetch_distance,
             store_capacity=e.config.store_capacity,
         ), e.offload.explain_misses()
+
+    @property
+    def dtype_verdicts(self) -> DtypeVerdicts:
+        """The dtype probes' ratios this load used, saved ones and any it measured (the app saves `to_dict()`)."""
+        return self._engine.dtype_verdicts
 
     @property
     def miss_costs(self) -> MissCosts:

@@ -62,6 +62,10 @@ class AppSettings:
     # What a miss costs on this machine, per model folder: {"/path/to/model": MissCosts.to_dict()} as JSON, measured
     # at the first load and reused by the next ones (Runtime.load checks they fit the model and the device).
     miss_costs: str = ""
+    # What `dtype` auto decides with on this CPU (fmoe_local.dtype_verdicts: DtypeVerdicts.to_dict() as JSON, keyed by
+    # the CPU, torch and the thread count), measured once and reused by later loads and the Models tab; the Models
+    # tab's "Re-check this computer" measures it again.
+    dtype_verdicts: str = ""
     # The expert format the user chose for each model folder: {"/path/to/model": "int8"} as JSON. Load settings belong
     # to the model loaded (picking a model in the Models tab shows its own choice, not the last model's).
     model_formats: str = ""
@@ -169,6 +173,7 @@ _NAMES = {
     "miss_handling": ("the miss handling", "auto, copy or cpu"),
     "expert_format": ("the expert format", ", ".join(EXPERT_FORMATS[:-1]) + " or " + EXPERT_FORMATS[-1]),
     "miss_costs": ("the measured miss costs", "JSON text"),
+    "dtype_verdicts": ("the measured dtype verdicts", "JSON text"),
     "model_formats": ("each model's expert format", "JSON text"),
     "temperature": ("the temperature", f"a number from {TEMPERATURE_RANGE[0]:g} to {TEMPERATURE_RANGE[1]:g}"),
     "top_p": ("top-p", f"a number from {TOP_P_RANGE[0]:g} to {TOP_P_RANGE[1]:g}"),

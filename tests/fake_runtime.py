@@ -41,6 +41,10 @@ class FakeRuntime:
         raise _missing("config")
 
     @property
+    def dtype_verdicts(self):  # noqa: ANN201
+        raise _missing("dtype verdicts")
+
+    @property
     def miss_costs(self):  # noqa: ANN201
         raise _missing("miss costs")
 

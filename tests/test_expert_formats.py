@@ -151,3 +151,114 @@ def test_the_cuda_int4_product_applies_only_where_torch_offers_it():
     assert ef.cuda_int4_tiles(ef.layout("int4", {"w": (60, 128)})["w"], torch.bfloat16, cuda) == 0  # out % 8
     assert ef.cuda_int4_tiles(ef.layout("int8", {"w": (64, 128)})["w"], torch.bfloat16, cuda) == 0
     assert ef.cuda_int4_tiles(ef.layout("int4", {"w": (64, 128)}, True)["w"], torch.bfloat16, cuda) == 0  # [in, out]
+
+
+# ---- the packers against the plain formula they replaced (main at 42d5564: vectorised per block of rows, no buffers
+# reused); the bytes must not move, or every quantised copy on users' disks would differ from a fresh one ----------
+def _formula_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    w = w.float()
+    s = (w.abs().amax(1) / 127).clamp_(min=1e-12)
+    return {"q": torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8), "scale": s}
+
+
+def _formula_int4(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    a, b = w.shape
+    g = ef.int4_group(b)
+    groups = w.float().reshape(-1, b // g, g)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_(min=1e-6).to(dtype).float()
+    zero = (low + 8 * scale).to(dtype).float()
+    codes = (groups - zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15).to(torch.uint8)
+    codes = codes.reshape(-1, b)
+    return {"q": codes[:, 0::2] | (codes[:, 1::2] << 4), "sz": torch.stack([scale.t(), zero.t()], dim=-1).to(dtype)}
+
+
+def _formula_nf4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    flat = w.float().reshape(-1)
+    n = flat.numel()
+    blocks = -(-n // ef.NF4_BLOCK)
+    padded = torch.zeros(blocks * ef.NF4_BLOCK)
+    padded[:n] = flat
+    padded = padded.view(blocks, ef.NF4_BLOCK)
+    absmax = padded.abs().amax(1)
+    normed = (padded / absmax.clamp(min=1e-12)[:, None]).reshape(-1)[:n]
+    code = torch.tensor(ef.NF4_CODE)
+    q = torch.zeros(n, dtype=torch.uint8)
+    for mid in ((code[1:] + code[:-1]) / 2).tolist():  # the nearest level: the count of midpoints below
+        q += normed > mid
+    if n % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    return {"q": (q[0::2] << 4) | q[1::2], "absmax": absmax}
+
+
+def _edge_weights(out_f: int, in_f: int, dtype: torch.dtype) -> torch.Tensor:
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(out_f + in_f)) * 0.02
+    w[1] = 0  # a row of zeros: the scales' floors
+    w[2] = 0.5  # every group and block all-equal
+    w[3, : in_f // 2] = -3.0
+    w[4] *= 1e30  # huge, and (next) tiny: below the int8 floor of 1e-12
+    w[5] *= 1e-30
+    w[6, ::3] = 1.0  # ties: weights whose scaled value lands on a level's or a midpoint's edge
+    mids = (torch.tensor(ef.NF4_CODE[1:]) + torch.tensor(ef.NF4_CODE[:-1])) / 2
+    w[7, : len(mids)] = mids
+    w[7, len(mids)] = 1.0
+    w[8] = torch.arange(in_f) % 16 - 8.0  # exact int4 codes, and .5 steps below
+    w[9] = (torch.arange(in_f) % 32 - 16) / 2
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("out_f", "in_f"), [(16, 64), (300, 896), (37, 96)])  # 300 rows: blocks and a partial one
+def test_packers_give_the_bytes_of_the_plain_formula(dtype, out_f, in_f, monkeypatch):
+    monkeypatch.setattr(ef, "PACK_BLOCK_BYTES", 64 * 1024)  # several row blocks even on small weights
+    w = _edge_weights(out_f, in_f, dtype)
+    if dtype == torch.float16:
+        w[4] = w[4].clamp(-60000, 60000)
+    cases = [(ef.pack_int8(w), _formula_int8(w)), (ef.pack_nf4(w), _formula_nf4(w))]
+    for sz_dtype in (torch.bfloat16, torch.float32):
+        cases.append((ef.pack_int4(w, sz_dtype), _formula_int4(w, sz_dtype)))
+    for got, want in cases:
+        assert got.keys() == want.keys()
+        for key in got:
+            assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    # A view that is not contiguous (a transposed row) packs as its contiguous copy does.
+    t = w.t().contiguous().t()
+    assert torch.equal(ef.pack_int8(t)["q"], ef.pack_int8(w)["q"])
+
+
+def test_packing_leaves_a_float32_input_as_it_was():
+    w = _weights(8, 64)
+    before = w.clone()
+    ef.pack_int8(w), ef.pack_int4(w, torch.bfloat16), ef.pack_nf4(w)
+    assert torch.equal(w, before)  # the packers work in place on their own buffers, never on the caller's weights
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_weight_with_inf_or_nan_is_refused_with_a_sentence(fmt, bad):
+    w = _weights(8, 64)
+    w[5, 7] = bad
+    param = ef.layout(fmt, {"w": (8, 64)})["w"]
+    with pytest.raises(ValueError, match="inf or NaN.*damaged"):
+        ef.pack(param, w, torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (208, 2048), (320, 2048)])  # blocks of 64 rows, and a tail of 16
+def test_torch_s_cpu_int4_layout_made_in_blocks_is_the_whole_conversion(shape, monkeypatch):
+    monkeypatch.setattr(ef, "PACK_BLOCK_BYTES", 64 * 1024)
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    codes = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(shape[0], -1).to(torch.int32)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(ef.Int4Weight.from_portable(q), whole)
+
+
+@pytest.mark.parametrize(("out_f", "in_f"), [(300, 896), (37, 96)])  # 37 × 96: nf4's flat path (no whole blocks)
+def test_a_weight_read_in_parts_packs_as_the_stacked_weight(out_f, in_f, monkeypatch):
+    # A checkpoint's separate gate and up rows are packed in turn (read_expert for a packer), never concatenated.
+    monkeypatch.setattr(ef, "PACK_BLOCK_BYTES", 64 * 1024)
+    w = _edge_weights(out_f, in_f, torch.bfloat16)
+    parts = [w[:100], w[100:]] if out_f > 100 else [w[:10], w[10:]]
+    for fmt in ("int8", "int4", "nf4"):
+        param = ef.layout(fmt, {"w": (out_f, in_f)})["w"]
+        got, want = ef.pack(param, parts, torch.bfloat16), ef.pack(param, w, torch.bfloat16)
+        assert all(torch.equal(got[k], want[k]) for k in want), fmt

@@ -138,7 +138,7 @@ def test_a_format_that_does_not_fit_is_said_under_the_choice_with_one_that_does(
 def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog_row(
     ui_session, tiny_model_dir, monkeypatch
 ):
-    monkeypatch.setattr("ui.session.probe", lambda _: DESKTOP)  # probed again after each load
+    monkeypatch.setattr("ui.session.probe", lambda _, verdicts=None: DESKTOP)  # probed again after each load
     olmoe = find("allenai/OLMoE-1B-7B-0924-Instruct")
     mixtral, other = _downloaded(ui_session, MIXTRAL), _downloaded(ui_session, olmoe)
     best = {e.repo_id: next(f.choice for f in format_fits(e, DESKTOP, True) if f.recommended) for e in (MIXTRAL, olmoe)}
@@ -171,7 +171,7 @@ def test_the_format_choice_belongs_to_the_model_picked_for_load_not_to_a_catalog
 def test_a_typed_folder_takes_the_format_choice_and_its_note_and_each_button_loads_its_own(
     ui_session, tiny_model_dir, monkeypatch
 ):
-    monkeypatch.setattr("ui.session.probe", lambda _: DESKTOP)
+    monkeypatch.setattr("ui.session.probe", lambda _, verdicts=None: DESKTOP)
     mixtral = _downloaded(ui_session, MIXTRAL)
     typed = str(tiny_model_dir("mixtral"))
     name = Path(typed).name
@@ -251,7 +251,7 @@ def test_download_refusals_are_sentences_under_the_button_not_red_pills(ui_sessi
     (progress, _), *more = list(start("not a repo", ""))
     assert not more and "⚠️ Type a Hugging Face repo id like owner/name" in progress and "progress-inner" not in progress
     full_disk = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 20 * GB)
-    monkeypatch.setattr("ui.session.probe", lambda _: full_disk)  # the download re-checks the disk
+    monkeypatch.setattr("ui.session.probe", lambda _, verdicts=None: full_disk)  # the download re-checks the disk
     [(progress, _)] = list(start(MIXTRAL.repo_id, ""))
     assert "⚠️ Not enough disk space: Mixtral 8x7B Instruct needs 93.4 GB and 20.0 GB is free." in progress
     assert ui_session.download is None  # nothing started
@@ -284,7 +284,7 @@ def test_resuming_a_mostly_downloaded_model_needs_room_only_for_the_rest(ui_sess
         with open(dest / f"model-{i:05d}-of-00019.safetensors", "wb") as f:
             f.truncate(4_900_000_000)
     twenty_free = Machine("cuda", "RTX 4070", 12 * GB, 11 * GB, 64 * GB, 60 * GB, 20 * GB)
-    monkeypatch.setattr("ui.session.probe", lambda _: twenty_free)
+    monkeypatch.setattr("ui.session.probe", lambda _, verdicts=None: twenty_free)
     monkeypatch.setattr("ui.model_downloads.Download", _StartedDownload)
     start = next(f for f in build(ui_session).fns.values() if f.name == "start").fn
     progress = [p for p, _ in start(MIXTRAL.repo_id, "")]

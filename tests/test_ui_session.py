@@ -208,7 +208,7 @@ def test_what_fits_is_judged_with_the_app_s_own_model_counted_as_free(ui_session
 
     probes = []
 
-    def probe(_):
+    def probe(_, verdicts=None):  # noqa: ANN001 - hardware.probe(data_dir, verdicts)
         probes.append(1)
         return Machine("cpu", "", 0, 0, 16 * GB, 6 * GB, 200 * GB)  # what a probe sees with our model in RAM
 
@@ -232,3 +232,25 @@ def test_a_gpu_model_s_memory_is_given_back_to_the_verdicts():
     freed = card.with_freed(int(5.2 * GB), 2 * GB)
     assert (freed.vram_free, freed.ram_available) == (int(7.5 * GB), 22 * GB)
     assert card.with_freed(20 * GB, 40 * GB).vram_free == 8 * GB  # never more than the card has
+
+
+def test_the_dtype_verdicts_are_measured_once_saved_and_measured_again_on_re_check(store, monkeypatch):
+    import json
+
+    from fmoe_local import bandwidth, dtype_verdicts
+
+    calls: list[str] = []
+    monkeypatch.setattr(bandwidth, "half_decode_ratio", lambda dtype: calls.append("half") or 0.9)
+    monkeypatch.setattr(bandwidth, "products_decode_ratio", lambda fmt: calls.append(fmt) or 0.5)
+    monkeypatch.setattr("fmoe_local.hardware.unused_gpu_reason", lambda cuda: "")
+    Session(store=store, config=RuntimeConfig(device="cpu")).machine()
+    assert calls == ["half", "int8", "int4"]
+    saved = json.loads(store.settings.load().dtype_verdicts)
+    assert saved["key"] == dtype_verdicts.machine_key() and saved["ratios"]["half bfloat16"] == 0.9
+    again = Session(store=store, config=RuntimeConfig(device="cpu"))  # the app started again on this machine
+    assert again.machine().cpu_keeps_bf16 and len(calls) == 3  # read back, not measured
+    again.machine(refresh=True)  # the Models tab's "Re-check this computer"
+    assert len(calls) == 6
+    store.settings.set(dtype_verdicts='{"key": 1')  # unreadable: measured again and replaced
+    Session(store=store, config=RuntimeConfig(device="cpu")).machine()
+    assert len(calls) == 9 and json.loads(store.settings.load().dtype_verdicts)["key"] == saved["key"]

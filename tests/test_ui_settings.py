@@ -70,8 +70,8 @@ def test_impossible_values_are_refused_with_a_sentence_and_nothing_changes(
     session, cache, capacity, distance, sentence
 ):
     cache = 27.0 if cache is None else cache
+    demo = build(session)  # the page probes the machine once, saving its dtype verdicts: before the apply
     before = (session.runtime.info.cache_gb, session.store.settings.load())
-    demo = build(session)
     apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
     info, status = apply.fn(cache, distance, "fmoe", capacity)  # said in the status line, not raised
     assert sentence in status and status.startswith("⚠️")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from fmoe_local.config import RuntimeConfig, Sampling
+    from fmoe_local.dtype_verdicts import DtypeVerdicts
     from fmoe_local.miss_cost import MissCosts
     from fmoe_local.request_handle import RequestHandle
     from fmoe_local.runtime_types import ModelInfo
@@ -26,6 +27,11 @@ class LoadedRuntime(Protocol):
 
     @property
     def config(self) -> RuntimeConfig: ...
+
+    @property
+    def dtype_verdicts(self) -> DtypeVerdicts:
+        """What `dtype` auto decided with at load; the session saves it for the next load on this machine."""
+        ...
 
     @property
     def miss_costs(self) -> MissCosts:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fmoe_local.cache_budget import SettingRefused
 from fmoe_local.config import RuntimeConfig
+from fmoe_local.dtype_verdicts import DtypeVerdicts
 from fmoe_local.hardware import Machine, probe
 from fmoe_local.miss_cost import MissCosts
 from fmoe_local.stats import RequestStats
@@ -136,7 +137,9 @@ class Session:
         what the app's own loaded model holds counted as free, since Load unloads it first. Without that, the
         loaded model's GPU memory and RAM made every other model (and itself) look as if it did not fit."""
         if self._machine is None or refresh:
-            self._machine = probe(self.models_dir.parent)
+            verdicts = DtypeVerdicts() if refresh else self._saved_dtype_verdicts()  # the button measures again
+            self._machine = probe(self.models_dir.parent, verdicts)
+            self._save_dtype_verdicts(verdicts)
         vram, ram = self.footprint()
         return self._machine.with_freed(vram, ram)
 
@@ -268,7 +271,9 @@ class Session:
                 # A distance saved for a deeper model runs capped to this one's (the Settings slider's end); the
                 # saved value stays for the others, and the load says so (`distance_notice`).
                 config = config.with_changes(prefetch_distance=min(config.prefetch_distance, top))
-                return Runtime.load(model_dir, config, self._persistence, self._saved_miss_costs(model_dir), progress)
+                saved = self._saved_miss_costs(model_dir)
+                verdicts = self._saved_dtype_verdicts()
+                return Runtime.load(model_dir, config, self._persistence, saved, progress, verdicts)
 
             notice = self.check_settings()
             notice = f" {notice}" if notice else ""
@@ -303,6 +308,7 @@ class Session:
             self.history.clear()
             self.store.settings.set(last_model=str(model_dir), expert_format=fmt)
             self._save_miss_costs(model_dir)
+            self._save_dtype_verdicts(self.runtime.dtype_verdicts)
             info, saved_d = self.runtime.info, self.store.settings.load().prefetch_distance
             if saved_d > top:
                 notice += (
@@ -357,6 +363,18 @@ class Session:
         known = known if isinstance(known, dict) else {}
         known[str(model_dir)] = self.runtime.miss_costs.to_dict()
         self.store.settings.set(miss_costs=json.dumps(known))
+
+    def _saved_dtype_verdicts(self) -> DtypeVerdicts:
+        """The dtype probes' ratios saved for this machine; empty (measured when asked) when there are none, they
+        are another machine's, or they cannot be read."""
+        try:
+            return DtypeVerdicts(json.loads(self.store.settings.load().dtype_verdicts or "{}"))
+        except ValueError:
+            return DtypeVerdicts()  # unreadable (an older or newer version wrote it): measure again, then overwrite
+
+    def _save_dtype_verdicts(self, verdicts: DtypeVerdicts) -> None:
+        if verdicts.measured:  # nothing new: the saved text stands
+            self.store.settings.set(dtype_verdicts=json.dumps(verdicts.to_dict()))
 
     def unload(self) -> None:
         if self.runtime is not None:

@@ -1,0 +1,106 @@
+"""What `dtype` auto decides on a CPU from measurements, measured once per machine and reused: the ratios of
+bandwidth's dtype probes (`half_decode_ratio`: bf16 against float32 dense decode; `products_decode_ratio`: torch's
+int8/int4 products with bf16 against float32 activations), keyed by what they depend on.
+
+Scope: `DtypeVerdicts` holds the ratios measured for one machine key (the CPU's model name and flags, torch's version
+and CPU capability, torch's thread count), measures a missing one when it is first asked (the probe for a format is
+run only for a load in that format), and gives the verdicts engine.resolve_dtype and hardware.probe ask for. It does
+NOT save anything: as for miss_cost.MissCosts, the app saves `to_dict()` in its settings after a load and hands it
+back to the next (`Runtime.load(..., dtype_verdicts=)`); the Models tab's "Re-check this computer" measures them
+again. Saved figures of another machine key, or unreadable ones, are ignored and measured again, never an error.
+
+Threads: one object per load or machine probe, used by the thread that made it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import platform
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from fmoe_local import bandwidth
+
+
+def machine_key() -> str:
+    """What the dtype probes' answers depend on, as one string: the CPU (model name and flags, or what the platform
+    says of it), torch's version and the CPU capability it dispatches to, and torch's thread count now."""
+    import torch
+
+    model, flags = _cpu_identity()
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:16]
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{model} | flags {digest} | torch {torch.__version__} {capability} | threads {torch.get_num_threads()}"
+
+
+def _cpu_identity() -> tuple[str, str]:
+    """(model name, flags) from /proc/cpuinfo on Linux; elsewhere the platform's processor and machine names (the
+    key then also holds torch's CPU capability, which follows the vector units)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip().lower(), value.strip())
+    model = fields.get("model name") or fields.get("cpu model") or platform.processor() or platform.machine()
+    flags = " ".join(sorted((fields.get("flags") or fields.get("features") or "").split()))
+    return model, flags
+
+
+class DtypeVerdicts:
+    """The dtype probes' ratios for this machine: saved ones where they were measured under the same key, else
+    measured when first asked. `measured`: how many probes this object ran."""
+
+    def __init__(
+        self,
+        saved: object = None,
+        key: str | None = None,
+        half_ratio: Callable[[object], float] | None = None,
+        products_ratio: Callable[[str], float] | None = None,
+    ) -> None:
+        self.key = machine_key() if key is None else key
+        # The probes (default: bandwidth's, looked up when measured) and the key are arguments so that tests count
+        # the probes run without timing anything.
+        self._half_ratio = half_ratio or (lambda dtype: bandwidth.half_decode_ratio(dtype))
+        self._products_ratio = products_ratio or (lambda fmt: bandwidth.products_decode_ratio(fmt))
+        self.ratios: dict[str, float] = _readable(saved, self.key)
+        self.measured = 0
+
+    def keeps_half(self, dtype: object) -> bool:
+        """Does this CPU decode with weights in half precision `dtype` about as fast as in float32?"""
+        name = str(dtype).removeprefix("torch.")
+        return self._ratio(f"half {name}", lambda: self._half_ratio(dtype)) <= bandwidth.HALF_DECODE_SLACK
+
+    def products_prefer_bf16(self, fmt: str) -> bool:
+        """Does this CPU compute torch's weight-only products for `fmt` faster with bf16 activations?"""
+        return self._ratio(f"products {fmt}", lambda: self._products_ratio(fmt)) < 1.0
+
+    def _ratio(self, name: str, measure: Callable[[], float]) -> float:
+        if name not in self.ratios:
+            self.ratios[name] = float(measure())
+            self.measured += 1
+        return self.ratios[name]
+
+    def to_dict(self) -> dict:
+        """What to save: the key and the ratios (an infinite ratio, a product torch lacks here, as the string "inf",
+        so that the saved text is strict JSON)."""
+        return {"key": self.key, "ratios": {k: (v if math.isfinite(v) else "inf") for k, v in self.ratios.items()}}
+
+
+def _readable(saved: object, key: str) -> dict[str, float]:
+    """The ratios of `saved` (a `to_dict()` read back) when it was measured under `key`; {} for anything else."""
+    if not isinstance(saved, Mapping) or saved.get("key") != key or not isinstance(saved.get("ratios"), Mapping):
+        return {}
+    ratios = {}
+    for name, value in saved["ratios"].items():
+        if value == "inf":
+            value = math.inf
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return {}  # written by something else: measure again
+        if math.isnan(value) or value < 0:
+            return {}
+        ratios[name] = float(value)
+    return ratios

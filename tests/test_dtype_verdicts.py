@@ -1,0 +1,119 @@
+"""dtype_verdicts: the dtype probes' ratios measured once per machine key, read back from what the app saved, and
+measured again for another key or anything unreadable; and a load that reuses them runs no probe."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fmoe_local import bandwidth, dtype_verdicts
+from fmoe_local.config import RuntimeConfig
+from fmoe_local.dtype_verdicts import DtypeVerdicts
+from fmoe_local.runtime import Runtime
+
+
+class Probes:
+    """Counting stand-ins for bandwidth's two probes: bf16 dense slower than float32, int4 products faster in bf16,
+    int8 without a product here (infinitely slow)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def half(self, dtype: object) -> float:
+        self.calls.append(f"half {dtype}")
+        return 1.4
+
+    def products(self, fmt: str) -> float:
+        self.calls.append(f"products {fmt}")
+        return {"int4": 0.3}.get(fmt, math.inf)
+
+    def verdicts(self, saved: object = None, key: str = "machine A") -> DtypeVerdicts:
+        return DtypeVerdicts(saved, key, self.half, self.products)
+
+
+def _ask(v: DtypeVerdicts) -> tuple[bool, bool, bool]:
+    return v.keeps_half(torch.bfloat16), v.products_prefer_bf16("int4"), v.products_prefer_bf16("int8")
+
+
+def _saved(v: DtypeVerdicts) -> object:
+    return json.loads(json.dumps(v.to_dict(), allow_nan=False))  # strict JSON: the app saves it as text
+
+
+def test_saved_ratios_of_the_same_machine_are_read_back_without_probing():
+    probes = Probes()
+    first = probes.verdicts()
+    assert _ask(first) == (False, True, False) and first.measured == 3
+    assert _ask(first) == (False, True, False) and len(probes.calls) == 3  # asked again: no new probe
+    second = probes.verdicts(_saved(first))
+    assert _ask(second) == (False, True, False)
+    assert len(probes.calls) == 3 and second.measured == 0  # the second load probed nothing
+
+
+def test_only_the_probe_a_load_asks_for_is_run_and_a_later_one_adds_to_the_saved():
+    probes = Probes()
+    first = probes.verdicts()
+    first.products_prefer_bf16("int4")
+    assert probes.calls == ["products int4"]
+    second = probes.verdicts(_saved(first))
+    second.products_prefer_bf16("int4"), second.keeps_half(torch.bfloat16)
+    assert probes.calls == ["products int4", "half torch.bfloat16"]
+    assert set(_saved(second)["ratios"]) == {"products int4", "half bfloat16"}
+
+
+def test_another_machine_key_measures_again():
+    probes = Probes()
+    first = probes.verdicts()
+    _ask(first)
+    other = probes.verdicts(_saved(first), key="machine A with 2 threads")
+    assert _ask(other) == (False, True, False) and other.measured == 3 and len(probes.calls) == 6
+    assert _saved(other)["key"] == "machine A with 2 threads"
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        None,
+        "not a mapping",
+        [1, 2],
+        {"key": "machine A"},
+        {"key": "machine A", "ratios": "x"},
+        {"key": "machine A", "ratios": {"half bfloat16": "fast"}},
+        {"key": "machine A", "ratios": {"half bfloat16": True}},
+        {"key": "machine A", "ratios": {"half bfloat16": -1.0}},
+        {"key": "machine A", "ratios": {"half bfloat16": float("nan")}},
+    ],
+)
+def test_unreadable_saved_ratios_are_measured_again_and_replaced(saved):
+    probes = Probes()
+    v = probes.verdicts(saved)
+    assert _ask(v) == (False, True, False) and v.measured == 3
+    assert _saved(v)["ratios"] == {"half bfloat16": 1.4, "products int4": 0.3, "products int8": "inf"}
+
+
+def test_the_key_names_the_cpu_torch_and_the_thread_count():
+    threads = torch.get_num_threads()
+    key = dtype_verdicts.machine_key()
+    assert torch.__version__ in key and f"threads {threads}" in key
+    try:
+        torch.set_num_threads(threads + 1)
+        assert dtype_verdicts.machine_key() != key  # the probes ran with another thread count: measured again
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_cpu_load_in_auto_dtype_reuses_the_saved_verdicts(tiny_model_dir, monkeypatch, tmp_path):
+    calls: list[str] = []
+    monkeypatch.setattr(bandwidth, "half_decode_ratio", lambda dtype: calls.append("half") or 1.4)
+    monkeypatch.setattr(bandwidth, "products_decode_ratio", lambda fmt: calls.append(fmt) or 0.3)
+    model = tiny_model_dir("mixtral", dtype=torch.bfloat16)
+    config = RuntimeConfig(device="cpu", dtype="auto", expert_format="int4", quant_cache_dir=str(tmp_path))
+    with Runtime.load(model, config) as runtime:
+        assert runtime.info.dtype == "bfloat16"  # the int4 products' probe said bf16
+        saved = json.loads(json.dumps(runtime.dtype_verdicts.to_dict()))
+    assert calls == ["int4"]
+    with Runtime.load(model, config, dtype_verdicts=DtypeVerdicts(saved)) as runtime:
+        assert runtime.info.dtype == "bfloat16" and runtime.dtype_verdicts.measured == 0
+    assert calls == ["int4"]  # the second load ran no probe
