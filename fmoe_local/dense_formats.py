@@ -69,7 +69,9 @@ class PackedLinear(nn.Module):
     parts are non-persistent buffers: they move with the model and count in `model.buffers()`, and a state_dict
     never saves them as the checkpoint's weight."""
 
-    def __init__(self, fmt: str, in_features: int, out_features: int, parts: dict[str, torch.Tensor], bias) -> None:
+    def __init__(
+        self, fmt: str, in_features: int, out_features: int, parts: dict[str, torch.Tensor], bias: nn.Parameter | None
+    ) -> None:
         super().__init__()
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
         self.group = expert_formats.int4_group(in_features)
@@ -131,9 +133,7 @@ def quantise(
     if fmt not in PACKED:
         return report
     for name, linear in candidates(model, arch, moe_layers).items():
-        weight = linear.weight
-        if weight.device.type != "cpu":
-            raise ValueError(f"Dense format {fmt} packs weights on a CPU device only ('{name}' is on {weight.device}).")
+        weight = linear.weight  # on the CPU: `check` refused a packed format on any other device
         if kept_in_fp32(f"{name}.weight"):
             report.kept[name] = "kept in float32 by the model"
             continue
@@ -151,6 +151,13 @@ def quantise(
         report.packed.append(name)
         report.bytes_before += weight.numel() * weight.element_size()
         report.bytes_after += sum(t.numel() * t.element_size() for t in parts.values())
+    log.info(
+        "dense format %s: %d linear layers packed, %.0f MB → %.0f MB",
+        fmt,
+        len(report.packed),
+        report.bytes_before / 1e6,
+        report.bytes_after / 1e6,
+    )
     if report.kept:
         log.info("dense format %s: %d layers left unpacked (e.g. %s)", fmt, len(report.kept), next(iter(report.kept)))
     return report

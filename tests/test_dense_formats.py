@@ -166,3 +166,12 @@ def test_a_packed_dense_format_on_a_gpu_is_refused_before_any_weight_is_read(fmt
     with pytest.raises(ValueError, match=f"Dense format {fmt} runs on a CPU device only") as caught:
         load_model(tiny_model_dir("mixtral"), _config(fmt, tmp_path), CUDA)
     assert "auto or bf16" in str(caught.value)
+
+
+def test_a_weight_the_model_keeps_in_float32_is_left_as_it_is(tiny_model_dir, tmp_path):
+    # None of the families keeps a linear layer in float32 today; the rule is transformers' (hf_internals.keep_in_fp32).
+    loaded = load_model(tiny_model_dir("olmoe"), _config("int8", tmp_path, dense_format="bf16"), CPU)
+    model = loaded.model
+    report = dense_formats.quantise(model, loaded.arch, loaded.moe_layers, "int8", lambda n: n == "lm_head.weight")
+    assert type(model.lm_head) is nn.Linear and report.kept == {"lm_head": "kept in float32 by the model"}
+    assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear) and "lm_head" not in report.packed
