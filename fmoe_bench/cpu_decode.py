@@ -4,10 +4,11 @@ Runtime, next to the memory limit measured in the same run.
 Scope: a synthetic checkpoint of a real model's widths (fmoe_bench/synthetic.py: random bf16 weights, `--layers` N),
 loaded by `Runtime.load` once per (round, format) with `device` cpu, and N greedy tokens generated after a warm-up;
 per format the table gives tok/s (1 / the runtime's own time per output token), the bytes one token must read
-(K active experts per MoE layer at their stored size, plus every non-expert weight but the input embedding table, of
-which a token reads one row), the memory limit (this round's measured DRAM read bandwidth ÷ those bytes) and the
-share of it reached; and the same for the experts alone (the runtime's host-compute time per token against the
-experts' bytes). It does NOT check numerics (tests/test_runtime_quantized.py does) or choose kernels.
+(K active experts per MoE layer at their stored size, plus every non-expert weight at its stored size — packed where
+`--dense-format` packs it — but the input embedding table, of which a token reads one row), the memory limit (this
+round's measured DRAM read bandwidth ÷ those bytes) and the share of it reached; and the same for the experts alone
+(the runtime's host-compute time per token against the experts' bytes). It does NOT check numerics
+(tests/test_runtime_quantized.py and tests/test_dense_formats.py do) or choose kernels.
 
 The path measured is the one a CPU-only user's misses take: `miss_handling` cpu (what auto does without a GPU:
 every miss computed by the CPU from the host copy, with the CPU device's own ops — torch's weight-only products for
@@ -39,6 +40,7 @@ from functools import partial
 from pathlib import Path
 
 from fmoe_local.cli_args import whole
+from fmoe_local.config import DENSE_FORMATS
 
 FORMATS = ("bf16", "int8", "int4", "nf4")
 DTYPES = ("auto", "bfloat16", "float32")
@@ -58,6 +60,7 @@ class DecodeSettings:
     rounds: int = 3
     dtype: str = "auto"
     policy: str = "on_demand"
+    dense_format: str = "auto"  # RuntimeConfig.dense_format: auto packs the dense weights as int8/int4 experts
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ class TokenBytes:
     """Bytes one decode token reads from memory (weights only: the KV cache of a short context is negligible)."""
 
     experts: int  # K × MoE layers × one expert's stored bytes
-    resident: int  # every non-expert weight, the input embedding table counted as one row
+    resident: int  # every non-expert weight at its stored size (packed where the dense format packs), the input
+    # embedding table counted as one row
 
     @property
     def total(self) -> int:
@@ -83,6 +87,7 @@ class Sample:
     bytes: TokenBytes
     note: str = ""
     kernel: str = ""  # the host experts' kernel the load's probe chose (miss_cost.probe)
+    dense: str = "bf16"  # the dense format in force (ModelInfo.dense_format)
 
 
 @dataclass(frozen=True)
@@ -101,16 +106,19 @@ class Row:
     experts_of_limit: float  # (expert bytes ÷ DRAM GB/s) ÷ the experts' time, per round, median
     note: str = ""
     kernel: str = ""
+    dense: str = "bf16"
 
 
 def token_bytes(runtime: object) -> TokenBytes:
     """What one decode token of this loaded runtime reads: the K active experts of every MoE layer at their stored
-    size, and every resident weight (tied embeddings are one tensor; the input table counts as the one row read)."""
+    size, and every resident weight at its stored size (ModelInfo.resident_bytes: a packed dense weight counts its
+    packed bytes; tied embeddings are one tensor, unless the head was packed into a copy of its own; the input table
+    counts as the one row read)."""
     info, model = runtime.info, runtime.engine.model
     resident = info.resident_bytes
     table = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    if head is None or head.weight.data_ptr() != table.data_ptr():  # untied: the lookup reads one row of the table
+    head = getattr(model.get_output_embeddings(), "weight", None)  # None: no head, or a packed one (PackedLinear)
+    if head is None or head.data_ptr() != table.data_ptr():  # not one tensor: the lookup reads one row of the table
         resident -= (table.shape[0] - 1) * table.shape[1] * table.element_size()
     experts = info.top_k * info.num_layers * info.expert_bytes
     return TokenBytes(int(experts), int(resident))
@@ -136,6 +144,7 @@ def _config(fmt: str, dtype: str, settings: DecodeSettings, quant_dir: Path, top
         device="cpu",
         dtype=dtype,
         expert_format=fmt,
+        dense_format=settings.dense_format,
         miss_handling="cpu",
         policy=settings.policy,
         # K slots: a token's experts fit (the one-token path), and on_demand never fills them (misses go to the CPU).
@@ -176,7 +185,8 @@ def measure_format(
     del runtime
     gc.collect()  # the engine holds reference cycles: without this the next format loads beside this one
     per_token = stats.host_s / max(stats.tokens, 1)
-    return Sample(fmt, stats.tokens_per_s, per_token, dram_gbps, counted, note, saved[fmt].cpu_kernel)
+    kernel = saved[fmt].cpu_kernel
+    return Sample(fmt, stats.tokens_per_s, per_token, dram_gbps, counted, note, kernel, info.dense_format)
 
 
 def summarise(samples: Sequence[Sample], dtypes: dict[str, str]) -> list[Row]:
@@ -208,6 +218,7 @@ def summarise(samples: Sequence[Sample], dtypes: dict[str, str]) -> list[Row]:
                 ),
                 note="; ".join(dict.fromkeys(s.note for s in mine if s.note)),
                 kernel=", ".join(dict.fromkeys(s.kernel for s in mine)),
+                dense=", ".join(dict.fromkeys(s.dense for s in mine)),
             )
         )
     return rows
@@ -265,11 +276,12 @@ def table(rows: Sequence[Row], info: dict) -> str:
         f"{' → '.join(info['loadavg'])}\n"
         "limit = DRAM read ÷ bytes per token; experts: the runtime's host-compute time per token against the active "
         "experts' bytes ÷ DRAM read\n\n"
-        "| format | computes in | tok/s | MB / token (experts + rest) | limit tok/s | % of limit | experts ms / token "
-        "| experts % of their limit | experts' kernel | rounds | note |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| format | dense weights | computes in | tok/s | MB / token (experts + rest) | limit tok/s | % of limit "
+        "| experts ms / token | experts % of their limit | experts' kernel | rounds | note |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
-        f"| {r.fmt} | {r.dtype} | {r.tok_s:.2f} | {r.bytes_per_token / 1e6:.1f} ({r.expert_bytes_per_token / 1e6:.1f} + "
+        f"| {r.fmt} | {r.dense} | {r.dtype} | {r.tok_s:.2f} | {r.bytes_per_token / 1e6:.1f} ({r.expert_bytes_per_token / 1e6:.1f} + "
         f"{(r.bytes_per_token - r.expert_bytes_per_token) / 1e6:.1f}) | {r.limit_tok_s:.1f} | {100 * r.of_limit:.0f} % "
         f"| {r.experts_ms:.1f} | {100 * r.experts_of_limit:.0f} % | {r.kernel} | {r.rounds} | {r.note} |"
         for r in rows
@@ -333,6 +345,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy", default=DecodeSettings.policy, help="the runtime's policy (default on_demand: no copies in RAM)"
     )
+    p.add_argument(
+        "--dense-format",
+        default=DecodeSettings.dense_format,
+        choices=DENSE_FORMATS,
+        help="how the dense linear weights are stored (default auto: as int8/int4 experts, else unquantised)",
+    )
     p.add_argument("--threads", type=whole(0), default=0, help="torch CPU threads (default: torch's own choice)")
     p.add_argument(
         "--work-dir", type=Path, help="keep the checkpoint and the quantised copies here (default: a temporary folder)"
@@ -356,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"Unknown policy '{args.policy}'. Choose from: {', '.join(REGISTRY)}.")
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = DecodeSettings(formats, args.tokens, args.rounds, args.dtype, args.policy)
+    settings = DecodeSettings(formats, args.tokens, args.rounds, args.dtype, args.policy, args.dense_format)
 
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)

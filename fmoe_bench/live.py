@@ -44,6 +44,7 @@ class LiveSettings:
     dtype: str = "auto"
     baseline: bool = True
     expert_format: str = "auto"  # RuntimeConfig.expert_format; the all-resident baseline uses the same
+    dense_format: str = "auto"  # RuntimeConfig.dense_format, likewise
     quant_cache_dir: str | None = None  # synthetic runs keep their quantised copy beside their temporary model
 
 
@@ -172,6 +173,7 @@ def benchmark(
         device=settings.device,
         dtype=settings.dtype,
         expert_format=settings.expert_format,
+        dense_format=settings.dense_format,
         quant_cache_dir=settings.quant_cache_dir,
         cache_experts=1,  # resized below, once the model's shape is known
         prefetch_distance=settings.prefetch_distance,
@@ -233,6 +235,7 @@ def benchmark(
         "device": info.device,
         "dtype": info.dtype,
         "expert_format": info.expert_format,
+        "dense_format": info.dense_format,
         "num_layers": info.num_layers,
         "num_experts": info.num_experts,
         "top_k": info.top_k,

@@ -84,6 +84,7 @@ def settings_from_args(args: argparse.Namespace) -> LiveSettings:
         dtype=args.dtype,
         baseline=not args.no_baseline,
         expert_format=args.expert_format,
+        dense_format=args.dense_format,
     )
 
 

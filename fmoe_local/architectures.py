@@ -2,7 +2,8 @@
 
 Scope: where the MoE blocks, routers and fused experts modules sit in a model; which decoder layers are MoE; how a
 router's output becomes a probability distribution over all J experts; how one expert's weights are named in a
-checkpoint. It does NOT read files (host.py), load weights (loading.py) or compute experts (experts.py).
+checkpoint; which modules gate experts (routers, shared-expert gates: dense_formats.py never packs them). It does
+NOT read files (host.py), load weights (loading.py) or compute experts (experts.py).
 
 Families (`ARCHITECTURES`, a dict keyed by `config.model_type`): Mixtral, PhiMoE, Qwen2-MoE (Qwen1.5-MoE),
 Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GPT-OSS — with their dense layers, shared experts and router kinds.
@@ -106,6 +107,8 @@ class Architecture:
     ckpt_block: str = "mlp"
     gate_up_projs: tuple[str, ...] = ("gate_proj", "up_proj")
     down_projs: tuple[str, ...] = ("down_proj",)
+    # Attribute of the MoE block holding the shared expert's gate (an nn.Linear to one logit), "" for none.
+    shared_gate_attr: str = ""
 
     def num_experts(self, config: object) -> int:
         """J: routed experts per MoE layer."""
@@ -134,6 +137,11 @@ class Architecture:
                 )
             refs.append(MoELayerRef(moe_index, layer_index, block, router, experts))
         return refs
+
+    def gates(self, ref: MoELayerRef) -> list[nn.Module]:
+        """The modules of one MoE block whose outputs weigh experts: its router and its shared expert's gate."""
+        shared = getattr(ref.block, self.shared_gate_attr, None) if self.shared_gate_attr else None
+        return [ref.router] + ([shared] if shared is not None else [])
 
     def router_probs(self, router_output: tuple | torch.Tensor) -> torch.Tensor:
         """Gate probabilities [T, J] (float32) from a router's output `(router_logits, weights, indices)`."""
@@ -197,7 +205,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         "phimoe", "num_local_experts", "router", _every_layer, _softmax, _GATE_UP_DOWN,
         ckpt_block="block_sparse_moe", gate_up_projs=("w1", "w3"), down_projs=("w2",),
     ),
-    "qwen2_moe": Architecture("qwen2_moe", "num_experts", "gate", _qwen_is_moe, _softmax, _GATE_UP_DOWN),
+    "qwen2_moe": Architecture(
+        "qwen2_moe", "num_experts", "gate", _qwen_is_moe, _softmax, _GATE_UP_DOWN, shared_gate_attr="shared_expert_gate"
+    ),
     "qwen3_moe": Architecture("qwen3_moe", "num_experts", "gate", _qwen_is_moe, _softmax, _GATE_UP_DOWN),
     "olmoe": Architecture("olmoe", "num_experts", "gate", _every_layer, _softmax, _GATE_UP_DOWN),
     "deepseek_v2": Architecture("deepseek_v2", "n_routed_experts", "gate", _deepseek_is_moe, _softmax, _GATE_UP_DOWN),

@@ -5,7 +5,9 @@ whether a model fits: `hardware.py` turns these facts plus a machine into a verd
 
 Sizes are decimal bytes (per expert format: `expert_bytes_for`). `expert_bytes` is one routed expert in bf16 (gate + up + down projections), i.e.
 3·hidden·moe_intermediate·2 B; `resident_bytes` is everything that is not a routed expert, in bf16 (embeddings,
-attention, norms, routers, shared experts, dense layers) — what has to live on the GPU.
+attention, norms, routers, shared experts, dense layers) — what has to live on the GPU; `embedding_bytes` the input
+embedding table's share of it (vocabulary × hidden × 2 B), which a packed dense format leaves unpacked
+(`resident_bytes_for`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class CatalogEntry:
     expert_bytes: int  # one routed expert, bf16
     resident_bytes: int  # non-expert weights, bf16
     download_bytes: int  # what the allowed files weigh on the Hub
+    embedding_bytes: int = 0  # the input embedding table, bf16 (part of resident_bytes)
     note: str = ""
     native_format: str = "bf16"  # the experts' form in the download: what expert format auto keeps
     allow_patterns: tuple[str, ...] = DEFAULT_ALLOW
@@ -60,6 +63,17 @@ class CatalogEntry:
         """All routed experts stored as `fmt`: what host RAM (or the disk tier) holds."""
         return self.num_layers * self.num_experts * self.expert_bytes_for(fmt)
 
+    def resident_bytes_for(self, dense_format: str) -> int:
+        """The resident part with its linear weights stored as `dense_format` (dense_formats.py: bf16, int8, int4):
+        the input embedding table stays bf16, everything else is counted at the format's bits per weight — routers
+        and norms too, which stay unpacked, a few tens of MB at most (Qwen3-30B-A3B's 48 routers: 25 MB)."""
+        from fmoe_local.expert_formats import BITS
+
+        if dense_format == "bf16":
+            return self.resident_bytes
+        rest = self.resident_bytes - self.embedding_bytes
+        return self.embedding_bytes + round(rest * BITS[dense_format] / 16)
+
     @property
     def local_name(self) -> str:
         """Folder name under the models directory."""
@@ -72,6 +86,11 @@ def local_name(repo_id: str) -> str:
 
 def _expert(hidden: int, moe_intermediate: int) -> int:
     return 3 * hidden * moe_intermediate * 2
+
+
+def _table(vocab: int, hidden: int) -> int:
+    """The input embedding table in bf16 (none of the catalog's models ties it to the output head)."""
+    return vocab * hidden * 2
 
 
 CATALOG: tuple[CatalogEntry, ...] = (
@@ -87,6 +106,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         expert_bytes=_expert(2048, 1024),
         resident_bytes=int(0.9 * GB),
         download_bytes=int(13.8 * GB),
+        embedding_bytes=_table(50304, 2048),
         note="Small and fully open; a good first download.",
     ),
     CatalogEntry(
@@ -101,6 +121,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         expert_bytes=_expert(2048, 1408),
         resident_bytes=int(3.7 * GB),
         download_bytes=int(28.6 * GB),
+        embedding_bytes=_table(151936, 2048),
         note="Has a shared expert per layer (kept on the GPU).",
     ),
     CatalogEntry(
@@ -115,6 +136,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         expert_bytes=_expert(2048, 1408),
         resident_bytes=int(2.6 * GB),
         download_bytes=int(31.4 * GB),
+        embedding_bytes=_table(102400, 2048),
         note="The model the bundled routing traces come from.",
     ),
     CatalogEntry(
@@ -129,6 +151,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         expert_bytes=_expert(2880, 2880),
         resident_bytes=int(3.6 * GB),
         download_bytes=int(13.8 * GB),
+        embedding_bytes=_table(201088, 2880),
         note="Ships in MXFP4; its experts stay in MXFP4 (4-bit) in RAM and on the GPU.",
         native_format="mxfp4",
     ),
@@ -144,6 +167,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         expert_bytes=_expert(2048, 768),
         resident_bytes=int(3.0 * GB),
         download_bytes=int(61.1 * GB),
+        embedding_bytes=_table(151936, 2048),
     ),
     CatalogEntry(
         repo_id="microsoft/Phi-3.5-MoE-instruct",
@@ -157,6 +181,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         expert_bytes=_expert(4096, 6400),
         resident_bytes=int(3.3 * GB),
         download_bytes=int(83.8 * GB),
+        embedding_bytes=_table(32064, 4096),
     ),
     CatalogEntry(
         repo_id="mistralai/Mixtral-8x7B-Instruct-v0.1",
@@ -170,6 +195,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         expert_bytes=_expert(4096, 14336),
         resident_bytes=int(3.2 * GB),
         download_bytes=int(93.4 * GB),
+        embedding_bytes=_table(32000, 4096),
         note="Needs the licence accepted on huggingface.co and a token.",
     ),
 )

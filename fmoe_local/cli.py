@@ -88,13 +88,20 @@ def distance_arg(text: str) -> int | str:
 
 
 def add_expert_format_argument(p: argparse.ArgumentParser) -> None:
-    """`--expert-format` (run, bench live): validated by RuntimeConfig, so a wrong value is one sentence."""
+    """`--expert-format` and `--dense-format` (run, bench live): validated by RuntimeConfig, so a wrong value is one
+    sentence."""
     from fmoe_local.expert_formats import LABELS
 
     p.add_argument(
         "--expert-format",
         default=RuntimeConfig.expert_format,
         help="how experts are stored: " + "; ".join(LABELS[f] for f in EXPERT_FORMATS),
+    )
+    p.add_argument(
+        "--dense-format",
+        default=RuntimeConfig.dense_format,
+        help="how the linear weights outside the experts (attention, output head, shared experts) are stored: auto "
+        "(as int8/int4 experts on a CPU device, else unquantised), bf16 (unquantised), int8 or int4 (CPU device only)",
     )
 
 
@@ -111,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         policy=args.policy,
         miss_handling=args.miss_handling,
         expert_format=args.expert_format,
+        dense_format=args.dense_format,
         store_capacity=args.store_capacity,
         synchronous_prefetch=args.synchronous,
         record_trace=str(args.record_trace) if args.record_trace else None,

@@ -13,6 +13,7 @@ POLICIES = ("fmoe", "moe_infinity", "lru", "lfu", "speculative", "on_demand", "c
 MISS_HANDLING = ("auto", "copy", "cpu")
 SEMANTIC_MODES = ("running_mean", "token")
 EXPERT_FORMATS = ("auto", "bf16", "int8", "int4", "nf4")  # expert_formats.py describes each
+DENSE_FORMATS = ("auto", "bf16", "int8", "int4")  # dense_formats.py describes each
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes; a larger seed overflowed mid-request
 PREFIX_AUTO_MAX_GB = 4.0  # the automatic prefix cache size's ceiling (RuntimeConfig.prefix_cache_gb)
 
@@ -105,9 +106,15 @@ class RuntimeConfig:
     # "int8" (~2× smaller), "int4" and "nf4" (4-bit, ~4× smaller, slightly different answers; int4 is computed by
     # torch's weight-only kernels on a CPU, nf4 dequantised), "auto" the checkpoint's own form
     # (a bf16 checkpoint stays bf16, GPT-OSS's MXFP4 stays packed, a bitsandbytes 4-bit checkpoint stays nf4).
-    # Non-expert weights are never quantised. A quantised copy made from a bf16 checkpoint is kept in
-    # `quant_cache_dir` (None = the user data folder's quantized/), so only the first load quantises.
+    # A quantised copy made from a bf16 checkpoint is kept in `quant_cache_dir` (None = the user data folder's
+    # quantized/), so only the first load quantises.
     expert_format: str = "auto"
+    # How the linear weights outside the routed experts (attention, output head, shared experts, dense MLP layers;
+    # never routers, gates, embeddings or norms) are stored: "bf16" the checkpoint's own dtype, unquantised; "int8"
+    # or "int4" packed and multiplied by torch's weight-only CPU products (a CPU device only: refused on a GPU);
+    # "auto" follows the experts on a CPU device when they are int8 or int4 (a CPU decode reads every dense weight
+    # per token, as llama.cpp's Q8_0/Q4_0 files quantise them), else unquantised (dense_formats.py).
+    dense_format: str = "auto"
     quant_cache_dir: str | None = None
     # Host RAM for expert weights; None = what the RAM available at load holds, less the fit verdicts' headroom
     # (hardware.host_ram_budget_gb). What does not fit is read from the checkpoint per use.
@@ -155,6 +162,11 @@ class RuntimeConfig:
             raise ValueError(
                 f"Unknown expert format '{self.expert_format}'. Choose auto (the checkpoint's own), bf16 (full size), "
                 "int8 (8-bit), int4 or nf4 (4-bit)."
+            )
+        if self.dense_format not in DENSE_FORMATS:
+            raise ValueError(
+                f"Unknown dense format '{self.dense_format}'. Choose auto (as the experts on a CPU, else unquantised), "
+                "bf16 (unquantised), int8 (8-bit) or int4 (4-bit); int8 and int4 run on a CPU device only."
             )
         if self.semantic_mode not in SEMANTIC_MODES:
             raise ValueError(

@@ -28,6 +28,7 @@ from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.constrained import Grammars
 from fmoe_local.cpu_experts import Kernel
+from fmoe_local.dense_formats import packed_bytes
 from fmoe_local.dtype_verdicts import DtypeVerdicts
 from fmoe_local.experts import OffloadedExperts
 from fmoe_local.loading import checkpoint_dtype, load_model
@@ -152,7 +153,8 @@ class Engine:
             top_k=self.arch.top_k(cfg),
             embed_dim=int(cfg.hidden_size),
         )
-        self.resident_bytes = sum(
+        self.dense_format = loaded.dense_format
+        self.resident_bytes = packed_bytes(self.model) + sum(
             p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta"
         )
         self.counters = LayerCounters(self.shape.num_layers, self.shape.num_experts)

@@ -11,7 +11,8 @@ chosen one does not) are the download wizard's rows; the UI only renders them. W
 stays bf16 where the CPU decodes it about as fast as float32 (`Machine.cpu_keeps_bf16`), or where its experts are
 int8/int4 and torch's weight-only products are measured faster with bf16 activations (`Machine.cpu_bf16_products`,
 bandwidth.products_decode_ratio; both probes once per machine: dtype_verdicts.py), else it is computed in float32
-and counts twice its size (`cpu_widening`). `host_ram_budget_gb` is the RAM the host store may fill.
+and counts twice its size (`cpu_widening`); with int8/int4 experts the resident part's linear weights are packed the
+same way (dense format auto: `cpu_resident_bytes`). `host_ram_budget_gb` is the RAM the host store may fill.
 """
 
 from __future__ import annotations
@@ -274,6 +275,27 @@ def resident_widening(machine: Machine, fmt: str = "bf16") -> int:
     return 2 if _widens(machine, fmt) else 1
 
 
+def cpu_resident_bytes(entry: CatalogEntry, fmt: str, machine: Machine) -> int:
+    """The resident part in RAM without a CUDA GPU, experts stored as `fmt`: dense format auto packs its linear
+    weights as int8/int4 experts (dense_formats.resolve), int4's scales and zeros in the compute dtype as the
+    experts' (cpu_widening); the input embedding table, and everything with other experts, takes its size in the
+    compute dtype (resident_widening)."""
+    import torch
+
+    from fmoe_local.dense_formats import resolve
+    from fmoe_local.expert_formats import BITS, INT4_FLOAT32_BITS
+
+    stored = entry.native_format if fmt == "auto" else fmt
+    widen = resident_widening(machine, stored)
+    dense = resolve("auto", torch.device("cpu"), stored)
+    if dense == "bf16":
+        return widen * entry.resident_bytes
+    packed = entry.resident_bytes_for(dense) - entry.embedding_bytes
+    if dense == "int4" and widen == 2:
+        packed = round(packed * INT4_FLOAT32_BITS / BITS["int4"])
+    return widen * entry.embedding_bytes + packed
+
+
 def _widens(machine: Machine, fmt: str) -> bool:
     """Does a bf16 model with experts in `fmt` compute in float32 here (engine.resolve_dtype's rule)?"""
     if machine.has_gpu or machine.cpu_keeps_bf16:
@@ -287,7 +309,7 @@ def _fit(entry: CatalogEntry, machine: Machine, downloaded: bool, fmt: str) -> F
     if not machine.has_gpu:  # float32 on a CPU slow in bf16: the resident part always, bf16 experts too
         expert_bytes = round(expert_bytes * cpu_widening(entry, fmt, machine))
         experts_bytes = round(experts_bytes * cpu_widening(entry, fmt, machine))
-        entry = replace(entry, resident_bytes=resident_widening(machine, fmt) * entry.resident_bytes)
+        entry = replace(entry, resident_bytes=cpu_resident_bytes(entry, fmt, machine))
     min_cache = min_cache_bytes(entry.top_k, expert_bytes)
     disk_needed = 0 if downloaded else entry.download_bytes + DISK_MARGIN_BYTES
     if disk_needed and machine.disk_free < disk_needed:
@@ -387,7 +409,7 @@ def format_fits(entry: CatalogEntry, machine: Machine, downloaded: bool = False)
                 fmt,
                 "auto" if fmt == entry.native_format and fmt != "bf16" else fmt,
                 entry.download_bytes + copy_bytes(entry, fmt, machine),
-                experts + (0 if machine.has_gpu else resident_widening(machine, fmt) * entry.resident_bytes),
+                experts + (0 if machine.has_gpu else cpu_resident_bytes(entry, fmt, machine)),
                 gpu,
                 verdict,
                 fmt == best and verdict.level != "no",  # nothing is recommended where nothing fits

@@ -3,7 +3,8 @@
 Scope: build the model skeleton on the meta device from the checkpoint's config, read the safetensors files key by
 key, put every non-expert parameter and buffer on the device (renaming keys exactly as transformers does when it
 loads this model type), restore the buffers transformers computes at construction (rotary inv_freq), tie word
-embeddings where the config says so, and build the HostStore that serves the experts one at a time. The experts
+embeddings where the config says so, pack the dense linear layers where the dense format says so
+(dense_formats.py), and build the HostStore that serves the experts one at a time. The experts
 modules' 3-D parameters stay on meta: the runtime computes from cache slots. It does NOT register the experts
 implementation, create the cache or generate.
 """
@@ -27,7 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fmoe_local import bnb_checkpoint, hardware, hf_internals
+from fmoe_local import bnb_checkpoint, dense_formats, hardware, hf_internals
 from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.host import CheckpointFiles, CheckpointHostStore, TieredHostStore
@@ -47,6 +48,7 @@ class LoadedModel:
     host: TieredHostStore  # dense (CheckpointHostStore) or packed (packed_host.PackedHostStore)
     moe_layers: list[MoELayerRef]
     dtype: torch.dtype  # compute dtype of the resident weights and of the host store's rows
+    dense_format: str = "bf16"  # how the dense linear weights are stored (dense_formats.resolve: bf16, int8, int4)
     unexpected_keys: list[str] = field(default_factory=list)  # checkpoint keys the model has no place for
 
 
@@ -73,7 +75,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     files = CheckpointFiles(model_dir)
     try:
-        model, moe_layers, host, unexpected, dtype = _build(
+        model, moe_layers, host, unexpected, dtype, dense = _build(
             model_dir, hf_config, arch, files, config, device, dtype, progress
         )
     except BaseException:
@@ -81,7 +83,7 @@ def load_model(
         raise
     if unexpected:
         log.info("Ignored %d checkpoint tensors the model does not use (e.g. %s)", len(unexpected), unexpected[0])
-    return LoadedModel(model, tokenizer, arch, host, moe_layers, dtype, unexpected)
+    return LoadedModel(model, tokenizer, arch, host, moe_layers, dtype, dense, unexpected)
 
 
 def read_config(model_dir: str | Path) -> PretrainedConfig:
@@ -127,8 +129,10 @@ def _build(
     device: torch.device,
     dtype: torch.dtype | None,
     progress: Progress | None = None,
-) -> tuple[PreTrainedModel, list[MoELayerRef], TieredHostStore, list[str], torch.dtype]:
-    """The meta skeleton, its resident weights and the host store (see load_model)."""
+) -> tuple[PreTrainedModel, list[MoELayerRef], TieredHostStore, list[str], torch.dtype, str]:
+    """The meta skeleton, its resident weights (dense linear layers packed as the dense format says) and the host
+    store (see load_model)."""
+    dense_formats.check(config.dense_format, device)  # before any weight is read
     dtype = dtype or _checkpoint_dtype(hf_config, files)
 
     with torch.device("meta"):
@@ -156,6 +160,8 @@ def _build(
     num_experts = arch.num_experts(hf_config)
     sources = [[arch.expert_sources(ref.layer_index, e, files) for e in range(num_experts)] for ref in moe_layers]
     fmt = resolve_format(config.expert_format, sources, files)
+    dense = dense_formats.resolve(config.dense_format, device, fmt)
+    dense_formats.quantise(model, arch, moe_layers, dense, hf_internals.keep_in_fp32(model, dtype))
     if config.host_ram_gb is None:
         # Measured now, with the resident weights loaded; on the CPU the expert cache's slots come out of RAM too.
         on_host = device.type == "cpu" and config.cache_experts is None
@@ -167,7 +173,7 @@ def _build(
         transposed = hf_internals.is_transposed(moe_layers[0].experts)
         products = device.type == "cpu"  # computed where they are stored: torch's weight-only CPU products
         host = build_packed_host(files, sources, param_shapes, dtype, fmt, transposed, config, progress, products)
-    return model, moe_layers, host, unexpected, dtype
+    return model, moe_layers, host, unexpected, dtype, dense
 
 
 def check_quantization(hf_config: object, arch: Architecture) -> None:

@@ -162,6 +162,7 @@ class Runtime:
             policy=e.config.policy,
             miss_handling=e.offload.miss_handling,
             expert_format=e.host.expert_format,
+            dense_format=e.dense_format,
             prefetch_distance=e.config.prefetch_distance,
             store_capacity=e.config.store_capacity,
         ), e.offload.explain_misses()

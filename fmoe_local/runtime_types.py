@@ -52,3 +52,4 @@ class ModelInfo:
     miss_handling: str = "copy"  # in force: the setting, or the one the policy forces (cpu_moe: cpu)
     host_ram_bytes: int = 0  # expert weights held in RAM (the rest are read from disk per use)
     expert_format: str = "bf16"  # how experts are stored in RAM and the cache (auto resolved: expert_formats.py)
+    dense_format: str = "bf16"  # how the dense linear weights are stored (auto resolved: dense_formats.py)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fmoe_local.config import EXPERT_FORMATS, RuntimeConfig, Sampling
+from fmoe_local.config import DENSE_FORMATS, EXPERT_FORMATS, RuntimeConfig, Sampling
 from store.db import StoreDb
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class AppSettings:
     # How the experts are stored (auto | bf16 | int8 | nf4): unlike the fields above it needs a reload, so a change
     # applies at the next load of a model.
     expert_format: str = RuntimeConfig.expert_format
+    # How the linear weights outside the experts are stored (auto | bf16 | int8 | int4, dense_formats.py): a reload
+    # too, like the expert format.
+    dense_format: str = RuntimeConfig.dense_format
     # What a miss costs on this machine, per model folder: {"/path/to/model": MissCosts.to_dict()} as JSON, measured
     # at the first load and reused by the next ones (Runtime.load checks they fit the model and the device).
     miss_costs: str = ""
@@ -107,6 +110,7 @@ class AppSettings:
             store_capacity=self.store_capacity,
             miss_handling=self.miss_handling,
             expert_format=self.expert_format,
+            dense_format=self.dense_format,
             sampling=sampling,
         )
 
@@ -172,6 +176,7 @@ _NAMES = {
     "store_capacity": ("the store capacity", "a whole number of expert maps"),
     "miss_handling": ("the miss handling", "auto, copy or cpu"),
     "expert_format": ("the expert format", ", ".join(EXPERT_FORMATS[:-1]) + " or " + EXPERT_FORMATS[-1]),
+    "dense_format": ("the dense format", ", ".join(DENSE_FORMATS[:-1]) + " or " + DENSE_FORMATS[-1]),
     "miss_costs": ("the measured miss costs", "JSON text"),
     "dtype_verdicts": ("the measured dtype verdicts", "JSON text"),
     "model_formats": ("each model's expert format", "JSON text"),

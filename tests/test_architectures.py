@@ -58,6 +58,20 @@ def test_moe_layers_point_at_the_modules_the_model_uses(reference, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_gates_are_every_module_whose_output_weighs_experts(reference, family):
+    # What a packed dense format must never pack: every nn.Linear of a MoE block that yields one logit per expert
+    # (the router) or per shared expert (Qwen2-MoE's shared_expert_gate) is in `gates`, and nothing else is.
+    model = reference(family)
+    arch = architecture_for(model.config)
+    for ref in arch.moe_layers(model):
+        gates = arch.gates(ref)
+        assert gates[0] is ref.router
+        shared = getattr(ref.block, "shared_expert_gate", None)
+        assert gates[1:] == ([shared] if shared is not None else [])
+        assert all(g.weight.shape[0] in (NUM_EXPERTS, 1) for g in gates)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_router_probs_are_a_distribution_consistent_with_the_routers_choice(reference, family):
     model = reference(family)
     arch = architecture_for(model.config)

@@ -40,14 +40,21 @@ def expected_expert_bytes(fmt: str, dtype_bytes: int) -> int:
     raise AssertionError(fmt)
 
 
-def expected_resident_bytes(model_dir, dtype: torch.dtype) -> int:
-    """Every non-expert weight of the plain model, its input embedding table counted as one row."""
+def expected_resident_bytes(model_dir, dtype: torch.dtype, dense: str = "bf16") -> int:
+    """Every non-expert weight of the plain model, its input embedding table counted as one row; with a packed
+    `dense` format the attention projections and the output head (this model's linear layers; its router is not
+    one) in their packed size: int8 a byte per weight and a float32 scale per row, int4 half a byte and a (scale,
+    zero) pair per 64 weights in the compute dtype."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     total = 0
     for name, p in model.named_parameters():
         if ".experts." in name:
             continue
-        total += (p[0].numel() if name.endswith("embed_tokens.weight") else p.numel()) * p.element_size()
+        out, size = p.shape[0], p.element_size()
+        if dense != "bf16" and name.endswith(("_proj.weight", "lm_head.weight")):
+            total += p.numel() + 4 * out if dense == "int8" else p.numel() // 2 + (p.shape[1] // 64) * out * 2 * size
+            continue
+        total += (p[0].numel() if name.endswith("embed_tokens.weight") else p.numel()) * size
     return total
 
 
@@ -64,13 +71,15 @@ def test_rows_count_each_format_at_its_stored_size(tiny_dir, tmp_path, dtype):
     assert [r.fmt for r in rows] == list(cpu_decode.FORMATS)
     assert info["dtype"] == dtype and info["dram_gbps"] == [FAKE_DRAM_GBPS, 2 * FAKE_DRAM_GBPS]
     size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    resident = expected_resident_bytes(tiny_dir, getattr(torch, dtype))
+    resident = {f: expected_resident_bytes(tiny_dir, getattr(torch, dtype), f) for f in ("bf16", "int8", "int4")}
     for r in rows:
         assert r.rounds == 2 and r.dtype == dtype and r.tok_s > 0 and r.experts_ms > 0
         native = "fp32 native" if dtype == "float32" else "bf16 native"
         assert r.kernel in ((native, INT8_BLOCKS_ON_CPU.name) if (r.fmt, dtype) == ("int8", "float32") else (native,))
         assert r.expert_bytes_per_token == K * LAYERS * expected_expert_bytes(r.fmt, size), r.fmt
-        assert r.bytes_per_token == r.expert_bytes_per_token + resident
+        # dense format auto: the attention and the head packed as int8/int4 experts, unpacked beside bf16/nf4 ones
+        assert r.dense == (r.fmt if r.fmt in ("int8", "int4") else "bf16")
+        assert r.bytes_per_token == r.expert_bytes_per_token + resident[r.dense], r.fmt
         # the limit of each round is its own DRAM figure over the bytes; the median of the two rounds is their mean
         assert r.limit_tok_s == pytest.approx(1.5 * FAKE_DRAM_GBPS * 1e9 / r.bytes_per_token)
     by = {r.fmt: r for r in rows}
@@ -115,9 +124,10 @@ def test_command_builds_once_then_reuses_the_checkpoint_and_prints_the_table(tmp
     first = capsys.readouterr()
     assert "built the synthetic checkpoint" in first.err
     lines = [line for line in first.out.splitlines() if line.startswith("|")]
-    assert lines[0].startswith("| format | computes in | tok/s | MB / token") and len(lines) == 4
+    assert lines[0].startswith("| format | dense weights | computes in | tok/s | MB / token") and len(lines) == 4
     assert [line.split("|")[1].strip() for line in lines[2:]] == ["int4", "bf16"]
-    assert [line.split("|")[2].strip() for line in lines[2:]] == ["float32", "float32"]
+    assert [line.split("|")[2].strip() for line in lines[2:]] == ["int4", "bf16"]
+    assert [line.split("|")[3].strip() for line in lines[2:]] == ["float32", "float32"]
     saved = json.loads((tmp_path / "out.json").read_text())
     assert [r["fmt"] for r in saved["rows"]] == ["int4", "bf16"] and saved["info"]["dtype"] == "float32"
     assert cpu_decode.main(argv) == 0

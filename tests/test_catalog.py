@@ -51,3 +51,14 @@ def test_patterns_keep_weights_and_tokenizer_and_skip_duplicates():
     }
     assert local_name("a/b") == "a--b"
     assert GB == 10**9
+
+
+def test_a_packed_dense_format_shrinks_all_but_the_input_embedding_table():
+    qwen3 = find("Qwen/Qwen3-30B-A3B-Instruct-2507")
+    assert qwen3.embedding_bytes == 151936 * 2048 * 2  # the vocabulary × hidden table in bf16
+    rest = qwen3.resident_bytes - qwen3.embedding_bytes
+    assert qwen3.resident_bytes_for("bf16") == qwen3.resident_bytes
+    assert qwen3.resident_bytes_for("int8") == qwen3.embedding_bytes + rest // 2
+    assert qwen3.resident_bytes_for("int4") == qwen3.embedding_bytes + round(rest * 4.5 / 16)
+    for e in CATALOG:
+        assert 0 < e.embedding_bytes < e.resident_bytes, e.repo_id

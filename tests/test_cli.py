@@ -97,6 +97,20 @@ def test_run_with_an_unknown_expert_format_names_the_choices(tiny_model_dir, cap
     assert "Unknown expert format 'q3'" in err and "nf4" in err and "int8" in err
 
 
+def test_run_with_an_unknown_dense_format_names_the_choices(tiny_model_dir, capsys):
+    err = refused(capsys, "--model", str(tiny_model_dir("mixtral")), "--prompt", "hi", "--dense-format", "q3")
+    assert "Traceback" not in err
+    assert "Unknown dense format 'q3'" in err and "int4" in err and "bf16" in err
+
+
+def test_run_passes_the_dense_format_on() -> None:
+    from fmoe_local.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["run", "--prompt", "hi", "--dense-format", "int4"])
+    assert config_from_args(args).dense_format == "int4"
+    assert config_from_args(build_parser().parse_args(["run", "--prompt", "hi"])).dense_format == "auto"
+
+
 def test_run_takes_auto_as_the_prefetch_distance() -> None:
     from fmoe_local.cli import build_parser, config_from_args
 

@@ -117,26 +117,29 @@ def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
         cpu["nf4"].gpu_bytes == 0 and cpu["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + 2 * OLMOE.resident_bytes
     )
     assert cpu["bf16"].ram_bytes == 2 * (OLMOE.experts_bytes + OLMOE.resident_bytes)
-    # int4 keeps its scale and zero per 64 weights in the compute dtype: float32 makes it 5 bits per weight, in RAM
-    # and in the copy on disk.
-    assert cpu["int4"].ram_bytes == round(OLMOE.experts_bytes * 5 / 16) + 2 * OLMOE.resident_bytes
+    # With int8/int4 experts the resident part's linear weights are packed the same way (dense format auto), its
+    # input embedding table (OLMoE's 50,304 × 2,048, bf16) not. int4 keeps its scale and zero per 64 weights in the
+    # compute dtype: float32 makes it 5 bits per weight, in RAM and in the copy on disk.
+    table = 50304 * 2048 * 2
+    linear = OLMOE.resident_bytes - table
+
+    def packed(bits: float, widen: int) -> int:
+        return widen * table + round(linear * bits / 16)
+
+    assert cpu["int4"].ram_bytes == round(OLMOE.experts_bytes * 5 / 16) + packed(5, 2)
     assert cpu["int4"].disk_bytes == OLMOE.download_bytes + round(OLMOE.experts_bytes * 5 / 16)
     assert [f.fmt for f in cpu.values() if f.recommended] == ["int4"]  # the smallest with nf4, the faster on a CPU
     # On a CPU measured to decode bf16 about as fast as float32, a bf16 model stays bf16: its own size in RAM.
     keeps = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_keeps_bf16=True))}
     assert keeps["bf16"].ram_bytes == OLMOE.experts_bytes + OLMOE.resident_bytes
     assert keeps["nf4"].ram_bytes == OLMOE.experts_bytes_for("nf4") + OLMOE.resident_bytes
-    assert keeps["int4"].ram_bytes == OLMOE.experts_bytes_for("int4") + OLMOE.resident_bytes  # bf16 scales: 4.5 bits
+    assert keeps["int4"].ram_bytes == OLMOE.experts_bytes_for("int4") + packed(4.5, 1)  # bf16 scales: 4.5 bits
     # On a CPU whose int4 product is measured faster with bf16 activations (and dense bf16 slower), an int4 model stays
-    # bf16 (the resident part at its own size, 4.5 bits per expert weight); the other formats still widen.
+    # bf16 (the table at its own size, 4.5 bits per packed weight); the other formats still widen.
     products = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_bf16_products=("int4",)))}
-    assert products["int4"].ram_bytes == OLMOE.experts_bytes_for("int4") + OLMOE.resident_bytes
+    assert products["int4"].ram_bytes == OLMOE.experts_bytes_for("int4") + packed(4.5, 1)
     assert products["int4"].disk_bytes == OLMOE.download_bytes + OLMOE.experts_bytes_for("int4")
-    assert (
-        products["int8"].ram_bytes
-        == cpu["int8"].ram_bytes
-        == OLMOE.experts_bytes_for("int8") + 2 * OLMOE.resident_bytes
-    )
+    assert products["int8"].ram_bytes == cpu["int8"].ram_bytes == OLMOE.experts_bytes_for("int8") + packed(8, 2)
     assert products["bf16"].ram_bytes == cpu["bf16"].ram_bytes
     gpt_oss = format_fits(find("openai/gpt-oss-20b"), desktop)
     assert (gpt_oss[0].fmt, gpt_oss[0].choice) == ("mxfp4", "auto")

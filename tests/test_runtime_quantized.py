@@ -3,7 +3,8 @@ transformers eager run on the same dequantised weights — for every family, fmo
 experts and one of all of them, misses copied and computed on the CPU.
 
 The reference replaces every routed expert row of a plain transformers model with `unpack(pack(row))`, the weights
-the runtime computes with; the non-expert weights stay as they are (they are never quantised).
+the runtime computes with; the non-expert weights stay as they are: these tests load with dense_format bf16, the
+experts alone (tests/test_dense_formats.py packs the dense layers too, as `auto` does on a CPU device).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def test_quantised_greedy_tokens_equal_eager_on_the_dequantised_weights(family, 
         device="cpu",
         cache_experts=1,
         expert_format=fmt,
+        dense_format="bf16",
         quant_cache_dir=str(tmp_path),
         sampling=Sampling(greedy=True, max_new_tokens=NEW_TOKENS),
     )
@@ -93,6 +95,7 @@ def test_int8_blocks_on_a_cpu_device_give_eager_s_tokens_on_the_dequantised_weig
         device="cpu",
         cache_experts=1,
         expert_format="int8",
+        dense_format="bf16",
         miss_handling="cpu",
         policy="on_demand",
         quant_cache_dir=str(tmp_path),
@@ -134,6 +137,7 @@ def test_packed_experts_computed_in_bf16_give_eager_s_tokens_in_bf16(family, fmt
         dtype="bfloat16",
         cache_experts=1,
         expert_format=fmt,
+        dense_format="bf16",
         quant_cache_dir=str(tmp_path),
         sampling=Sampling(greedy=True, max_new_tokens=NEW_TOKENS),
     )

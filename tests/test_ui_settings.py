@@ -46,6 +46,7 @@ def test_every_field_has_one_line_of_help(session):
         tab.store_capacity,
         tab.miss_handling,
         tab.expert_format,
+        tab.dense_format,
     )
     for field in fields:
         assert field.info and "\n" not in field.info
@@ -107,7 +108,7 @@ def test_miss_handling_applies_without_reloading_is_saved_and_explained(session)
     _, said = apply.fn(size, info.prefetch_distance, info.policy, info.store_capacity, "copy")
     assert session.runtime.info.miss_handling == "copy" and session.store.settings.load().miss_handling == "copy"
     assert "No GPU: misses are copied within RAM because miss handling is set to copy" in said
-    assert settings.refresh(session)[-2] == "copy"
+    assert settings.refresh(session)[-3] == "copy"
 
 
 def test_the_expert_format_is_saved_for_the_next_load_labelled_and_the_model_keeps_running(session):
@@ -122,12 +123,35 @@ def test_the_expert_format_is_saved_for_the_next_load_labelled_and_the_model_kee
     assert said.endswith(
         "Expert format 4-bit (nf4) is saved: the model runs in float32 (full size) until you load it again (Models tab, Load)."
     )
-    assert session.store.settings.load().expert_format == "nf4" and settings.refresh(session)[-1] == "nf4"
+    assert session.store.settings.load().expert_format == "nf4" and settings.refresh(session)[-2] == "nf4"
     # …as the loaded model's own choice, which the Models tab brings back when that model is picked for Load.
     assert session.store.settings.model_format(str(session.model_dir)) == "nf4"
     with gr.Blocks():
         tab = settings.build(session)
     assert ("4-bit: ~4× smaller, slightly different answers", "nf4") in tab.expert_format.choices
+
+
+def test_the_dense_format_is_saved_for_the_next_load_and_reaches_it(session):
+    demo = build(session)
+    apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+    info = session.runtime.info
+    assert info.dense_format == "bf16" and "output layer" not in settings.describe(session)
+    size = settings.refresh(session)[1].value
+    _, said = apply.fn(size, info.prefetch_distance, info.policy, info.store_capacity, "auto", "int8", "int8")
+    assert not said.startswith("⚠️") and session.runtime.info.dense_format == "bf16"  # saved, not applied: no reload
+    assert session.store.settings.load().dense_format == "int8" and settings.refresh(session)[-1] == "int8"
+    session.load(demo_model_dir())  # the next load reads it
+    assert session.runtime.info.dense_format == "int8"
+    assert "attention and output layer in 8-bit" in settings.describe(session)
+
+
+def test_an_unknown_dense_format_is_refused_before_anything_changes(session):
+    demo = build(session)
+    apply = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+    before = session.store.settings.load()
+    _, said = apply.fn(settings.refresh(session)[1].value, 1, "lru", 10, "copy", "auto", "fp8")
+    assert said.startswith("⚠️ Unknown dense format 'fp8'")
+    assert session.store.settings.load() == before and session.runtime.info.policy == "fmoe"
 
 
 def test_an_unknown_expert_format_is_refused_before_anything_changes(session):

@@ -1,8 +1,8 @@
 """Settings tab: expert cache size, prefetch distance, policy, map-store capacity, miss handling, expert format,
-clearing the maps.
+dense format, clearing the maps.
 
 Scope: applying these to the loaded model with `runtime.reconfigure` (no reload) and saving them in the store; the
-expert format is saved only, for the next load (it changes what RAM and the cache hold: a reload).
+expert and dense formats are saved only, for the next load (they change what RAM and the cache hold: a reload).
 The cache size is typed in the unit that fits the model (GB, MB or KB) and shown in experts; it must hold one
 expert and fit what this machine has left (fmoe_local.hardware.cache_gb_limit), else it is refused with a sentence. It does NOT
 load models or choose defaults (RuntimeConfig / AppSettings hold them).
@@ -38,6 +38,16 @@ MISS_CHOICES = [
     ("Copy it to the GPU", "copy"),
     ("Compute it on the CPU", "cpu"),
 ]
+DENSE_CHOICES = [
+    ("Auto: as 8-bit or 4-bit int4 experts on a CPU, else full size", "auto"),
+    ("Full size (the model's own)", "bf16"),
+    ("8-bit (CPU only)", "int8"),
+    ("4-bit int4 (CPU only)", "int4"),
+]
+DENSE_HELP = (
+    "How attention and the output layer are kept: a CPU reads all of them for every token, so smaller is faster "
+    "there, answers differ slightly. A reload applies it (Models tab, Load)."
+)
 MISS_HELP = (
     "An expert the cache lacks can be copied to the GPU or computed by the CPU from RAM; auto measures both at load "
     "and shares each layer's misses between them so the layer finishes soonest (the Stats tab says how)."
@@ -54,6 +64,7 @@ class SettingsTab:
     store_capacity: gr.Number
     miss_handling: gr.Dropdown
     expert_format: gr.Dropdown
+    dense_format: gr.Dropdown
     apply: gr.Button
     clear_maps: gr.Button
     status: gr.Markdown
@@ -87,9 +98,10 @@ def describe(session: Session) -> str:
     if session.runtime is None:
         return f"**No model loaded.** {literal(session.load_error or 'Load one in the Models tab.')}{api}"
     i = session.runtime.info
+    dense = "" if i.dense_format == "bf16" else f", attention and output layer in {format_name(i.dense_format)}"
     return (
         f"**{literal(model_label(session.model_dir, i.name))}** · {literal(i.family)} · {literal(i.device)} "
-        f"({literal(i.dtype)}) · experts in {literal(format_in_use(i.expert_format, i.dtype))} · {i.num_layers} MoE layers × {i.num_experts} experts, "
+        f"({literal(i.dtype)}) · experts in {literal(format_in_use(i.expert_format, i.dtype))}{dense} · {i.num_layers} MoE layers × {i.num_experts} experts, "
         f"top-{i.top_k} · resident {in_unit(session, i.resident_bytes)} · one expert {in_unit(session, i.expert_bytes)} · "
         f"cache {in_unit(session, i.cache_gb * GIB)} = **{i.cache_experts} experts**{api}"
     )
@@ -141,13 +153,17 @@ def build(session: Session) -> SettingsTab:
             format_choices(), value=s.expert_format, label="Expert format (applies at the next load)", info=FORMAT_HELP,
             elem_id="expert-format",
         )  # fmt: skip
+        dense_format = gr.Dropdown(
+            DENSE_CHOICES, value=s.dense_format, label="Dense format (applies at the next load)", info=DENSE_HELP,
+            elem_id="dense-format",
+        )  # fmt: skip
     with gr.Row():
         apply = gr.Button("Apply", variant="primary", elem_id="apply-settings")
         clear_maps = gr.Button("Clear learned expert maps", variant="secondary", elem_id="clear-maps")
     status = gr.Markdown("", elem_id="settings-status")
     return SettingsTab(
-        model_info, cache_size, cache_experts, prefetch, policy, capacity, miss_handling, expert_format, apply,
-        clear_maps, status,
+        model_info, cache_size, cache_experts, prefetch, policy, capacity, miss_handling, expert_format, dense_format,
+        apply, clear_maps, status,
     )  # fmt: skip
 
 
@@ -222,6 +238,7 @@ def refresh_outputs(tab: SettingsTab) -> list:
         tab.store_capacity,
         tab.miss_handling,
         tab.expert_format,
+        tab.dense_format,
     ]
 
 
@@ -254,6 +271,7 @@ def refresh(session: Session) -> tuple:
         s.store_capacity,
         s.miss_handling,
         s.expert_format,
+        s.dense_format,
     )
 
 
@@ -312,7 +330,7 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
     def refused(sentence: str) -> tuple:
         return gr.skip(), f"⚠️ {literal(sentence)}"  # it may quote what was typed, or a name
 
-    def apply(size, distance, policy, capacity, miss_handling="auto", expert_format=None):
+    def apply(size, distance, policy, capacity, miss_handling="auto", expert_format=None, dense_format=None):
         if session.still_loading:
             # Refused rather than kept for after the load: the load reads the saved settings when it starts and
             # saves the format it used when it ends, so values saved meanwhile were said saved and then ignored.
@@ -332,6 +350,8 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
             miss_handling=miss_handling,
         )
         later = {} if expert_format is None else {"expert_format": expert_format}  # saved only, for the next load
+        if dense_format is not None:
+            later["dense_format"] = dense_format
         try:
             # The store's one check of every setting (the chat's Generation values take it too), before anything
             # is applied: a value a script sent to this endpoint (NaN, a string, 2.5 layers) is refused as one
@@ -369,6 +389,8 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
             store = session.store.settings
             chosen = store.format_choice(str(session.model_dir), expert_format) if session.model_dir else None
             changes.update(chosen or {"expert_format": expert_format})
+        if dense_format is not None:
+            changes["dense_format"] = checked.dense_format
         try:
             session.store.settings.set(**changes)
         except ValueError as exc:
@@ -398,7 +420,15 @@ def wire(session: Session, tab: SettingsTab, demo: gr.Blocks) -> list:
     )  # fmt: skip
     applied = tab.apply.click(
         apply,
-        [tab.cache_size, tab.prefetch_distance, tab.policy, tab.store_capacity, tab.miss_handling, tab.expert_format],
+        [
+            tab.cache_size,
+            tab.prefetch_distance,
+            tab.policy,
+            tab.store_capacity,
+            tab.miss_handling,
+            tab.expert_format,
+            tab.dense_format,
+        ],
         [tab.model_info, tab.status],
         api_name="apply_settings",
         concurrency_id="runtime",

@@ -12,10 +12,13 @@ comparison needs a llama.cpp source tree (its converter and gguf-py) and a llama
   (its byte-level test tokenizer has no known pre-tokenizer hash, so the converter is told "default": the
   tokenizer does not matter to a decode timing) and quantised once per type with llama.cpp's own quantiser.
 - Each round runs `bench cpu-decode --rounds 1 --threads T` (T: --threads, llama.cpp's too; its table: tok/s, the
-  DRAM bandwidth it measured at the round's start, each format's share of its limit), then llama.cpp on every type (tools/llamacpp/time_gguf.py in
-  --llama-python: `Llama.eval` of one token at a time after a warm-up, as many tokens), the order of the two
-  reversed every other round. llama.cpp's limit uses the same round's bandwidth and the bytes a token reads in that
-  file (gguf-py's reader: every tensor but the token embedding, of which one row, with the expert tensors at K/J).
+  DRAM bandwidth it measured at the round's start, each format's share of its limit against the bytes a token
+  reads with every weight at its stored size: with int8/int4 experts, dense format auto packs the attention and the
+  output head the same way, as llama.cpp's q8_0/q4_0 files do), then llama.cpp on every type
+  (tools/llamacpp/time_gguf.py in --llama-python: `Llama.eval` of one token at a time after a warm-up, as many
+  tokens), the order of the two reversed every other round. llama.cpp's limit uses the same round's bandwidth and
+  the bytes a token reads in that file (gguf-py's reader: every tensor but the token embedding, of which one row,
+  with the expert tensors at K/J).
 Prints one table: per round and format/type, tok/s and share of the limit; then the medians and the ratio of ours
 to llama.cpp for each pair (bf16/bf16, int8/q8_0, int4/q4_0 and q4_k_m).
 """

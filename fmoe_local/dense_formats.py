@@ -1,0 +1,170 @@
+"""Dense formats: the linear weights a token reads outside the routed experts (attention projections, the output
+head, shared experts, dense MLP layers), stored packed on a CPU device as llama.cpp's Q8_0/Q4_0 files store every
+weight, and multiplied by the same torch weight-only products the experts use there.
+
+Scope: resolving `dense_format` (auto | bf16 | int8 | int4, config.py) against the device and the experts' resolved
+format; choosing the nn.Linear modules to pack; swapping each for a `PackedLinear` holding the weight in
+expert_formats' int8 / int4 form (expert_formats.pack_int8 / pack_int4 and Int4Weight's CPU layout: one packer for
+experts and dense weights); the bytes they hold. It does NOT read checkpoints (loading.py puts the dense weights in
+the model first, then calls `quantise`), touch the routed experts, or re-implement a model: each module keeps its
+place in transformers' model, only its weight's storage and product change.
+
+Never packed: routers and shared-expert gates (their logits choose the experts: a small error flips a top-k choice,
+and they are tiny — architectures.Architecture.gates knows where they are), embeddings and norms (not nn.Linear),
+and a layer whose weight the model keeps in float32 (transformers' keep-in-fp32 list: kept for precision). int4
+packs only weights torch's CPU int4 product takes (out a multiple of 16, in of 32); another stays unquantised.
+
+Tied embeddings: the output head shares the input table's tensor. The head is packed as its own copy and the input
+table stays as it is (a lookup reads one row of it per token), so a tied model holds its embedding twice: the table
+in the compute dtype plus the packed head (vocab × hidden bytes in int8, about half that in int4) — for a 151,936 ×
+2,048 vocabulary 311 MB or 175 MB more RAM than unpacked, in exchange for a head that reads 2–3.6× fewer bytes.
+
+Exactness: a PackedLinear computes x·Wᵀ (+ b) with W = expert_formats.unpack of its parts; "lossless" for a packed
+dense format means the same greedy tokens as transformers eager whose dense weights (and experts) are those
+dequantised values (tests/test_dense_formats.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fmoe_local import expert_formats
+from fmoe_local.architectures import Architecture, MoELayerRef
+from fmoe_local.expert_formats import Int4Weight, Int8Weight, PackedParam
+
+log = logging.getLogger(__name__)
+
+PACKED = expert_formats.PRODUCTS  # int8, int4: the dense formats that pack (bf16 keeps the checkpoint's dtype)
+
+
+def check(choice: str, device: torch.device) -> None:
+    """Refuse (ValueError, a sentence) a packed dense format on a device with no product for it: checked before any
+    weight is read."""
+    if choice in PACKED and device.type != "cpu":
+        raise ValueError(
+            f"Dense format {choice} runs on a CPU device only (torch's weight-only CPU products); on a GPU the "
+            "attention and output head stay unquantised. Choose dense format auto or bf16, or device cpu."
+        )
+
+
+def resolve(choice: str, device: torch.device, expert_format: str) -> str:
+    """The dense format in force: bf16 (the checkpoint's own dtype, unpacked), int8 or int4. `auto` follows the
+    experts' resolved format on a CPU device when it is int8 or int4, as llama.cpp's Q8_0/Q4_0 quantise every
+    weight (a CPU decode reads every dense weight per token, so their bytes are its speed); elsewhere it keeps them
+    unpacked (a GPU holds them once and computes them fast; bf16/nf4/mxfp4 experts have no CPU product to share)."""
+    check(choice, device)
+    if choice == "auto":
+        return expert_format if device.type == "cpu" and expert_format in PACKED else "bf16"
+    return choice
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear's place in the model with its weight stored packed (`fmt` int8 or int4, expert_formats' parts:
+    int8 `q`/`scale`, int4 `q` in torch's CPU layout and `sz`), multiplied by torch's weight-only CPU product. The
+    parts are non-persistent buffers: they move with the model and count in `model.buffers()`, and a state_dict
+    never saves them as the checkpoint's weight."""
+
+    def __init__(
+        self, fmt: str, in_features: int, out_features: int, parts: dict[str, torch.Tensor], bias: nn.Parameter | None
+    ) -> None:
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.group = expert_formats.int4_group(in_features)
+        for name, tensor in parts.items():
+            self.register_buffer(name, tensor, persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # torch's products take [tokens, in]
+        if self.fmt == "int8":
+            out = Int8Weight(self.q, self.scale).linear(flat, self.bias)
+        else:
+            out = Int4Weight(self.q, self.sz, self.group).linear(flat, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+def packs(fmt: str, out_features: int, in_features: int) -> bool:
+    """Can a [out, in] weight be packed in `fmt`? int8 always; int4 where torch's CPU int4 product takes it."""
+    if fmt == "int8":
+        return True
+    return fmt == "int4" and out_features % 16 == 0 and in_features % 32 == 0
+
+
+def candidates(model: nn.Module, arch: Architecture, moe_layers: list[MoELayerRef]) -> dict[str, nn.Linear]:
+    """{module name: nn.Linear} that a packed dense format may pack: every nn.Linear of the model but the routers
+    and shared-expert gates (the routed experts are fused 3-D parameters, never nn.Linear). PhiMoE's router is an
+    nn.Linear subclass: it is left out by identity, as every gate is."""
+    gates = {id(g) for ref in moe_layers for g in arch.gates(ref)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in gates}
+
+
+@dataclass
+class DenseReport:
+    """What `quantise` did: the format, the modules packed, and those left unpacked with the reason."""
+
+    fmt: str
+    packed: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # module name → why it stays unpacked
+    bytes_before: int = 0  # the packed modules' weights as they were
+    bytes_after: int = 0  # … and as they are now
+
+
+@torch.no_grad()
+def quantise(
+    model: nn.Module,
+    arch: Architecture,
+    moe_layers: list[MoELayerRef],
+    fmt: str,
+    kept_in_fp32: Callable[[str], bool] = lambda name: False,
+) -> DenseReport:
+    """Swap every candidate nn.Linear of `model` for a PackedLinear in `fmt` (int8 or int4; bf16 does nothing).
+    Each weight is packed from its current values (float32 arithmetic) and dropped as soon as its module is
+    swapped, so the peak is one module's packed copy over the unpacked model. `kept_in_fp32(parameter name)`:
+    transformers' keep-in-fp32 rule (hf_internals.keep_in_fp32): such a weight is left as it is."""
+    report = DenseReport(fmt)
+    if fmt not in PACKED:
+        return report
+    for name, linear in candidates(model, arch, moe_layers).items():
+        weight = linear.weight  # on the CPU: `check` refused a packed format on any other device
+        if kept_in_fp32(f"{name}.weight"):
+            report.kept[name] = "kept in float32 by the model"
+            continue
+        out_f, in_f = weight.shape
+        if not packs(fmt, out_f, in_f):
+            report.kept[name] = f"[{out_f}, {in_f}] has no {fmt} product"
+            continue
+        param = PackedParam(fmt, (out_f, in_f))
+        parts = expert_formats.pack(param, weight, weight.dtype)
+        parts = expert_formats.to_cpu_layout({"w": param}, {f"w.{k}": v for k, v in parts.items()})
+        parts = {k.removeprefix("w."): v for k, v in parts.items()}
+        packed = PackedLinear(fmt, in_f, out_f, parts, linear.bias)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, packed)
+        report.packed.append(name)
+        report.bytes_before += weight.numel() * weight.element_size()
+        report.bytes_after += sum(t.numel() * t.element_size() for t in parts.values())
+    log.info(
+        "dense format %s: %d linear layers packed, %.0f MB → %.0f MB",
+        fmt,
+        len(report.packed),
+        report.bytes_before / 1e6,
+        report.bytes_after / 1e6,
+    )
+    if report.kept:
+        log.info("dense format %s: %d layers left unpacked (e.g. %s)", fmt, len(report.kept), next(iter(report.kept)))
+    return report
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of every PackedLinear's packed weight in `model` (buffers, which a count over parameters misses)."""
+    return sum(
+        b.numel() * b.element_size() for m in model.modules() if isinstance(m, PackedLinear) for b in m.buffers()
+    )
