@@ -8,10 +8,18 @@ import json
 import pytest
 
 from tests.tool_templates import HERMES_TEMPLATE
+from ui.reasoning import CONTENT, REASONING
+from ui.reply_parts import ReplyParts, merged
 from ui.tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, HARMONY, HERMES, MISTRAL, CallStream, format_of
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def _said(pieces: list) -> str:
+    """The text of a reader's pieces, all of them content."""
+    assert all(kind == CONTENT for kind, _ in pieces), pieces
+    return "".join(text for _, text in pieces)
 
 
 def test_the_format_is_read_from_the_template():
@@ -40,23 +48,23 @@ def test_calls_and_the_text_before_them_are_parsed():
 def test_malformed_call_text_is_content_not_an_error(text):
     assert HERMES.parse(text, TOOLS) is None
     stream = CallStream(HERMES, TOOLS)
-    sent = "".join(stream.add(text[i : i + 3]) for i in range(0, len(text), 3))
+    sent = "".join(_said(stream.add(text[i : i + 3])) for i in range(0, len(text), 3))
     rest, calls = stream.finish()
-    assert calls == [] and sent + rest == text
+    assert calls == [] and sent + _said(rest) == text
 
 
 def test_streamed_text_is_sent_until_a_call_begins_and_the_call_at_the_end():
     stream = CallStream(HERMES, TOOLS)
     pieces = ["Sure", " <to", "ol_c", "all>\n", CALL[len("<tool_call>\n") :]]
-    sent = [stream.add(p) for p in pieces]
+    sent = [_said(stream.add(p)) for p in pieces]
     assert "".join(sent) == "Sure " and sent[1] == " "  # "<to" held: it may begin a call
     rest, calls = stream.finish()
-    assert rest == "" and calls[0].name == "weather" and json.loads(calls[0].arguments) == {"city": "Oslo"}
+    assert rest == [] and calls[0].name == "weather" and json.loads(calls[0].arguments) == {"city": "Oslo"}
 
 
 def test_text_held_as_a_possible_call_start_is_sent_once_it_cannot_be_one():
     stream = CallStream(HERMES, TOOLS)
-    assert stream.add("a <to") == "a " and stream.add("p>") == "<top>"
+    assert stream.add("a <to") == [(CONTENT, "a ")] and stream.add("p>") == [(CONTENT, "<top>")]
 
 
 # Each format as its models write a call of `weather` with {"city": "Oslo"}, the markers as the special tokens'
@@ -97,10 +105,10 @@ def test_each_family_s_format_is_read_from_its_template(template, fmt):
 def test_a_call_in_each_format_is_parsed_whole_and_as_it_streams(fmt, text):
     content, calls = fmt.parse(text, TOOLS)
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("weather", {"city": "Oslo"})]
-    stream = CallStream(fmt, TOOLS)
-    sent = "".join(stream.add(text[i : i + 3]) for i in range(0, len(text), 3))
+    stream = fmt.reader(TOOLS)
+    sent = [piece for i in range(0, len(text), 3) for piece in stream.add(text[i : i + 3])]
     rest, streamed = stream.finish()
-    assert sent + rest == "" and streamed == calls
+    assert [p for p in sent + rest if p[0] == CONTENT] == [] and streamed == calls
 
 
 @pytest.mark.parametrize("fmt", list(WRITTEN), ids=lambda f: f.name)
@@ -116,10 +124,10 @@ def test_a_call_in_each_format_is_parsed_whole_and_as_it_streams(fmt, text):
 def test_malformed_call_text_in_each_format_is_content_without_its_markers(fmt, breakage):
     text = breakage(WRITTEN[fmt])
     assert fmt.parse(text, TOOLS) is None
-    stream = CallStream(fmt, TOOLS)
-    sent = "".join(stream.add(text[i : i + 5]) for i in range(0, len(text), 5))
+    stream = fmt.reader(TOOLS)
+    sent = [piece for i in range(0, len(text), 5) for piece in stream.add(text[i : i + 5])]
     rest, calls = stream.finish()
-    shown = sent + rest
+    shown = "".join(t for kind, t in sent + rest if kind == CONTENT)
     assert calls == [] and shown.strip(), text
     assert not any(marker in shown for marker in fmt.markers), shown  # the user never sees a special token
 
@@ -128,18 +136,99 @@ def test_a_name_that_is_no_string_is_malformed_not_an_error():
     assert MISTRAL.parse('[TOOL_CALLS] [{"name": {"a": 1}, "arguments": {}}]', TOOLS) is None  # was a TypeError
 
 
-def test_a_harmony_reply_s_analysis_is_reasoning_and_its_final_channel_the_content():
-    from ui.reply_parts import CONTENT, REASONING, ReplyParts
+# A GPT-OSS reply as its tokenizer splits it: each marker one token, the text a word at a time.
+HARMONY_TOKENS = {
+    "analysis + final": [
+        "<|channel|>", "analysis", "<|message|>", "The", " user", " asks", ".", "<|end|>",
+        "<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "It", " is", " dry", ".",
+    ],
+    "analysis + call": [
+        "<|channel|>", "analysis", "<|message|>", "Look", " it", " up", ".", "<|end|>", "<|start|>", "assistant",
+        "<|channel|>", "commentary", " to", "=", "functions", ".", "weather", " ", "<|constrain|>", "json",
+        "<|message|>", '{"', "city", '":', ' "', "Oslo", '"}',
+    ],  # <|call|> ends the reply: an end token, left out of its text
+    "only final": ["<|channel|>", "final", "<|message|>", "It", " is", " dry", ".", "<|return|>"],
+    "preamble + call": [
+        "<|channel|>", "commentary", "<|message|>", "Checking", " the", " weather", ".", " ", "<|end|>", "<|start|>",
+        "assistant", " to", "=", "functions", ".", "weather", "<|channel|>", "commentary", " json", "<|message|>",
+        '{"', "city", '":', ' "', "Oslo", '"}', "<|call|>",
+    ],
+}  # fmt: skip
+# What each reads as, the pieces in order and the calls: as a reply held whole and read at its end was read.
+HARMONY_READ = {
+    "analysis + final": ([(REASONING, "The user asks."), (CONTENT, "It is dry.")], []),
+    "analysis + call": ([(REASONING, "Look it up.")], [("weather", {"city": "Oslo"})]),
+    "only final": ([(CONTENT, "It is dry.")], []),
+    "preamble + call": ([(CONTENT, "Checking the weather.")], [("weather", {"city": "Oslo"})]),  # stripped
+}
 
-    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>It is dry."
-    stream = CallStream(HARMONY, TOOLS)
-    assert stream.add(text) == "" and stream.finish() == ("It is dry.", []) and stream.reasoning == "Think."
-    parts = ReplyParts([], None, CallStream(HARMONY, TOOLS))
-    assert parts.add(text) == [] and parts.finish() == ([(REASONING, "Think."), (CONTENT, "It is dry.")], [])
-    parts = ReplyParts([], None, CallStream(HARMONY, TOOLS))
-    assert parts.add(WRITTEN[HARMONY]) == []
-    pieces, calls = parts.finish()
-    assert pieces == [(REASONING, "The user wants the weather.")] and [c.name for c in calls] == ["weather"]
+
+def _read(parts, tokens: list[str]) -> tuple[list, list, list]:  # noqa: ANN001 - a ReplyParts
+    """(what each token let through, the pieces at the end, the calls) of a reply fed to `parts` token by token."""
+    each = [parts.add(token) for token in tokens]
+    rest, calls = parts.finish()
+    return each, rest, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("reply", list(HARMONY_TOKENS))
+def test_a_harmony_reply_reads_as_it_did_whole_however_it_streams(reply):
+    tokens = HARMONY_TOKENS[reply]
+    each, rest, calls = _read(ReplyParts([], None, HARMONY.reader(TOOLS)), tokens)
+    assert (merged([p for ps in each for p in ps] + rest), calls) == HARMONY_READ[reply]
+    text = "".join(tokens)
+    for step in range(1, len(text) + 1):  # markers split anywhere: none of them ever shows
+        each, rest, again = _read(ReplyParts([], None, HARMONY.reader(TOOLS)), [text[i : i + step] for i in
+                                  range(0, len(text), step)])  # fmt: skip
+        sent = [p for ps in each for p in ps] + rest
+        assert (merged(sent), again) == HARMONY_READ[reply], step
+        assert not any("<" in piece or "|" in piece for _, piece in sent), (step, sent)
+
+
+def test_a_harmony_reply_s_channels_stream_as_they_come():
+    """The analysis channel's text is reasoning as it is written, the final channel's content: before the reply
+    ends (before, a reply that may call tools was read whole at its end)."""
+    tokens = HARMONY_TOKENS["analysis + final"]
+    each, rest, calls = _read(ReplyParts([], None, HARMONY.reader(TOOLS)), tokens)
+    assert each[3:7] == [[(REASONING, "The")], [(REASONING, " user")], [(REASONING, " asks")], [(REASONING, ".")]]
+    assert each[13:] == [[(CONTENT, "It")], [(CONTENT, " is")], [(CONTENT, " dry")], [(CONTENT, ".")]]
+    assert all(not sent for sent in each[:3] + each[7:13]) and rest == [] and calls == []  # headers: never sent
+
+
+def test_a_harmony_call_is_held_whole_and_what_came_before_it_streams():
+    tokens = HARMONY_TOKENS["preamble + call"]
+    each, rest, calls = _read(ReplyParts([], None, HARMONY.reader(TOOLS)), tokens)
+    assert [p for ps in each[:8] for p in ps] == [(CONTENT, "Checking"), (CONTENT, " the"), (CONTENT, " weather"),
+                                                  (CONTENT, ".")]  # fmt: skip
+    assert all(not sent for sent in each[8:]) and rest == []  # the space after it: dropped, as a call follows
+    assert calls == [("weather", {"city": "Oslo"})]
+    each, rest, calls = _read(ReplyParts([], None, HARMONY.reader(TOOLS)), HARMONY_TOKENS["analysis + call"])
+    assert [p for ps in each[:7] for p in ps] == [(REASONING, "Look"), (REASONING, " it"), (REASONING, " up"),
+                                                  (REASONING, ".")]  # fmt: skip
+    assert all(not sent for sent in each[7:]) and rest == [] and calls == [("weather", {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize(
+    "tail",
+    ['{"city": "Oslo"', '{"city": "Oslo"} and then some words', "Oslo, please"],
+    ids=["cut short", "words after", "no json"],
+)
+def test_a_malformed_harmony_call_is_content_at_the_end_after_what_streamed(tail):
+    tokens = [*HARMONY_TOKENS["preamble + call"][:20], tail]
+    each, rest, calls = _read(ReplyParts([], None, HARMONY.reader(TOOLS)), tokens)
+    assert merged([p for ps in each for p in ps]) == [(CONTENT, "Checking the weather.")]  # sent before the end
+    assert rest == [(CONTENT, " " + tail)] and calls == []  # the held space, then the call's text
+
+
+def test_a_harmony_reply_without_messages_is_its_text_less_the_markers():
+    each, rest, calls = _read(ReplyParts([], None, HARMONY.reader(TOOLS)), ["Just", " words", "<|end|>"])
+    assert each == [[], [], []] and rest == [(CONTENT, "Just words")] and calls == []
+
+
+def test_analysis_messages_are_one_reasoning_a_line_between_them():
+    tokens = ["<|channel|>analysis<|message|>", " One.\n", "<|end|><|start|>assistant<|channel|>analysis<|message|>",
+              "Two.", "<|end|><|start|>assistant<|channel|>final<|message|>", "Done."]  # fmt: skip
+    each, rest, _ = _read(ReplyParts([], None, HARMONY.reader(TOOLS)), tokens)
+    assert merged([p for ps in each for p in ps] + rest) == [(REASONING, "One.\nTwo."), (CONTENT, "Done.")]
 
 
 @pytest.fixture(scope="module")

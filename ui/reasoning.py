@@ -7,9 +7,10 @@ when the template's reply opening already holds an unclosed `<think>` (Qwen3-Thi
 for the model: `opened`, from Runtime.reply_opening); otherwise a thought is read only where the reply begins with
 `<think>` (Qwen3's hybrid models write it themselves). A reply cut before `</think>` is reasoning to its end. The
 whitespace around the markers (Qwen3 writes "<think>\\n…\\n</think>\\n\\n") is left out. GPT-OSS's analysis channel
-is not read: its markers (`<|channel|>`, `<|message|>`) are special tokens that the runtime's text leaves out, so
-nothing of them reaches the reply. It does NOT decide whether a reply may think (structured.py: a reply held to a
-grammar has no thought, the grammar starting at its first token).
+is not read here: its markers (`<|channel|>`, `<|message|>`) are special tokens that the runtime's text leaves out,
+so nothing of them reaches the reply — but a request with tools keeps them, and ui/tool_calls.py's HarmonyStream
+reads its channels. It does NOT decide whether a reply may think (structured.py: a reply held to a grammar has no
+thought, the grammar starting at its first token).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class ThinkSplit:
                     out.append((REASONING, self.held[:at].rstrip()))
                     self.held, self.state = self.held[at + len(self.fmt.end) :], _AFTER
                     continue
-                sendable = self.held[: len(self.held) - _partial(self.held, self.fmt.end)].rstrip()
+                sendable = self.held[: len(self.held) - partial(self.held, (self.fmt.end,))].rstrip()
                 out.append((REASONING, sendable))
                 self.held = self.held[len(sendable) :]
                 return out
@@ -100,9 +101,10 @@ class ThinkSplit:
         return [] if self.state == _AFTER else [(CONTENT, held)]
 
 
-def _partial(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that is the start of `marker` (and may become it)."""
-    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-keep:]):
+def partial(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest end of `text` that is the start of one of `markers` (and may become it): what a
+    streamed reply holds back until it cannot be a marker (here, and for tool calls: ui/tool_calls.py)."""
+    for keep in range(min(max(map(len, markers), default=1) - 1, len(text)), 0, -1):
+        if any(marker.startswith(text[-keep:]) for marker in markers):
             return keep
     return 0

@@ -5,8 +5,9 @@ calls in that content — the one reading both APIs share (the OpenAI API's `rea
 Scope: the order of the three readers each piece of text goes through: cut at the first stop sequence
 (openai_stream.Generation: stops apply to everything the model wrote, as OpenAI and Anthropic apply them), split
 into reasoning and content (reasoning.ThinkSplit, when the model thinks in a format we read), and the content's
-tool calls held back and parsed at the end (tool_calls.CallStream, when the model may call tools). It does NOT
-write any API's shapes (openai_stream.py, anthropic_stream.py).
+tool calls held back and parsed at the end (tool_calls.CallStream, when the model may call tools; a GPT-OSS reply's
+channels are reasoning and content there too: tool_calls.HarmonyStream). It does NOT write any API's shapes
+(openai_stream.py, anthropic_stream.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class ReplyParts:
         found: list[ToolCall] = []
         if self.calls is not None:
             rest, found = self.calls.finish()
-            pieces += [(REASONING, self.calls.reasoning), (CONTENT, rest)]  # harmony's analysis, held with its calls
+            pieces += rest
         return merged(pieces), found
 
     def _route(self, text: str) -> list[Piece]:
@@ -57,7 +58,7 @@ class ReplyParts:
     def _calls(self, pieces: list[Piece]) -> list[Piece]:
         if self.calls is None:
             return pieces
-        return [(kind, self.calls.add(text) if kind == CONTENT else text) for kind, text in pieces]
+        return [out for kind, text in pieces for out in (self.calls.add(text) if kind == CONTENT else [(kind, text)])]
 
 
 def merged(pieces: list[Piece]) -> list[Piece]:

@@ -4,10 +4,10 @@ named function) or a reply held to JSON (response_format json_object / json_sche
 enforces token by token (fmoe_local/constrained.py), one it cannot compile a 400 naming the schema's path.
 
 Scope: the grammar of the request (`Shaped.sampling`) and how its reply is read back (`Shaped.parts`: the model's
-tool-call format and the tools, for ui/tool_calls.py's CallStream; its thinking format, for ui/reasoning.py's
-ThinkSplit — a chat reply of a model whose template writes <think>, unless a grammar holds the reply: the grammar
-starts at the reply's first token, so there is no thought to read). It does NOT parse the body (openai_request.py)
-or write the reply (openai_stream.py).
+tool-call format and the tools, for the format's reader, ui/tool_calls.py's `ToolFormat.reader`; its thinking
+format, for ui/reasoning.py's ThinkSplit — a chat reply of a model whose template writes <think>, unless a grammar
+holds the reply: the grammar starts at the reply's first token, so there is no thought to read). It does NOT parse
+the body (openai_request.py) or write the reply (openai_stream.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Shaped:
 
     def calls(self) -> CallStream | None:
         """A new reader of the reply's tool calls; None when the model may not call any."""
-        return CallStream(self.fmt, self.tools) if self.fmt is not None and self.tools else None
+        return self.fmt.reader(self.tools) if self.fmt is not None and self.tools else None
 
     def parts(self, stops: list[str]) -> ReplyParts:
         """A new reader of the reply: cut at `stops`, its thought apart from its content, its tool calls."""

@@ -8,10 +8,13 @@ Formats, each found from the template's own text (`format_of`): Hermes/Qwen (`<t
 (`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a json code block; V3.1's
 `NAME<｜tool▁sep｜>{...}`). Markers that are special tokens (`ToolFormat.markers`) are dropped from a reply's text
 unless the request keeps them (Runtime.submit's `keep`, the markers the tokenizer has as special tokens): the
-parser reads them, and every text a user sees has them removed (`ToolFormat.clean`). A reply whose call text is
-malformed (not JSON, an unknown function, arguments that are not an object) is returned as content, never an error:
-an unconstrained model may write anything. It does NOT render the prompt (the model's chat template does, given the
-tools: fmoe_local/engine.py) or compile grammars (fmoe_local/constrained.py checks and enforces the text built here).
+parser reads them, and every text a user sees has them removed (`ToolFormat.clean`). As a reply streams
+(`ToolFormat.reader`), its text before a call is sent at once and the call is held and parsed at the end
+(CallStream); a harmony reply is read message by message, its channels sent as they come (HarmonyStream). A reply
+whose call text is malformed (not JSON, an unknown function, arguments that are not an object) is returned as
+content, never an error: an unconstrained model may write anything. It does NOT render the prompt (the model's chat
+template does, given the tools: fmoe_local/engine.py) or compile grammars (fmoe_local/constrained.py checks and
+enforces the text built here).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from ui.reasoning import CONTENT, REASONING, Piece, partial
 
 
 @dataclass(frozen=True)
@@ -40,8 +45,8 @@ class ToolCall:
 @dataclass(frozen=True)
 class ToolFormat:
     """One format: `start`, the text a reply's calls begin with ("" for harmony, whose reply is channels from its
-    first token: read whole at its end); `markers`, the format's marker texts that are special tokens where the
-    format is used."""
+    first token: its reader finds calls by their messages' headers); `markers`, the format's marker texts that are
+    special tokens where the format is used."""
 
     name: str
     start: str
@@ -78,11 +83,9 @@ class ToolFormat:
         """(name, arguments) of each call in `rest` (the text from `start` on), or None when it is not only calls."""
         raise NotImplementedError
 
-    def reasoning(self, text: str) -> str:
-        """The model's reasoning in a reply held whole (harmony's analysis channel); "" for the formats whose
-        thought, if any, is read apart (ui/reasoning.py)."""
-        del text
-        return ""
+    def reader(self, tools: list[dict]) -> CallStream:
+        """A new reader of one streamed reply that may call `tools`."""
+        return CallStream(self, tools)
 
     def clean(self, text: str) -> str:
         """`text` as a user may see it: the markers that are special tokens left out, as they are from any reply."""
@@ -273,9 +276,8 @@ class _Harmony(ToolFormat):
         calls = [ToolCall(name, json.dumps(args, ensure_ascii=False)) for _, name, args in found]
         return self.clean(text[: found[0][0]]).strip(), calls
 
-    def reasoning(self, text: str) -> str:
-        """The analysis channel's messages."""
-        return "\n".join(body.strip() for channel, body in self._messages(text) if channel == "analysis")
+    def reader(self, tools: list[dict]) -> CallStream:
+        return HarmonyStream(self, tools)
 
     @staticmethod
     def _messages(text: str) -> list[tuple[str, str]]:
@@ -381,38 +383,130 @@ def format_of(template: str | None) -> ToolFormat | None:
 class CallStream:
     """A reply's text as it streams, when the model may call tools: text before a call is passed on at once (less
     what may still become the start of one, held until it cannot); from the call's start on, the text is kept and
-    parsed when the reply ends."""
+    parsed when the reply ends. Its pieces are content: what reasoning a reply has is split off before
+    (ui/reasoning.py), except where the format carries it (HarmonyStream)."""
 
     def __init__(self, fmt: ToolFormat, tools: list[dict]) -> None:
         self.fmt, self.tools = fmt, tools
-        self.text, self.sent, self.calling, self.reasoning = "", 0, False, ""
+        self.text, self.sent, self.calling = "", 0, False
 
-    def add(self, delta: str) -> str:
-        """Content that may be sent now."""
+    def add(self, delta: str) -> list[Piece]:
+        """The pieces that may be sent now."""
         self.text += delta
         if self.calling:
-            return ""
+            return []
         at = self.text.find(self.fmt.start, self.sent)
         if at >= 0:
             self.calling = True
             out, self.sent = self.text[self.sent : at], at
-            return self.fmt.clean(out)
-        safe = len(self.text)
-        for keep in range(min(len(self.fmt.start) - 1, len(self.text)), 0, -1):
-            if self.fmt.start.startswith(self.text[-keep:]):
-                safe -= keep
-                break
+            return _content(self.fmt.clean(out))
+        safe = len(self.text) - partial(self.text, (self.fmt.start,))
         out, self.sent = self.text[self.sent : max(safe, self.sent)], max(safe, self.sent)
-        return self.fmt.clean(out)
+        return _content(self.fmt.clean(out))
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet sent, the calls): a call that does not parse is content, sent as it was written less
-        the format's special-token markers. The reasoning a format held with the calls is `reasoning` after it."""
-        self.reasoning = self.fmt.reasoning(self.text[self.sent :]) if self.calling else ""
+    def finish(self) -> tuple[list[Piece], list[ToolCall]]:
+        """(the pieces not yet sent, the calls): a call that does not parse is content, sent as it was written less
+        the format's special-token markers."""
         parsed = self.fmt.parse(self.text[self.sent :], self.tools) if self.calling else None
         if parsed is None:
             rest, self.sent = self.text[self.sent :], len(self.text)
-            return self.fmt.clean(rest), []
+            return _content(self.fmt.clean(rest)), []
         before, calls = parsed
         self.sent = len(self.text)
-        return before, calls
+        return _content(before), calls
+
+
+def _content(text: str) -> list[Piece]:
+    return [(CONTENT, text)] if text else []
+
+
+_HARMONY_BODY_ENDS = ("<|end|>", "<|start|>", "<|call|>", "<|return|>")  # as _HARMONY_MESSAGE ends a body
+
+
+class HarmonyStream(CallStream):
+    """A GPT-OSS reply as it streams, its markers kept (a request with tools keeps them): each message's body is sent
+    as it comes — the analysis channel's as reasoning (each message's stripped, a line between two, as a reply held
+    whole was read), any other channel's as content (the final answer; a commentary message to no recipient, the
+    preamble OpenAI's harmony guide says is shown to the user) — and a message's header never. From the first
+    header with a recipient (commentary to=functions.NAME) on, the text is held and parsed when the reply ends
+    (<|call|> is an end token: the call completes the reply), as CallStream holds a call from its start; a call
+    that does not parse is content then. What may still be part of a marker is held until it cannot; so is the
+    content's trailing whitespace, until more content comes (content before a call ends stripped). A reply in which
+    no message opens is content less its markers, at its end."""
+
+    def __init__(self, fmt: ToolFormat, tools: list[dict]) -> None:
+        super().__init__(fmt, tools)
+        self.at = 0  # where the next (or the held call's) header begins
+        self.body: str | None = None  # the open body's kind: REASONING, CONTENT, or "" (no message: sent as nothing)
+        self.opened = False  # a message has opened: text outside messages is no one's
+        self.thoughts = 0  # analysis messages opened
+        self.fresh = False  # nothing of the open analysis body sent yet: its leading whitespace is left out
+        self.space = {REASONING: "", CONTENT: ""}  # trailing whitespace held, per kind
+
+    def add(self, delta: str) -> list[Piece]:
+        self.text += delta
+        out: list[Piece] = []
+        while not self.calling:
+            if self.body is None:  # in a header: wait for its <|message|>
+                end = self.text.find("<|message|>", self.at)
+                if end < 0:
+                    return out
+                header = self.text[self.at : end + len("<|message|>")]
+                call = _HARMONY_CALL.search(header)
+                if call is not None and (call.group("a") or call.group("b")):
+                    self.calling, self.sent = True, self.at
+                    return out
+                out += self._open(_HARMONY_MESSAGE.search(header))
+                self.sent = end + len("<|message|>")
+                continue
+            ends = [at for marker in _HARMONY_BODY_ENDS if (at := self.text.find(marker, self.sent)) >= 0]
+            if ends:
+                out += self._send(self.text[self.sent : min(ends)], closed=True)
+                self.at = self.sent = min(ends)
+                self.body = None
+                continue
+            safe = len(self.text) - partial(self.text[self.sent :], _HARMONY_MARKERS)
+            out += self._send(self.text[self.sent : safe], closed=False)
+            self.sent = safe
+            return out
+        return out
+
+    def finish(self) -> tuple[list[Piece], list[ToolCall]]:
+        if not self.opened and not self.calling:
+            return _content(ToolFormat.clean(self.fmt, self.text)), []
+        if not self.calling:
+            out = self._send(self.text[self.sent :], closed=True) if self.body else []
+            return out + _content(self.space[CONTENT]), []
+        held = self.text[self.sent :]
+        bodies = [body.strip() for channel, body in _Harmony._messages(held) if channel == "analysis"]
+        thought = [(REASONING, "\n" * bool(self.thoughts) + "\n".join(bodies))] if bodies else []
+        parsed = self.fmt.parse(held, self.tools)
+        if parsed is None:
+            return thought + _content(self.space[CONTENT] + self.fmt.clean(held)), []
+        before, calls = parsed
+        return thought + _content(self.space[CONTENT] + before if before else ""), calls
+
+    def _open(self, message: re.Match | None) -> list[Piece]:
+        """Open a body after its header (`message`: the header as a message, None when it is none)."""
+        if message is None:
+            self.body = ""
+            return []
+        self.opened = True
+        if (message.group(1).split() or [""])[0] != "analysis":
+            self.body, self.fresh = CONTENT, False
+            return []
+        self.body, self.fresh, self.thoughts = REASONING, True, self.thoughts + 1
+        return [(REASONING, "\n")] if self.thoughts > 1 else []
+
+    def _send(self, text: str, closed: bool) -> list[Piece]:
+        """The piece of the open body's `text` that may be sent; `closed`: the body ends with it."""
+        kind = self.body
+        if not kind:
+            return []
+        text = self.space[kind] + ToolFormat.clean(self.fmt, text)  # a marker inside a body is no one's text
+        if self.fresh:
+            text = text.lstrip()
+        sent = text.rstrip()
+        self.fresh = self.fresh and not sent
+        self.space[kind] = "" if closed and kind == REASONING else text[len(sent) :]
+        return [(kind, sent)] if sent else []
