@@ -1,11 +1,20 @@
 """PrefixCache: the KV caches of recent requests, kept so that a request sharing a prompt prefix prefills only the rest.
 
-Scope: which kept cache serves a new prompt (the longest common token prefix), handing it over (whole, or views of
-its first tokens so that the kept one stays for its own conversation: the request's first forward pass concatenates
-its tokens onto them into new tensors, the one copy of the prefix it makes either way), taking the request's cache
-back afterwards, and
-the byte budget (RuntimeConfig.prefix_cache_gb; the least recently used cache goes first). It does NOT run the model,
-know a request's text, or touch the expert cache.
+Scope: which kept cache serves a new prompt (the longest common token prefix), handing it over, taking the request's
+cache back afterwards, and the byte budget (RuntimeConfig.prefix_cache_gb; the least recently used cache goes first).
+It does NOT run the model, know a request's text, or touch the expert cache.
+
+Ownership of a kept cache's buffers (kv_cache.GrowingCache: each full-attention layer written in place after its
+filled part, so whoever extends a buffer overwrites what follows the tokens it shares): a kept cache is written only
+by the one request it is handed to, and a kept cache is never written while it is kept.
+- A prompt that extends every token of a kept cache (the next turn of a chat) is handed that cache itself: it is no
+  longer kept, the request writes its tokens into the slack (a buffer grows by 1.5× when full), and `put` keeps it
+  again at the end, capacity and all. Nothing is copied.
+- A prompt that shares only part of a kept cache (a regenerate, an edit, a second request under the same system
+  prompt) gets a new cache holding a copy of the shared tokens, with room for the prompt and some of the reply
+  (kv_cache.first_capacity): the kept one stays as it was for its own conversation. That copy is the one copy of
+  the prefix a request makes, as DynamicLayer's concatenation made it before (docs/bench.md, "A KV cache with room
+  to grow"); the decode steps after it copy nothing.
 
 Threads: a PrefixCache belongs to the thread that runs the model, the runtime's worker: `take` and `put` are called
 only by Runtime._run around generate_ids, `clear` only between requests (Runtime.reset_cache). The caches it holds
@@ -14,8 +23,8 @@ are that thread's too; nothing else reads them. A model reload builds a new Runt
 Exactness: a reused cache must hold what a fresh prefill of the same tokens computes, so that the reply is the one
 the same request gets without reuse (tests/test_prefix_cache.py, every family). Where that cannot hold, nothing is
 reused:
-- a layer kind other than transformers' plain or sliding-window dynamic layer (hf_internals.kv_layers): the model
-  is never served from a kept cache;
+- a layer kind other than a GrowingLayer or transformers' sliding-window dynamic layer (kv_cache.kv_layers): the
+  model is never served from a kept cache;
 - a sliding-window layer past its window keeps only its last window − 1 tokens, so its cache cannot be cut short:
   such a cache is reused only whole, when the prompt extends every token it holds (the next turn of a chat), never
   for a regenerate or an edit (GPT-OSS's every other layer; Mixtral, Qwen with a sliding_window);
@@ -26,10 +35,11 @@ At least the prompt's last token is always prefilled: its logits give the reply'
 its full keys and values per layer, so it is cut like any other.
 
 Budget (cache_budget.prefix_budget_bytes): bytes on the device the KV cache lives on, on top of the running
-request's own KV cache; least recently used dropped first. On a GPU, kept caches are dropped before a request whose
-KV cache would not fit the free memory (a request served from views needs room for its whole prompt: its first pass
-copies the prefix), and the copy that trims a cache over the whole budget drops kept caches and retries when it runs
-out of memory, else keeps nothing.
+request's own KV cache, counted as the buffers' whole capacity (their slack included), not only the tokens held;
+least recently used dropped first. On a GPU, kept caches are dropped before a request whose KV cache would not fit
+the free memory (a request sharing part of a kept cache needs room for its whole prompt: it copies the prefix), and
+the copy that trims a cache over the whole budget drops kept caches and retries when it runs out of memory, else
+keeps nothing.
 
 Offloading: a reused prefix's experts are not loaded again — the prefill runs only the new tokens, and the policy
 observes that pass as it ran (its expert map is the routing the cache had to serve). The semantic embedding still
@@ -45,15 +55,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PretrainedConfig
+from transformers import PretrainedConfig
 
-from fmoe_local.hf_internals import KVLayer, cache_of_views, kv_layers
+from fmoe_local.kv_cache import GrowingCache, KVLayer, cache_for_prefix, first_capacity, kv_layers
 
 
 @dataclass(eq=False)  # identity: list.remove must not compare the ids arrays
 class _Entry:
     ids: np.ndarray  # the tokens the cache holds, in order [n]
-    cache: DynamicCache
+    cache: GrowingCache
     nbytes: int
 
 
@@ -122,16 +132,17 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self._config)
+    def new_cache(self, capacity: int = 0) -> GrowingCache:
+        return GrowingCache(self._config, capacity)
 
     def clear(self) -> None:
         self._entries.clear()
 
-    def take(self, prompt: Sequence[int], new_tokens: int = 0) -> tuple[DynamicCache, int]:
+    def take(self, prompt: Sequence[int], new_tokens: int = 0) -> tuple[GrowingCache, int]:
         """A KV cache for `prompt` and how many of its first tokens it already holds (0: a fresh cache). A kept
         cache the prompt extends is handed over whole (no longer kept); one sharing less stays kept, and the request
-        gets views of its shared tokens. `new_tokens`: tokens the request may still add (the reply), for the room check."""
+        gets a copy of its shared tokens (the module docstring). `new_tokens`: tokens the request may still add (the
+        reply), for the room check and the new cache's capacity."""
         if not self.enabled or len(prompt) < 2 or (self._rope_limit is not None and len(prompt) > self._rope_limit):
             return self._fresh(prompt, new_tokens)
         ids = np.asarray(prompt, dtype=np.int64)
@@ -150,13 +161,13 @@ class PrefixCache:
             self._make_room(len(prompt) - shared + new_tokens, entry.nbytes / len(entry.ids))
             return entry.cache, shared
         self._entries.append(entry)  # stays kept, now the most recently used
-        views = cache_of_views(self._config, layers, shared)
-        if views is None:
-            return self._fresh(prompt, new_tokens)
         self._make_room(len(prompt) + new_tokens, entry.nbytes / len(entry.ids))
-        return views, shared
+        copy = cache_for_prefix(self._config, layers, shared, first_capacity(len(prompt), new_tokens))
+        if copy is None:
+            return self._fresh(prompt, new_tokens)
+        return copy, shared
 
-    def put(self, ids: Sequence[int], cache: DynamicCache) -> None:
+    def put(self, ids: Sequence[int], cache: GrowingCache) -> None:
         """Keep `cache` (after a request that ended between two forward passes), which holds the first tokens of
         `ids` (prompt + reply; the reply's last token was never run). A cache whose layers disagree on their length
         (a forward pass cut short) is dropped; one over the whole budget keeps only the tokens that fit."""
@@ -187,11 +198,11 @@ class PrefixCache:
         self._entries.append(_Entry(kept, cache, nbytes))
 
     # ---- helpers -------------------------------------------------------------------------------------------------
-    def _fresh(self, prompt: Sequence[int], new_tokens: int) -> tuple[DynamicCache, int]:
+    def _fresh(self, prompt: Sequence[int], new_tokens: int) -> tuple[GrowingCache, int]:
         if self._entries:
             per_token = self._entries[-1].nbytes / len(self._entries[-1].ids)
             self._make_room(len(prompt) + new_tokens, per_token)
-        return self.new_cache(), 0
+        return self.new_cache(first_capacity(len(prompt), new_tokens)), 0
 
     def _make_room(self, tokens: int, per_token: float) -> None:
         """Drop kept caches, least recently used first, while the device has less free memory than the request's
@@ -203,18 +214,21 @@ class PrefixCache:
                 return
             self._entries.pop(0)
 
-    def _copy(self, layers: list[KVLayer], tokens: int) -> DynamicCache | None:
-        """A new cache holding a copy of the first `tokens` tokens of `layers` (not views: it must let the rest go);
-        kept caches are dropped (least recently used first) while the copy runs out of memory, and None when even
-        that does not help."""
-        states = [
-            (None, None) if layer.keys is None else (layer.keys[:, :, :tokens], layer.values[:, :, :tokens])
-            for layer in layers
-        ]
+    def _copy(self, layers: list[KVLayer], tokens: int) -> GrowingCache | None:
+        """A new cache holding a copy of the first `tokens` tokens of `layers`, without slack (it must let the rest
+        go; its sliding-window layers, which hold all they have seen, are copied too); kept caches are dropped
+        (least recently used first) while the copy runs out of memory, and None when even that does not help."""
         while True:
             try:
-                # The constructor concatenates each layer's states onto an empty one: a copy, not a view.
-                return DynamicCache(ddp_cache_data=states, config=self._config)
+                copies = [
+                    KVLayer(
+                        layer.keys[:, :, :tokens].clone(), layer.values[:, :, :tokens].clone(), tokens, layer.window
+                    )
+                    if layer.keys is not None and layer.window is not None
+                    else layer
+                    for layer in layers
+                ]
+                return cache_for_prefix(self._config, copies, tokens, tokens)
             except (torch.OutOfMemoryError, MemoryError):
                 if not self._entries:
                     return None

@@ -17,7 +17,7 @@ from fmoe_local.cache_budget import SettingRefused, prefix_budget_bytes
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.demo import demo_model_dir
 from fmoe_local.generate import generate_ids
-from fmoe_local.hf_internals import kv_layers
+from fmoe_local.kv_cache import GrowingLayer, kv_layers
 from fmoe_local.prefix_cache import PrefixCache, common_prefix, rope_length_limit
 from fmoe_local.runtime import Runtime
 from tests.tiny import FAMILIES
@@ -157,10 +157,11 @@ def test_sliding_window_cache_within_its_window_is_cut(tiny_model_dir):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
-def test_a_cut_is_views_of_the_kept_cache_which_the_request_leaves_as_it_was(family, tiny_model_dir):
-    """A request sharing part of a kept cache gets views of it, not a copy (its first pass's concatenation is the one
-    copy), and its passes leave the kept tensors bit for bit as they were, so the kept conversation still gets the
-    tokens of a whole prefill."""
+def test_a_cut_is_a_copy_the_request_writes_after_and_the_kept_cache_stays_as_it_was(family, tiny_model_dir):
+    """A request sharing part of a kept cache gets its own buffers holding a copy of the shared tokens (it will
+    write after them, where the kept cache holds its own conversation's tokens), or views for the sliding-window
+    layers (which never write into what they hold), and its passes leave the kept tensors bit for bit as they were,
+    so the kept conversation still gets the tokens of a whole prefill."""
     model = eager(tiny_model_dir(family))
     prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
     prompt = list(range(10, 40))
@@ -169,11 +170,14 @@ def test_a_cut_is_views_of_the_kept_cache_which_the_request_leaves_as_it_was(fam
     kept = [(layer.keys, layer.values.clone()) for layer in kv_layers(cache)]
     before = [keys.clone() for keys, _ in kept]
     edited = prompt[:20] + [99, 98, 97]
-    views, reused = prefixes.take(edited)
+    cut, reused = prefixes.take(edited, new_tokens=4)
     assert reused == 20
-    for layer, (keys, _) in zip(kv_layers(views), kept, strict=True):
-        assert layer.length == 20 and layer.keys.data_ptr() == keys.data_ptr()  # shared storage: nothing copied
-    assert run(model, edited, views, reused) == run(model, edited, None, 0)
+    for layer, (keys, _) in zip(kv_layers(cut), kept, strict=True):
+        assert layer.length == 20 and torch.equal(layer.keys, keys[:, :, :20])
+        shared = layer.keys.untyped_storage().data_ptr() == keys.untyped_storage().data_ptr()
+        assert shared == (layer.window is not None)  # growing layers copied, sliding ones viewed
+    assert all(layer.capacity >= len(edited) + 4 for layer in cut.layers if isinstance(layer, GrowingLayer))
+    assert run(model, edited, cut, reused) == run(model, edited, None, 0)
     for layer, (_, values), old in zip(kv_layers(cache), kept, before, strict=True):
         assert torch.equal(layer.keys, old) and torch.equal(layer.values, values)
     again, reused = prefixes.take(prompt + [5])
