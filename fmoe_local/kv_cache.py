@@ -20,6 +20,7 @@ Threads: a cache belongs to the thread running the model (the runtime's worker),
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -176,25 +177,43 @@ def kv_layers(cache: DynamicCache) -> list[KVLayer] | None:
 
 
 def cache_for_prefix(
-    config: PretrainedConfig, layers: list[KVLayer], tokens: int, capacity: int
+    config: PretrainedConfig, layers: Sequence[Sequence[KVLayer]], tokens: int, capacity: int
 ) -> GrowingCache | None:
-    """A GrowingCache for `config` holding the first `tokens` tokens of `layers`, with room for `capacity`: its
-    growing layers a copy (they will be written after it), its sliding-window layers views (their update never
-    writes into what they hold; they must hold all they have seen: prefix_cache's `_cuttable`). None when the layers
-    are not this config's."""
+    """A GrowingCache for `config` holding the first `tokens` tokens of `layers` (each layer's tokens: its segments
+    one after the other), with room for `capacity`: its growing layers a copy (they will be written after it), its
+    sliding-window layers views of their one segment (their update never writes into what they hold; they must hold
+    all they have seen: prefix_cache's `_cuttable`). None when the layers are not this config's."""
     cache = GrowingCache(config, capacity)
     if len(cache.layers) != len(layers):
         return None
-    for target, source in zip(cache.layers, layers, strict=True):
-        if source.keys is None:
+    for target, segments in zip(cache.layers, layers, strict=True):
+        if segments[0].keys is None:
             continue
-        keys, values = source.keys[:, :, :tokens], source.values[:, :, :tokens]
-        if isinstance(target, GrowingLayer):
-            if source.window is not None:
+        window = segments[0].window
+        if isinstance(target, GrowingLayer) and all(seg.window is None for seg in segments):
+            pieces, left = [], tokens
+            for seg in segments:
+                n = min(left, seg.keys.shape[-2])
+                pieces.append((seg.keys[:, :, :n], seg.values[:, :, :n]))
+                left -= n
+            if left:
                 return None
-            target.write_prefix(keys, values)
-        elif source.window is not None and hf_internals.sliding_window(target) == source.window:
-            hf_internals.hold_views(target, keys, values)
+            target.write_prefix(*pieces[0])
+            for keys, values in pieces[1:]:
+                target.update(keys, values)
+        elif len(segments) == 1 and window is not None and hf_internals.sliding_window(target) == window:
+            hf_internals.hold_views(target, segments[0].keys[:, :, :tokens], segments[0].values[:, :, :tokens])
         else:
             return None
     return cache
+
+
+def cut_in_place(cache: GrowingCache, tokens: int) -> None:
+    """Make `cache` hold only its first `tokens` tokens, without a copy: its growing layers' next tokens go after
+    them, into the same buffers; its sliding-window layers (which must hold all they have seen) hold views of their
+    first tokens, so the tensors they held stay as they were for whoever still reads them."""
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            layer.crop(tokens - layer.length)
+        elif layer.is_initialized and layer.keys is not None:
+            hf_internals.hold_views(layer, layer.keys[:, :, :tokens], layer.values[:, :, :tokens])

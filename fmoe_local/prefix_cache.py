@@ -5,16 +5,21 @@ cache back afterwards, and the byte budget (RuntimeConfig.prefix_cache_gb; the l
 It does NOT run the model, know a request's text, or touch the expert cache.
 
 Ownership of a kept cache's buffers (kv_cache.GrowingCache: each full-attention layer written in place after its
-filled part, so whoever extends a buffer overwrites what follows the tokens it shares): a kept cache is written only
-by the one request it is handed to, and a kept cache is never written while it is kept.
-- A prompt that extends every token of a kept cache (the next turn of a chat) is handed that cache itself: it is no
-  longer kept, the request writes its tokens into the slack (a buffer grows by 1.5× when full), and `put` keeps it
-  again at the end, capacity and all. Nothing is copied.
-- A prompt that shares only part of a kept cache (a regenerate, an edit, a second request under the same system
-  prompt) gets a new cache holding a copy of the shared tokens, with room for the prompt and some of the reply
-  (kv_cache.first_capacity): the kept one stays as it was for its own conversation. That copy is the one copy of
-  the prefix a request makes, as DynamicLayer's concatenation made it before (docs/bench.md, "A KV cache with room
-  to grow"); the decode steps after it copy nothing.
+filled part, so whoever extends a buffer overwrites what follows the tokens it shares): a buffer has one writer at a
+time, the request it was handed to, which writes only after its first `shared` tokens; a kept cache is never
+written while it is kept whole; and a buffer's first tokens that a kept cache still reads are never written.
+- A prompt that extends every token of a kept cache (the next turn of a chat) is handed that cache: no longer kept,
+  the request writes into the slack (a buffer grows by 1.5× when full), and `put` keeps it again at the end.
+- A prompt that shares only its first `shared` tokens (a second request under the same system prompt, a
+  regenerate, an edit) is handed the kept cache's buffers too, cut to `shared` in place, unless another kept cache
+  still reads further into them. The kept cache stays kept, split: views of the buffers' first `shared` tokens and
+  a copy of its other tokens (its tail, short for a chat turn: the last question and reply). A split cache reads up
+  to `shared` of buffers a later cache owns: whoever takes those buffers later must share at least that much
+  (`_read_up_to`), else it gets a copy.
+- A prompt served from a split cache, or sharing less than another kept cache reads, gets a new cache holding a copy
+  of the shared tokens, with room for the prompt and some of the reply (kv_cache.first_capacity).
+So the first copy of a prefix is made only when a conversation goes back to a split cache (its next turn after
+another request took its buffers), never by the request that shares it, and a decode step copies nothing.
 
 Threads: a PrefixCache belongs to the thread that runs the model, the runtime's worker: `take` and `put` are called
 only by Runtime._run around generate_ids, `clear` only between requests (Runtime.reset_cache). The caches it holds
@@ -35,9 +40,10 @@ At least the prompt's last token is always prefilled: its logits give the reply'
 its full keys and values per layer, so it is cut like any other.
 
 Budget (cache_budget.prefix_budget_bytes): bytes on the device the KV cache lives on, on top of the running
-request's own KV cache, counted as the buffers' whole capacity (their slack included), not only the tokens held;
-least recently used dropped first. On a GPU, kept caches are dropped before a request whose KV cache would not fit
-the free memory (a request sharing part of a kept cache needs room for its whole prompt: it copies the prefix), and
+request's own KV cache, counted as the buffers' whole capacity (their slack included), not only the tokens held,
+each buffer once however many kept caches read it; least recently used dropped first. On a GPU, kept caches are
+dropped before a request whose KV cache would not fit the free memory (counting its whole prompt, for the case where
+it copies the prefix); the copy of a split cache's tail is dropped, with the split cache, when it finds no memory;
 the copy that trims a cache over the whole budget drops kept caches and retries when it runs out of memory, else
 keeps nothing.
 
@@ -57,14 +63,56 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from fmoe_local.kv_cache import GrowingCache, KVLayer, cache_for_prefix, first_capacity, kv_layers
+from fmoe_local.kv_cache import GrowingCache, KVLayer, cache_for_prefix, cut_in_place, first_capacity, kv_layers
 
 
 @dataclass(eq=False)  # identity: list.remove must not compare the ids arrays
 class _Entry:
-    ids: np.ndarray  # the tokens the cache holds, in order [n]
-    cache: GrowingCache
-    nbytes: int
+    """A kept cache of the tokens `ids` [n]: whole (`cache`, which nobody writes while it is kept), or split, once a
+    request sharing its first `split` tokens took its buffers over: `head` per layer views the first `split` tokens
+    of those buffers (which the request and whoever takes them from it only write after), `tail` is a copy of the
+    rest; a sliding-window layer keeps its own tensors whole in `head` (its update never writes into them), no tail."""
+
+    ids: np.ndarray
+    cache: GrowingCache | None = None
+    head: list[KVLayer] | None = None
+    tail: list[KVLayer | None] | None = None
+    split: int = 0
+
+    def segments(self) -> list[list[KVLayer]]:
+        """Each layer's tokens as consecutive pieces (kv_cache.cache_for_prefix)."""
+        if self.cache is not None:
+            return [[layer] for layer in kv_layers(self.cache)]
+        return [[h] if t is None else [h, t] for h, t in zip(self.head, self.tail, strict=True)]
+
+    def shape(self) -> list[KVLayer]:
+        """Each layer's length and window (what `_cuttable` reads)."""
+        if self.cache is not None:
+            return kv_layers(self.cache)
+        return [h if h.window is not None else KVLayer(None, None, len(self.ids), None) for h in self.head]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for segs in self.segments() for seg in segs for t in (seg.keys, seg.values) if t is not None]
+
+    def buffer(self) -> int | None:
+        """The growing buffers this entry reads, by the storage of its first growing layer's keys (None: none)."""
+        return _buffer(self.head if self.cache is None else kv_layers(self.cache))
+
+
+def _buffer(layers: list[KVLayer]) -> int | None:
+    for layer in layers:
+        if layer.window is None and layer.keys is not None:
+            return layer.keys.untyped_storage().data_ptr()
+    return None
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    """Memory the tensors keep alive: whole storages, each once (views share one; a buffer's slack counts)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -85,17 +133,6 @@ def rope_length_limit(config: PretrainedConfig) -> int | None:
         if kind == "longrope" or "dynamic" in kind:
             limits.append(int(group.get("original_max_position_embeddings") or config.max_position_embeddings))
     return min(limits) if limits else None
-
-
-def _held_bytes(layers: list[KVLayer]) -> int:
-    """Memory the layers keep alive: whole storages (a sliding-window layer's states are views of a larger one)."""
-    storages = {}
-    for layer in layers:
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                storage = t.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 def _cuttable(layers: list[KVLayer], tokens: int) -> bool:
@@ -127,7 +164,8 @@ class PrefixCache:
 
     @property
     def held_bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries)
+        """What the kept caches keep alive: each buffer once, at its capacity."""
+        return _bytes([t for e in self._entries for t in e.tensors()])
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -139,30 +177,32 @@ class PrefixCache:
         self._entries.clear()
 
     def take(self, prompt: Sequence[int], new_tokens: int = 0) -> tuple[GrowingCache, int]:
-        """A KV cache for `prompt` and how many of its first tokens it already holds (0: a fresh cache). A kept
-        cache the prompt extends is handed over whole (no longer kept); one sharing less stays kept, and the request
-        gets a copy of its shared tokens (the module docstring). `new_tokens`: tokens the request may still add (the
-        reply), for the room check and the new cache's capacity."""
+        """A KV cache for `prompt` and how many of its first tokens it already holds (0: a fresh cache): the kept
+        cache's own buffers where no other kept cache reads what the request will write, else a copy of the shared
+        tokens (the module docstring). `new_tokens`: tokens the request may still add (the reply), for the room
+        check and a new cache's capacity."""
         if not self.enabled or len(prompt) < 2 or (self._rope_limit is not None and len(prompt) > self._rope_limit):
             return self._fresh(prompt, new_tokens)
         ids = np.asarray(prompt, dtype=np.int64)
-        best: tuple[_Entry, list[KVLayer], int] | None = None
+        best: tuple[_Entry, int] | None = None
         for entry in reversed(self._entries):  # the most recently used first: it wins a tie
             shared = min(common_prefix(entry.ids, ids), len(ids) - 1)
-            if shared > (best[2] if best else 0):
-                layers = kv_layers(entry.cache)
-                if layers is not None and _cuttable(layers, shared):
-                    best = (entry, layers, shared)
+            if shared > (best[1] if best else 0) and _cuttable(entry.shape(), shared):
+                best = (entry, shared)
         if best is None:
             return self._fresh(prompt, new_tokens)
-        entry, layers, shared = best
+        entry, shared = best
+        per_token = _bytes(entry.tensors()) / len(entry.ids)
         self._entries.remove(entry)
-        if shared == len(entry.ids):
-            self._make_room(len(prompt) - shared + new_tokens, entry.nbytes / len(entry.ids))
+        if entry.cache is not None and shared >= self._read_up_to(entry.buffer()):
+            self._make_room(len(prompt) - shared + new_tokens, per_token)
+            if shared < len(entry.ids):
+                self._split(entry, shared)
             return entry.cache, shared
-        self._entries.append(entry)  # stays kept, now the most recently used
-        self._make_room(len(prompt) + new_tokens, entry.nbytes / len(entry.ids))
-        copy = cache_for_prefix(self._config, layers, shared, first_capacity(len(prompt), new_tokens))
+        if shared < len(entry.ids):
+            self._entries.append(entry)  # stays kept, now the most recently used
+        self._make_room(len(prompt) + new_tokens, per_token)
+        copy = cache_for_prefix(self._config, entry.segments(), shared, first_capacity(len(prompt), new_tokens))
         if copy is None:
             return self._fresh(prompt, new_tokens)
         return copy, shared
@@ -179,7 +219,7 @@ class PrefixCache:
             return
         if self._rope_limit is not None and n > self._rope_limit:
             return
-        nbytes = _held_bytes(layers)
+        nbytes = _bytes([t for layer in layers for t in (layer.keys, layer.values) if t is not None])
         if nbytes > self.budget_bytes:
             fit = int(n * self.budget_bytes // nbytes)
             if fit < 1 or not _cuttable(layers, fit):
@@ -188,20 +228,51 @@ class PrefixCache:
             cache = self._copy(layers, fit)
             if cache is None:
                 return
-            layers = kv_layers(cache)
-            n, nbytes = fit, _held_bytes(layers)
+            n = fit
         kept = np.asarray(ids[:n], dtype=np.int64)
         # A kept cache this one extends is redundant: any prompt it serves, this one serves as far.
         self._entries = [e for e in self._entries if not (len(e.ids) <= n and common_prefix(e.ids, kept) == len(e.ids))]
-        while self._entries and self.held_bytes + nbytes > self.budget_bytes:
+        self._entries.append(_Entry(kept, cache))
+        while len(self._entries) > 1 and self.held_bytes > self.budget_bytes:
             self._entries.pop(0)
-        self._entries.append(_Entry(kept, cache, nbytes))
 
     # ---- helpers -------------------------------------------------------------------------------------------------
+    def _read_up_to(self, buffer: int | None) -> int:
+        """How many first tokens of `buffer` split entries still read: no one may write below that."""
+        if buffer is None:
+            return 0
+        return max((e.split for e in self._entries if e.cache is None and e.buffer() == buffer), default=0)
+
+    def _split(self, entry: _Entry, shared: int) -> None:
+        """Hand `entry`'s buffers to a request that writes after their first `shared` tokens: the entry stays kept
+        as views of those and a copy of the rest (dropped if that copy finds no memory); the cache is cut to
+        `shared` in place."""
+        layers = kv_layers(entry.cache)
+        try:
+            tail = [
+                None
+                if layer.window is not None or layer.keys is None
+                else KVLayer(
+                    layer.keys[:, :, shared:].clone(), layer.values[:, :, shared:].clone(), layer.length - shared, None
+                )
+                for layer in layers
+            ]
+        except (torch.OutOfMemoryError, MemoryError):
+            tail = None
+        if tail is not None:
+            head = [
+                layer
+                if layer.window is not None or layer.keys is None
+                else KVLayer(layer.keys[:, :, :shared], layer.values[:, :, :shared], shared, None)
+                for layer in layers
+            ]
+            self._entries.append(_Entry(entry.ids, head=head, tail=tail, split=shared))
+        cut_in_place(entry.cache, shared)
+
     def _fresh(self, prompt: Sequence[int], new_tokens: int) -> tuple[GrowingCache, int]:
         if self._entries:
-            per_token = self._entries[-1].nbytes / len(self._entries[-1].ids)
-            self._make_room(len(prompt) + new_tokens, per_token)
+            last = self._entries[-1]
+            self._make_room(len(prompt) + new_tokens, _bytes(last.tensors()) / len(last.ids))
         return self.new_cache(first_capacity(len(prompt), new_tokens)), 0
 
     def _make_room(self, tokens: int, per_token: float) -> None:
@@ -221,11 +292,13 @@ class PrefixCache:
         while True:
             try:
                 copies = [
-                    KVLayer(
-                        layer.keys[:, :, :tokens].clone(), layer.values[:, :, :tokens].clone(), tokens, layer.window
-                    )
+                    [
+                        KVLayer(
+                            layer.keys[:, :, :tokens].clone(), layer.values[:, :, :tokens].clone(), tokens, layer.window
+                        )
+                    ]
                     if layer.keys is not None and layer.window is not None
-                    else layer
+                    else [layer]
                     for layer in layers
                 ]
                 return cache_for_prefix(self._config, copies, tokens, tokens)
