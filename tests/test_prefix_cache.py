@@ -104,10 +104,18 @@ def test_semantic_embedding_counts_the_reused_tokens(tiny_model_dir):
                 seen.append(kw["value"].clone())
             publish(kind, **kw)
 
-        runtime.engine.observer._publish = spy
+        observer = runtime.engine.observer
+        observer._publish = spy
+        gathers = []
+        gather = observer._embedding_sum
+        observer._embedding_sum = lambda ids: gathers.append(ids.numel()) or gather(ids)
         assert runtime.generate(prompt).stats.cached_tokens == 0
         assert runtime.generate(prompt).stats.cached_tokens > 0
         torch.testing.assert_close(seen[1], seen[0], rtol=1e-5, atol=1e-6)
+        # The same reused ids again (a regenerate; requests under one system prompt): their sum is not gathered
+        # again, and the embedding is the same bits.
+        assert runtime.generate(prompt).stats.cached_tokens > 0
+        assert len(gathers) == 1 and torch.equal(seen[2], seen[1])
 
 
 # ---- the rules, on the cache itself ----------------------------------------------------------------------------
