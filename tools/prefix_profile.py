@@ -9,8 +9,9 @@ carry the prefix length (3961 for the default) are what reuse adds. The steps ru
 worker is idle (the profiler records the thread it is started on); their order is Runtime._run's.
 
 `--decode N` instead times decoding: N greedy tokens (EOS banned) after the system prompt (prefilled whole) and after a short
-prompt, ms per token (Runtime's tpot, medians of `--repeats`), with nothing profiled: what a KV cache that copies
-the whole context per token costs at a long context.
+prompt, ms per token (Runtime's tpot, medians of `--repeats`) and the process's CPU ms per token (the run's CPU time
+less that of the same prompt's prefill alone: less sensitive to other processes than the wall time), with nothing
+profiled: what a KV cache that copies the whole context per token costs at a long context.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +62,7 @@ def main() -> int:
     p.add_argument("--system-tokens", type=int, default=4000)
     p.add_argument("--passes", type=int, default=10)
     p.add_argument("--rows", type=int, default=20, help="ops shown per side")
+    p.add_argument("--timing-only", action="store_true", help="the unprofiled times alone, no profile")
     p.add_argument("--decode", type=int, default=0, help="time N decode tokens instead (see above)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each decode timing, median taken")
     args = p.parse_args()
@@ -87,6 +90,10 @@ def main() -> int:
             print(f"reused {reused} tokens; new tokens {n_fresh}; torch threads {torch.get_num_threads()}")
             for name, ms in times.items():
                 print(f"{name}: min {min(ms):.1f} ms, median {statistics.median(ms):.1f} ms")
+            ratio = statistics.median(times["reuse"]) / statistics.median(times["fresh"])
+            print(f"ratio of medians {ratio:.2f}, of mins {min(times['reuse']) / min(times['fresh']):.2f}")
+            if args.timing_only:
+                return 0
             for name, runtime, texts in (
                 ("reuse", reuse, prompts[args.passes + 2 : 2 * args.passes + 2]),
                 ("fresh", whole, [fresh] * args.passes),
@@ -112,11 +119,19 @@ def decode(args: argparse.Namespace) -> int:
             sampling = Sampling(greedy=True, max_new_tokens=args.decode, logit_bias=no_eos)
             system = system_prompt(runtime.engine.tokenizer, args.system_tokens)
             print(f"torch threads {torch.get_num_threads()}; {args.decode} tokens per run, medians of {args.repeats}")
-            print(f"{'prompt tokens':>13} {'tokens':>7} {'ms/token':>9}")
+            print(f"{'prompt tokens':>13} {'tokens':>7} {'ms/token':>9} {'CPU ms/token':>13}")
             for text in (f"System: {system}\nUser: tell me about the tides?\nAssistant:", "User: hello\nAssistant:"):
-                runs = [runtime.generate(text, sampling) for _ in range(args.repeats)]
+                runs, cpu = [], []
+                for _ in range(args.repeats):  # the process's CPU time of N tokens less that of the prefill alone
+                    start = time.process_time()
+                    runtime.generate(text, replace(sampling, max_new_tokens=1))
+                    prefill = time.process_time() - start
+                    start = time.process_time()
+                    runs.append(runtime.generate(text, sampling))
+                    cpu.append((time.process_time() - start - prefill) / (runs[-1].stats.tokens - 1))
                 ms = statistics.median(1000 * r.stats.tpot_s for r in runs)
-                print(f"{runs[0].stats.prompt_tokens:>13} {runs[0].stats.tokens:>7} {ms:>9.2f}")
+                cpu_ms = 1000 * statistics.median(cpu)
+                print(f"{runs[0].stats.prompt_tokens:>13} {runs[0].stats.tokens:>7} {ms:>9.2f} {cpu_ms:>13.2f}")
     return 0
 
 
