@@ -9,8 +9,8 @@ carry the prefix length (3961 for the default) are what reuse adds. The steps ru
 worker is idle (the profiler records the thread it is started on); their order is Runtime._run's.
 
 `--decode N` instead times decoding: N greedy tokens (EOS banned) after the system prompt (prefilled whole) and after a short
-prompt, ms per token (Runtime's tpot, medians of `--repeats`) and the process's CPU ms per token (the run's CPU time
-less that of the same prompt's prefill alone: less sensitive to other processes than the wall time), with nothing
+prompt, ms per token (Runtime's tpot, medians of `--repeats`) and CPU ms per token (the same steps on this thread
+with one torch thread, `time.thread_time`: less sensitive to other processes than the wall time), with nothing
 profiled: what a KV cache that copies the whole context per token costs at a long context.
 """
 
@@ -22,7 +22,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +109,24 @@ def main() -> int:
     return 0
 
 
+def decode_cpu(runtime: Runtime, prompt: str, sampling: Sampling) -> float:
+    """CPU seconds per decode token on this thread, with one torch thread (so all the work is this thread's, and
+    other processes' load changes it little): Runtime._run's steps, the prefill's first token left out."""
+    e = runtime.engine
+    ids = e.encode_prompt(prompt, None, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with e.request(3000, RequestStats()):
+            tokens = generate_ids(e.model, ids, sampling, e.eos_ids, threading.Event(), e.end_iteration)
+            next(tokens)
+            start = time.thread_time()
+            n = sum(1 for _ in tokens)
+            return (time.thread_time() - start) / n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def decode(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = with_context(demo_model_dir(), Path(tmp) / "demo")
@@ -121,16 +138,9 @@ def decode(args: argparse.Namespace) -> int:
             print(f"torch threads {torch.get_num_threads()}; {args.decode} tokens per run, medians of {args.repeats}")
             print(f"{'prompt tokens':>13} {'tokens':>7} {'ms/token':>9} {'CPU ms/token':>13}")
             for text in (f"System: {system}\nUser: tell me about the tides?\nAssistant:", "User: hello\nAssistant:"):
-                runs, cpu = [], []
-                for _ in range(args.repeats):  # the process's CPU time of N tokens less that of the prefill alone
-                    start = time.process_time()
-                    runtime.generate(text, replace(sampling, max_new_tokens=1))
-                    prefill = time.process_time() - start
-                    start = time.process_time()
-                    runs.append(runtime.generate(text, sampling))
-                    cpu.append((time.process_time() - start - prefill) / (runs[-1].stats.tokens - 1))
+                runs = [runtime.generate(text, sampling) for _ in range(args.repeats)]
                 ms = statistics.median(1000 * r.stats.tpot_s for r in runs)
-                cpu_ms = 1000 * statistics.median(cpu)
+                cpu_ms = 1000 * statistics.median(decode_cpu(runtime, text, sampling) for _ in range(args.repeats))
                 print(f"{runs[0].stats.prompt_tokens:>13} {runs[0].stats.tokens:>7} {ms:>9.2f} {cpu_ms:>13.2f}")
     return 0
 
