@@ -9,6 +9,11 @@ what a reused 4,000-token prefix added to the first token's time (docs/bench.md,
 kernel takes a mask and grouped heads together, and gives the same bits as on the repeated heads
 (tests/test_attention.py); a fresh prompt's pass (no mask) already runs grouped.
 
+The mask function is transformers' sdpa_mask, made additive (0 where a key is seen, −inf where not, in the pass's
+dtype) once per pass on the CPU: given transformers' boolean mask, SDPA makes that same float mask itself for every
+layer (two `where`s over [1, 1, N, past + N] a layer), and it computes the same bits from either (tests/
+test_attention.py).
+
 Scope: registering the function and the mask function under one name with transformers' AttentionInterface and
 AttentionMaskInterface (its documented way to customise attention), and choosing it for a model loaded with "sdpa".
 Every other case — a GPU, one query token (transformers packs the groups into the query instead), no mask, a
@@ -40,6 +45,8 @@ def sdpa_grouped(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' sdpa_attention_forward, with grouped heads under a mask on the CPU (the module docstring)."""
+    if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dtype != query.dtype:
+        attention_mask = attention_mask.to(query.dtype)  # 0 and −inf are exact in every float dtype
     q_length = query.shape[2]
     grouped = (
         query.device.type == "cpu"
@@ -63,11 +70,23 @@ def sdpa_grouped(
     return out.transpose(1, 2).contiguous(), None
 
 
+def sdpa_mask_additive(*args: object, **kwargs: object) -> torch.Tensor | None:
+    """transformers' sdpa_mask; on the CPU, a boolean mask made additive in the pass's dtype (the module
+    docstring). None (no mask: SDPA's own causal path) and every other device are left as transformers makes them."""
+    mask = sdpa_mask(*args, **kwargs)
+    dtype = kwargs.get("dtype")
+    if mask is None or mask.dtype != torch.bool or mask.device.type != "cpu" or not isinstance(dtype, torch.dtype):
+        return mask
+    if not dtype.is_floating_point:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+
+
 def use_grouped_sdpa(model: PreTrainedModel) -> bool:
     """Switch `model` to sdpa_grouped if it runs transformers' SDPA; whether it did."""
     if hf_internals.attention_implementation(model) != "sdpa":
         return False
     AttentionInterface.register(NAME, sdpa_grouped)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, sdpa_mask_additive)
     model.set_attn_implementation(NAME)
     return hf_internals.attention_implementation(model) == NAME

@@ -14,9 +14,10 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache
 
 from fmoe_local.config import Sampling
+from fmoe_local.kv_cache import GrowingCache, first_capacity
 from fmoe_local.logits_rules import LogitsRules
 
 
@@ -46,21 +47,22 @@ def generate_ids(
     stop: threading.Event,
     after_forward: Callable[[], None] = lambda: None,
     rules: LogitsRules | None = None,
-    cache: DynamicCache | None = None,
+    cache: Cache | None = None,
     cached: int = 0,
 ) -> Iterator[int]:
     """Yield generated token ids until EOS, max_new_tokens or `stop` (checked before every forward pass).
     `rules`: the request's changes to the logits before each token is sampled (penalties, bias, a grammar; None:
     the penalties `sampling` asks for, no grammar). `cache`:
-    the KV cache to extend in place (a fresh one when None), already holding the first `cached` prompt tokens
-    (prefix_cache.py); only the rest is prefilled, at least the last token, whose logits give the first reply
-    token."""
+    the KV cache to extend in place (a fresh kv_cache.GrowingCache when None: no copy of the context per token),
+    already holding the first `cached` prompt tokens (prefix_cache.py); only the rest is prefilled, at least the last
+    token, whose logits give the first reply token."""
     if not 0 <= cached < prompt_ids.shape[1]:
         raise ValueError(f"A cache holding {cached} of {prompt_ids.shape[1]} prompt tokens leaves nothing to prefill.")
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    if cache is None:
+        cache = GrowingCache(model.config, first_capacity(prompt_ids.shape[1], sampling.max_new_tokens))
     inputs = prompt_ids[:, cached:]
     if rules is None:
         rules = LogitsRules.for_request(sampling, None, prompt_ids)

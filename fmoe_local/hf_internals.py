@@ -4,8 +4,8 @@ Scope: loading a checkpoint key by key the way `from_pretrained` does (key renam
 tying, computed buffers), the experts hook (`ExpertsInterface`), which attention implementation a model runs, the
 attributes of the fused experts modules our experts implementation reads (layout flags, the gate), and rendering a
 chat template the way `apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child
-process; what each layer of a DynamicCache holds, and a cache built from views of another's (prefix_cache.py keeps
-and cuts them). torch is imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
+process; which layers of a DynamicCache are sliding-window ones, and such a layer made to hold views of another
+cache's (kv_cache.py, for prefix_cache.py). torch is imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
 It does NOT decide anything: each function is a thin, named door to one internal.
 
 Why: these internals change between transformers releases without notice. pyproject and constraints.txt pin the
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from transformers import DynamicCache
 
 
 @dataclass(frozen=True)
@@ -63,9 +62,12 @@ _REQUIRED = (
         "render_jinja_template",
         keywords=("conversations", "chat_template", "add_generation_prompt", "continue_final_message", "**"),
     ),
-    _Internal("transformers.cache_utils", "DynamicLayer", called=False),
-    _Internal("transformers.cache_utils", "DynamicLayer.lazy_initialization", ("self", "key_states", "value_states")),
     _Internal("transformers.cache_utils", "DynamicSlidingWindowLayer", called=False),
+    _Internal(
+        "transformers.cache_utils",
+        "DynamicSlidingWindowLayer.lazy_initialization",
+        ("self", "key_states", "value_states"),
+    ),
 )
 _EXPERTS_FLAGS = ("is_transposed", "has_bias", "has_gate", "num_experts")
 
@@ -240,53 +242,18 @@ def render_chat_template(
 # ---- KV cache layers -----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class KVLayer:
-    """One layer of a DynamicCache as prefix_cache.py needs it."""
-
-    keys: torch.Tensor | None  # [B, heads, held, D]; None before the layer's first update
-    values: torch.Tensor | None
-    length: int  # tokens the layer has seen (a sliding-window layer holds only the last window − 1 of them)
-    window: int | None  # the sliding window, None for full attention
-
-
-def kv_layers(cache: DynamicCache) -> list[KVLayer] | None:
-    """Each layer of `cache`; None when one is of a kind other than transformers' plain or sliding-window dynamic
-    layer (linear attention, quantised, offloaded…), whose states a token prefix cannot be cut from as here."""
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    out = []
-    for layer in cache.layers:
-        if type(layer) is DynamicSlidingWindowLayer:
-            window = int(layer.sliding_window)
-        elif type(layer) is DynamicLayer:
-            window = None
-        else:
-            return None
-        held = layer.is_initialized and layer.keys is not None
-        keys, values = (layer.keys, layer.values) if held else (None, None)
-        out.append(KVLayer(keys, values, layer.get_seq_length(), window))
-    return out
-
-
-def cache_of_views(config: object, layers: list[KVLayer], tokens: int) -> DynamicCache | None:
-    """A DynamicCache for `config` holding the first `tokens` tokens of `layers` as views of their tensors, not
-    copies; None when the layers are not this config's. Safe because DynamicLayer.update concatenates into new
-    tensors and never writes into those it holds: the cache the views come from stays as it was
-    (tests/test_prefix_cache.py checks it). A sliding-window layer must hold every token it has seen (prefix_cache's
-    `_cuttable`); it is told how many that is, as update would count them."""
-    from transformers import DynamicCache
+def sliding_window(layer: object) -> int | None:
+    """The window of transformers' sliding-window dynamic layer (which keeps only its last window − 1 tokens), None
+    for any other layer."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    cache = DynamicCache(config=config)
-    if len(cache.layers) != len(layers):
-        return None
-    for target, source in zip(cache.layers, layers, strict=True):
-        if source.keys is None:
-            continue
-        keys, values = source.keys[:, :, :tokens], source.values[:, :, :tokens]
-        target.lazy_initialization(keys, values)
-        target.keys, target.values = keys, values
-        if type(target) is DynamicSlidingWindowLayer:
-            target.cumulative_length = tokens
-    return cache
+    return int(layer.sliding_window) if type(layer) is DynamicSlidingWindowLayer else None
+
+
+def hold_views(layer: object, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make a fresh sliding-window dynamic layer hold `keys`/`values` [B, H, n, D] (views of another cache's first
+    tokens, all it has seen: prefix_cache's `_cuttable`), counting them as its update would. Safe as views because
+    its update concatenates into new tensors and never writes into those it holds (tests/test_prefix_cache.py)."""
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    layer.cumulative_length = keys.shape[-2]

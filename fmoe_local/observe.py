@@ -41,6 +41,9 @@ class RoutingObserver:
         # The embeddings' sum and count of prompt tokens a kept KV cache holds (prefix_cache.py): not run through
         # the model in this request, they still count in its first iteration's semantic embedding.
         self._reused: tuple[torch.Tensor, int] | None = None
+        # The last request's reused ids [m] and their sum: requests under one system prompt reuse the same ids, and
+        # gathering their embeddings again cost as much as a layer's attention over them (docs/bench.md).
+        self._last_reused: tuple[torch.Tensor, torch.Tensor] | None = None
         self._in_lookahead = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -59,7 +62,16 @@ class RoutingObserver:
         semantic embedding still covers them, so the semantic match sees the whole prompt, as without reuse."""
         self._sum, self._count, self._reused = None, 0, None
         if reused_ids is not None and reused_ids.numel():
-            self._reused = (self._embedding_sum(reused_ids.reshape(-1)), reused_ids.numel())
+            self._reused = (self._reused_sum(reused_ids.reshape(-1)), reused_ids.numel())
+
+    def _reused_sum(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings' sum over `ids`, the last request's own when it reused the same ids (the same bits)."""
+        last = self._last_reused
+        if last is not None and last[0].shape == ids.shape and torch.equal(last[0], ids):
+            return last[1]
+        total = self._embedding_sum(ids)
+        self._last_reused = (ids.clone(), total)
+        return total
 
     def _embedding_sum(self, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
         """Sum of the embedding layer's output over `ids`, in chunks (a long prompt's [T, h] at once is large);

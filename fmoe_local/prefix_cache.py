@@ -1,11 +1,25 @@
 """PrefixCache: the KV caches of recent requests, kept so that a request sharing a prompt prefix prefills only the rest.
 
-Scope: which kept cache serves a new prompt (the longest common token prefix), handing it over (whole, or views of
-its first tokens so that the kept one stays for its own conversation: the request's first forward pass concatenates
-its tokens onto them into new tensors, the one copy of the prefix it makes either way), taking the request's cache
-back afterwards, and
-the byte budget (RuntimeConfig.prefix_cache_gb; the least recently used cache goes first). It does NOT run the model,
-know a request's text, or touch the expert cache.
+Scope: which kept cache serves a new prompt (the longest common token prefix), handing it over, taking the request's
+cache back afterwards, and the byte budget (RuntimeConfig.prefix_cache_gb; the least recently used cache goes first).
+It does NOT run the model, know a request's text, or touch the expert cache.
+
+Ownership of a kept cache's buffers (kv_cache.GrowingCache: each full-attention layer written in place after its
+filled part, so whoever extends a buffer overwrites what follows the tokens it shares): a buffer has one writer at a
+time, the request it was handed to, which writes only after its first `shared` tokens; a kept cache is never
+written while it is kept whole; and a buffer's first tokens that a kept cache still reads are never written.
+- A prompt that extends every token of a kept cache (the next turn of a chat) is handed that cache: no longer kept,
+  the request writes into the slack (a buffer grows by 1.5× when full), and `put` keeps it again at the end.
+- A prompt that shares only its first `shared` tokens (a second request under the same system prompt, a
+  regenerate, an edit) is handed the kept cache's buffers too, cut to `shared` in place, unless another kept cache
+  still reads further into them. The kept cache stays kept, split: views of the buffers' first `shared` tokens and
+  a copy of its other tokens (its tail, short for a chat turn: the last question and reply). A split cache reads up
+  to `shared` of buffers a later cache owns: whoever takes those buffers later must share at least that much
+  (`_read_up_to`), else it gets a copy.
+- A prompt served from a split cache, or sharing less than another kept cache reads, gets a new cache holding a copy
+  of the shared tokens, with room for the prompt and some of the reply (kv_cache.first_capacity).
+So the first copy of a prefix is made only when a conversation goes back to a split cache (its next turn after
+another request took its buffers), never by the request that shares it, and a decode step copies nothing.
 
 Threads: a PrefixCache belongs to the thread that runs the model, the runtime's worker: `take` and `put` are called
 only by Runtime._run around generate_ids, `clear` only between requests (Runtime.reset_cache). The caches it holds
@@ -14,8 +28,8 @@ are that thread's too; nothing else reads them. A model reload builds a new Runt
 Exactness: a reused cache must hold what a fresh prefill of the same tokens computes, so that the reply is the one
 the same request gets without reuse (tests/test_prefix_cache.py, every family). Where that cannot hold, nothing is
 reused:
-- a layer kind other than transformers' plain or sliding-window dynamic layer (hf_internals.kv_layers): the model
-  is never served from a kept cache;
+- a layer kind other than a GrowingLayer or transformers' sliding-window dynamic layer (kv_cache.kv_layers): the
+  model is never served from a kept cache;
 - a sliding-window layer past its window keeps only its last window − 1 tokens, so its cache cannot be cut short:
   such a cache is reused only whole, when the prompt extends every token it holds (the next turn of a chat), never
   for a regenerate or an edit (GPT-OSS's every other layer; Mixtral, Qwen with a sliding_window);
@@ -26,10 +40,12 @@ At least the prompt's last token is always prefilled: its logits give the reply'
 its full keys and values per layer, so it is cut like any other.
 
 Budget (cache_budget.prefix_budget_bytes): bytes on the device the KV cache lives on, on top of the running
-request's own KV cache; least recently used dropped first. On a GPU, kept caches are dropped before a request whose
-KV cache would not fit the free memory (a request served from views needs room for its whole prompt: its first pass
-copies the prefix), and the copy that trims a cache over the whole budget drops kept caches and retries when it runs
-out of memory, else keeps nothing.
+request's own KV cache, counted as the buffers' whole capacity (their slack included), not only the tokens held,
+each buffer once however many kept caches read it; least recently used dropped first. On a GPU, kept caches are
+dropped before a request whose KV cache would not fit the free memory (counting its whole prompt, for the case where
+it copies the prefix); the copy of a split cache's tail is dropped, with the split cache, when it finds no memory;
+the copy that trims a cache over the whole budget drops kept caches and retries when it runs out of memory, else
+keeps nothing.
 
 Offloading: a reused prefix's experts are not loaded again — the prefill runs only the new tokens, and the policy
 observes that pass as it ran (its expert map is the routing the cache had to serve). The semantic embedding still
@@ -45,16 +61,58 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PretrainedConfig
+from transformers import PretrainedConfig
 
-from fmoe_local.hf_internals import KVLayer, cache_of_views, kv_layers
+from fmoe_local.kv_cache import GrowingCache, KVLayer, cache_for_prefix, cut_in_place, first_capacity, kv_layers
 
 
 @dataclass(eq=False)  # identity: list.remove must not compare the ids arrays
 class _Entry:
-    ids: np.ndarray  # the tokens the cache holds, in order [n]
-    cache: DynamicCache
-    nbytes: int
+    """A kept cache of the tokens `ids` [n]: whole (`cache`, which nobody writes while it is kept), or split, once a
+    request sharing its first `split` tokens took its buffers over: `head` per layer views the first `split` tokens
+    of those buffers (which the request and whoever takes them from it only write after), `tail` is a copy of the
+    rest; a sliding-window layer keeps its own tensors whole in `head` (its update never writes into them), no tail."""
+
+    ids: np.ndarray
+    cache: GrowingCache | None = None
+    head: list[KVLayer] | None = None
+    tail: list[KVLayer | None] | None = None
+    split: int = 0
+
+    def segments(self) -> list[list[KVLayer]]:
+        """Each layer's tokens as consecutive pieces (kv_cache.cache_for_prefix)."""
+        if self.cache is not None:
+            return [[layer] for layer in kv_layers(self.cache)]
+        return [[h] if t is None else [h, t] for h, t in zip(self.head, self.tail, strict=True)]
+
+    def shape(self) -> list[KVLayer]:
+        """Each layer's length and window (what `_cuttable` reads)."""
+        if self.cache is not None:
+            return kv_layers(self.cache)
+        return [h if h.window is not None else KVLayer(None, None, len(self.ids), None) for h in self.head]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for segs in self.segments() for seg in segs for t in (seg.keys, seg.values) if t is not None]
+
+    def buffer(self) -> int | None:
+        """The growing buffers this entry reads, by the storage of its first growing layer's keys (None: none)."""
+        return _buffer(self.head if self.cache is None else kv_layers(self.cache))
+
+
+def _buffer(layers: list[KVLayer]) -> int | None:
+    for layer in layers:
+        if layer.window is None and layer.keys is not None:
+            return layer.keys.untyped_storage().data_ptr()
+    return None
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    """Memory the tensors keep alive: whole storages, each once (views share one; a buffer's slack counts)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -75,17 +133,6 @@ def rope_length_limit(config: PretrainedConfig) -> int | None:
         if kind == "longrope" or "dynamic" in kind:
             limits.append(int(group.get("original_max_position_embeddings") or config.max_position_embeddings))
     return min(limits) if limits else None
-
-
-def _held_bytes(layers: list[KVLayer]) -> int:
-    """Memory the layers keep alive: whole storages (a sliding-window layer's states are views of a larger one)."""
-    storages = {}
-    for layer in layers:
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                storage = t.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 def _cuttable(layers: list[KVLayer], tokens: int) -> bool:
@@ -117,46 +164,50 @@ class PrefixCache:
 
     @property
     def held_bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries)
+        """What the kept caches keep alive: each buffer once, at its capacity."""
+        return _bytes([t for e in self._entries for t in e.tensors()])
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self._config)
+    def new_cache(self, capacity: int = 0) -> GrowingCache:
+        return GrowingCache(self._config, capacity)
 
     def clear(self) -> None:
         self._entries.clear()
 
-    def take(self, prompt: Sequence[int], new_tokens: int = 0) -> tuple[DynamicCache, int]:
-        """A KV cache for `prompt` and how many of its first tokens it already holds (0: a fresh cache). A kept
-        cache the prompt extends is handed over whole (no longer kept); one sharing less stays kept, and the request
-        gets views of its shared tokens. `new_tokens`: tokens the request may still add (the reply), for the room check."""
+    def take(self, prompt: Sequence[int], new_tokens: int = 0) -> tuple[GrowingCache, int]:
+        """A KV cache for `prompt` and how many of its first tokens it already holds (0: a fresh cache): the kept
+        cache's own buffers where no other kept cache reads what the request will write, else a copy of the shared
+        tokens (the module docstring). `new_tokens`: tokens the request may still add (the reply), for the room
+        check and a new cache's capacity."""
         if not self.enabled or len(prompt) < 2 or (self._rope_limit is not None and len(prompt) > self._rope_limit):
             return self._fresh(prompt, new_tokens)
         ids = np.asarray(prompt, dtype=np.int64)
-        best: tuple[_Entry, list[KVLayer], int] | None = None
+        best: tuple[_Entry, int] | None = None
         for entry in reversed(self._entries):  # the most recently used first: it wins a tie
             shared = min(common_prefix(entry.ids, ids), len(ids) - 1)
-            if shared > (best[2] if best else 0):
-                layers = kv_layers(entry.cache)
-                if layers is not None and _cuttable(layers, shared):
-                    best = (entry, layers, shared)
+            if shared > (best[1] if best else 0) and _cuttable(entry.shape(), shared):
+                best = (entry, shared)
         if best is None:
             return self._fresh(prompt, new_tokens)
-        entry, layers, shared = best
+        entry, shared = best
+        per_token = _bytes(entry.tensors()) / len(entry.ids)
         self._entries.remove(entry)
-        if shared == len(entry.ids):
-            self._make_room(len(prompt) - shared + new_tokens, entry.nbytes / len(entry.ids))
+        if entry.cache is not None and shared >= self._read_up_to(entry.buffer()):
+            self._make_room(len(prompt) - shared + new_tokens, per_token)
+            if shared < len(entry.ids):
+                self._split(entry, shared)
             return entry.cache, shared
-        self._entries.append(entry)  # stays kept, now the most recently used
-        views = cache_of_views(self._config, layers, shared)
-        if views is None:
+        if shared < len(entry.ids):
+            self._entries.append(entry)  # stays kept, now the most recently used
+        self._make_room(len(prompt) + new_tokens, per_token)
+        copy = cache_for_prefix(self._config, entry.segments(), shared, first_capacity(len(prompt), new_tokens))
+        if copy is None:
             return self._fresh(prompt, new_tokens)
-        self._make_room(len(prompt) + new_tokens, entry.nbytes / len(entry.ids))
-        return views, shared
+        return copy, shared
 
-    def put(self, ids: Sequence[int], cache: DynamicCache) -> None:
+    def put(self, ids: Sequence[int], cache: GrowingCache) -> None:
         """Keep `cache` (after a request that ended between two forward passes), which holds the first tokens of
         `ids` (prompt + reply; the reply's last token was never run). A cache whose layers disagree on their length
         (a forward pass cut short) is dropped; one over the whole budget keeps only the tokens that fit."""
@@ -168,7 +219,7 @@ class PrefixCache:
             return
         if self._rope_limit is not None and n > self._rope_limit:
             return
-        nbytes = _held_bytes(layers)
+        nbytes = _bytes([t for layer in layers for t in (layer.keys, layer.values) if t is not None])
         if nbytes > self.budget_bytes:
             fit = int(n * self.budget_bytes // nbytes)
             if fit < 1 or not _cuttable(layers, fit):
@@ -177,21 +228,52 @@ class PrefixCache:
             cache = self._copy(layers, fit)
             if cache is None:
                 return
-            layers = kv_layers(cache)
-            n, nbytes = fit, _held_bytes(layers)
+            n = fit
         kept = np.asarray(ids[:n], dtype=np.int64)
         # A kept cache this one extends is redundant: any prompt it serves, this one serves as far.
         self._entries = [e for e in self._entries if not (len(e.ids) <= n and common_prefix(e.ids, kept) == len(e.ids))]
-        while self._entries and self.held_bytes + nbytes > self.budget_bytes:
+        self._entries.append(_Entry(kept, cache))
+        while len(self._entries) > 1 and self.held_bytes > self.budget_bytes:
             self._entries.pop(0)
-        self._entries.append(_Entry(kept, cache, nbytes))
 
     # ---- helpers -------------------------------------------------------------------------------------------------
-    def _fresh(self, prompt: Sequence[int], new_tokens: int) -> tuple[DynamicCache, int]:
+    def _read_up_to(self, buffer: int | None) -> int:
+        """How many first tokens of `buffer` split entries still read: no one may write below that."""
+        if buffer is None:
+            return 0
+        return max((e.split for e in self._entries if e.cache is None and e.buffer() == buffer), default=0)
+
+    def _split(self, entry: _Entry, shared: int) -> None:
+        """Hand `entry`'s buffers to a request that writes after their first `shared` tokens: the entry stays kept
+        as views of those and a copy of the rest (dropped if that copy finds no memory); the cache is cut to
+        `shared` in place."""
+        layers = kv_layers(entry.cache)
+        try:
+            tail = [
+                None
+                if layer.window is not None or layer.keys is None
+                else KVLayer(
+                    layer.keys[:, :, shared:].clone(), layer.values[:, :, shared:].clone(), layer.length - shared, None
+                )
+                for layer in layers
+            ]
+        except (torch.OutOfMemoryError, MemoryError):
+            tail = None
+        if tail is not None:
+            head = [
+                layer
+                if layer.window is not None or layer.keys is None
+                else KVLayer(layer.keys[:, :, :shared], layer.values[:, :, :shared], shared, None)
+                for layer in layers
+            ]
+            self._entries.append(_Entry(entry.ids, head=head, tail=tail, split=shared))
+        cut_in_place(entry.cache, shared)
+
+    def _fresh(self, prompt: Sequence[int], new_tokens: int) -> tuple[GrowingCache, int]:
         if self._entries:
-            per_token = self._entries[-1].nbytes / len(self._entries[-1].ids)
-            self._make_room(len(prompt) + new_tokens, per_token)
-        return self.new_cache(), 0
+            last = self._entries[-1]
+            self._make_room(len(prompt) + new_tokens, _bytes(last.tensors()) / len(last.ids))
+        return self.new_cache(first_capacity(len(prompt), new_tokens)), 0
 
     def _make_room(self, tokens: int, per_token: float) -> None:
         """Drop kept caches, least recently used first, while the device has less free memory than the request's
@@ -203,18 +285,23 @@ class PrefixCache:
                 return
             self._entries.pop(0)
 
-    def _copy(self, layers: list[KVLayer], tokens: int) -> DynamicCache | None:
-        """A new cache holding a copy of the first `tokens` tokens of `layers` (not views: it must let the rest go);
-        kept caches are dropped (least recently used first) while the copy runs out of memory, and None when even
-        that does not help."""
-        states = [
-            (None, None) if layer.keys is None else (layer.keys[:, :, :tokens], layer.values[:, :, :tokens])
-            for layer in layers
-        ]
+    def _copy(self, layers: list[KVLayer], tokens: int) -> GrowingCache | None:
+        """A new cache holding a copy of the first `tokens` tokens of `layers`, without slack (it must let the rest
+        go; its sliding-window layers, which hold all they have seen, are copied too); kept caches are dropped
+        (least recently used first) while the copy runs out of memory, and None when even that does not help."""
         while True:
             try:
-                # The constructor concatenates each layer's states onto an empty one: a copy, not a view.
-                return DynamicCache(ddp_cache_data=states, config=self._config)
+                copies = [
+                    [
+                        KVLayer(
+                            layer.keys[:, :, :tokens].clone(), layer.values[:, :, :tokens].clone(), tokens, layer.window
+                        )
+                    ]
+                    if layer.keys is not None and layer.window is not None
+                    else [layer]
+                    for layer in layers
+                ]
+                return cache_for_prefix(self._config, copies, tokens, tokens)
             except (torch.OutOfMemoryError, MemoryError):
                 if not self._entries:
                     return None

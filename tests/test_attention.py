@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.integrations import sdpa_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from fmoe_local.attention import NAME, sdpa_grouped, use_grouped_sdpa
+from fmoe_local.attention import NAME, sdpa_grouped, sdpa_mask_additive, use_grouped_sdpa
 from fmoe_local.config import Sampling
 from fmoe_local.generate import generate_ids
 from fmoe_local.hf_internals import attention_implementation
@@ -75,3 +75,27 @@ def test_a_model_not_on_sdpa_is_left_alone(tiny_model_dir):
     assert before != "sdpa"
     assert not use_grouped_sdpa(model)
     assert attention_implementation(model) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_additive_mask_gives_the_boolean_masks_bits(dtype):
+    query, key, value, mask = (t.to(dtype) if t.is_floating_point() else t for t in _inputs(5, 40))
+    additive = sdpa_mask_additive(batch_size=1, q_length=5, kv_length=40, q_offset=35, dtype=dtype)
+    assert additive.dtype == dtype and torch.equal(additive == 0, mask)
+    ours, _ = sdpa_grouped(_Attention(), query, key, value, additive, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(_Attention(), query, key, value, mask, scaling=0.25)
+    assert torch.equal(ours, theirs)
+    assert sdpa_mask_additive(batch_size=1, q_length=5, kv_length=5, dtype=dtype) is None  # SDPA's causal path
+
+
+def test_a_pass_over_a_past_converts_no_mask_per_layer(tiny_model_dir):
+    """SDPA turns a boolean mask into a float one in every layer (aten::where); the model's own mask is already
+    float, so a pass over a past runs none."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3_moe"), dtype=torch.float32).eval()
+    assert use_grouped_sdpa(model)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([list(range(10, 30))]), past_key_values=cache, use_cache=True)
+        with torch.profiler.profile() as prof:
+            model(input_ids=torch.tensor([list(range(30, 35))]), past_key_values=cache, use_cache=True)
+    assert not [e for e in prof.key_averages() if e.key == "aten::where"]

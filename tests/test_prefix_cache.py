@@ -17,7 +17,7 @@ from fmoe_local.cache_budget import SettingRefused, prefix_budget_bytes
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.demo import demo_model_dir
 from fmoe_local.generate import generate_ids
-from fmoe_local.hf_internals import kv_layers
+from fmoe_local.kv_cache import kv_layers
 from fmoe_local.prefix_cache import PrefixCache, common_prefix, rope_length_limit
 from fmoe_local.runtime import Runtime
 from tests.tiny import FAMILIES
@@ -104,10 +104,18 @@ def test_semantic_embedding_counts_the_reused_tokens(tiny_model_dir):
                 seen.append(kw["value"].clone())
             publish(kind, **kw)
 
-        runtime.engine.observer._publish = spy
+        observer = runtime.engine.observer
+        observer._publish = spy
+        gathers = []
+        gather = observer._embedding_sum
+        observer._embedding_sum = lambda ids: gathers.append(ids.numel()) or gather(ids)
         assert runtime.generate(prompt).stats.cached_tokens == 0
         assert runtime.generate(prompt).stats.cached_tokens > 0
         torch.testing.assert_close(seen[1], seen[0], rtol=1e-5, atol=1e-6)
+        # The same reused ids again (a regenerate; requests under one system prompt): their sum is not gathered
+        # again, and the embedding is the same bits.
+        assert runtime.generate(prompt).stats.cached_tokens > 0
+        assert len(gathers) == 1 and torch.equal(seen[2], seen[1])
 
 
 # ---- the rules, on the cache itself ----------------------------------------------------------------------------
@@ -156,29 +164,43 @@ def test_sliding_window_cache_within_its_window_is_cut(tiny_model_dir):
     assert len(prefixes) == 1  # the kept cache stays for its own conversation; the edit got views of it
 
 
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
-def test_a_cut_is_views_of_the_kept_cache_which_the_request_leaves_as_it_was(family, tiny_model_dir):
-    """A request sharing part of a kept cache gets views of it, not a copy (its first pass's concatenation is the one
-    copy), and its passes leave the kept tensors bit for bit as they were, so the kept conversation still gets the
+def test_a_cut_takes_the_kept_buffers_and_every_conversation_stays_exact(family, tiny_model_dir):
+    """A request sharing the first 20 tokens of a kept cache takes its buffers over (no copy of the prefix; the kept
+    cache's other tokens are saved first); a later one sharing only 10 must not write where the first kept
+    conversation still reads its 20, so it gets a copy; then each of the three conversations' next turn gets the
     tokens of a whole prefill."""
     model = eager(tiny_model_dir(family))
     prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    replies = {}
+
+    def turn(ids: list[int], reused_expected: int) -> tuple[object, list[int]]:
+        cache, reused = prefixes.take(ids, new_tokens=4)
+        assert reused == reused_expected, family
+        out = run(model, ids, cache, reused)
+        assert out == run(model, ids, None, 0), family
+        prefixes.put(ids + out, cache)
+        replies[tuple(ids)] = out
+        return cache, out
+
     prompt = list(range(10, 40))
-    cache, _ = prefixes.take(prompt)
-    prefixes.put(prompt + run(model, prompt, cache, 0), cache)
-    kept = [(layer.keys, layer.values.clone()) for layer in kv_layers(cache)]
-    before = [keys.clone() for keys, _ in kept]
+    first, reply = turn(prompt, 0)
+    buffers = [storage(layer.keys) for layer in kv_layers(first)]
     edited = prompt[:20] + [99, 98, 97]
-    views, reused = prefixes.take(edited)
-    assert reused == 20
-    for layer, (keys, _) in zip(kv_layers(views), kept, strict=True):
-        assert layer.length == 20 and layer.keys.data_ptr() == keys.data_ptr()  # shared storage: nothing copied
-    assert run(model, edited, views, reused) == run(model, edited, None, 0)
-    for layer, (_, values), old in zip(kv_layers(cache), kept, before, strict=True):
-        assert torch.equal(layer.keys, old) and torch.equal(layer.values, values)
-    again, reused = prefixes.take(prompt + [5])
-    assert reused > 20
-    assert run(model, prompt + [5], again, reused) == run(model, prompt + [5], None, 0)
+    cut, _ = turn(edited, 20)
+    growing = [i for i, layer in enumerate(kv_layers(cut)) if layer.window is None]
+    assert growing and all(storage(kv_layers(cut)[i].keys) == buffers[i] for i in growing)  # written after the 20
+    shorter = prompt[:10] + [5, 6]
+    copied, _ = turn(shorter, 10)
+    assert all(storage(kv_layers(copied)[i].keys) != buffers[i] for i in growing)
+    for ids in (prompt, edited, shorter):  # each conversation's next turn: all it kept is reused, exactly
+        out = replies[tuple(ids)]
+        nxt = ids + out[:-1] + [7, 8]
+        turn(nxt, len(ids) + len(out) - 1)
 
 
 def test_length_dependent_rope_reuses_only_within_its_original_context():

@@ -7,6 +7,11 @@ and the one forward pass of the first token) and as many fresh prompts of the sa
 each (min and median, unprofiled) and each side's ops by self CPU time with their input shapes: the ops whose shapes
 carry the prefix length (3961 for the default) are what reuse adds. The steps run on this thread while the runtime's
 worker is idle (the profiler records the thread it is started on); their order is Runtime._run's.
+
+`--decode N` instead times decoding: N greedy tokens (EOS banned) after the system prompt (prefilled whole) and after a short
+prompt, ms per token (Runtime's tpot, medians of `--repeats`) and CPU ms per token (the same steps on this thread
+with one torch thread, `time.thread_time`: less sensitive to other processes than the wall time), with nothing
+profiled: what a KV cache that copies the whole context per token costs at a long context.
 """
 
 from __future__ import annotations
@@ -56,7 +61,12 @@ def main() -> int:
     p.add_argument("--system-tokens", type=int, default=4000)
     p.add_argument("--passes", type=int, default=10)
     p.add_argument("--rows", type=int, default=20, help="ops shown per side")
+    p.add_argument("--timing-only", action="store_true", help="the unprofiled times alone, no profile")
+    p.add_argument("--decode", type=int, default=0, help="time N decode tokens instead (see above)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each decode timing, median taken")
     args = p.parse_args()
+    if args.decode:
+        return decode(args)
     with tempfile.TemporaryDirectory() as tmp:
         model = with_context(demo_model_dir(), Path(tmp) / "demo")
         config = RuntimeConfig(device="cpu")
@@ -79,6 +89,10 @@ def main() -> int:
             print(f"reused {reused} tokens; new tokens {n_fresh}; torch threads {torch.get_num_threads()}")
             for name, ms in times.items():
                 print(f"{name}: min {min(ms):.1f} ms, median {statistics.median(ms):.1f} ms")
+            ratio = statistics.median(times["reuse"]) / statistics.median(times["fresh"])
+            print(f"ratio of medians {ratio:.2f}, of mins {min(times['reuse']) / min(times['fresh']):.2f}")
+            if args.timing_only:
+                return 0
             for name, runtime, texts in (
                 ("reuse", reuse, prompts[args.passes + 2 : 2 * args.passes + 2]),
                 ("fresh", whole, [fresh] * args.passes),
@@ -92,6 +106,42 @@ def main() -> int:
                     max_shapes_column_width=72,
                 )  # fmt: skip
                 print(table)
+    return 0
+
+
+def decode_cpu(runtime: Runtime, prompt: str, sampling: Sampling) -> float:
+    """CPU seconds per decode token on this thread, with one torch thread (so all the work is this thread's, and
+    other processes' load changes it little): Runtime._run's steps, the prefill's first token left out."""
+    e = runtime.engine
+    ids = e.encode_prompt(prompt, None, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with e.request(3000, RequestStats()):
+            tokens = generate_ids(e.model, ids, sampling, e.eos_ids, threading.Event(), e.end_iteration)
+            next(tokens)
+            start = time.thread_time()
+            n = sum(1 for _ in tokens)
+            return (time.thread_time() - start) / n
+    finally:
+        torch.set_num_threads(threads)
+
+
+def decode(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = with_context(demo_model_dir(), Path(tmp) / "demo")
+        with Runtime.load(model, RuntimeConfig(device="cpu", prefix_cache_gb=0)) as runtime:
+            runtime.generate("User: hello\nAssistant:", Sampling(greedy=True, max_new_tokens=2))
+            no_eos = tuple((i, -100.0) for i in sorted(runtime.engine.eos_ids))  # every run decodes N tokens
+            sampling = Sampling(greedy=True, max_new_tokens=args.decode, logit_bias=no_eos)
+            system = system_prompt(runtime.engine.tokenizer, args.system_tokens)
+            print(f"torch threads {torch.get_num_threads()}; {args.decode} tokens per run, medians of {args.repeats}")
+            print(f"{'prompt tokens':>13} {'tokens':>7} {'ms/token':>9} {'CPU ms/token':>13}")
+            for text in (f"System: {system}\nUser: tell me about the tides?\nAssistant:", "User: hello\nAssistant:"):
+                runs = [runtime.generate(text, sampling) for _ in range(args.repeats)]
+                ms = statistics.median(1000 * r.stats.tpot_s for r in runs)
+                cpu_ms = 1000 * statistics.median(decode_cpu(runtime, text, sampling) for _ in range(args.repeats))
+                print(f"{runs[0].stats.prompt_tokens:>13} {runs[0].stats.tokens:>7} {ms:>9.2f} {cpu_ms:>13.2f}")
     return 0
 
 

@@ -1,0 +1,118 @@
+"""GrowingCache: written in place into buffers with room, it holds what transformers' DynamicCache holds (the same
+greedy tokens and logits for every family, also when it has to grow past its capacity many times), its views share
+the buffers (no copy per pass), and a kept prefix stays intact when requests extend it differently."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from fmoe_local.config import Sampling
+from fmoe_local.generate import generate_ids
+from fmoe_local.kv_cache import GROWTH, GrowingCache, GrowingLayer, first_capacity, kv_layers
+from fmoe_local.prefix_cache import PrefixCache
+from tests.tiny import FAMILIES
+
+
+def eager(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
+    return model.eval()
+
+
+def run(model, ids: list[int], cache, cached: int = 0, n: int = 6) -> list[int]:
+    sampling = Sampling(greedy=True, max_new_tokens=n)
+    return list(
+        generate_ids(model, torch.tensor([ids]), sampling, set(), threading.Event(), cache=cache, cached=cached)
+    )
+
+
+def test_layer_grows_past_its_capacity_and_keeps_every_token():
+    """A pass past the capacity reallocates to 1.5× (or what it needs, if more) and keeps every token written."""
+    layer = GrowingLayer(capacity=3)
+    chunks = [torch.randn(1, 2, n, 4) for n in (2, 1, 1, 5, 1)]
+    capacities = []
+    for i, chunk in enumerate(chunks):
+        keys, values = layer.update(chunk, -chunk)
+        whole = torch.cat(chunks[: i + 1], dim=-2)
+        assert torch.equal(keys, whole) and torch.equal(values, -whole)
+        assert layer.get_seq_length() == whole.shape[-2] <= layer.capacity
+        capacities.append(layer.capacity)
+    assert capacities == [3, 3, 4, 9, 13] and GROWTH == 1.5
+    grown = layer.keys
+    keys, _ = layer.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))  # room left: written in place
+    assert keys.data_ptr() == grown.data_ptr() and layer.capacity == 13
+
+
+def test_first_capacity_leaves_room_for_a_reply_not_the_whole_context():
+    assert first_capacity(100, 8) == 108
+    assert first_capacity(100, 32_000) < 1000
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_growing_cache_gives_dynamic_cache_tokens_and_logits(family, tiny_model_dir):
+    """Against transformers' own DynamicCache, on the same model: prefill, then decode steps, with a capacity of one
+    token so that the buffers grow at almost every pass."""
+    model = eager(tiny_model_dir(family))
+    ids = torch.tensor([[(5 * i) % 200 + 3 for i in range(20)]])
+    ours, theirs = GrowingCache(model.config, capacity=1), DynamicCache(config=model.config)
+    assert any(isinstance(layer, GrowingLayer) for layer in ours.layers), family
+    inputs = ids
+    with torch.inference_mode():
+        for _ in range(8):
+            a = model(input_ids=inputs, past_key_values=ours, use_cache=True).logits[0, -1]
+            b = model(input_ids=inputs, past_key_values=theirs, use_cache=True).logits[0, -1]
+            assert torch.equal(a, b), family
+            inputs = a.argmax().view(1, 1)
+    assert ours.get_seq_length() == theirs.get_seq_length() == 27
+
+
+def test_decode_writes_in_place(tiny_model_dir):
+    """No copy of the context per token: every decode step's keys are a view of the same buffer."""
+    model = eager(tiny_model_dir("qwen3_moe"))
+    cache = GrowingCache(model.config, capacity=64)
+    run(model, list(range(10, 30)), cache)
+    layer = cache.layers[0]
+    ptr = layer.keys.data_ptr()
+    run(model, list(range(10, 30)) + list(range(1, 9)), cache, cached=cache.get_seq_length(), n=4)
+    assert layer.keys.data_ptr() == ptr and layer.capacity == 64
+
+
+def test_budget_counts_the_capacity_not_only_the_filled_part(tiny_model_dir):
+    model = eager(tiny_model_dir("qwen2_moe"))
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    ids = list(range(10, 30))
+    cache, _ = prefixes.take(ids, new_tokens=200)
+    prefixes.put(ids + run(model, ids, cache, n=2), cache)
+    layers = [layer for layer in cache.layers if isinstance(layer, GrowingLayer)]
+    assert layers and all(layer.capacity == 220 and layer.length == 21 for layer in layers)
+    per_token = sum(
+        t[0, :, 0].numel() * t.element_size() for layer in kv_layers(cache) for t in (layer.keys, layer.values)
+    )
+    assert prefixes.held_bytes == 220 * per_token
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_a_kept_prefix_survives_two_requests_extending_it_differently(family, tiny_model_dir):
+    """A kept cache, then two requests sharing its first 20 tokens and then differing, one after the other, then the
+    kept conversation's own next turn: each gets the tokens of a whole prefill (nobody wrote into what another
+    still reads)."""
+    model = eager(tiny_model_dir(family))
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    prompt = list(range(10, 40))
+    cache, _ = prefixes.take(prompt)
+    reply = run(model, prompt, cache)
+    prefixes.put(prompt + reply, cache)
+    for branch in ([99, 98, 97], [50, 51]):
+        ids = prompt[:20] + branch
+        cache, reused = prefixes.take(ids, new_tokens=6)
+        assert reused == 20, family
+        out = run(model, ids, cache, reused)
+        assert out == run(model, ids, None), family
+        prefixes.put(ids + out, cache)
+    nxt = prompt + reply[:-1] + [7, 8]
+    cache, reused = prefixes.take(nxt, new_tokens=6)
+    assert reused == len(prompt) + len(reply) - 1, family
+    assert run(model, nxt, cache, reused) == run(model, nxt, None), family
