@@ -1,5 +1,5 @@
-"""The real app (`app.serve`) on a tiny model for the /v1 tests: served on a port of the caller's, with a
-Mixtral-Instruct-strict chat template when asked, and an openai client that never retries."""
+"""The real app (`app.serve`) on a tiny model for the /v1 tests: served on a port the OS picked (tests/ports.py), with
+a Mixtral-Instruct-strict chat template when asked, and an openai client that never retries."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import app
+from tests.ports import unused_port
 
 # Mixtral-8x7B-Instruct-v0.1's rule (a catalog model): roles must alternate after one optional system message.
 STRICT_TEMPLATE = (
@@ -21,10 +22,9 @@ STRICT_TEMPLATE = (
 
 
 @contextmanager
-def serving(
-    model: Path, data: Path, port: int, strict_template: bool = False, template: str | None = None
-) -> Iterator[tuple]:
-    """(server, session, openai client) with `model` loaded; a copy of it gets the strict template, or `template`."""
+def serving(model: Path, data: Path, strict_template: bool = False, template: str | None = None) -> Iterator[tuple]:
+    """(server, session, openai client) with `model` loaded; a copy of it gets the strict template, or `template`.
+    The server's address is `server.url`."""
     import openai
 
     if strict_template or template is not None:
@@ -32,7 +32,7 @@ def serving(
         shutil.copytree(model, copy)
         (copy / "chat_template.jinja").write_text(STRICT_TEMPLATE if strict_template else template)
         model = copy
-    args = ["--no-browser", "--data-dir", str(data), "--port", str(port), "--model", str(model)]
+    args = ["--no-browser", "--data-dir", str(data), "--port", str(unused_port()), "--model", str(model)]
     server, session, url = app.serve(app.build_parser().parse_args(args))
     try:
         assert session.loading.finished.wait(120) and session.runtime is not None  # loaded on a thread of its own

@@ -25,6 +25,21 @@ import torch  # noqa: E402
 from tests.tiny import FAMILIES, build_tiny_model  # noqa: E402
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """What `-n auto` (pyproject's addopts) means: a worker per CPU, at most 2, for the suite or a folder; none when
+    only files or tests are named. Each worker imports torch, transformers and gradio and collects its tests before
+    the first one runs (about 10 s of CPU), more than most single files take. PYTEST_XDIST_AUTO_NUM_WORKERS (read by
+    xdist itself) or an explicit `-n N` still decides."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    named = [arg.split("::", 1)[0] for arg in config.args]
+    if named and all(Path(arg).is_file() for arg in named):
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # 2 is what was measured (a 2-core machine); more workers also mean more memory (~2 GB each at their peak).
+    return min(cpus, 2) if cpus > 1 else 0
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: `tiny_model_dir(family, dtype=torch.float32, sharded=False, seed=0, tied=False) -> Path`.

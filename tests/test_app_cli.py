@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import app
+from tests.ports import unused_port
 
 
 def test_loopback_unless_listen():
@@ -155,7 +156,15 @@ def test_a_closed_terminal_or_a_shutdown_stops_the_app_through_its_cleanup(signa
     """SIGHUP (the launcher's terminal closed) and SIGTERM end the app like Ctrl+C: saved and closed, exit 0, also
     when the signal comes during start-up (after its first line, while the model loads)."""
     root = Path(app.__file__).resolve().parent
-    args = [sys.executable, str(root / "app.py"), "--no-browser", "--data-dir", str(tmp_path), "--port", "7967"]
+    args = [
+        sys.executable,
+        str(root / "app.py"),
+        "--no-browser",
+        "--data-dir",
+        str(tmp_path),
+        "--port",
+        str(unused_port()),
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
     try:
         lines = []
@@ -191,7 +200,15 @@ def test_the_app_serves_while_its_start_up_model_loads_and_says_so(tmp_path, tin
 
     with open_store(tmp_path) as store:
         store.settings.set(expert_format="nf4")
-    args = ["--no-browser", "--data-dir", str(tmp_path), "--port", "7963", "--model", str(tiny_model_dir("mixtral"))]
+    args = [
+        "--no-browser",
+        "--data-dir",
+        str(tmp_path),
+        "--port",
+        str(unused_port()),
+        "--model",
+        str(tiny_model_dir("mixtral")),
+    ]
     server, session, url = app.serve(app.build_parser().parse_args(args))
     try:
         assert url and session.runtime is None and not session.loading.finished.is_set()  # serving, still loading

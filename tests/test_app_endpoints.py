@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import unused_port
+
 pytestmark = pytest.mark.slow
 
 gradio_client = pytest.importorskip("gradio_client")
@@ -22,7 +24,7 @@ gradio_client = pytest.importorskip("gradio_client")
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    from app import LOOPBACK, free_port
+    from app import LOOPBACK
     from fmoe_local.config import RuntimeConfig
     from store import open_store
     from ui import build
@@ -36,7 +38,7 @@ def served(tiny_model_dir, tmp_path_factory):
     assert session.runtime is not None, message
     demo = build(session)
     demo.queue(default_concurrency_limit=1)
-    demo.launch(server_name=LOOPBACK, server_port=free_port(LOOPBACK, 7870), prevent_thread_lock=True, quiet=True)
+    demo.launch(server_name=LOOPBACK, server_port=unused_port(), prevent_thread_lock=True, quiet=True)
     client = gradio_client.Client(demo.local_url, verbose=False)
     yield session, client, model
     client.close()

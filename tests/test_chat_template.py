@@ -23,6 +23,7 @@ from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.runtime import Runtime
 from tests.api_server import STRICT_TEMPLATE, serving
+from tests.ports import unused_port
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
 FLOODS = "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}"
@@ -155,7 +156,7 @@ def test_the_api_answers_a_runaway_template_with_the_sentence_and_stays_responsi
 ):
     monkeypatch.setattr(chat_template, "RENDER_BUDGET_S", 2.0)
     model = _runaway_copy(tiny_model_dir("mixtral"), tmp_path)
-    with serving(model, tmp_path / "data", 7947) as (server, _, _):
+    with serving(model, tmp_path / "data") as (server, _, _):
         body = {"model": "x", "messages": CHATS[0], "max_tokens": 2}
         answers = {}
         asking = threading.Thread(
@@ -194,7 +195,8 @@ def test_ctrl_c_ends_the_app_while_a_runaway_template_renders(tiny_model_dir, tm
     model = _runaway_copy(tiny_model_dir("mixtral"), tmp_path)
     root = Path(chat_template.__file__).resolve().parent.parent
     args = [sys.executable, str(root / "app.py"), "--no-browser", "--data-dir", str(tmp_path / "data")]
-    args += ["--port", "7949", "--model", str(model)]
+    port = unused_port()
+    args += ["--port", str(port), "--model", str(model)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
     try:
         lines = []
@@ -206,7 +208,7 @@ def test_ctrl_c_ends_the_app_while_a_runaway_template_renders(tiny_model_dir, tm
         before = _cpu_ticks(proc.pid)
         body = {"model": "x", "messages": CHATS[0], "max_tokens": 2}
         asking = threading.Thread(
-            target=lambda: httpx.post("http://127.0.0.1:7949/v1/chat/completions", json=body, timeout=120),
+            target=lambda: httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120),
             daemon=True,
         )
         asking.start()

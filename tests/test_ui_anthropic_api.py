@@ -14,7 +14,6 @@ from tests.api_server import serving
 from tests.tool_templates import HERMES_TEMPLATE
 from ui.anthropic_models import REFUSALS
 
-PORT = 7951
 WEATHER = {
     "name": "weather",
     "input_schema": {
@@ -37,10 +36,8 @@ GREEDY = {"temperature": 0}  # not a parameter of this anthropic client's create
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("anthropic-api")
-    with serving(tiny_model_dir("qwen3_moe"), data, PORT, template=HERMES_TEMPLATE) as (server, session, openai):
-        client = anthropic.Anthropic(
-            base_url=f"http://127.0.0.1:{PORT}", api_key="anything", max_retries=0, timeout=120
-        )
+    with serving(tiny_model_dir("qwen3_moe"), data, template=HERMES_TEMPLATE) as (server, session, openai):
+        client = anthropic.Anthropic(base_url=server.url.rstrip("/"), api_key="anything", max_retries=0, timeout=120)
         yield server, session, openai, client
 
 
@@ -132,7 +129,7 @@ def test_a_named_tool_streams_as_a_tool_use_block(served):
 
 
 def test_errors_are_in_anthropic_s_shape_with_the_api_s_sentences(served):
-    _, _, _, client = served
+    server, _, _, client = served
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model="x", messages=TURNS, max_tokens=0)
     assert info.value.status_code == 400
@@ -141,15 +138,15 @@ def test_errors_are_in_anthropic_s_shape_with_the_api_s_sentences(served):
         "error": {"type": "invalid_request_error", "message": REFUSALS["max_tokens"]},
     }
     # Without max_tokens (which this client will not send): the same sentence, from the raw API.
-    r = httpx.post(f"http://127.0.0.1:{PORT}/v1/messages", json={"model": "x", "messages": TURNS}, timeout=30)
+    r = httpx.post(f"{server.url}v1/messages", json={"model": "x", "messages": TURNS}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"] == REFUSALS["max_tokens"]
-    r = httpx.post(f"http://127.0.0.1:{PORT}/v1/messages", content=b"{not json", timeout=30)
+    r = httpx.post(f"{server.url}v1/messages", content=b"{not json", timeout=30)
     assert r.status_code == 400 and r.json()["type"] == "error" and "must be JSON" in r.json()["error"]["message"]
     long = [{"role": "user", "content": "word " * 2000}]  # over the tiny model's 512 tokens
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model="x", messages=long, max_tokens=4)
     assert "reads at most 512" in info.value.body["error"]["message"]
-    r = httpx.get(f"http://127.0.0.1:{PORT}/v1/messages", timeout=30)
+    r = httpx.get(f"{server.url}v1/messages", timeout=30)
     assert r.status_code == 405 and "POST /v1/messages" in r.json()["error"]["message"]
 
 

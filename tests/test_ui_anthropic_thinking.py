@@ -16,15 +16,14 @@ from ui.anthropic_request import parse_messages
 from ui.openai_request import ApiError
 from ui.structured import shape
 
-PORT = 7985
 ASK = [{"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("thinking")
-    with serving(tiny_model_dir("qwen3_moe"), data, PORT, template=HYBRID_TEMPLATE):
-        yield anthropic.Anthropic(base_url=f"http://127.0.0.1:{PORT}", api_key="x", max_retries=0, timeout=120)
+    with serving(tiny_model_dir("qwen3_moe"), data, template=HYBRID_TEMPLATE) as (server, _, _):
+        yield anthropic.Anthropic(base_url=server.url.rstrip("/"), api_key="x", max_retries=0, timeout=120)
 
 
 def test_the_template_s_switch_is_set_by_the_thinking_option(client):

@@ -12,6 +12,7 @@ import pytest
 
 import app
 from tests.asgi_call import call, response
+from tests.ports import unused_port
 from ui import http_auth
 from ui.http_auth import MISSING, WRONG, TokenGate, cookie_name
 from ui.http_guard import LocalOnlyGuard
@@ -171,7 +172,7 @@ def _request(port: int, method: str, path: str, headers: dict, body: bytes | Non
 
 def test_listen_serves_only_whoever_has_the_printed_token(tmp_path, capsys):
     """The real app with --listen: the token printed at start opens the page and the API; nothing else does."""
-    args = ["--no-browser", "--listen", "--data-dir", str(tmp_path), "--port", "7871"]
+    args = ["--no-browser", "--listen", "--data-dir", str(tmp_path), "--port", str(unused_port())]
     server, session, url = app.serve(app.build_parser().parse_args(args))
     try:
         port = int(url.rstrip("/").rsplit(":", 1)[1])

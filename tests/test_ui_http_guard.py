@@ -9,9 +9,8 @@ import json
 import pytest
 
 import app
+from tests.ports import unused_port
 from ui.http_guard import allowed, fetch_allowed
-
-PORT = 7861
 
 
 @pytest.mark.parametrize(
@@ -49,7 +48,7 @@ def test_listen_accepts_this_machine_s_own_name():
 def served(tmp_path_factory):
     data = tmp_path_factory.mktemp("guard-data")
     server, session, url = app.serve(
-        app.build_parser().parse_args(["--no-browser", "--data-dir", str(data), "--port", str(PORT)])
+        app.build_parser().parse_args(["--no-browser", "--data-dir", str(data), "--port", str(unused_port())])
     )
     assert session.loading is None or session.loading.finished.wait(120)  # the start-up load runs on its own thread
     session.store.chats.append(session.store.chats.create("my secret plans").id, "user", "the secret itself")
@@ -128,7 +127,7 @@ def test_the_page_itself_is_served_to_our_own_origin(served):
         ("same-origin", "cors", "empty", True),  # our own page's calls
         ("none", "navigate", "document", True),  # the user typed the address
         ("cross-site", "navigate", "document", True),  # a link the user followed
-        ("cross-site", "no-cors", "image", False),  # <img src=http://127.0.0.1:PORT/…> on another site
+        ("cross-site", "no-cors", "image", False),  # <img src=http://127.0.0.1:7861/…> on another site
         ("cross-site", "no-cors", "script", False),
         ("cross-site", "navigate", "iframe", False),  # framing the app to trick clicks
         ("same-site", "no-cors", "image", False),  # another port on this machine is another site's page
@@ -236,7 +235,15 @@ def test_an_origin_the_user_allowed_may_call_the_api_and_nothing_else():
 
 def test_an_allowed_origin_gets_through_the_whole_served_stack(tmp_path):
     """The inner CORS layer (which grants nothing) must not undo the guard's grant: a real server, a real request."""
-    args = ["--no-browser", "--data-dir", str(tmp_path), "--port", str(PORT + 7), "--allow-origin", "app://obsidian.md"]
+    args = [
+        "--no-browser",
+        "--data-dir",
+        str(tmp_path),
+        "--port",
+        str(unused_port()),
+        "--allow-origin",
+        "app://obsidian.md",
+    ]
     server, session, url = app.serve(app.build_parser().parse_args(args))
     try:
         port = int(url.rstrip("/").rsplit(":", 1)[1])

@@ -24,7 +24,6 @@ from tests.tool_templates import HERMES_TEMPLATE
 agents = pytest.importorskip("agents")
 openai = pytest.importorskip("openai")
 
-PORT = 7961
 SCRIPT = ("weather", "clock", "none")  # the tool_choice of the loop's first, second and third model call
 
 
@@ -37,7 +36,7 @@ def served(tiny_model_dir, tmp_path_factory):
     shutil.copytree(tiny_model_dir("qwen3_moe"), model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2048}))
-    with serving(model, data, PORT, template=HERMES_TEMPLATE) as served:
+    with serving(model, data, template=HERMES_TEMPLATE) as served:
         yield served
 
 

@@ -24,7 +24,7 @@ PROMPT = [{"role": "user", "content": "Tell me about the sea and the ships."}]
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    with serving(tiny_model_dir("mixtral"), tmp_path_factory.mktemp("api-data"), 7931) as served:
+    with serving(tiny_model_dir("mixtral"), tmp_path_factory.mktemp("api-data")) as served:
         yield served
 
 

@@ -20,7 +20,7 @@ PROMPT = [{"role": "user", "content": "Tell me about the sea and the ships."}]
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("api-requests-data")
-    with serving(tiny_model_dir("mixtral"), data, 7933, strict_template=True) as served:
+    with serving(tiny_model_dir("mixtral"), data, strict_template=True) as served:
         yield served
 
 

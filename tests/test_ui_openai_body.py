@@ -23,7 +23,7 @@ OVER = MAX_BODY_BYTES + 1
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    with serving(tiny_model_dir("mixtral"), tmp_path_factory.mktemp("api-body-data"), 7945) as served:
+    with serving(tiny_model_dir("mixtral"), tmp_path_factory.mktemp("api-body-data")) as served:
         yield served
 
 

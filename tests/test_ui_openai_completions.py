@@ -17,7 +17,7 @@ PROMPT = "The sea and the ships"
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("api-completions-data")
-    with serving(tiny_model_dir("mixtral"), data, 7935, strict_template=True) as served:
+    with serving(tiny_model_dir("mixtral"), data, strict_template=True) as served:
         yield served
 
 

@@ -77,8 +77,8 @@ def thinking(tiny_model_dir, tmp_path_factory):
     from tests.tool_templates import THINKING_TEMPLATE
 
     data = tmp_path_factory.mktemp("reasoning-api")
-    with serving(tiny_model_dir("qwen3_moe"), data, 7953, template=THINKING_TEMPLATE) as (_, session, openai):
-        yield openai, anthropic.Anthropic(base_url="http://127.0.0.1:7953", api_key="x", max_retries=0, timeout=120)
+    with serving(tiny_model_dir("qwen3_moe"), data, template=THINKING_TEMPLATE) as (server, session, openai):
+        yield openai, anthropic.Anthropic(base_url=server.url.rstrip("/"), api_key="x", max_retries=0, timeout=120)
 
 
 ASK = [{"role": "user", "content": "Say hi."}]

@@ -19,7 +19,6 @@ from ui.tool_calls import TemplateFormat
 
 openai = pytest.importorskip("openai")
 
-PORT = 7981
 # The tiny template's reply opens with <|assistant|> and ends with <|eos|>; calls as Qwen writes them.
 RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},
@@ -45,7 +44,7 @@ def served(tiny_model_dir, tmp_path_factory):
     shutil.copytree(tiny_model_dir("qwen3_moe"), model)
     config = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps(config | {"response_template": RESPONSE_TEMPLATE}))
-    with serving(model, tmp_path_factory.mktemp("response-template-data"), PORT, template=HERMES_TEMPLATE) as served:
+    with serving(model, tmp_path_factory.mktemp("response-template-data"), template=HERMES_TEMPLATE) as served:
         yield served
 
 

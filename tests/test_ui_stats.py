@@ -53,7 +53,7 @@ def test_timeline_plots_one_point_per_reply():
 
 
 def test_the_summary_says_what_happens_to_a_miss_and_counts_the_ones_the_cpu_computed(tmp_path):
-    from fmoe_local.config import RuntimeConfig
+    from fmoe_local.config import RuntimeConfig, Sampling
     from fmoe_local.demo import demo_model_dir
     from store import open_store
     from ui.session import Session
@@ -61,14 +61,15 @@ def test_the_summary_says_what_happens_to_a_miss_and_counts_the_ones_the_cpu_com
 
     store = open_store(tmp_path)
     session = Session(store=store, config=RuntimeConfig(device="cpu", cache_experts=6))
+    short = Sampling(max_new_tokens=8)  # the prompt's pass alone misses: the default (up to 512) adds seconds
     try:
         session.load(demo_model_dir())
-        final = session.runtime.generate([{"role": "user", "content": "Tell me about the ocean."}])
+        final = session.runtime.generate([{"role": "user", "content": "Tell me about the ocean."}], short)
         session.record(final.stats)
         text = summary(session)
         assert "**Misses:** No GPU: every miss is computed on the CPU, the only meaningful choice here" in text
         assert f"{final.stats.on_host} misses computed on the CPU" in text and final.stats.on_host > 0
-        again = session.runtime.generate([{"role": "user", "content": "Tell me about the ocean."}])
+        again = session.runtime.generate([{"role": "user", "content": "Tell me about the ocean."}], short)
         session.record(again.stats)
         n = again.stats.prompt_tokens
         assert f"{n - 1} of {n} prompt tokens reused from the last replies" in summary(session)

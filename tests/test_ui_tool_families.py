@@ -31,21 +31,21 @@ from ui.tool_calls import DEEPSEEK_V3, HARMONY, HERMES, MISTRAL
 
 openai = pytest.importorskip("openai")
 
-FAMILIES = {  # family → (its tool template, its format, the port it is served on)
-    "qwen2_moe": (HERMES_TEMPLATE, HERMES, 7971),
-    "mixtral": (MISTRAL_TEMPLATE, MISTRAL, 7972),
-    "gpt_oss": (HARMONY_TEMPLATE, HARMONY, 7973),
-    "deepseek_v3": (DEEPSEEK_TEMPLATE, DEEPSEEK_V3, 7974),
+FAMILIES = {  # family → (its tool template, its format)
+    "qwen2_moe": (HERMES_TEMPLATE, HERMES),
+    "mixtral": (MISTRAL_TEMPLATE, MISTRAL),
+    "gpt_oss": (HARMONY_TEMPLATE, HARMONY),
+    "deepseek_v3": (DEEPSEEK_TEMPLATE, DEEPSEEK_V3),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def served(request, tiny_model_dir, tmp_path_factory):
-    template, fmt, port = FAMILIES[request.param]
+    template, fmt = FAMILIES[request.param]
     model = with_special_tokens(
         tiny_model_dir(request.param), tmp_path_factory.mktemp("marked") / request.param, list(fmt.markers), 2048
     )
-    with serving(model, tmp_path_factory.mktemp(f"tools-{request.param}"), port, template=template) as (s, session, c):
+    with serving(model, tmp_path_factory.mktemp(f"tools-{request.param}"), template=template) as (s, session, c):
         yield fmt, c, anthropic.Anthropic(base_url=s.url.rstrip("/"), api_key="x", max_retries=0, timeout=120), session
 
 

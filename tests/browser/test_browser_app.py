@@ -17,6 +17,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+from tests.ports import unused_port
+
 # A real browser against a real app started twice: minutes on a busy 2-core machine, not the default 120 s.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -51,11 +53,13 @@ class App:
         data_dir: Path,
         model: Path,
         net_log: Path,
-        port: int = 7880,
+        port: int | None = None,
         token_delay_s: float = 0.0,
         reply: str = "",
     ) -> None:
-        """`reply`: every reply is this text (tests/browser/netguard/scripted_reply.py), not the tiny model's."""
+        """`port`: one the OS picked unless given (a restart may ask for the first start's `self.port` again);
+        `reply`: every reply is this text (tests/browser/netguard/scripted_reply.py), not the tiny model's."""
+        self.port = unused_port() if port is None else port
         env = dict(os.environ)
         if reply:
             env["FMOE_TEST_REPLY"], env["FMOE_TEST_REPLY_MODEL"] = reply, str(model)
@@ -63,7 +67,15 @@ class App:
         env["FMOE_NET_LOG"] = str(net_log)
         if token_delay_s:
             env["FMOE_TEST_TOKEN_DELAY_S"] = str(token_delay_s)  # tests/browser/netguard/slow_tokens.py
-        args = [sys.executable, str(ROOT / "app.py"), "--no-browser", "--data-dir", str(data_dir), "--port", str(port)]
+        args = [
+            sys.executable,
+            str(ROOT / "app.py"),
+            "--no-browser",
+            "--data-dir",
+            str(data_dir),
+            "--port",
+            str(self.port),
+        ]
         args += ["--model", str(model)]
         self.proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT

@@ -37,7 +37,7 @@ def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         # 50 ms a token: a 300-token reply streams for 15 s, long enough to act on it while it runs
-        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", port=7905, token_delay_s=0.05)
+        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", token_delay_s=0.05)
         try:
             page = open_page(browser, app.url, [])
             chat = page.locator("#chatbot")
@@ -111,7 +111,7 @@ def test_switching_chats_while_a_reply_streams(tiny_model_dir, tmp_path):
         store.chats.append(old.id, "assistant", "An old answer.", {"tokens_per_s": 9.0, "finish_reason": "stop"})
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", port=7907, token_delay_s=0.05)
+        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", token_delay_s=0.05)
         try:
             page = open_page(browser, app.url, [])
             page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 200

@@ -50,7 +50,7 @@ def page(tiny_model_dir, tmp_path_factory):
             store.chats.append(conv.id, "assistant", "Sure.", {"tokens_per_s": 9.0, "finish_reason": "stop"})
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        app = App(data, tiny_model_dir("mixtral"), data.parent / "net.log", port=7921)
+        app = App(data, tiny_model_dir("mixtral"), data.parent / "net.log")
         try:
             page = open_page(browser, app.url, [])
             set_max_tokens(page, 4)

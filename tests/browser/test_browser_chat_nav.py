@@ -51,7 +51,7 @@ def env(tiny_model_dir, tmp_path_factory):
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         # 50 ms a token: a 300-token reply streams for 15 s, long enough to press Escape while it runs
-        app = App(data, tiny_model_dir("mixtral"), data.parent / "net.log", port=7955, token_delay_s=0.05)
+        app = App(data, tiny_model_dir("mixtral"), data.parent / "net.log", token_delay_s=0.05)
         try:
             page = open_page(browser, app.url, [])
             yield {"page": page, "alpha": alpha.id, "beta": beta.id, "files": files}

@@ -33,7 +33,7 @@ def test_thinking_is_folded_above_the_answer_and_a_chats_context_length_survives
             store.chats.append(long.id, "assistant", f"The {turn} answer, " + "with as many words in it " * 8)
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", port=7937, reply=REPLY)
+        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", reply=REPLY)
         try:
             page = open_page(browser, app.url, [])
             chat = page.locator("#chatbot")

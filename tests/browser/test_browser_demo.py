@@ -17,7 +17,7 @@ def test_the_demo_model_is_called_demo_not_weights(tmp_path):
 
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        app = App(tmp_path / "data", demo_model_dir(), tmp_path / "net.log", port=7911)
+        app = App(tmp_path / "data", demo_model_dir(), tmp_path / "net.log")
         try:
             page = open_page(browser, app.url, [])
             page.locator("#app-title").get_by_text("Demo model").wait_for(timeout=30_000)

@@ -38,7 +38,7 @@ def test_a_message_loads_nothing_remote_and_covers_nothing(tiny_model_dir, tmp_p
     seen: list[str] = []
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        app = App(tmp_path / "data", tiny_model_dir("mixtral"), tmp_path / "net.log", port=7895)
+        app = App(tmp_path / "data", tiny_model_dir("mixtral"), tmp_path / "net.log")
         try:
             page = open_page(browser, app.url, seen)
             set_max_tokens(page, 3)

@@ -37,7 +37,7 @@ def test_impossible_cache_size_is_refused_and_the_chat_and_a_restart_still_work(
     model = tiny_model_dir("mixtral")
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        app = App(data, model, net_log, port=7890)
+        app = App(data, model, net_log)
         try:
             page = open_page(browser, app.url, [])
             too_small = str(ONE_EXPERT_KB / 2)  # half an expert
@@ -53,7 +53,7 @@ def test_impossible_cache_size_is_refused_and_the_chat_and_a_restart_still_work(
             page.close()
         finally:
             app.stop()
-        app = App(data, model, net_log, port=7890)
+        app = App(data, model, net_log, port=app.port)  # the same address again
         try:
             assert not any("No model" in line for line in app.lines), "".join(app.lines)
             page = open_page(browser, app.url, [])
@@ -69,7 +69,7 @@ def test_the_cache_size_is_shown_in_kb_and_experts_and_999_or_minus_1_are_refuse
     """…and the expert format's choice fits its field."""
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        app = App(tmp_path / "data", tiny_model_dir("mixtral"), tmp_path / "net.log", port=7891)
+        app = App(tmp_path / "data", tiny_model_dir("mixtral"), tmp_path / "net.log")
         try:
             page = open_page(browser, app.url, [])
             page.get_by_role("tab", name="Settings").click()
