@@ -5,9 +5,11 @@ weight, and multiplied by the same torch weight-only products the experts use th
 Scope: resolving `dense_format` (auto | bf16 | int8 | int4, config.py) against the device and the experts' resolved
 format; choosing the nn.Linear modules to pack; swapping each for a `PackedLinear` holding the weight in
 expert_formats' int8 / int4 form (expert_formats.pack_int8 / pack_int4 and Int4Weight's CPU layout: one packer for
-experts and dense weights); the bytes they hold. It does NOT read checkpoints (loading.py puts the dense weights in
-the model first, then calls `quantise`), touch the routed experts, or re-implement a model: each module keeps its
-place in transformers' model, only its weight's storage and product change.
+experts and dense weights); the bytes they hold. Packed once per checkpoint, format and dtype: the packed parts are
+kept in the quantise-on-load cache beside the experts (quant_cache.DenseCopy, `dense.safetensors`) and read back at
+later loads, which then only put int4's codes in torch's CPU layout. It does NOT read checkpoints (loading.py puts
+the dense weights in the model first, then calls `quantise`), touch the routed experts, or re-implement a model: each
+module keeps its place in transformers' model, only its weight's storage and product change.
 
 Never packed: routers and shared-expert gates (their logits choose the experts: a small error flips a top-k choice,
 and they are tiny — architectures.Architecture.gates knows where they are), embeddings and norms (not nn.Linear),
@@ -27,6 +29,7 @@ dequantised values (tests/test_dense_formats.py).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +39,7 @@ from torch import nn
 from fmoe_local import expert_formats
 from fmoe_local.architectures import Architecture, MoELayerRef
 from fmoe_local.expert_formats import Int4Weight, Int8Weight, PackedParam
+from fmoe_local.quant_cache import DenseCopy
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ class DenseReport:
     kept: dict[str, str] = field(default_factory=dict)  # module name → why it stays unpacked
     bytes_before: int = 0  # the packed modules' weights as they were
     bytes_after: int = 0  # … and as they are now
+    from_copy: int = 0  # how many of `packed` were read from the DenseCopy rather than packed now
 
 
 @torch.no_grad()
@@ -124,39 +129,71 @@ def quantise(
     moe_layers: list[MoELayerRef],
     fmt: str,
     kept_in_fp32: Callable[[str], bool] = lambda name: False,
+    copy: DenseCopy | None = None,
 ) -> DenseReport:
     """Swap every candidate nn.Linear of `model` for a PackedLinear in `fmt` (int8 or int4; bf16 does nothing).
-    Each weight is packed from its current values (float32 arithmetic) and dropped as soon as its module is
-    swapped, so the peak is one module's packed copy over the unpacked model. `kept_in_fp32(parameter name)`:
-    transformers' keep-in-fp32 rule (hf_internals.keep_in_fp32): such a weight is left as it is."""
+    Each weight's parts are read from `copy` when it holds exactly the ones this load packs, else packed from the
+    weight's current values (float32 arithmetic) and then written to `copy` whole; the weight is dropped as soon as
+    its module is swapped, so the peak is one module's packed copy over the unpacked model (plus, while a copy is
+    written, int4's portable codes beside their CPU layout). `kept_in_fp32(parameter name)`: transformers'
+    keep-in-fp32 rule (hf_internals.keep_in_fp32): such a weight is left as it is."""
     report = DenseReport(fmt)
     if fmt not in PACKED:
         return report
+    t0 = time.perf_counter()
+    plan: dict[str, tuple[nn.Linear, PackedParam]] = {}
     for name, linear in candidates(model, arch, moe_layers).items():
-        weight = linear.weight  # on the CPU: `check` refused a packed format on any other device
         if kept_in_fp32(f"{name}.weight"):
             report.kept[name] = "kept in float32 by the model"
             continue
-        out_f, in_f = weight.shape
+        out_f, in_f = linear.weight.shape  # on the CPU: `check` refused a packed format on any other device
         if not packs(fmt, out_f, in_f):
             report.kept[name] = f"[{out_f}, {in_f}] has no {fmt} product"
             continue
-        param = PackedParam(fmt, (out_f, in_f))
-        parts = expert_formats.pack(param, weight, weight.dtype)
+        plan[name] = linear, PackedParam(fmt, (out_f, in_f))
+    expected = {
+        f"{name}.{part}": spec
+        for name, (linear, param) in plan.items()
+        for part, spec in param.parts(linear.weight.dtype).items()
+    }
+    stored = copy.open(expected) if copy is not None and plan else None
+    written: dict[str, torch.Tensor] | None = {} if copy is not None and stored is None else None
+    for name, (linear, param) in plan.items():
+        weight, parts = linear.weight, None
+        if stored is not None:
+            try:
+                parts = {part: stored.get(f"{name}.{part}") for part in param.parts(weight.dtype)}
+                report.from_copy += 1
+            except OSError as exc:  # failed after its header was read: the rest is packed, the next load writes it
+                log.warning("Reading the packed dense weights failed (%s); packing the rest.", exc)
+                stored.close()
+                stored = None
+                copy.discard()
+        if parts is None:
+            parts = expert_formats.pack(param, weight, weight.dtype)
+            if written is not None:
+                written.update({f"{name}.{part}": t for part, t in parts.items()})
         parts = expert_formats.to_cpu_layout({"w": param}, {f"w.{k}": v for k, v in parts.items()})
         parts = {k.removeprefix("w."): v for k, v in parts.items()}
-        packed = PackedLinear(fmt, in_f, out_f, parts, linear.bias)
+        packed = PackedLinear(fmt, param.shape[1], param.shape[0], parts, linear.bias)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, packed)
         report.packed.append(name)
         report.bytes_before += weight.numel() * weight.element_size()
         report.bytes_after += sum(t.numel() * t.element_size() for t in parts.values())
+    if stored is not None:
+        stored.close()
+    if written:
+        copy.write(written)
     log.info(
-        "dense format %s: %d linear layers packed, %.0f MB → %.0f MB",
+        "dense format %s: %d linear layers (%d read from %s), %.0f MB → %.0f MB in %.1f s",
         fmt,
         len(report.packed),
+        report.from_copy,
+        copy.path if copy is not None else "no copy",
         report.bytes_before / 1e6,
         report.bytes_after / 1e6,
+        time.perf_counter() - t0,
     )
     if report.kept:
         log.info("dense format %s: %d layers left unpacked (e.g. %s)", fmt, len(report.kept), next(iter(report.kept)))

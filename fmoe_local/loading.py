@@ -33,7 +33,7 @@ from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.host import CheckpointFiles, CheckpointHostStore, TieredHostStore
 from fmoe_local.packed_host import build_packed_host, resolve_format
-from fmoe_local.quant_cache import Progress
+from fmoe_local.quant_cache import DenseCopy, Progress
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,8 @@ def _build(
     sources = [[arch.expert_sources(ref.layer_index, e, files) for e in range(num_experts)] for ref in moe_layers]
     fmt = resolve_format(config.expert_format, sources, files)
     dense = dense_formats.resolve(config.dense_format, device, fmt)
-    dense_formats.quantise(model, arch, moe_layers, dense, hf_internals.keep_in_fp32(model, dtype))
+    copy = DenseCopy(config.quant_cache_dir, model_dir, dense, dtype) if dense in dense_formats.PACKED else None
+    dense_formats.quantise(model, arch, moe_layers, dense, hf_internals.keep_in_fp32(model, dtype), copy)
     if config.host_ram_gb is None:
         # Measured now, with the resident weights loaded; on the CPU the expert cache's slots come out of RAM too.
         on_host = device.type == "cpu" and config.cache_experts is None

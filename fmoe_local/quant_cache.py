@@ -13,10 +13,18 @@ the finished layers go too, so that a failed first load never leaves the disk fu
 copy fits with `hardware.DISK_MARGIN_BYTES` to spare, and writes nothing when it does not. Leftover temporary files are
 removed then: ours (`.partial`) and the ones safetensors writes through before its own rename (`.tmpXXXXXX`, left
 by a build killed inside `save_file`); only this module writes in a copy's folder.
+
+The dense linear weights a packed dense format packs (dense_formats.py) are kept in the folder of their format as one
+more file, `dense.safetensors` (`DenseCopy`: keys `<module name>.<part>`, expert_formats' portable parts, as the
+experts' layers hold them), written and renamed into place the same way. It is read only when it holds exactly the
+modules, parts, shapes and dtypes the load would pack; absent, unreadable or different, the load packs them again
+and writes the file over. Writing it is best effort: a file that cannot be written costs the next load the packing,
+never this load. It lives and goes with the experts' copy (`copies`, `remove_copies`, `remove_other_copies`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -26,7 +34,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -41,6 +49,7 @@ log = logging.getLogger(__name__)
 
 VERSION = 1  # of the stored layout: a change makes every earlier copy unused (a new folder name)
 _TMP = ".partial"
+DENSE_FILE = "dense.safetensors"  # DenseCopy's file, beside the experts' layer files
 _COPY_NAME = re.compile(r"[0-9a-f]{24}-[a-z0-9]+-[a-z0-9]+")  # QuantCache's folder: fingerprint, format, dtype
 _LEFTOVERS = (f"*{_TMP}", ".tmp*")  # ours, and safetensors' own temporary name (tempfile in the target's folder)
 Fetch = Callable[[int, int], dict[str, torch.Tensor]]
@@ -131,14 +140,41 @@ def _remove(folders: list[Path]) -> int:
     return freed
 
 
+def copy_dir(root: str | Path | None, model_dir: Path, fmt: str, dtype: torch.dtype) -> Path:
+    """The folder of the copy of the checkpoint in `model_dir` in `fmt` and compute `dtype`."""
+    base = Path(root) if root is not None else default_root()
+    return base / f"{fingerprint(model_dir)}-{fmt}-{str(dtype).removeprefix('torch.')}"
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Delete what a write killed mid-file left in `folder` (never read: only whole files are renamed into place)."""
+    if not folder.is_dir():
+        return
+    for pattern in _LEFTOVERS:
+        for stale in folder.glob(pattern):
+            if stale.is_file() and not stale.is_symlink():
+                stale.unlink(missing_ok=True)
+
+
+def _write_whole(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write `tensors` as the safetensors file `final`: under a temporary name, renamed into place once on disk."""
+    partial = final.with_name(final.name + _TMP)
+    try:
+        save_file(tensors, str(partial), metadata=metadata)
+        with open(partial, "rb") as f:
+            os.fsync(f.fileno())  # the rename must never publish bytes still in flight
+        os.replace(partial, final)
+    except (OSError, SafetensorError):
+        partial.unlink(missing_ok=True)
+        raise
+
+
 class QuantCache:
     """The quantised copy of one checkpoint in one format and compute dtype."""
 
     def __init__(self, root: str | Path | None, model_dir: Path, fmt: str, dtype: torch.dtype, num_layers: int) -> None:
-        name = f"{fingerprint(model_dir)}-{fmt}-{str(dtype).removeprefix('torch.')}"
         self.fmt = fmt
-        self.dir = Path(root) if root is not None else default_root()
-        self.dir = self.dir / name
+        self.dir = copy_dir(root, model_dir, fmt, dtype)
         self.num_layers = num_layers
         self.quantised_layers = 0  # how many layers this load quantised (0: everything came from the copy)
         self.reported = False  # progress was reported: a build that stops must say so, or the count just freezes
@@ -167,7 +203,7 @@ class QuantCache:
         """Quantise the layers not in the copy yet (`fetch(layer, expert)` gives one expert's stored tensors,
         `expert_bytes` their size). Raises CopyNotKept (an OSError) when the copy does not fit with the margin to
         spare (nothing is written) or cannot be written."""
-        self._remove_leftovers()
+        _remove_leftovers(self.dir)
         missing = self.missing_layers()
         if not missing:
             return
@@ -203,26 +239,8 @@ class QuantCache:
             log.info("quantised MoE layer %d (%d/%d) into %s", layer, step + 1, len(missing), self.dir)
         log.info("quantised %d layers in %.1f s", len(missing), time.perf_counter() - t0)
 
-    def _remove_leftovers(self) -> None:
-        """Delete what a build killed mid-file left (a layer's size each time, never read)."""
-        if not self.dir.is_dir():
-            return
-        for pattern in _LEFTOVERS:
-            for stale in self.dir.glob(pattern):
-                if stale.is_file() and not stale.is_symlink():
-                    stale.unlink(missing_ok=True)
-
     def _write(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
-        final = self.layer_path(layer)
-        partial = final.with_name(final.name + _TMP)
-        try:
-            save_file(tensors, str(partial), metadata={"format": "pt"})
-            with open(partial, "rb") as f:
-                os.fsync(f.fileno())  # the rename must never publish bytes still in flight
-            os.replace(partial, final)
-        except (OSError, SafetensorError):
-            partial.unlink(missing_ok=True)
-            raise
+        _write_whole(self.layer_path(layer), tensors, {"format": "pt"})
 
     def _write_failed(self, exc: Exception, rest_bytes: int, layer_bytes: int) -> CopyNotKept:
         log.warning("could not write the quantised copy to %s: %s", self.dir, exc)
@@ -274,3 +292,73 @@ class QuantCache:
             for handle in self._handles.values():
                 handle.close()
             self._handles.clear()
+
+
+Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # {key: (shape, dtype)} a DenseCopy must hold
+
+
+class DenseCopy:
+    """The packed dense linear weights (dense_formats.py) of one checkpoint in one dense format and compute dtype:
+    `dense.safetensors` in that copy's folder. Used by the loading thread only, one load at a time."""
+
+    def __init__(self, root: str | Path | None, model_dir: Path, fmt: str, dtype: torch.dtype) -> None:
+        self.fmt = fmt
+        self.path = copy_dir(root, model_dir, fmt, dtype) / DENSE_FILE
+
+    def open(self, expected: Expected) -> SafetensorsFile | None:
+        """The file, open (the caller closes it), when it holds exactly `expected` in this format; None when it is
+        absent, unreadable or holds anything else — then the caller packs the weights and `write`s over it."""
+        if not self.path.is_file():
+            return None
+        try:
+            file = SafetensorsFile(self.path)  # the header, and the file's length against it, are checked
+        except Exception as exc:  # noqa: BLE001 - a damaged header can fail in any way; the load packs instead
+            log.warning("The packed dense weights in %s cannot be read (%s); packing them again.", self.path, exc)
+            return None
+        try:
+            held = {key: (file.shape(key), file.dtype(key)) for key in file.keys()}
+            same = file.metadata.get("dense_format") == self.fmt and held == {
+                key: (tuple(shape), dtype) for key, (shape, dtype) in expected.items()
+            }
+        except Exception:  # noqa: BLE001 - metadata of another type than the format's str → str
+            same = False
+        if not same:
+            file.close()
+            log.warning("The packed dense weights in %s are not this model's; packing them again.", self.path)
+            return None
+        return file
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep `tensors` ({module name.part: portable part}) as the file, renamed into place whole. A write that
+        fails, or that would leave less than hardware.DISK_MARGIN_BYTES free, is logged and skipped (as is the empty
+        folder it made): the next load packs again."""
+        folder = self.path.parent
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        try:
+            free = hardware.disk_free_bytes(folder)
+            if free < size + hardware.DISK_MARGIN_BYTES:
+                log.warning(
+                    "The packed dense weights (%.1f GB) are not kept: %s has %.1f GB free. "
+                    "Later loads pack them again.",
+                    size / hardware.GB,
+                    hardware.volume_of(folder),
+                    free / hardware.GB,
+                )
+                return
+            folder.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(folder)
+            metadata = {"format": "pt", "dense_format": self.fmt}
+            _write_whole(self.path, {k: t.contiguous() for k, t in tensors.items()}, metadata)
+        except (OSError, SafetensorError) as exc:
+            log.warning(
+                "The packed dense weights could not be kept in %s (%s). Later loads pack them again.", folder, exc
+            )
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # the folder this write made, when nothing else is in it: no empty copy is listed
+
+    def discard(self) -> None:
+        """Remove the file (it failed while being read): the next load writes it again."""
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as exc:  # the next load reads it, fails the same way, and packs again
+            log.warning("Could not remove %s (%s).", self.path, exc)

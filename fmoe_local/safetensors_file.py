@@ -67,7 +67,7 @@ class SafetensorsFile:
             except ValueError as exc:
                 raise _damaged(self.path, "its header is not valid JSON") from exc
             self._start = 8 + n
-            header.pop("__metadata__", None)
+            self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
             self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
             for key, e in header.items():
                 begin, end = e["data_offsets"]
@@ -86,6 +86,10 @@ class SafetensorsFile:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._entries[key][1]
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The tensor's torch dtype; None for one fmoe-local cannot read."""
+        return _DTYPES.get(self._entries[key][0])
 
     def get(self, key: str) -> torch.Tensor:
         dtype_name, shape, begin, end = self._entries[key]

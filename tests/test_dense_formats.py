@@ -6,17 +6,22 @@ runtime's products compute with), for every family.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from fmoe_local import dense_formats, expert_formats
+from fmoe_local import dense_formats, expert_formats, hardware, quant_cache
 from fmoe_local.architectures import architecture_for
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.dense_formats import PackedLinear
 from fmoe_local.loading import load_model
 from fmoe_local.runtime import Runtime
+from fmoe_local.safetensors_file import DamagedFile, SafetensorsFile
 from tests.test_runtime_quantized import NEW_TOKENS, PROMPT, dequantise_experts
 from tests.tiny import FAMILIES
 
@@ -175,3 +180,170 @@ def test_a_weight_the_model_keeps_in_float32_is_left_as_it_is(tiny_model_dir, tm
     report = dense_formats.quantise(model, loaded.arch, loaded.moe_layers, "int8", lambda n: n == "lm_head.weight")
     assert type(model.lm_head) is nn.Linear and report.kept == {"lm_head": "kept in float32 by the model"}
     assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear) and "lm_head" not in report.packed
+
+
+class _CountingPacker:
+    """expert_formats.pack, counting its calls (experts' and dense weights' alike: one packer for both)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = 0
+        self._real = expert_formats.pack
+        monkeypatch.setattr(expert_formats, "pack", self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._real(*args, **kwargs)
+
+
+def _dense_file(tmp_path, fmt: str):
+    (path,) = tmp_path.glob(f"*-{fmt}-float32/{quant_cache.DENSE_FILE}")
+    return path
+
+
+def _packed_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        f"{n}.{b}": t for n, m in model.named_modules() if isinstance(m, PackedLinear) for b, t in m.named_buffers()
+    }
+
+
+def _load_and_generate(model_dir, config) -> tuple[list[int], dict[str, torch.Tensor]]:
+    with Runtime.load(model_dir, config) as runtime:
+        return runtime.generate(PROMPT).token_ids, _packed_state(runtime.engine.model)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_second_load_reads_the_packed_dense_weights_and_packs_nothing(fmt, tiny_model_dir, tmp_path, monkeypatch):
+    model_dir, config = tiny_model_dir("qwen2_moe"), _config(fmt, tmp_path, dense_format="auto")
+    packer = _CountingPacker(monkeypatch)
+    first, first_state = _load_and_generate(model_dir, config)
+    assert packer.calls > 0 and _dense_file(tmp_path, fmt).is_file()
+    packer.calls = 0
+    second, second_state = _load_and_generate(model_dir, config)
+    assert packer.calls == 0  # neither an expert (their copy) nor a dense weight (dense.safetensors) was packed
+    assert second == first
+    assert first_state.keys() == second_state.keys() and len(first_state) > 0
+    assert all(torch.equal(first_state[k], second_state[k]) for k in first_state)  # int4's CPU layout included
+
+
+def _contents(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    file = SafetensorsFile(path)
+    try:
+        return file.metadata, {k: file.get(k) for k in file.keys()}
+    finally:
+        file.close()
+
+
+def _cut_short(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _garbage(path):
+    path.write_bytes(b"\x20\x00\x00\x00\x00\x00\x00\x00{not json at all, but 32 bytes}" + b"\0" * 64)
+
+
+def _bad_header(path):
+    header = b'{"x": {"dtype": "I8", "shape": [1]}}'  # JSON, but no data_offsets
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def _another_model_s(path):
+    file = SafetensorsFile(path)
+    tensors = {k: file.get(k) for k in file.keys()}
+    file.close()
+    tensors.pop(sorted(tensors)[0])  # one module fewer: e.g. written by a version that packed another set
+    save_file(tensors, str(path), metadata={"format": "pt", "dense_format": file.metadata["dense_format"]})
+
+
+def _another_format_s(path):
+    file = SafetensorsFile(path)
+    tensors = {k: file.get(k) for k in file.keys()}
+    file.close()
+    save_file(tensors, str(path), metadata={"format": "pt", "dense_format": "int2"})
+
+
+@pytest.mark.parametrize("damage", [_cut_short, _garbage, _bad_header, _another_model_s, _another_format_s])
+def test_a_damaged_or_foreign_dense_file_is_packed_again_and_written_over(
+    damage, tiny_model_dir, tmp_path, monkeypatch
+):
+    model_dir, config = tiny_model_dir("qwen2_moe"), _config("int8", tmp_path)
+    first, first_state = _load_and_generate(model_dir, config)
+    path = _dense_file(tmp_path, "int8")
+    whole = _contents(path)
+    damage(path)
+    packer = _CountingPacker(monkeypatch)
+    again, state = _load_and_generate(model_dir, config)
+    assert packer.calls == len(first_state) // 2  # every dense weight (int8: q and scale each) packed again
+    assert again == first and all(torch.equal(first_state[k], state[k]) for k in first_state)
+    kept = _contents(path)  # written over with what the first load wrote (the header's order may differ)
+    assert kept[0] == whole[0] and kept[1].keys() == whole[1].keys()
+    assert all(torch.equal(kept[1][k], whole[1][k]) for k in kept[1])
+    packer.calls = 0
+    _load_and_generate(model_dir, config)
+    assert packer.calls == 0
+
+
+def test_a_dense_file_that_fails_while_read_is_packed_for_the_rest_and_removed(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir, config = tiny_model_dir("qwen2_moe"), _config("int8", tmp_path)
+    first, first_state = _load_and_generate(model_dir, config)
+    path = _dense_file(tmp_path, "int8")
+    real_get, reads = SafetensorsFile.get, []
+
+    def fails_on_the_third(self, key):
+        if self.path == path:
+            reads.append(key)
+            if len(reads) == 3:  # after its header was checked: a disk error, a file shortened meanwhile
+                raise DamagedFile(f"The model file {path.name} is damaged (it is shorter than its header says).")
+        return real_get(self, key)
+
+    monkeypatch.setattr(SafetensorsFile, "get", fails_on_the_third)
+    packer = _CountingPacker(monkeypatch)
+    again, state = _load_and_generate(model_dir, config)
+    assert 0 < packer.calls < len(first_state) // 2  # the first module came from the file, the rest was packed
+    assert again == first and all(torch.equal(first_state[k], state[k]) for k in first_state)
+    assert not path.exists()  # the next load packs and writes it whole
+
+
+def test_a_killed_write_leaves_no_dense_file_that_is_read(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir, config = tiny_model_dir("qwen2_moe"), _config("int4", tmp_path)
+    real_save = quant_cache.save_file
+
+    def killed_inside(tensors, path, metadata=None):
+        if path.endswith(f"{quant_cache.DENSE_FILE}.partial"):
+            Path(path).write_bytes(b"half the dense weights")  # what a kill mid-write leaves
+            raise KeyboardInterrupt
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(quant_cache, "save_file", killed_inside)
+    with pytest.raises(KeyboardInterrupt):
+        Runtime.load(model_dir, config)
+    monkeypatch.setattr(quant_cache, "save_file", real_save)
+    (folder,) = tmp_path.iterdir()
+    assert [p.name for p in folder.iterdir()] == [f"{quant_cache.DENSE_FILE}.partial"]
+    packer = _CountingPacker(monkeypatch)
+    tokens, _ = _load_and_generate(model_dir, config)
+    assert packer.calls > 0  # the half file was not read: everything packed
+    assert (folder / quant_cache.DENSE_FILE).is_file() and not list(folder.glob("*.partial"))
+    clean, _ = _load_and_generate(model_dir, _config("int4", tmp_path / "clean"))
+    assert tokens == clean
+
+
+def test_a_dense_file_that_cannot_be_kept_costs_the_next_load_only(tiny_model_dir, tmp_path, monkeypatch):
+    # bf16 experts, int8 dense weights: the dense file is the copy's only file.
+    model_dir, config = tiny_model_dir("qwen2_moe"), _config("int8", tmp_path, expert_format="bf16")
+    real_save = quant_cache.save_file
+
+    def disk_full(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(quant_cache, "save_file", disk_full)
+    failed, _ = _load_and_generate(model_dir, config)
+    assert not list(tmp_path.rglob("*.safetensors*"))  # nothing kept, nothing half-written
+    monkeypatch.setattr(quant_cache, "save_file", real_save)
+    monkeypatch.setattr(hardware, "disk_free_bytes", lambda path: hardware.DISK_MARGIN_BYTES)  # the margin, no more
+    short, _ = _load_and_generate(model_dir, config)
+    assert list(tmp_path.iterdir()) == []  # not even a folder
+    monkeypatch.undo()
+    packer = _CountingPacker(monkeypatch)
+    kept, _ = _load_and_generate(model_dir, config)
+    assert packer.calls > 0 and _dense_file(tmp_path, "int8").is_file()
+    assert failed == short == kept

@@ -238,3 +238,20 @@ def test_delete_copies_keeps_the_loaded_model_s_own_and_touches_nothing_else(tin
     assert kept.name.startswith(quant_cache.fingerprint(loaded)) and 0 < freed < before
     assert (root / "notes.txt").exists() and (root / "photos").is_dir() and outside.is_dir()
     assert quant_cache.remove_other_copies(root, None) > 0 and quant_cache.copies(root) == []  # none loaded: all go
+
+
+def test_the_packed_dense_weights_are_counted_and_deleted_with_the_copies(tiny_model_dir, tmp_path):
+    # What the Models tab shows and deletes (ui/model_formats.py, ui/models.py): int8 experts with their dense file,
+    # and bf16 experts beside int8 dense weights, whose copy folder holds the dense file alone.
+    model_dir, root = tiny_model_dir("mixtral"), tmp_path / "quantized"
+    both = load_model(model_dir, RuntimeConfig(expert_format="int8", quant_cache_dir=str(root)), "cpu", None)
+    both.host.close()
+    config = RuntimeConfig(expert_format="bf16", dense_format="int4", quant_cache_dir=str(root))
+    load_model(model_dir, config, "cpu", None).host.close()
+    int8, int4 = (root / quant_cache.copy_dir(None, model_dir, f, torch.float32).name for f in ("int8", "int4"))
+    assert quant_cache.copies(root) == [int4, int8]
+    assert sorted(p.name for p in int4.iterdir()) == [quant_cache.DENSE_FILE]
+    assert (int8 / quant_cache.DENSE_FILE).is_file()
+    everything = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    assert quant_cache.copies_bytes(root) == everything
+    assert quant_cache.remove_copies(root, model_dir) == everything and list(root.iterdir()) == []
