@@ -1,4 +1,5 @@
-"""`fmoe-local bench quality`: what quantising the experts costs in accuracy — perplexity on held text per format.
+"""`fmoe-local bench quality`: what quantising the experts costs in accuracy — perplexity on held text per format
+(the dense weights unquantised whatever the device, so a row is the experts' format alone).
 
 Scope: one load of the model per expert format through `Runtime.load` (every expert resident, so the number is the
 format's and not the cache's), the held text cut into fixed windows, and the mean next-token cross-entropy of the
@@ -47,7 +48,11 @@ def perplexity(model_dir: Path, fmt: str, texts: Sequence[str], seq_len: int, wi
     from fmoe_local.stats import RequestStats
 
     with tempfile.TemporaryDirectory(prefix="fmoe-quality-") as tmp:
-        config = RuntimeConfig(device=device, expert_format=fmt, quant_cache_dir=tmp, policy="on_demand")
+        # dense_format bf16: the number is the experts' format alone; on a CPU device dense_format auto would pack
+        # the attention and output head too (dense_formats.py), mixing a second quantisation into every row.
+        config = RuntimeConfig(
+            device=device, expert_format=fmt, dense_format="bf16", quant_cache_dir=tmp, policy="on_demand"
+        )
         with Runtime.load(model_dir, config) as runtime:
             info = runtime.info
             runtime.reconfigure(cache_experts=info.num_layers * info.num_experts, miss_handling="copy")
