@@ -358,8 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        from fmoe_local import chat_template
+
         running_url_file(session.store).unlink(missing_ok=True)  # a later start must not send anyone there
         server.close()
+        # A request may still be waiting on the template renderer in a pool thread, which the exiting interpreter
+        # joins: stopped now, it answers at once instead of at its deadline (up to STARTUP_TIMEOUT_S).
+        chat_template.stop()
         session.close()
         session.store.close()
         print("fmoe-local: stopped (chats and expert maps saved).", flush=True)

@@ -23,6 +23,12 @@ about a millisecond per render.
 Threads: `render` may be called from any thread; renders run one at a time through one child per process,
 started on first use (or by `prestart`) and again after one was stopped. The caller blocks on the child's reply;
 a timer thread kills the child if it has not answered by the deadline, and is joined before `render` returns.
+`stop` may be called from any thread, while a render waits: it kills the child without waiting for the render
+(which holds `_lock` up to STARTUP_TIMEOUT_S or the budget), so the render raises at once and the next one starts a
+fresh child. `_current` is replaced only under `_swap`, which `stop` takes too, so it never misses a child just
+started. The child is the process's, not a Runtime's (every Runtime in the process renders through it): the
+process's owner stops it as it ends (app.py), since an interpreter that is exiting first joins the thread pools whose
+threads may be waiting on it, before any atexit handler could kill it.
 """
 
 from __future__ import annotations
@@ -99,6 +105,8 @@ def render(
         took = time.monotonic() - started
         if reply is None or reply.get("error") == "memory":  # gone, or left short of memory: a fresh one next time
             _stop_child()
+    if reply is None and child.stopped:
+        raise RuntimeError(_STOPPED)
     if reply is None:  # ended by its own deadline or the app's, or by the memory cap where an allocation aborts
         if took >= budget_s:
             raise TemplateOverBudget(_sentence(model, f"ran for more than {budget_s:g} s on this conversation"))
@@ -128,6 +136,18 @@ def _sentence(model: str, what: str) -> str:
     )
 
 
+def stop() -> None:
+    """Kill the child now, whatever it is doing: a render waiting on it raises RuntimeError (a sentence) at once,
+    the next render starts a fresh child. For the process's owner as it ends."""
+    with _swap:
+        if _current is not None:
+            _current.stopped = True
+            _current.kill()
+
+
+_STOPPED = "The chat template renderer was stopped (the app is closing) before it answered. Send the message again."
+
+
 def prestart() -> None:
     """Start the child now (without waiting for it), so that the first reply does not wait for its start-up."""
     with _lock:
@@ -137,6 +157,7 @@ def prestart() -> None:
 # ---- the app's side -----------------------------------------------------------------------------------------------
 
 _lock = threading.Lock()  # one render at a time, through one child
+_swap = threading.Lock()  # held only to replace `_current`, never while waiting on the child
 _current: _Child | None = None
 
 
@@ -153,12 +174,15 @@ class _Child:
             env=env,
         )
         self.ready = False
+        self.stopped = False  # by `stop`: the reply it cut off is not the template's fault
 
     def wait_ready(self) -> None:
         """Block until the child has started (once); a RuntimeError (a sentence) if it could not."""
         if self.ready:
             return
         hello = self._exchange(None, STARTUP_TIMEOUT_S)
+        if hello is None and self.stopped:
+            raise RuntimeError(_STOPPED)
         if hello is None or not hello.get("ready"):
             said = (hello or {}).get("message", "it ended at once")
             raise RuntimeError(
@@ -205,10 +229,11 @@ class _Child:
 
 def _child() -> _Child:
     global _current
-    if _current is None or _current.proc.poll() is not None:
+    if _current is None or _current.stopped or _current.proc.poll() is not None:
         if _current is not None:
             _current.close()
-        _current = _Child()
+        with _swap:
+            _current = _Child()
     return _current
 
 
@@ -216,7 +241,8 @@ def _stop_child() -> None:
     global _current
     if _current is not None:
         _current.close()
-        _current = None
+        with _swap:
+            _current = None
 
 
 @atexit.register

@@ -128,6 +128,53 @@ def test_a_runaway_template_is_stopped_and_leaves_nothing_running(template, said
     assert ok == CHATS[0][0]["content"]  # the next render works (a fresh child where the last one was stopped)
 
 
+def test_stopping_the_renderer_ends_a_render_waiting_on_it_at_once(monkeypatch):
+    chat_template.prestart()
+    chat_template._current.wait_ready()
+    asked = threading.Event()
+    ask = chat_template._Child.ask
+
+    def ask_and_tell(child: chat_template._Child, request: dict, deadline_s: float) -> dict | None:
+        asked.set()
+        return ask(child, request, deadline_s)
+
+    monkeypatch.setattr(chat_template._Child, "ask", ask_and_tell)
+    outcome = {}
+
+    def rendering() -> None:
+        try:
+            outcome["text"] = chat_template.render(
+                LOOPS,
+                CHATS[0],
+                add_generation_prompt=True,
+                continue_final_message=False,
+                variables={},
+                model="m",
+                budget_s=60.0,
+            )
+        except Exception as exc:  # noqa: BLE001 - the test reads which
+            outcome["error"] = exc
+
+    waiter = threading.Thread(target=rendering, daemon=True)
+    waiter.start()
+    assert asked.wait(30)
+    chat_template.stop()
+    waiter.join(10)  # was: the child's deadline, 60 s here (and the app's exit waited for it)
+    assert not waiter.is_alive()
+    assert isinstance(outcome.get("error"), RuntimeError), outcome
+    assert not isinstance(outcome["error"], TemplateOverBudget)  # the app's stop, not the template's fault
+    assert "renderer was stopped" in str(outcome["error"])
+    ok = chat_template.render(
+        "{{ messages[0].content }}",
+        CHATS[0],
+        add_generation_prompt=True,
+        continue_final_message=False,
+        variables={},
+        model="m",
+    )
+    assert ok == CHATS[0][0]["content"]  # a later render starts a fresh child
+
+
 def _runaway_copy(model: Path, where: Path) -> Path:
     copy = where / "runaway-template"
     shutil.copytree(model, copy)
