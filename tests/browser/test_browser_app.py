@@ -56,9 +56,12 @@ class App:
         port: int | None = None,
         token_delay_s: float = 0.0,
         reply: str = "",
+        hold: Path | None = None,
     ) -> None:
         """`port`: one the OS picked unless given (a restart may ask for the first start's `self.port` again);
-        `reply`: every reply is this text (tests/browser/netguard/scripted_reply.py), not the tiny model's."""
+        `reply`: every reply is this text (tests/browser/netguard/scripted_reply.py), not the tiny model's;
+        `hold`: a reply started while this file exists keeps writing and cannot end until the test deletes it
+        (tests/browser/netguard/slow_tokens.py)."""
         self.port = unused_port() if port is None else port
         env = dict(os.environ)
         if reply:
@@ -67,6 +70,8 @@ class App:
         env["FMOE_NET_LOG"] = str(net_log)
         if token_delay_s:
             env["FMOE_TEST_TOKEN_DELAY_S"] = str(token_delay_s)  # tests/browser/netguard/slow_tokens.py
+        if hold is not None:
+            env["FMOE_TEST_TOKEN_HOLD"] = str(hold)
         args = [
             sys.executable,
             str(ROOT / "app.py"),

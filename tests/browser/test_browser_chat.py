@@ -111,12 +111,16 @@ def test_switching_chats_while_a_reply_streams(tiny_model_dir, tmp_path):
         store.chats.append(old.id, "assistant", "An old answer.", {"tokens_per_s": 9.0, "finish_reason": "stop"})
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", token_delay_s=0.05)
+        # The first reply cannot end until the test deletes `hold`: it is still streaming when the second question is
+        # sent, however slow the machine (a delay alone let it end first under load).
+        hold = tmp_path / "hold-reply"
+        hold.touch()
+        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", token_delay_s=0.05, hold=hold)
         try:
             page = open_page(browser, app.url, [])
             page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 200
             page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
-            set_max_tokens(page, 200)  # 200 tokens at 50 ms: 10 s a reply
+            set_max_tokens(page, 200)  # 50 ms a token, and no end before the release
             send(page, "Tell me a very long story.")
             page.wait_for_function(
                 "() => document.querySelector('#chatbot').innerText.split('very long story.')[1]?.trim().length > 6",
@@ -143,6 +147,8 @@ def test_switching_chats_while_a_reply_streams(tiny_model_dir, tmp_path):
                 timeout=30_000,
             )
             page.screenshot(path=SHOTS / "chat-waits-its-turn.png", full_page=True)
+            assert "very long story" not in _chat_text(page)
+            hold.unlink()  # the first reply goes on: to its end, then the second one
 
             page.locator("#conv-list").get_by_text("Tell me a very long story.").click()  # back: streaming or done
             page.wait_for_function(
@@ -156,6 +162,7 @@ def test_switching_chats_while_a_reply_streams(tiny_model_dir, tmp_path):
             assert "Waiting for its turn" not in _chat_text(page)
             page.close()
         finally:
+            hold.unlink(missing_ok=True)
             app.stop()
         browser.close()
     with open_store(data) as store:

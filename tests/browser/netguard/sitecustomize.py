@@ -54,7 +54,7 @@ socket.socket.connect = _guarded(_connect)
 socket.socket.connect_ex = _guarded(_connect_ex)
 socket.getaddrinfo = getaddrinfo
 
-if os.environ.get("FMOE_TEST_TOKEN_DELAY_S"):
+if os.environ.get("FMOE_TEST_TOKEN_DELAY_S") or os.environ.get("FMOE_TEST_TOKEN_HOLD"):
     import slow_tokens  # noqa: F401 - patches token sampling on import
 if os.environ.get("FMOE_TEST_REPLY"):
     import scripted_reply  # noqa: F401 - patches token choice on import
