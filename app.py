@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         # A request may still be waiting on the template renderer in a pool thread, which the exiting interpreter
         # joins: stopped now, it answers at once instead of at its deadline (up to STARTUP_TIMEOUT_S).
-        chat_template.stop()
+        chat_template.stop(for_good=True)
         session.close()
         session.store.close()
         print("fmoe-local: stopped (chats and expert maps saved).", flush=True)

@@ -136,10 +136,14 @@ def _sentence(model: str, what: str) -> str:
     )
 
 
-def stop() -> None:
+def stop(for_good: bool = False) -> None:
     """Kill the child now, whatever it is doing: a render waiting on it raises RuntimeError (a sentence) at once,
-    the next render starts a fresh child. For the process's owner as it ends."""
+    the next render starts a fresh child — or, `for_good` (a process that is ending), raises the same sentence at once
+    instead: a request that reaches its render only after the app began to close would otherwise start a child and
+    hold the exit until that child's deadline. For the process's owner as it ends."""
+    global _closed
     with _swap:
+        _closed = _closed or for_good
         if _current is not None:
             _current.stopped = True
             _current.kill()
@@ -159,6 +163,7 @@ def prestart() -> None:
 _lock = threading.Lock()  # one render at a time, through one child
 _swap = threading.Lock()  # held only to replace `_current`, never while waiting on the child
 _current: _Child | None = None
+_closed = False  # set by stop(for_good=True): the process is ending, no child is started again
 
 
 class _Child:
@@ -229,6 +234,8 @@ class _Child:
 
 def _child() -> _Child:
     global _current
+    if _closed:
+        raise RuntimeError(_STOPPED)
     if _current is None or _current.stopped or _current.proc.poll() is not None:
         if _current is not None:
             _current.close()

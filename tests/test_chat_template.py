@@ -270,3 +270,20 @@ def test_ctrl_c_ends_the_app_while_a_runaway_template_renders(tiny_model_dir, tm
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0 and "fmoe-local: stopped" in out, out[-2000:]
+
+
+def test_a_render_after_the_app_stopped_the_renderer_for_good_starts_no_child(monkeypatch):
+    monkeypatch.setattr(chat_template, "_closed", False)  # restored after: later tests render in this process
+    chat_template.stop(for_good=True)
+    started = []
+    monkeypatch.setattr(chat_template, "_Child", lambda: started.append(1))  # was: a fresh child, held the exit
+    with pytest.raises(RuntimeError, match="renderer was stopped"):
+        chat_template.render(
+            "{{ messages[0].content }}",
+            CHATS[0],
+            add_generation_prompt=True,
+            continue_final_message=False,
+            variables={},
+            model="m",
+        )
+    assert started == []
