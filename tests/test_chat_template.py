@@ -69,19 +69,24 @@ def test_the_prompt_is_the_one_apply_chat_template_makes(tiny_model_dir, which):
         assert _ids(tok, messages) == expected
 
 
-def test_a_fresh_renderer_spends_no_render_budget_on_its_own_start_up():
-    # Its first render used to import transformers' template code inside the budget: on a busy machine an honest
-    # template ran "more than 5 s" and was disabled for the session. Half a second is ample for a render alone.
-    chat_template._stop_child()
-    text = chat_template.render(
-        "{{ messages[0].content }}",
+def _render(template: str, budget_s: float | None = None) -> str:
+    """The first chat rendered with `template` for a model named m, as a reply starts."""
+    return chat_template.render(
+        template,
         CHATS[0],
         add_generation_prompt=True,
         continue_final_message=False,
         variables={},
         model="m",
-        budget_s=0.5,
+        budget_s=budget_s,
     )
+
+
+def test_a_fresh_renderer_spends_no_render_budget_on_its_own_start_up():
+    # Its first render used to import transformers' template code inside the budget: on a busy machine an honest
+    # template ran "more than 5 s" and was disabled for the session. Half a second is ample for a render alone.
+    chat_template._stop_child()
+    text = _render("{{ messages[0].content }}", budget_s=0.5)
     assert text == CHATS[0][0]["content"]
 
 
@@ -104,27 +109,12 @@ def test_a_runaway_template_is_stopped_and_leaves_nothing_running(template, said
     child = chat_template._current.proc
     started = time.monotonic()
     with pytest.raises(TemplateOverBudget, match=f"The chat template of m was stopped: it {said}"):
-        chat_template.render(
-            template,
-            CHATS[0],
-            add_generation_prompt=True,
-            continue_final_message=False,
-            variables={},
-            model="m",
-            budget_s=1.0,
-        )
+        _render(template, budget_s=1.0)
     assert time.monotonic() - started < 1.0 + chat_template._GRACE_S
     if template is LOOPS:
         assert child.poll() is not None  # the process that ran it is gone, not spinning somewhere
     assert not [t for t in threading.enumerate() if t.name == "fmoe-template-deadline"]
-    ok = chat_template.render(
-        "{{ messages[0].content }}",
-        CHATS[0],
-        add_generation_prompt=True,
-        continue_final_message=False,
-        variables={},
-        model="m",
-    )
+    ok = _render("{{ messages[0].content }}")
     assert ok == CHATS[0][0]["content"]  # the next render works (a fresh child where the last one was stopped)
 
 
@@ -143,15 +133,7 @@ def test_stopping_the_renderer_ends_a_render_waiting_on_it_at_once(monkeypatch):
 
     def rendering() -> None:
         try:
-            outcome["text"] = chat_template.render(
-                LOOPS,
-                CHATS[0],
-                add_generation_prompt=True,
-                continue_final_message=False,
-                variables={},
-                model="m",
-                budget_s=60.0,
-            )
+            outcome["text"] = _render(LOOPS, budget_s=60.0)
         except Exception as exc:  # noqa: BLE001 - the test reads which
             outcome["error"] = exc
 
@@ -164,14 +146,7 @@ def test_stopping_the_renderer_ends_a_render_waiting_on_it_at_once(monkeypatch):
     assert isinstance(outcome.get("error"), RuntimeError), outcome
     assert not isinstance(outcome["error"], TemplateOverBudget)  # the app's stop, not the template's fault
     assert "renderer was stopped" in str(outcome["error"])
-    ok = chat_template.render(
-        "{{ messages[0].content }}",
-        CHATS[0],
-        add_generation_prompt=True,
-        continue_final_message=False,
-        variables={},
-        model="m",
-    )
+    ok = _render("{{ messages[0].content }}")
     assert ok == CHATS[0][0]["content"]  # a later render starts a fresh child
 
 
@@ -278,12 +253,5 @@ def test_a_render_after_the_app_stopped_the_renderer_for_good_starts_no_child(mo
     started = []
     monkeypatch.setattr(chat_template, "_Child", lambda: started.append(1))  # was: a fresh child, held the exit
     with pytest.raises(RuntimeError, match="renderer was stopped"):
-        chat_template.render(
-            "{{ messages[0].content }}",
-            CHATS[0],
-            add_generation_prompt=True,
-            continue_final_message=False,
-            variables={},
-            model="m",
-        )
+        _render("{{ messages[0].content }}")
     assert started == []
