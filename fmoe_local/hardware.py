@@ -227,13 +227,17 @@ def min_cache_bytes(top_k: int, expert_bytes: int) -> int:
 
 
 def copy_bytes(entry: CatalogEntry, fmt: str, machine: Machine | None = None) -> int:
-    """Disk the quantised copy of the experts takes (quant_cache.py): int8/int4/nf4 made from another form on the
-    first load, in their RAM size on `machine` (int4's scales follow the compute dtype: cpu_widening); 0 for the
-    download's own form."""
+    """Disk the quantised copy takes (quant_cache.py): int8/int4/nf4 experts made from another form on the first
+    load, in their RAM size on `machine` (int4's scales follow the compute dtype: cpu_widening), and on a machine
+    without a CUDA GPU the resident part's linear weights packed beside them (`cpu_dense_copy_bytes`); 0 for the
+    download's own form. Without `machine`, the experts alone."""
     made = fmt in ("int8", "int4", "nf4") and fmt != entry.native_format
     if not made:
         return 0
-    return round(entry.experts_bytes_for(fmt) * (cpu_widening(entry, fmt, machine) if machine is not None else 1.0))
+    if machine is None:
+        return entry.experts_bytes_for(fmt)
+    experts = round(entry.experts_bytes_for(fmt) * cpu_widening(entry, fmt, machine))
+    return experts + (0 if machine.has_gpu else cpu_dense_copy_bytes(entry, fmt, machine))
 
 
 def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: str = "auto") -> FitVerdict:
@@ -277,23 +281,33 @@ def resident_widening(machine: Machine, fmt: str = "bf16") -> int:
 
 def cpu_resident_bytes(entry: CatalogEntry, fmt: str, machine: Machine) -> int:
     """The resident part in RAM without a CUDA GPU, experts stored as `fmt`: dense format auto packs its linear
-    weights as int8/int4 experts (dense_formats.resolve), int4's scales and zeros in the compute dtype as the
-    experts' (cpu_widening); the input embedding table, and everything with other experts, takes its size in the
-    compute dtype (resident_widening)."""
+    weights as int8/int4 experts (dense_formats.resolve, `cpu_dense_copy_bytes`); the input embedding table, and
+    everything with other experts, takes its size in the compute dtype (resident_widening)."""
+    stored = entry.native_format if fmt == "auto" else fmt
+    widen = resident_widening(machine, stored)
+    packed = cpu_dense_copy_bytes(entry, fmt, machine)
+    if not packed:
+        return widen * entry.resident_bytes
+    return widen * entry.embedding_bytes + packed
+
+
+def cpu_dense_copy_bytes(entry: CatalogEntry, fmt: str, machine: Machine) -> int:
+    """The resident part's linear weights as dense format auto packs them on a CPU device with experts in `fmt` (0
+    when it leaves them unpacked): their size in RAM and in the copy's `dense.safetensors` (quant_cache.DenseCopy).
+    int4's scales and zeros follow the compute dtype, as the experts' (cpu_widening)."""
     import torch
 
     from fmoe_local.dense_formats import resolve
     from fmoe_local.expert_formats import BITS, INT4_FLOAT32_BITS
 
     stored = entry.native_format if fmt == "auto" else fmt
-    widen = resident_widening(machine, stored)
     dense = resolve("auto", torch.device("cpu"), stored)
     if dense == "bf16":
-        return widen * entry.resident_bytes
+        return 0
     packed = entry.resident_bytes_for(dense) - entry.embedding_bytes
-    if dense == "int4" and widen == 2:
+    if dense == "int4" and resident_widening(machine, stored) == 2:
         packed = round(packed * INT4_FLOAT32_BITS / BITS["int4"])
-    return widen * entry.embedding_bytes + packed
+    return packed
 
 
 def _widens(machine: Machine, fmt: str) -> bool:

@@ -127,7 +127,10 @@ def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
         return widen * table + round(linear * bits / 16)
 
     assert cpu["int4"].ram_bytes == round(OLMOE.experts_bytes * 5 / 16) + packed(5, 2)
-    assert cpu["int4"].disk_bytes == OLMOE.download_bytes + round(OLMOE.experts_bytes * 5 / 16)
+    # The copy on disk holds the packed linear weights too (dense.safetensors), the embedding table not.
+    assert cpu["int4"].disk_bytes == OLMOE.download_bytes + round(OLMOE.experts_bytes * 5 / 16) + round(linear * 5 / 16)
+    assert cpu["int8"].disk_bytes == OLMOE.download_bytes + OLMOE.experts_bytes_for("int8") + round(linear * 8 / 16)
+    assert cpu["nf4"].disk_bytes == OLMOE.download_bytes + OLMOE.experts_bytes_for("nf4")  # its dense stays bf16
     assert [f.fmt for f in cpu.values() if f.recommended] == ["int4"]  # the smallest with nf4, the faster on a CPU
     # On a CPU measured to decode bf16 about as fast as float32, a bf16 model stays bf16: its own size in RAM.
     keeps = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_keeps_bf16=True))}
@@ -138,7 +141,7 @@ def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
     # bf16 (the table at its own size, 4.5 bits per packed weight); the other formats still widen.
     products = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_bf16_products=("int4",)))}
     assert products["int4"].ram_bytes == OLMOE.experts_bytes_for("int4") + packed(4.5, 1)
-    assert products["int4"].disk_bytes == OLMOE.download_bytes + OLMOE.experts_bytes_for("int4")
+    assert products["int4"].disk_bytes == OLMOE.download_bytes + OLMOE.experts_bytes_for("int4") + packed(4.5, 0)
     assert products["int8"].ram_bytes == cpu["int8"].ram_bytes == OLMOE.experts_bytes_for("int8") + packed(8, 2)
     assert products["bf16"].ram_bytes == cpu["bf16"].ram_bytes
     gpt_oss = format_fits(find("openai/gpt-oss-20b"), desktop)
