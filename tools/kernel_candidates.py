@@ -1,0 +1,272 @@
+"""Expert product kernels from libraries, measured side by side on this CPU (issue 26, item 1). Prints a table.
+
+One token through many real-shaped experts (gate_up product, SwiGLU, down product; random weights; enough experts
+that every pass reads DRAM, as a decode miss does), per candidate:
+- torch's weight-only products as the runtime calls them (cpu_experts.KERNELS: int8 and int4, bf16 activations) and
+  torch's bf16 GEMV, the runtime's kernels today;
+- torch's fbgemm dynamic-quantised int8 linear (activations quantised per tensor; torch marks that API deprecated);
+- ONNX Runtime's MatMulNBits (4 and 8 bits, blocks along the input, accuracy level 4: activations quantised to int8
+  per block, as llama.cpp's q8_0 activations), one session per weight built from an ONNX file whose weights are
+  external data (loading from bytes keeps copies: RSS 2.5× the weight), all sessions sharing one thread pool (one
+  pool per session, the default, starts a spinning thread per session), only when `onnxruntime` and `onnx` import.
+  The int8 weights are ours (per-row scale repeated per block: the same dequantised values); int4 is quantised with
+  an integer zero point per block, which ours is not (its float zero point sends MatMulNBits to a 30× slower path).
+
+Columns: ms per expert (best pass; passes interleaved across candidates so a busy machine slows all alike), GB/s of
+the bytes the candidate reads per expert, that as a share of the DRAM read measured in the same run, the largest
+error of one product against float32 on the candidate's own dequantised weights relative to the largest output,
+and, for ONNX Runtime, the RSS a session adds per weight against the weight's packed bytes.
+
+Run from the repository root: `python tools/kernel_candidates.py --threads 1` (add `--threads 2`; `--experts` sets
+how many distinct experts a pass cycles through). With ONNX Runtime: `pip install onnxruntime==1.32.0 onnx==1.23.2`
+into a folder and put it on PYTHONPATH (neither is a dependency of the app).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fmoe_local import bandwidth, cpu_experts, expert_formats
+
+SHAPES = {"qwen3-30b-a3b": (2048, 768), "mixtral-8x7b": (4096, 14336)}  # hidden, expert intermediate
+
+
+@dataclass
+class Candidate:
+    name: str
+    bytes_per_expert: int
+    run: Callable[[int], torch.Tensor]  # expert index -> output [1, H] (one expert, one token)
+    error: float = 0.0
+    rss_ratio: float | None = None
+    times: list[float] = field(default_factory=list)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: RSS figures include freed heap
+        pass
+
+
+def _swiglu(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def _relative(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
+def _dequantised(fmt: str, w: torch.Tensor) -> torch.Tensor:
+    """The values a kernel of `fmt` multiplies by: the runtime's own packers, unpacked in float32."""
+    if fmt == "bf16":
+        return w.to(torch.bfloat16).float()
+    if fmt == "int8":
+        parts = expert_formats.pack_int8(w)
+        return parts["q"].float() * parts["scale"].float()[:, None]
+    parts = expert_formats.pack_int4(w, torch.bfloat16)
+    q = torch.stack([parts["q"] & 0x0F, parts["q"] >> 4], -1).reshape(w.shape).float()
+    sz = parts["sz"].float()  # [in/g, out, 2]
+    group = w.shape[1] // sz.shape[0]
+    scale, zero = (sz[..., i].t().repeat_interleave(group, 1) for i in (0, 1))
+    return (q - 8) * scale + zero
+
+
+def torch_candidates(weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, inter: int) -> list[Candidate]:
+    out = []
+    xb = x.to(torch.bfloat16)
+    for fmt in ("bf16", "int8", "int4"):
+        kernel = next(k for k in cpu_experts.KERNELS[fmt] if fmt == "bf16" or k.precision == "bf16 activations")
+        packed = [(kernel.pack(a), kernel.pack(b)) for a, b in weights]
+        nbytes = kernel.stored_bytes(packed[0][0]) + kernel.stored_bytes(packed[0][1])
+
+        def run(e: int, packed: list = packed, kernel: cpu_experts.Kernel = kernel) -> torch.Tensor:
+            a, b = packed[e]
+            return kernel.linear(_swiglu(kernel.linear(xb, a, None), inter), b, None)
+
+        error = _relative(kernel.linear(xb, packed[0][0], None), x @ _dequantised(fmt, weights[0][0]).T)
+        out.append(Candidate(f"torch {kernel.name}", nbytes, run, error=error))
+    return out
+
+
+def fbgemm_candidate(weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, inter: int) -> Candidate:
+    def prepack(w: torch.Tensor) -> object:
+        scale = w.abs().amax(1) / 127
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        zeros = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qt = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(qt, None)
+
+    packed = [(prepack(a), prepack(b)) for a, b in weights]
+    h, i2 = weights[0][0].shape[1], weights[0][0].shape[0]
+
+    def run(e: int) -> torch.Tensor:
+        a, b = packed[e]
+        return torch.ops.quantized.linear_dynamic(
+            _swiglu(torch.ops.quantized.linear_dynamic(x, a, True), inter), b, True
+        )
+
+    error = _relative(
+        torch.ops.quantized.linear_dynamic(x, packed[0][0], True), x @ _dequantised("int8", weights[0][0]).T
+    )
+    return Candidate("torch fbgemm dynamic int8", i2 * h + h * inter + (i2 + h) * 4, run, error=error)
+
+
+def ort_candidates(
+    weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, inter: int, threads: int, workdir: str
+) -> list[Candidate]:
+    try:
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError:
+        print("onnxruntime or onnx not importable: no ONNX Runtime rows (see the docstring)")
+        return []
+
+    def quantise(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        n, k = w.shape
+        if bits == 8:  # ours: symmetric per row, the scale repeated per block; zero point 128 (MatMulNBits' default)
+            scale = np.abs(w).max(1) / 127
+            q = np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int16) + 128
+            return q.astype(np.uint8).reshape(n, k // block, block), np.repeat(scale, k // block), None
+        wb = w.reshape(n, k // block, block)
+        lo, hi = np.minimum(wb.min(-1), 0), np.maximum(wb.max(-1), 0)
+        scale = np.where(hi > lo, (hi - lo) / 15, 1.0)
+        zero = np.clip(np.round(-lo / scale), 0, 15).astype(np.uint8)
+        q = np.clip(np.round(wb / scale[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
+        zp = zero.reshape(n, -1)
+        if zp.shape[1] % 2:
+            zp = np.concatenate([zp, np.zeros((n, 1), np.uint8)], 1)
+        return (q[..., 0::2] | (q[..., 1::2] << 4)), scale.reshape(-1), (zp[:, 0::2] | (zp[:, 1::2] << 4)).reshape(-1)
+
+    def dequantised(b: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, bits: int, n: int, k: int) -> np.ndarray:
+        if bits == 8:
+            return ((b.astype(np.float32) - 128) * scale.reshape(n, -1, 1)).reshape(n, k)
+        q = np.stack([b & 15, b >> 4], -1).reshape(n, k // (2 * b.shape[-1]), -1).astype(np.float32)
+        z = np.stack([zp & 15, zp >> 4], -1).reshape(n, -1)[:, : q.shape[1]].astype(np.float32)
+        return ((q - z[..., None]) * scale.reshape(n, -1, 1)).reshape(n, k)
+
+    def session(path: str, b: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, bits: int, block: int) -> object:
+        n, k = b.shape[0], b.shape[1] * block
+        inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scale.astype(np.float32), "s")]
+        names = ["x", "B", "s"] + (["zp"] if zp is not None else [])
+        if zp is not None:
+            inits.append(numpy_helper.from_array(zp, "zp"))
+        node = helper.make_node(
+            "MatMulNBits", names, ["y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, accuracy_level=4
+        )
+        graph = helper.make_graph(
+            [node],
+            "w",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
+            inits,
+        )
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+        )
+        onnx.save_model(
+            model, path, save_as_external_data=True, location=os.path.basename(path) + ".bin", size_threshold=0
+        )
+        options = ort.SessionOptions()
+        options.use_per_session_threads = False  # one pool for all: a pool per session is hundreds of spinning threads
+        options.enable_cpu_mem_arena = False
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+    ort.set_global_thread_pool_sizes(threads, 1)
+    out = []
+    xn = x.numpy()
+    for bits, block in ((8, 32), (8, 128), (4, 32), (4, 64)):
+        parts = [
+            tuple(quantise(w.float().numpy(), bits, block) for w in pair) for pair in weights
+        ]  # [(gate_up parts, down parts)]
+        nbytes = sum(p.nbytes for part in parts[0] for p in part if p is not None)
+        _trim()
+        before = _rss_bytes()
+        sessions = [
+            tuple(
+                session(os.path.join(workdir, f"w{bits}-{block}-{e}-{j}.onnx"), *part, bits, block)
+                for j, part in enumerate(pair)
+            )
+            for e, pair in enumerate(parts)
+        ]
+        _trim()
+        rss_ratio = (_rss_bytes() - before) / (nbytes * len(parts))
+
+        def run(e: int, sessions: list = sessions) -> torch.Tensor:
+            a, b = sessions[e]
+            h = _swiglu(torch.from_numpy(a.run(None, {"x": xn})[0]), inter)
+            return torch.from_numpy(b.run(None, {"x": h.numpy()})[0])
+
+        cand = Candidate(f"ORT MatMulNBits int{bits} block {block}", nbytes, run, rss_ratio=rss_ratio)
+        gu = parts[0][0]
+        ref_gu = x @ torch.from_numpy(dequantised(*gu, bits, *weights[0][0].shape)).T
+        cand.error = _relative(torch.from_numpy(sessions[0][0].run(None, {"x": xn})[0]), ref_gu)
+        out.append(cand)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--experts", type=int, default=48, help="distinct experts a pass cycles through")
+    parser.add_argument("--passes", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    hidden, inter = SHAPES[args.shape]
+    gen = torch.Generator().manual_seed(0)
+    weights = [
+        (torch.randn(2 * inter, hidden, generator=gen) * 0.02, torch.randn(hidden, inter, generator=gen) * 0.02)
+        for _ in range(args.experts)
+    ]
+    x = torch.randn(1, hidden, generator=gen)
+    cands = torch_candidates(weights, x, inter) + [fbgemm_candidate(weights, x, inter)]
+    with tempfile.TemporaryDirectory() as workdir:
+        cands += ort_candidates(weights, x, inter, args.threads, workdir)
+        dram = bandwidth.dram_read_gbps()
+        for _ in range(args.passes):
+            for cand in cands:
+                start = time.perf_counter()
+                for e in range(args.experts):
+                    cand.run(e)
+                cand.times.append((time.perf_counter() - start) / args.experts)
+        dram = max(dram, bandwidth.dram_read_gbps())
+    load = open("/proc/loadavg").read().split()[:3]
+    print(f"{args.shape}, one token, {args.threads} thread(s), {args.experts} experts a pass, best of {args.passes}")
+    print(f"DRAM read {dram:.1f} GB/s (best of two, all threads); load average {' '.join(load)}")
+    print(
+        f"{'candidate':40s} {'MB/expert':>9s} {'ms/expert':>9s} {'GB/s':>6s} {'of DRAM':>7s} {'error':>8s} {'RSS/bytes':>9s}"
+    )
+    for c in cands:
+        best = min(c.times)
+        gbps = c.bytes_per_expert / best / 1e9
+        rss = f"{c.rss_ratio:.2f}" if c.rss_ratio is not None else "-"
+        err = f"{c.error:.1e}" if c.error else "-"
+        print(
+            f"{c.name:40s} {c.bytes_per_expert / 1e6:9.2f} {best * 1e3:9.3f} {gbps:6.2f} {gbps / dram:7.0%} {err:>8s} {rss:>9s}"
+        )
+
+
+if __name__ == "__main__":
+    main()
