@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -464,6 +464,39 @@ def to_cuda_layout(params: Mapping[str, PackedParam], slot: Mapping[str, Tensor]
 
 PACKED_WEIGHTS = (Int8Weight, Int4Weight, Int4CudaWeight)  # what PackedRows gives in place of a dense tensor
 PRODUCTS = ("int8", "int4")  # the formats a CPU computes with a library product instead of dequantising
+
+
+def product_runs(fmt: str, dtype: torch.dtype) -> bool:
+    """Can this torch build multiply `fmt` ("int8" or "int4") weights with its weight-only CPU product, activations
+    in `dtype`? One product on a 64 × 64 weight of constant codes: builds and CPUs without the kernel raise."""
+    if fmt not in PRODUCTS:
+        return False
+    try:
+        if fmt == "int8":
+            weight: Int8Weight | Int4Weight = Int8Weight(torch.ones(64, 64, dtype=torch.int8), torch.ones(64))
+        else:
+            codes = Int4Weight.from_portable(torch.full((64, 32), 0x88, dtype=torch.uint8))
+            weight = Int4Weight(codes, torch.zeros(64 // int4_group(64), 64, 2, dtype=dtype), int4_group(64))
+        weight.linear(torch.ones(1, 64, dtype=dtype), None)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def check_cpu_products(formats: Iterable[str], dtype: torch.dtype) -> None:
+    """Refuse (ValueError, a sentence naming a format that runs) weights a CPU device would multiply with a product
+    this torch build lacks: asked at load, before the experts are read, rather than failing at the first token."""
+    missing = [f for f in dict.fromkeys(formats) if f in PRODUCTS and not product_runs(f, dtype)]
+    if not missing:
+        return
+    runs = [f for f in PRODUCTS if f not in missing and product_runs(f, dtype)]
+    instead = f"choose {NAMES[runs[0]]} ({runs[0]}), which runs here," if runs else "choose bf16 (unpacked),"
+    names = " and ".join(f"{NAMES[f]} ({f})" for f in missing)
+    raise ValueError(
+        f"This PyTorch build has no CPU product for {names} weights in {str(dtype).removeprefix('torch.')}, so this "
+        f"computer's CPU cannot compute the model in that format: {instead} or update PyTorch (the launcher's "
+        "--repair installs the tested version)."
+    )
 
 
 def has_products(params: Mapping[str, PackedParam]) -> bool:

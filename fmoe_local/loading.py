@@ -28,7 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fmoe_local import bnb_checkpoint, dense_formats, hardware, hf_internals
+from fmoe_local import bnb_checkpoint, dense_formats, expert_formats, hardware, hf_internals
 from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.host import CheckpointFiles, CheckpointHostStore, TieredHostStore
@@ -161,6 +161,9 @@ def _build(
     sources = [[arch.expert_sources(ref.layer_index, e, files) for e in range(num_experts)] for ref in moe_layers]
     fmt = resolve_format(config.expert_format, sources, files)
     dense = dense_formats.resolve(config.dense_format, device, fmt)
+    if device.type == "cpu":  # before the packed weights are read: the formats this device multiplies packed
+        transposed = hf_internals.is_transposed(moe_layers[0].experts)
+        expert_formats.check_cpu_products([dense] + ([] if transposed else [fmt]), dtype)
     copy = DenseCopy(config.quant_cache_dir, model_dir, dense, dtype) if dense in dense_formats.PACKED else None
     dense_formats.quantise(model, arch, moe_layers, dense, hf_internals.keep_in_fp32(model, dtype), copy)
     if config.host_ram_gb is None:

@@ -221,3 +221,34 @@ def test_checkpoint_dtype_is_what_the_weights_are_stored_in(tiny_model_dir):
 
     assert checkpoint_dtype(tiny_model_dir("mixtral", dtype=torch.bfloat16)) == torch.bfloat16
     assert checkpoint_dtype(tiny_model_dir("mixtral")) == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("expert_format", "dense_format", "lacking", "names"),
+    [("int4", "auto", "int4", "choose 8-bit (int8)"), ("int8", "int4", "int4", "choose 8-bit (int8)")],
+)
+def test_a_packed_format_this_torch_cannot_multiply_on_the_cpu_is_refused_at_load(
+    tiny_model_dir, tmp_path, monkeypatch, expert_format, dense_format, lacking, names
+):
+    """A torch build or CPU without the int4 product: the load says so and names the format that runs, before any
+    expert is quantised (no copy on disk), instead of failing at the first token."""
+    from fmoe_local import expert_formats
+
+    def missing(self, x, bias):
+        raise RuntimeError("Could not run 'aten::_weight_int4pack_mm_for_cpu' with arguments from the 'CPU' backend.")
+
+    monkeypatch.setattr(expert_formats.Int4Weight, "linear", missing)
+    config = RuntimeConfig(expert_format=expert_format, dense_format=dense_format, quant_cache_dir=str(tmp_path / "q"))
+    with pytest.raises(ValueError, match=r"no CPU product for 4-bit int4 \(int4\) weights") as refused:
+        load_model(tiny_model_dir("mixtral"), config, "cpu", torch.bfloat16)
+    assert names in str(refused.value)
+    assert not (tmp_path / "q").exists() or not any((tmp_path / "q").rglob("*.safetensors"))
+
+
+def test_the_cpu_products_this_build_has_are_found():
+    from fmoe_local import expert_formats
+
+    for fmt in expert_formats.PRODUCTS:
+        for dtype in (torch.float32, torch.bfloat16):
+            assert expert_formats.product_runs(fmt, dtype)
+    assert not expert_formats.product_runs("nf4", torch.float32)  # no product: dequantised per use
