@@ -25,9 +25,10 @@ A CPU device keeps int4 codes in torch's CPU layout on disk (`CpuLayout`): conve
 Mixtral expert (docs/bench.md), and the layout depends on torch's version and the CPU it dispatches for, so a file
 holding it names its key in its metadata (`int4_layout`). The layout replaces the portable codes in the file (the
 same bytes per weight, so the copy takes no more disk); a file holds one form only and is read only in it: a CPU
-load converts a portable layer (made by a GPU load) and writes it over, and any load quantises again from the
-checkpoint a layer whose layout is another key's (torch updated, the folder moved to another machine) or that a
-load without a layout (a GPU) cannot read. `dense.safetensors` (made on a CPU device only) holds int4 in the layout
+load converts a portable layer (made by a GPU load) and writes it over (where it cannot, it converts the layer's
+experts as it reads them, as every load did before), and any load quantises again from the checkpoint a layer whose
+layout is another key's (torch updated, the folder moved to another machine) or that a load without a layout (a GPU)
+cannot read. `dense.safetensors` (made on a CPU device only) holds int4 in the layout
 of the key it names, and is packed again under any other.
 """
 
@@ -208,6 +209,7 @@ class QuantCache:
         self.layout = layout
         self.quantised_layers = 0  # how many layers this load quantised (0: everything came from the copy)
         self.converted_layers = 0  # how many portable layers this load put in `layout` and wrote over
+        self._portable: set[int] = set()  # layers left portable though `layout` is kept: `read` converts them
         self.reported = False  # progress was reported: a build that stops must say so, or the count just freezes
         self._handles: dict[int, SafetensorsFile] = {}
         self._lock = threading.Lock()
@@ -242,58 +244,76 @@ class QuantCache:
 
     def build(self, fetch: Fetch, num_experts: int, expert_bytes: int, progress: Progress | None = None) -> None:
         """Quantise the layers not in the copy yet (`fetch(layer, expert)` gives one expert's stored tensors,
-        `expert_bytes` their size). Raises CopyNotKept (an OSError) when the copy does not fit with the margin to
+        `expert_bytes` their size), then, when the copy keeps a `layout`, write its portable layers over in it. Raises CopyNotKept (an OSError) when the copy does not fit with the margin to
         spare (nothing is written) or cannot be written."""
         _remove_leftovers(self.dir)
         states = [self._state(layer) for layer in range(self.num_layers)]
-        missing = [layer for layer, state in enumerate(states) if state != "ok"]
-        if not missing:
+        missing = [layer for layer, state in enumerate(states) if state == "missing"]
+        convert = [layer for layer, state in enumerate(states) if state == "convert"]
+        if not missing and not convert:
             return
         layer_bytes = num_experts * expert_bytes
-        convert = {layer for layer in missing if states[layer] == "convert"}
-        try:
-            free = hardware.disk_free_bytes(self.dir)
-        except OSError as exc:
-            raise self._unwritable(exc) from exc
-        # A converted layer replaces its file: only one layer's temporary file more at a time.
-        need = (len(missing) - len(convert) + bool(convert)) * layer_bytes
-        if free < need + hardware.DISK_MARGIN_BYTES:
-            raise self._no_room(need, free, whole=len(missing) == self.num_layers)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise self._unwritable(exc) from exc
+        if missing:
+            try:
+                free = hardware.disk_free_bytes(self.dir)
+            except OSError as exc:
+                raise self._unwritable(exc) from exc
+            if free < len(missing) * layer_bytes + hardware.DISK_MARGIN_BYTES:
+                raise self._no_room(len(missing) * layer_bytes, free, whole=len(missing) == self.num_layers)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise self._unwritable(exc) from exc
         t0 = time.perf_counter()
         total = self.num_layers * num_experts
-        done = (self.num_layers - len(missing)) * num_experts
+        done = (self.num_layers - len(missing) - len(convert)) * num_experts
         if progress is not None:
             progress(done, total)
             self.reported = True
         for step, layer in enumerate(missing):
-            portable = SafetensorsFile(self.layer_path(layer)) if layer in convert else None
             tensors = {}
-            try:
-                for e in range(num_experts):
-                    rows = fetch(layer, e) if portable is None else _expert(portable, e)
-                    if self.layout is not None:
-                        rows = self.layout.convert(rows)
-                    tensors.update({f"{e}.{key}": t.contiguous() for key, t in rows.items()})
-                    done += 1
-                    if progress is not None:
-                        progress(done, total)
-            finally:
-                if portable is not None:
-                    portable.close()  # before the converted layer is renamed over it (Windows refuses an open one)
+            for e in range(num_experts):
+                tensors.update(self._stored(fetch(layer, e), e))
+                done += 1
+                if progress is not None:
+                    progress(done, total)
             try:
                 self._write(layer, tensors)
             except (OSError, SafetensorError) as exc:  # safetensors' own type for its I/O errors (disk full)
                 raise self._write_failed(exc, (len(missing) - step) * layer_bytes, layer_bytes) from exc
-            if portable is None:
-                self.quantised_layers += 1
-            else:
-                self.converted_layers += 1
-            log.info("wrote MoE layer %d (%d/%d) into %s", layer, step + 1, len(missing), self.dir)
-        log.info("quantised or converted %d layers in %.1f s", len(missing), time.perf_counter() - t0)
+            self.quantised_layers += 1
+            log.info("quantised MoE layer %d (%d/%d) into %s", layer, step + 1, len(missing), self.dir)
+        for layer in convert:
+            self._convert(layer, num_experts, layer_bytes)
+            done += num_experts
+            if progress is not None:
+                progress(done, total)
+        log.info("quantised %d and converted %d layers in %.1f s", len(missing), len(convert), time.perf_counter() - t0)
+
+    def _stored(self, rows: dict[str, torch.Tensor], expert: int) -> dict[str, torch.Tensor]:
+        """One expert's tensors as its layer file holds them: in `layout` when this copy keeps one."""
+        if self.layout is not None:
+            rows = self.layout.convert(rows)
+        return {f"{expert}.{key}": t.contiguous() for key, t in rows.items()}
+
+    def _convert(self, layer: int, num_experts: int, layer_bytes: int) -> None:
+        """Write a portable layer over in `layout`. Best effort: a layer that cannot be (no room with the margin to
+        spare, a write that fails) stays portable, and `read` converts its experts at every load, as before."""
+        try:
+            if hardware.disk_free_bytes(self.dir) < layer_bytes + hardware.DISK_MARGIN_BYTES:
+                raise OSError(errno.ENOSPC, f"not {layer_bytes / hardware.GB:.1f} GB free beside the margin")
+            file = SafetensorsFile(self.layer_path(layer))
+            try:
+                tensors = {}
+                for e in range(num_experts):
+                    tensors.update(self._stored(_expert(file, e), e))
+            finally:
+                file.close()  # before the converted layer is renamed over it (Windows refuses an open one)
+            self._write(layer, tensors)
+            self.converted_layers += 1
+        except (OSError, SafetensorError) as exc:
+            log.warning("Layer %d in %s stays portable (%s); every load converts it.", layer, self.dir, _reason(exc))
+            self._portable.add(layer)
 
     def _write(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
         layout = {LAYOUT: self.layout.key} if self.layout is not None else {}
@@ -337,12 +357,14 @@ class QuantCache:
         )
 
     def read(self, layer: int, expert: int, keys: list[str]) -> dict[str, torch.Tensor]:
-        """One expert's stored tensors from the copy (positioned reads, as from the checkpoint)."""
+        """One expert's stored tensors from the copy (positioned reads, as from the checkpoint), in `layout` when
+        the copy keeps one. Called after `build`, which alone changes which layers are left portable."""
         with self._lock:
             handle = self._handles.get(layer)
             if handle is None:
                 handle = self._handles[layer] = SafetensorsFile(self.layer_path(layer))
-        return {key: handle.get(f"{expert}.{key}") for key in keys}
+        rows = {key: handle.get(f"{expert}.{key}") for key in keys}
+        return self.layout.convert(rows) if self.layout is not None and layer in self._portable else rows
 
     def close(self) -> None:
         with self._lock:

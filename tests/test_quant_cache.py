@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -392,3 +393,21 @@ def test_a_portable_copy_is_converted_once_and_a_layout_copy_is_remade_portable_
     assert gpu.missing_layers() == [0, 1]
     remade = _build_and_read(gpu, _portable_expert)
     assert gpu.quantised_layers == 2 and all(torch.equal(remade[k]["w.q"], portable[k]["w.q"]) for k in portable)
+
+
+def test_a_portable_layer_that_cannot_be_written_over_is_converted_as_it_is_read(tmp_path, monkeypatch):
+    portable = _build_and_read(_copy(tmp_path), _portable_expert)
+
+    def refuse(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(quant_cache, "save_file", refuse)
+    layout = quant_cache.CpuLayout("this cpu", partial(expert_formats.to_cpu_layout, _PARAMS))
+    cache = _copy(tmp_path, layout)
+    read = _build_and_read(cache, _checkpoint_never_read)  # no CopyNotKept: the portable copy is still read
+    assert cache.converted_layers == cache.quantised_layers == 0 and _layouts(cache.dir) == {None}
+    assert all(torch.equal(read[k]["w.q"], expert_formats.Int4Weight.from_portable(portable[k]["w.q"])) for k in read)
+    monkeypatch.setattr(quant_cache, "save_file", REAL_SAVE)
+    again = _copy(tmp_path, layout)
+    _build_and_read(again, _checkpoint_never_read)
+    assert again.converted_layers == 2 and _layouts(again.dir) == {"this cpu"}
