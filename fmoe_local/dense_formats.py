@@ -6,8 +6,9 @@ Scope: resolving `dense_format` (auto | bf16 | int8 | int4, config.py) against t
 format; choosing the nn.Linear modules to pack; swapping each for a `PackedLinear` holding the weight in
 expert_formats' int8 / int4 form (expert_formats.pack_int8 / pack_int4 and Int4Weight's CPU layout: one packer for
 experts and dense weights); the bytes they hold. Packed once per checkpoint, format and dtype: the packed parts are
-kept in the quantise-on-load cache beside the experts (quant_cache.DenseCopy, `dense.safetensors`) and read back at
-later loads, which then only put int4's codes in torch's CPU layout. It does NOT read checkpoints (loading.py puts
+kept in the quantise-on-load cache beside the experts (quant_cache.DenseCopy, `dense.safetensors`, int4's codes in
+the CPU layout of the torch and CPU that wrote it) and read back as they are at later loads under the same key. It
+does NOT read checkpoints (loading.py puts
 the dense weights in the model first, then calls `quantise`), touch the routed experts, or re-implement a model: each
 module keeps its place in transformers' model, only its weight's storage and product change.
 
@@ -134,8 +135,8 @@ def quantise(
     """Swap every candidate nn.Linear of `model` for a PackedLinear in `fmt` (int8 or int4; bf16 does nothing).
     Each weight's parts are read from `copy` when it holds exactly the ones this load packs, else packed from the
     weight's current values (float32 arithmetic) and then written to `copy` whole; the weight is dropped as soon as
-    its module is swapped, so the peak is one module's packed copy over the unpacked model (plus, while a copy is
-    written, int4's portable codes beside their CPU layout). `kept_in_fp32(parameter name)`: transformers'
+    its module is swapped, so the peak is one module's packed copy over the unpacked model (the copy writes the
+    modules' own parts). `kept_in_fp32(parameter name)`: transformers'
     keep-in-fp32 rule (hf_internals.keep_in_fp32): such a weight is left as it is."""
     report = DenseReport(fmt)
     if fmt not in PACKED:
@@ -169,12 +170,12 @@ def quantise(
                 stored.close()
                 stored = None
                 copy.discard()
-        if parts is None:
+        if parts is None:  # packed now, int4 into this CPU's layout (a copy's parts are in it: DenseCopy.open)
             parts = expert_formats.pack(param, weight, weight.dtype)
+            parts = expert_formats.to_cpu_layout({"w": param}, {f"w.{k}": v for k, v in parts.items()})
+            parts = {k.removeprefix("w."): v for k, v in parts.items()}
             if written is not None:
                 written.update({f"{name}.{part}": t for part, t in parts.items()})
-        parts = expert_formats.to_cpu_layout({"w": param}, {f"w.{k}": v for k, v in parts.items()})
-        parts = {k.removeprefix("w."): v for k, v in parts.items()}
         packed = PackedLinear(fmt, param.shape[1], param.shape[0], parts, linear.bias)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, packed)

@@ -24,14 +24,21 @@ from fmoe_local import bandwidth
 
 
 def machine_key() -> str:
-    """What the dtype probes' answers depend on, as one string: the CPU (model name and flags, or what the platform
-    says of it), torch's version and the CPU capability it dispatches to, and torch's thread count now."""
+    """What the dtype probes' answers depend on, as one string: `torch_cpu_key()` and torch's thread count now."""
+    import torch
+
+    return f"{torch_cpu_key()} | threads {torch.get_num_threads()}"
+
+
+def torch_cpu_key() -> str:
+    """The CPU (model name and flags, or what the platform says of it), torch's version and the CPU capability it
+    dispatches to, as one string: what torch's CPU kernels, and the int4 layout they read (kept on disk by
+    quant_cache.py), depend on."""
     import torch
 
     model, flags = _cpu_identity()
     digest = hashlib.sha256(flags.encode()).hexdigest()[:16]
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{model} | flags {digest} | torch {torch.__version__} {capability} | threads {torch.get_num_threads()}"
+    return f"{model} | flags {digest} | torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _cpu_identity() -> tuple[str, str]:

@@ -28,7 +28,7 @@ the offloaded model equals transformers eager on these dequantised weights, not 
 
 Where a packed expert is multiplied without a dense copy (`PackedRows`): on a CPU device int8 and int4 parameters
 are read as torch's weight-only product operands (Int8Weight, Int4Weight; int4 held in RAM in torch's CPU layout,
-made as each expert is read, never written to disk since it depends on the CPU torch was built for); on a CUDA GPU
+made once per machine and kept on disk under a key of what it depends on: quant_cache.CpuLayout); on a CUDA GPU
 of compute capability 8.0 or later computing in bf16, an int4 cache hit is multiplied by torch's CUDA int4 product
 (Int4CudaWeight, tinygemm) on the layout `to_cuda_layout` makes in place when the copy lands (RAM and the disk keep
 the portable bytes). Every other case dequantises.
@@ -384,8 +384,8 @@ class Int4Weight:
 
     @staticmethod
     def from_portable(q: Tensor) -> Tensor:
-        """Our stored `q` [out, in/2] (low nibble first) in torch's CPU layout: made where RAM is filled, since the
-        layout depends on the CPU torch was built for and so is never written to disk. Converted a block of
+        """Our stored `q` [out, in/2] (low nibble first) in torch's CPU layout, the same shape and dtype (it depends
+        on torch's version and the CPU it dispatches for: quant_cache.CpuLayout keeps it per key). Converted a block of
         INT4_LAYOUT_ROWS rows at a time through reused buffers: torch takes one int32 per code, four times the
         packed bytes, and its layout blocks rows in groups that divide that count, so the blocks give the whole
         conversion's bytes (tests/test_expert_formats.py compares)."""
@@ -466,9 +466,11 @@ PACKED_WEIGHTS = (Int8Weight, Int4Weight, Int4CudaWeight)  # what PackedRows giv
 PRODUCTS = ("int8", "int4")  # the formats a CPU computes with a library product instead of dequantising
 
 
+@functools.cache
 def product_runs(fmt: str, dtype: torch.dtype) -> bool:
     """Can this torch build multiply `fmt` ("int8" or "int4") weights with its weight-only CPU product, activations
-    in `dtype`? One product on a 64 × 64 weight of constant codes: builds and CPUs without the kernel raise."""
+    in `dtype`? One product on a 64 × 64 weight of constant codes: builds and CPUs without the kernel raise. Asked
+    once per process (the build does not change under it)."""
     if fmt not in PRODUCTS:
         return False
     try:

@@ -28,7 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fmoe_local import bnb_checkpoint, dense_formats, expert_formats, hardware, hf_internals
+from fmoe_local import bnb_checkpoint, dense_formats, dtype_verdicts, expert_formats, hardware, hf_internals
 from fmoe_local.architectures import Architecture, MoELayerRef, architecture_for
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.host import CheckpointFiles, CheckpointHostStore, TieredHostStore
@@ -164,7 +164,10 @@ def _build(
     if device.type == "cpu":  # before the packed weights are read: the formats this device multiplies packed
         transposed = hf_internals.is_transposed(moe_layers[0].experts)
         expert_formats.check_cpu_products([dense] + ([] if transposed else [fmt]), dtype)
-    copy = DenseCopy(config.quant_cache_dir, model_dir, dense, dtype) if dense in dense_formats.PACKED else None
+    copy = None
+    if dense in dense_formats.PACKED:  # only ever on a CPU device: int4 is kept in this CPU's layout
+        layout_key = dtype_verdicts.torch_cpu_key() if dense == "int4" else None
+        copy = DenseCopy(config.quant_cache_dir, model_dir, dense, dtype, layout_key)
     dense_formats.quantise(model, arch, moe_layers, dense, hf_internals.keep_in_fp32(model, dtype), copy)
     if config.host_ram_gb is None:
         # Measured now, with the resident weights loaded; on the CPU the expert cache's slots come out of RAM too.

@@ -17,12 +17,12 @@ from functools import partial
 
 import torch
 
-from fmoe_local import bnb_checkpoint, expert_formats
+from fmoe_local import bnb_checkpoint, dtype_verdicts, expert_formats
 from fmoe_local.architectures import ConcatRows, ExpertSource, Mxfp4Row
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.expert_formats import PackedParam, PackedRows
 from fmoe_local.host import CheckpointFiles, TieredHostStore, read_expert
-from fmoe_local.quant_cache import CopyNotKept, Progress, QuantCache
+from fmoe_local.quant_cache import CopyNotKept, CpuLayout, Progress, QuantCache
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,13 @@ class PackedHostStore(TieredHostStore):
         host_ram_gb: float | None = None,
         on_close: Callable[[], None] = lambda: None,
         products: bool = False,
+        fetched_in_layout: bool = False,
     ) -> None:
         self.params = dict(params)
-        # A CPU device: int8/int4 computed by torch's products on the stored form, int4 held in torch's CPU layout.
+        # A CPU device: int8/int4 computed by torch's products on the stored form, int4 held in torch's CPU layout —
+        # converted as each expert is read unless `fetch` gives it so already (a copy that keeps it: quant_cache.py).
         self.products = products and expert_formats.has_products(self.params)
+        self._convert = self.products and not fetched_in_layout
         self.expert_format = fmt
         self._fetch_fn = fetch
         self._on_close = on_close
@@ -68,7 +71,7 @@ class PackedHostStore(TieredHostStore):
 
     def _fetch(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         rows = self._fetch_fn(layer, expert)
-        return expert_formats.to_cpu_layout(self.params, rows) if self.products else rows
+        return expert_formats.to_cpu_layout(self.params, rows) if self._convert else rows
 
     def land(self, slot: Mapping[str, torch.Tensor]) -> None:
         """A copy of one expert landed in a device slot: on a GPU, int4 codes go into torch's CUDA layout there."""
@@ -152,14 +155,18 @@ def build_packed_host(
     """The packed host store of a checkpoint in `fmt`. MXFP4 is read packed from the checkpoint; int8 and nf4 come
     from the quantise-on-load cache (built on the first load, quant_cache.py) or, when it cannot be kept (no room
     on the disk, a folder that refuses it), are quantised in memory for this load only, and the store's `notice`
-    tells the user why and what to do. `products`: the experts are computed on a CPU device (PackedHostStore)."""
+    tells the user why and what to do. `products`: the experts are computed on a CPU device (PackedHostStore), whose
+    copy keeps int4 in torch's CPU layout."""
     params = expert_formats.layout(fmt, param_shapes, transposed)
     fetch: Fetch = CheckpointPackedSource(files, sources, params, dtype)
     on_close = files.close
     cache = None
     notice = ""
+    layout = None
+    if products and fmt == "int4" and expert_formats.has_products(params):
+        layout = CpuLayout(dtype_verdicts.torch_cpu_key(), partial(expert_formats.to_cpu_layout, params))
     if fmt in ("int8", "int4", "nf4") and not (fmt == "nf4" and _bnb_packed(sources[0][0], files)):
-        cache = QuantCache(config.quant_cache_dir, files.model_dir, fmt, dtype, len(sources))
+        cache = QuantCache(config.quant_cache_dir, files.model_dir, fmt, dtype, len(sources), layout)
         stored = expert_formats.stored_shapes(params, dtype)
         expert_bytes = sum(torch.Size(shape).numel() * d.itemsize for shape, d in stored.values())
         try:
@@ -177,8 +184,9 @@ def build_packed_host(
         keys = list(expert_formats.stored_shapes(params, dtype))
         fetch = partial(_read_cached, cache, keys)
         on_close = partial(_close_both, cache, files)
+    in_layout = cache is not None and layout is not None
     host = PackedHostStore(
-        fetch, params, fmt, len(sources), len(sources[0]), dtype, config.host_ram_gb, on_close, products
+        fetch, params, fmt, len(sources), len(sources[0]), dtype, config.host_ram_gb, on_close, products, in_layout
     )
     host.quant_cache, host.notice = cache, notice
     return host

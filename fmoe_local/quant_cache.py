@@ -15,11 +15,21 @@ removed then: ours (`.partial`) and the ones safetensors writes through before i
 by a build killed inside `save_file`); only this module writes in a copy's folder.
 
 The dense linear weights a packed dense format packs (dense_formats.py) are kept in the folder of their format as one
-more file, `dense.safetensors` (`DenseCopy`: keys `<module name>.<part>`, expert_formats' portable parts, as the
-experts' layers hold them), written and renamed into place the same way. It is read only when it holds exactly the
+more file, `dense.safetensors` (`DenseCopy`: keys `<module name>.<part>`, expert_formats' parts, as the experts'
+layers hold them), written and renamed into place the same way. It is read only when it holds exactly the
 modules, parts, shapes and dtypes the load would pack; absent, unreadable or different, the load packs them again
 and writes the file over. Writing it is best effort: a file that cannot be written costs the next load the packing,
 never this load. It lives and goes with the experts' copy (`copies`, `remove_copies`, `remove_other_copies`).
+
+A CPU device keeps int4 codes in torch's CPU layout on disk (`CpuLayout`): converting them costs ≈ 1 s of CPU per
+Mixtral expert (docs/bench.md), and the layout depends on torch's version and the CPU it dispatches for, so a file
+holding it names its key in its metadata (`int4_layout`). The layout replaces the portable codes in the file (the
+same bytes per weight, so the copy takes no more disk); a file holds one form only and is read only in it: a CPU
+load converts a portable layer (made by a GPU load) and writes it over (where it cannot, it converts the layer's
+experts as it reads them, as every load did before), and any load quantises again from the checkpoint a layer whose
+layout is another key's (torch updated, the folder moved to another machine) or that a load without a layout (a GPU)
+cannot read. `dense.safetensors` (made on a CPU device only) holds int4 in the layout
+of the key it names, and is packed again under any other.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +61,7 @@ log = logging.getLogger(__name__)
 VERSION = 1  # of the stored layout: a change makes every earlier copy unused (a new folder name)
 _TMP = ".partial"
 DENSE_FILE = "dense.safetensors"  # DenseCopy's file, beside the experts' layer files
+LAYOUT = "int4_layout"  # metadata: the CpuLayout key of a file's int4 codes; absent: expert_formats' portable codes
 _COPY_NAME = re.compile(r"[0-9a-f]{24}-[a-z0-9]+-[a-z0-9]+")  # QuantCache's folder: fingerprint, format, dtype
 _LEFTOVERS = (f"*{_TMP}", ".tmp*")  # ours, and safetensors' own temporary name (tempfile in the target's folder)
 Fetch = Callable[[int, int], dict[str, torch.Tensor]]
@@ -169,14 +181,35 @@ def _write_whole(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
         raise
 
 
-class QuantCache:
-    """The quantised copy of one checkpoint in one format and compute dtype."""
+@dataclass(frozen=True)
+class CpuLayout:
+    """The form a CPU device keeps int4 codes in: `key`, what torch's CPU layout depends on
+    (dtype_verdicts.torch_cpu_key), and `convert`, one expert's stored tensors from portable codes into it."""
 
-    def __init__(self, root: str | Path | None, model_dir: Path, fmt: str, dtype: torch.dtype, num_layers: int) -> None:
+    key: str
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+class QuantCache:
+    """The quantised copy of one checkpoint in one format and compute dtype; with `layout`, int4 codes are kept and
+    read in that CPU layout (the module's docstring)."""
+
+    def __init__(
+        self,
+        root: str | Path | None,
+        model_dir: Path,
+        fmt: str,
+        dtype: torch.dtype,
+        num_layers: int,
+        layout: CpuLayout | None = None,
+    ) -> None:
         self.fmt = fmt
         self.dir = copy_dir(root, model_dir, fmt, dtype)
         self.num_layers = num_layers
+        self.layout = layout
         self.quantised_layers = 0  # how many layers this load quantised (0: everything came from the copy)
+        self.converted_layers = 0  # how many portable layers this load put in `layout` and wrote over
+        self._portable: set[int] = set()  # layers left portable though `layout` is kept: `read` converts them
         self.reported = False  # progress was reported: a build that stops must say so, or the count just freezes
         self._handles: dict[int, SafetensorsFile] = {}
         self._lock = threading.Lock()
@@ -185,49 +218,62 @@ class QuantCache:
         return self.dir / f"layer-{layer:04d}.safetensors"
 
     def missing_layers(self) -> list[int]:
-        """Layers without a readable file (a damaged one is removed, so it is quantised again)."""
-        missing = []
-        for layer in range(self.num_layers):
-            path = self.layer_path(layer)
-            if not path.exists():
-                missing.append(layer)
-                continue
-            try:
-                SafetensorsFile(path).close()  # the header and the file's length are checked
-            except OSError:
-                path.unlink(missing_ok=True)
-                missing.append(layer)
-        return missing
+        """Layers without a readable file in a form this load reads or converts (such a file is removed, so the
+        layer is quantised again)."""
+        return [layer for layer in range(self.num_layers) if self._state(layer) == "missing"]
+
+    def _state(self, layer: int) -> str:
+        """The layer file's state: "ok" (read as it is), "convert" (portable codes, this load keeps `layout`), or
+        "missing"."""
+        path = self.layer_path(layer)
+        if not path.exists():
+            return "missing"
+        try:
+            file = SafetensorsFile(path)  # the header and the file's length are checked
+        except OSError:
+            path.unlink(missing_ok=True)
+            return "missing"
+        held = file.metadata.get(LAYOUT)
+        file.close()
+        if held == (self.layout.key if self.layout is not None else None):
+            return "ok"
+        if held is None:
+            return "convert"
+        path.unlink(missing_ok=True)  # another key's layout (or one this load cannot read): never converted back
+        return "missing"
 
     def build(self, fetch: Fetch, num_experts: int, expert_bytes: int, progress: Progress | None = None) -> None:
         """Quantise the layers not in the copy yet (`fetch(layer, expert)` gives one expert's stored tensors,
-        `expert_bytes` their size). Raises CopyNotKept (an OSError) when the copy does not fit with the margin to
+        `expert_bytes` their size), then, when the copy keeps a `layout`, write its portable layers over in it. Raises CopyNotKept (an OSError) when the copy does not fit with the margin to
         spare (nothing is written) or cannot be written."""
         _remove_leftovers(self.dir)
-        missing = self.missing_layers()
-        if not missing:
+        states = [self._state(layer) for layer in range(self.num_layers)]
+        missing = [layer for layer, state in enumerate(states) if state == "missing"]
+        convert = [layer for layer, state in enumerate(states) if state == "convert"]
+        if not missing and not convert:
             return
         layer_bytes = num_experts * expert_bytes
-        try:
-            free = hardware.disk_free_bytes(self.dir)
-        except OSError as exc:
-            raise self._unwritable(exc) from exc
-        if free < len(missing) * layer_bytes + hardware.DISK_MARGIN_BYTES:
-            raise self._no_room(len(missing) * layer_bytes, free, whole=len(missing) == self.num_layers)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise self._unwritable(exc) from exc
+        if missing:
+            try:
+                free = hardware.disk_free_bytes(self.dir)
+            except OSError as exc:
+                raise self._unwritable(exc) from exc
+            if free < len(missing) * layer_bytes + hardware.DISK_MARGIN_BYTES:
+                raise self._no_room(len(missing) * layer_bytes, free, whole=len(missing) == self.num_layers)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise self._unwritable(exc) from exc
         t0 = time.perf_counter()
         total = self.num_layers * num_experts
-        done = (self.num_layers - len(missing)) * num_experts
+        done = (self.num_layers - len(missing) - len(convert)) * num_experts
         if progress is not None:
             progress(done, total)
             self.reported = True
         for step, layer in enumerate(missing):
             tensors = {}
             for e in range(num_experts):
-                tensors.update({f"{e}.{key}": t.contiguous() for key, t in fetch(layer, e).items()})
+                tensors.update(self._stored(fetch(layer, e), e))
                 done += 1
                 if progress is not None:
                     progress(done, total)
@@ -237,10 +283,41 @@ class QuantCache:
                 raise self._write_failed(exc, (len(missing) - step) * layer_bytes, layer_bytes) from exc
             self.quantised_layers += 1
             log.info("quantised MoE layer %d (%d/%d) into %s", layer, step + 1, len(missing), self.dir)
-        log.info("quantised %d layers in %.1f s", len(missing), time.perf_counter() - t0)
+        for layer in convert:
+            self._convert(layer, num_experts, layer_bytes)
+            done += num_experts
+            if progress is not None:
+                progress(done, total)
+        log.info("quantised %d and converted %d layers in %.1f s", len(missing), len(convert), time.perf_counter() - t0)
+
+    def _stored(self, rows: dict[str, torch.Tensor], expert: int) -> dict[str, torch.Tensor]:
+        """One expert's tensors as its layer file holds them: in `layout` when this copy keeps one."""
+        if self.layout is not None:
+            rows = self.layout.convert(rows)
+        return {f"{expert}.{key}": t.contiguous() for key, t in rows.items()}
+
+    def _convert(self, layer: int, num_experts: int, layer_bytes: int) -> None:
+        """Write a portable layer over in `layout`. Best effort: a layer that cannot be (no room with the margin to
+        spare, a write that fails) stays portable, and `read` converts its experts at every load, as before."""
+        try:
+            if hardware.disk_free_bytes(self.dir) < layer_bytes + hardware.DISK_MARGIN_BYTES:
+                raise OSError(errno.ENOSPC, f"not {layer_bytes / hardware.GB:.1f} GB free beside the margin")
+            file = SafetensorsFile(self.layer_path(layer))
+            try:
+                tensors = {}
+                for e in range(num_experts):
+                    tensors.update(self._stored(_expert(file, e), e))
+            finally:
+                file.close()  # before the converted layer is renamed over it (Windows refuses an open one)
+            self._write(layer, tensors)
+            self.converted_layers += 1
+        except (OSError, SafetensorError) as exc:
+            log.warning("Layer %d in %s stays portable (%s); every load converts it.", layer, self.dir, _reason(exc))
+            self._portable.add(layer)
 
     def _write(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
-        _write_whole(self.layer_path(layer), tensors, {"format": "pt"})
+        layout = {LAYOUT: self.layout.key} if self.layout is not None else {}
+        _write_whole(self.layer_path(layer), tensors, {"format": "pt", **layout})
 
     def _write_failed(self, exc: Exception, rest_bytes: int, layer_bytes: int) -> CopyNotKept:
         log.warning("could not write the quantised copy to %s: %s", self.dir, exc)
@@ -280,12 +357,14 @@ class QuantCache:
         )
 
     def read(self, layer: int, expert: int, keys: list[str]) -> dict[str, torch.Tensor]:
-        """One expert's stored tensors from the copy (positioned reads, as from the checkpoint)."""
+        """One expert's stored tensors from the copy (positioned reads, as from the checkpoint), in `layout` when
+        the copy keeps one. Called after `build`, which alone changes which layers are left portable."""
         with self._lock:
             handle = self._handles.get(layer)
             if handle is None:
                 handle = self._handles[layer] = SafetensorsFile(self.layer_path(layer))
-        return {key: handle.get(f"{expert}.{key}") for key in keys}
+        rows = {key: handle.get(f"{expert}.{key}") for key in keys}
+        return self.layout.convert(rows) if self.layout is not None and layer in self._portable else rows
 
     def close(self) -> None:
         with self._lock:
@@ -294,15 +373,25 @@ class QuantCache:
             self._handles.clear()
 
 
+def _expert(file: SafetensorsFile, expert: int) -> dict[str, torch.Tensor]:
+    """One expert's stored tensors from a layer file (keys `<expert>.<stored key>`)."""
+    prefix = f"{expert}."
+    return {key.removeprefix(prefix): file.get(key) for key in file.keys() if key.startswith(prefix)}
+
+
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # {key: (shape, dtype)} a DenseCopy must hold
 
 
 class DenseCopy:
     """The packed dense linear weights (dense_formats.py) of one checkpoint in one dense format and compute dtype:
-    `dense.safetensors` in that copy's folder. Used by the loading thread only, one load at a time."""
+    `dense.safetensors` in that copy's folder, int4 codes in the CPU layout `layout_key` names
+    (dtype_verdicts.torch_cpu_key; None for int8). Used by the loading thread only, one load at a time."""
 
-    def __init__(self, root: str | Path | None, model_dir: Path, fmt: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, root: str | Path | None, model_dir: Path, fmt: str, dtype: torch.dtype, layout_key: str | None = None
+    ) -> None:
         self.fmt = fmt
+        self.layout_key = layout_key
         self.path = copy_dir(root, model_dir, fmt, dtype) / DENSE_FILE
 
     def open(self, expected: Expected) -> SafetensorsFile | None:
@@ -317,9 +406,8 @@ class DenseCopy:
             return None
         try:
             held = {key: (file.shape(key), file.dtype(key)) for key in file.keys()}
-            same = file.metadata.get("dense_format") == self.fmt and held == {
-                key: (tuple(shape), dtype) for key, (shape, dtype) in expected.items()
-            }
+            same = file.metadata.get("dense_format") == self.fmt and file.metadata.get(LAYOUT) == self.layout_key
+            same = same and held == {key: (tuple(shape), dtype) for key, (shape, dtype) in expected.items()}
         except Exception:  # noqa: BLE001 - metadata of another type than the format's str → str
             same = False
         if not same:
@@ -329,7 +417,7 @@ class DenseCopy:
         return file
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Keep `tensors` ({module name.part: portable part}) as the file, renamed into place whole. A write that
+        """Keep `tensors` ({module name.part: part}, int4 codes in the CPU layout of `layout_key`) as the file, renamed into place whole. A write that
         fails, or that would leave less than hardware.DISK_MARGIN_BYTES free, is logged and skipped (as is the empty
         folder it made): the next load packs again."""
         folder = self.path.parent
@@ -348,6 +436,8 @@ class DenseCopy:
             folder.mkdir(parents=True, exist_ok=True)
             _remove_leftovers(folder)
             metadata = {"format": "pt", "dense_format": self.fmt}
+            if self.layout_key is not None:
+                metadata[LAYOUT] = self.layout_key
             _write_whole(self.path, {k: t.contiguous() for k, t in tensors.items()}, metadata)
         except (OSError, SafetensorError) as exc:
             log.warning(

@@ -228,7 +228,7 @@ def test_checkpoint_dtype_is_what_the_weights_are_stored_in(tiny_model_dir):
     [("int4", "auto", "int4", "choose 8-bit (int8)"), ("int8", "int4", "int4", "choose 8-bit (int8)")],
 )
 def test_a_packed_format_this_torch_cannot_multiply_on_the_cpu_is_refused_at_load(
-    tiny_model_dir, tmp_path, monkeypatch, expert_format, dense_format, lacking, names
+    tiny_model_dir, tmp_path, monkeypatch, request, expert_format, dense_format, lacking, names
 ):
     """A torch build or CPU without the int4 product: the load says so and names the format that runs, before any
     expert is quantised (no copy on disk), instead of failing at the first token."""
@@ -238,6 +238,8 @@ def test_a_packed_format_this_torch_cannot_multiply_on_the_cpu_is_refused_at_loa
         raise RuntimeError("Could not run 'aten::_weight_int4pack_mm_for_cpu' with arguments from the 'CPU' backend.")
 
     monkeypatch.setattr(expert_formats.Int4Weight, "linear", missing)
+    expert_formats.product_runs.cache_clear()  # asked once per process: this test's build lacks the int4 product
+    request.addfinalizer(expert_formats.product_runs.cache_clear)
     config = RuntimeConfig(expert_format=expert_format, dense_format=dense_format, quant_cache_dir=str(tmp_path / "q"))
     with pytest.raises(ValueError, match=r"no CPU product for 4-bit int4 \(int4\) weights") as refused:
         load_model(tiny_model_dir("mixtral"), config, "cpu", torch.bfloat16)

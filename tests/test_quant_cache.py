@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 
 import pytest
 import torch
 from safetensors import SafetensorError
 
-from fmoe_local import hardware, quant_cache
+from fmoe_local import dtype_verdicts, expert_formats, hardware, quant_cache
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.loading import load_model
 from fmoe_local.quant_cache import QuantCache
 from fmoe_local.runtime import Runtime
+from fmoe_local.safetensors_file import SafetensorsFile
+from tests.test_runtime_quantized import NEW_TOKENS, PROMPT
 
 REAL_SAVE = quant_cache.save_file
 
@@ -255,3 +258,156 @@ def test_the_packed_dense_weights_are_counted_and_deleted_with_the_copies(tiny_m
     everything = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     assert quant_cache.copies_bytes(root) == everything
     assert quant_cache.remove_copies(root, model_dir) == everything and list(root.iterdir()) == []
+
+
+# ---- int4 in torch's CPU layout, kept on disk per key (quant_cache.CpuLayout) ----------------------------------------
+class _CountingConverter:
+    """expert_formats.Int4Weight.from_portable (torch's CPU int4 layout), counting its calls: experts' and dense
+    weights' alike."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = 0
+        self._real = expert_formats.Int4Weight.from_portable
+        monkeypatch.setattr(expert_formats.Int4Weight, "from_portable", staticmethod(self))
+
+    def __call__(self, q):
+        self.calls += 1
+        return self._real(q)
+
+
+def _int4_cpu(tmp_path) -> RuntimeConfig:
+    return RuntimeConfig(
+        device="cpu",
+        dtype="float32",
+        cache_experts=1,
+        expert_format="int4",
+        dense_format="int4",
+        quant_cache_dir=str(tmp_path),
+        sampling=Sampling(greedy=True, max_new_tokens=NEW_TOKENS),
+    )
+
+
+def _tokens_and_cache(model_dir, config) -> tuple[list[int], QuantCache]:
+    with Runtime.load(model_dir, config) as runtime:
+        return runtime.generate(PROMPT).token_ids, runtime.engine.host.quant_cache
+
+
+def _layouts(folder) -> set[object]:
+    """The int4_layout keys the folder's files name (None: portable codes)."""
+    keys = set()
+    for path in folder.glob("*.safetensors"):
+        file = SafetensorsFile(path)
+        keys.add(file.metadata.get(quant_cache.LAYOUT))
+        file.close()
+    return keys
+
+
+def test_a_cpu_device_keeps_int4_in_its_cpu_layout_and_the_next_load_converts_nothing(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    model_dir, config = tiny_model_dir("qwen2_moe"), _int4_cpu(tmp_path)
+    converter = _CountingConverter(monkeypatch)
+    first, cache = _tokens_and_cache(model_dir, config)
+    assert converter.calls > 0 and cache.quantised_layers == cache.num_layers
+    assert _layouts(cache.dir) == {dtype_verdicts.torch_cpu_key()}  # experts' layers and dense.safetensors
+    converter.calls = 0
+    second, cache = _tokens_and_cache(model_dir, config)
+    assert converter.calls == 0 and cache.quantised_layers == cache.converted_layers == 0
+    assert second == first
+
+
+def test_a_copy_in_another_key_s_layout_is_never_read_and_is_made_again(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir, config = tiny_model_dir("qwen2_moe"), _int4_cpu(tmp_path)
+    real_key = dtype_verdicts.torch_cpu_key()
+    first, cache = _tokens_and_cache(model_dir, config)
+    monkeypatch.setattr(dtype_verdicts, "torch_cpu_key", lambda: f"{real_key} (another torch)")
+    converter = _CountingConverter(monkeypatch)
+    other, cache = _tokens_and_cache(model_dir, config)
+    # The layout cannot be converted back: every layer is quantised again, converted, and written over.
+    assert converter.calls > 0 and cache.quantised_layers == cache.num_layers
+    assert _layouts(cache.dir) == {f"{real_key} (another torch)"}
+    assert other == first
+    converter.calls = 0
+    again, _ = _tokens_and_cache(model_dir, config)
+    assert converter.calls == 0 and again == first
+
+
+def test_a_damaged_int4_layer_of_a_cpu_copy_is_made_again(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir, config = tiny_model_dir("qwen2_moe"), _int4_cpu(tmp_path)
+    first, cache = _tokens_and_cache(model_dir, config)
+    layer = cache.layer_path(1)
+    layer.write_bytes(layer.read_bytes()[:-100])  # cut short
+    converter = _CountingConverter(monkeypatch)
+    again, cache = _tokens_and_cache(model_dir, config)
+    assert cache.quantised_layers == 1 and converter.calls > 0 and again == first
+    converter.calls = 0
+    assert _tokens_and_cache(model_dir, config)[0] == first and converter.calls == 0
+
+
+_PARAMS = expert_formats.layout("int4", {"w": (64, 128)})
+
+
+def _portable_expert(layer: int, expert: int) -> dict[str, torch.Tensor]:
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(10 * layer + expert))
+    return {f"w.{k}": v for k, v in expert_formats.pack(_PARAMS["w"], w, torch.float32).items()}
+
+
+def _checkpoint_never_read(layer, expert):
+    raise AssertionError("a layer the copy holds was quantised again")
+
+
+def _copy(tmp_path, layout=None) -> QuantCache:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text("{}")
+    return QuantCache(tmp_path / "q", model_dir, "int4", torch.float32, 2, layout)
+
+
+def _build_and_read(cache, fetch) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    cache.build(fetch, 3, 64 * 64 + 2 * 64 * 2 * 4)
+    try:
+        return {(la, e): cache.read(la, e, ["w.q", "w.sz"]) for la in range(2) for e in range(3)}
+    finally:
+        cache.close()
+
+
+def test_a_portable_copy_is_converted_once_and_a_layout_copy_is_remade_portable_for_a_gpu(tmp_path):
+    calls = []
+
+    def convert(rows):
+        calls.append(1)
+        return expert_formats.to_cpu_layout(_PARAMS, rows)
+
+    portable = _build_and_read(_copy(tmp_path), _portable_expert)  # as a GPU load writes it
+    layout = quant_cache.CpuLayout("this cpu", convert)
+    cache = _copy(tmp_path, layout)
+    converted = _build_and_read(cache, _checkpoint_never_read)
+    assert len(calls) == 6 and cache.converted_layers == 2 and cache.quantised_layers == 0
+    for k, rows in converted.items():
+        assert torch.equal(rows["w.q"], expert_formats.Int4Weight.from_portable(portable[k]["w.q"]))
+        assert torch.equal(rows["w.sz"], portable[k]["w.sz"])
+    again = _copy(tmp_path, layout)
+    assert _build_and_read(again, _checkpoint_never_read).keys() == converted.keys() and len(calls) == 6
+    # A load without the layout (a GPU) never reads it: the layers are quantised again into portable codes.
+    gpu = _copy(tmp_path)
+    assert gpu.missing_layers() == [0, 1]
+    remade = _build_and_read(gpu, _portable_expert)
+    assert gpu.quantised_layers == 2 and all(torch.equal(remade[k]["w.q"], portable[k]["w.q"]) for k in portable)
+
+
+def test_a_portable_layer_that_cannot_be_written_over_is_converted_as_it_is_read(tmp_path, monkeypatch):
+    portable = _build_and_read(_copy(tmp_path), _portable_expert)
+
+    def refuse(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(quant_cache, "save_file", refuse)
+    layout = quant_cache.CpuLayout("this cpu", partial(expert_formats.to_cpu_layout, _PARAMS))
+    cache = _copy(tmp_path, layout)
+    read = _build_and_read(cache, _checkpoint_never_read)  # no CopyNotKept: the portable copy is still read
+    assert cache.converted_layers == cache.quantised_layers == 0 and _layouts(cache.dir) == {None}
+    assert all(torch.equal(read[k]["w.q"], expert_formats.Int4Weight.from_portable(portable[k]["w.q"])) for k in read)
+    monkeypatch.setattr(quant_cache, "save_file", REAL_SAVE)
+    again = _copy(tmp_path, layout)
+    _build_and_read(again, _checkpoint_never_read)
+    assert again.converted_layers == 2 and _layouts(again.dir) == {"this cpu"}
