@@ -15,9 +15,9 @@ profiled: what a KV cache that copies the whole context per token costs at a lon
 
 `--client N` instead times N pairs as an API client sees them (a chat under the system prompt: Runtime.check on this
 thread, as the server checks a request, then submit until the first text event; the chat template rendered and the
-conversation tokenized included, which the runtime's own TTFT leaves out), each followed at once by a fresh chat of
-the question alone on the runtime that keeps nothing; min and median of each side, and the runtime's TTFT of the
-same requests beside them.
+conversation tokenized included, which the runtime's own TTFT leaves out), each followed at once by a fresh prompt of
+the tokens it prefilled (their text, checked and submitted the same way) on the runtime that keeps nothing; min and
+median of each side, and the runtime's TTFT of the same requests beside them.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def first_token(runtime: Runtime, prompt: str, request_id: int) -> tuple[int, fl
         token = next(tokens)
     ms = 1000 * (time.perf_counter() - t0)
     runtime._prefixes.put(prompt_list + [token], cache)
+    runtime._prefixes.prepare()  # as Runtime._run does after the request
     return reused, ms
 
 
@@ -154,7 +155,7 @@ def decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def client_ttft(runtime: Runtime, messages: list[dict]) -> tuple[float, float, int, int]:
+def client_ttft(runtime: Runtime, messages: list[dict] | str) -> tuple[float, float, int, int]:
     """(ms from the check to the first text event, the runtime's own TTFT in ms, prompt tokens, reused tokens)."""
     t0 = time.perf_counter()
     runtime.check(messages)
@@ -176,9 +177,13 @@ def client(args: argparse.Namespace) -> int:
             client_ttft(reuse, [{"role": "system", "content": system}, {"role": "user", "content": "Question 0?"}])
             sides: dict[str, list[tuple[float, float, int, int]]] = {"reuse": [], "fresh": []}
             for i in range(1, args.client + 1):
-                question = {"role": "user", "content": f"Question {i} about the tides?"}
-                sides["reuse"].append(client_ttft(reuse, [{"role": "system", "content": system}, question]))
-                sides["fresh"].append(client_ttft(whole, [question]))
+                chat = [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Question {i} about tides?"},
+                ]
+                sides["reuse"].append(client_ttft(reuse, chat))
+                # The same new tokens as a text prompt (no template to render: that stays on the reusing side only)
+                sides["fresh"].append(client_ttft(whole, new_part(reuse, chat, sides["reuse"][-1][3])))
             print(f"torch threads {torch.get_num_threads()}; {args.client} pairs, interleaved")
             print(
                 f"{'side':<6} {'prompt':>6} {'reused':>6} {'client min':>10} {'median':>8} {'runtime min':>11} {'median':>8}"
