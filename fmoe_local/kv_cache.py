@@ -6,7 +6,8 @@ the prefix. A GrowingLayer holds buffers [B, heads, capacity, D], writes a pass'
 filled part, and hands attention a view of the filled part ([B, heads, length, D]: a slice, so strided between heads;
 torch's SDPA and the eager path read it as they read a contiguous tensor, at the same speed — docs/bench.md). A pass
 past the capacity reallocates to 1.5× (at least what it needs) and copies once: amortised, never a failure other
-than the device's own out-of-memory.
+than the device's own out-of-memory. A kept cache that its reply filled is grown between requests instead
+(`next_capacity`, which prefix_cache.PrefixCache.prepare applies), so that the next turn's first pass does not copy.
 
 Scope: the layer and the cache that uses it for every full-attention layer of a config; sliding-window layers stay
 transformers' DynamicSlidingWindowLayer (they keep only a window, so their copy is bounded). It is built through
