@@ -6,7 +6,8 @@ the prefix. A GrowingLayer holds buffers [B, heads, capacity, D], writes a pass'
 filled part, and hands attention a view of the filled part ([B, heads, length, D]: a slice, so strided between heads;
 torch's SDPA and the eager path read it as they read a contiguous tensor, at the same speed — docs/bench.md). A pass
 past the capacity reallocates to 1.5× (at least what it needs) and copies once: amortised, never a failure other
-than the device's own out-of-memory.
+than the device's own out-of-memory. A kept cache that its reply filled is grown between requests instead
+(`next_capacity`, which prefix_cache.PrefixCache.prepare applies), so that the next turn's first pass does not copy.
 
 Scope: the layer and the cache that uses it for every full-attention layer of a config; sliding-window layers stay
 transformers' DynamicSlidingWindowLayer (they keep only a window, so their copy is bounded). It is built through
@@ -30,6 +31,7 @@ from fmoe_local import hf_internals
 
 GROWTH = 1.5  # a full buffer's next capacity, relative: amortised O(1) copies per token, at most 1/3 unused
 REPLY_ROOM = 256  # reply tokens a new cache has room for at first; a longer reply grows it
+NEXT_ROOM = 64  # a kept cache with less room than this grows between requests (PrefixCache.prepare)
 
 
 def first_capacity(prompt_tokens: int, new_tokens: int) -> int:
@@ -150,6 +152,23 @@ class GrowingCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, GrowingLayer):
                 layer.reserve(tokens)
+
+    def room(self) -> tuple[int, int] | None:
+        """(tokens held, the least capacity) over the growing layers that hold tokens; None when none does."""
+        layers = [layer for layer in self.layers if isinstance(layer, GrowingLayer) and layer.capacity]
+        if not layers:
+            return None
+        return max(layer.length for layer in layers), min(layer.capacity for layer in layers)
+
+
+def next_capacity(length: int, capacity: int) -> int | None:
+    """The capacity a kept cache of `length` tokens grows to before the next request, None when it has room enough
+    (NEXT_ROOM): a reply fills the room its cache was made with, so the next turn's first pass would otherwise copy
+    the whole conversation into a larger buffer inside that turn's time to first token. The growth is what that pass
+    would make (GROWTH), and at least REPLY_ROOM, so that copies stay amortised."""
+    if capacity - length >= NEXT_ROOM:
+        return None
+    return max(length + REPLY_ROOM, int(capacity * GROWTH))
 
 
 @dataclass(frozen=True)

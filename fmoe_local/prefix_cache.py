@@ -19,10 +19,12 @@ written while it is kept whole; and a buffer's first tokens that a kept cache st
 - A prompt served from a split cache, or sharing less than another kept cache reads, gets a new cache holding a copy
   of the shared tokens, with room for the prompt and some of the reply (kv_cache.first_capacity).
 So the first copy of a prefix is made only when a conversation goes back to a split cache (its next turn after
-another request took its buffers), never by the request that shares it, and a decode step copies nothing.
+another request took its buffers), never by the request that shares it, and a decode step copies nothing. A kept
+cache that its reply left without room grows between requests (`prepare`), not in the next turn's first pass.
 
 Threads: a PrefixCache belongs to the thread that runs the model, the runtime's worker: `take` and `put` are called
-only by Runtime._run around generate_ids, `clear` only between requests (Runtime.reset_cache). The caches it holds
+only by Runtime._run around generate_ids, `prepare` by Runtime._run after the request's handle has finished, `clear`
+only between requests (Runtime.reset_cache). The caches it holds
 are that thread's too; nothing else reads them. A model reload builds a new Runtime, so an empty PrefixCache.
 
 Exactness: a reused cache must hold what a fresh prefill of the same tokens computes, so that the reply is the one
@@ -63,7 +65,15 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from fmoe_local.kv_cache import GrowingCache, KVLayer, cache_for_prefix, cut_in_place, first_capacity, kv_layers
+from fmoe_local.kv_cache import (
+    GrowingCache,
+    KVLayer,
+    cache_for_prefix,
+    cut_in_place,
+    first_capacity,
+    kv_layers,
+    next_capacity,
+)
 
 
 @dataclass(eq=False)  # identity: list.remove must not compare the ids arrays
@@ -233,6 +243,30 @@ class PrefixCache:
         # A kept cache this one extends is redundant: any prompt it serves, this one serves as far.
         self._entries = [e for e in self._entries if not (len(e.ids) <= n and common_prefix(e.ids, kept) == len(e.ids))]
         self._entries.append(_Entry(kept, cache))
+        while len(self._entries) > 1 and self.held_bytes > self.budget_bytes:
+            self._entries.pop(0)
+
+    def prepare(self) -> None:
+        """Between requests: room in the most recently kept cache for the next request that extends it (the next
+        turn of a chat, the next step of an agent), so that its first pass writes in place instead of copying the
+        whole conversation into a larger buffer inside its time to first token (kv_cache.next_capacity). Only within
+        the budget (older caches go first, least recently used first) and, on a GPU, only in free memory; a cache
+        that cannot grow stays as it is, and the pass that needs the room makes it, as without this."""
+        if not self._entries or self._entries[-1].cache is None:
+            return
+        entry = self._entries[-1]
+        room = entry.cache.room()
+        target = next_capacity(*room) if room is not None else None
+        if target is None:
+            return
+        grown = _bytes(entry.tensors()) * target / room[1]
+        free = self._free_bytes()
+        if grown > self.budget_bytes or (free is not None and free < grown):
+            return
+        try:
+            entry.cache.reserve(target)
+        except (torch.OutOfMemoryError, MemoryError):
+            return
         while len(self._entries) > 1 and self.held_bytes > self.budget_bytes:
             self._entries.pop(0)
 

@@ -536,6 +536,8 @@ class Runtime:
             decode_waits = e.counters.stall_s + e.counters.host_s - waited
             e.adapt_distance(decode_layer_s(times[-1] - times[0], decode_waits, len(times) - 1, e.shape.num_layers))
         request.handle.finish(Finished(detok.text, list(detok.ids), stats, reason, error=error))
+        # After the reply is out: a copy that makes room for the next turn costs no one's time to first token.
+        self._prefixes.prepare()
 
     @staticmethod
     def _sentence(exc: Exception) -> str:

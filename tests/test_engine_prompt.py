@@ -4,6 +4,7 @@ answered; a prompt too long for the model is refused in a sentence naming the mo
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.runtime import Runtime
@@ -65,3 +66,32 @@ def test_a_text_far_longer_than_the_context_is_refused_from_a_prefix(tiny_model_
         long_but_fitting = "<|assistant|>" * 400  # 13 characters a token: past the first prefix, within the context
         assert runtime.check(long_but_fitting) == len(counting._tokenizer(long_but_fitting)["input_ids"]) < 512
         assert max(counting.lengths) == len(long_but_fitting)  # counted whole after all
+
+
+def test_a_checked_prompt_is_not_tokenized_again_when_it_runs(tiny_model_dir, monkeypatch):
+    """An API request is checked on its caller's thread, then encoded by the worker: the conversation is tokenized
+    once (a long one costs milliseconds each time), and the ids are the tokenizer's own."""
+    from fmoe_local.config import Sampling
+    from fmoe_local.engine import ENCODED_KEPT
+
+    with Runtime.load(tiny_model_dir("olmoe"), RuntimeConfig(device="cpu")) as runtime:
+        counting = _Counting(runtime.engine.tokenizer)
+        monkeypatch.setattr(runtime.engine, "tokenizer", counting)
+        chat = [{"role": "system", "content": "the sea and the ships " * 40}, {"role": "user", "content": "Why?"}]
+        assert runtime.check(chat) == len(runtime.tokenize(chat))
+        final = runtime.generate(chat, Sampling(greedy=True, max_new_tokens=2))
+        assert len(counting.lengths) == 1 and final.stats.prompt_tokens == runtime.check(chat)
+        text = counting.lengths[0]
+        rendered = counting._tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        expected = counting._tokenizer(rendered, add_special_tokens=False)
+        assert runtime.tokenize(chat) == expected["input_ids"] and text > 900
+        encoded = runtime.engine.encode_prompt(chat)  # the worker's tensor of the same ids
+        assert encoded.dtype == torch.long and encoded.shape == (1, len(expected["input_ids"]))
+        assert encoded[0].tolist() == expected["input_ids"]
+        others = [[{"role": "user", "content": f"Question {i}?"}] for i in range(ENCODED_KEPT)]
+        for prompt in others:  # as many other prompts as are kept: the first one's ids are let go
+            runtime.check(prompt)
+        assert len(counting.lengths) == 1 + ENCODED_KEPT
+        runtime.check(others[-1])
+        runtime.check(chat)
+        assert len(counting.lengths) == 2 + ENCODED_KEPT

@@ -12,7 +12,16 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from fmoe_local.config import Sampling
 from fmoe_local.generate import generate_ids
-from fmoe_local.kv_cache import GROWTH, GrowingCache, GrowingLayer, first_capacity, kv_layers
+from fmoe_local.kv_cache import (
+    GROWTH,
+    NEXT_ROOM,
+    REPLY_ROOM,
+    GrowingCache,
+    GrowingLayer,
+    first_capacity,
+    kv_layers,
+    next_capacity,
+)
 from fmoe_local.prefix_cache import PrefixCache
 from tests.tiny import FAMILIES
 
@@ -49,6 +58,13 @@ def test_layer_grows_past_its_capacity_and_keeps_every_token():
 def test_first_capacity_leaves_room_for_a_reply_not_the_whole_context():
     assert first_capacity(100, 8) == 108
     assert first_capacity(100, 32_000) < 1000
+
+
+def test_next_capacity_grows_a_full_cache_geometrically_and_leaves_a_roomy_one():
+    assert next_capacity(100, 164) is None  # NEXT_ROOM left
+    assert next_capacity(100, 101) == 100 + REPLY_ROOM  # small: at least a reply's room
+    assert next_capacity(4000, 4001) == int(4001 * GROWTH)  # large: what the next pass would have grown it to
+    assert NEXT_ROOM == 64
 
 
 @pytest.mark.parametrize("family", FAMILIES)

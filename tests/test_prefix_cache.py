@@ -17,7 +17,7 @@ from fmoe_local.cache_budget import SettingRefused, prefix_budget_bytes
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.demo import demo_model_dir
 from fmoe_local.generate import generate_ids
-from fmoe_local.kv_cache import kv_layers
+from fmoe_local.kv_cache import NEXT_ROOM, REPLY_ROOM, GrowingLayer, kv_layers
 from fmoe_local.prefix_cache import PrefixCache, common_prefix, rope_length_limit
 from fmoe_local.runtime import Runtime
 from tests.tiny import FAMILIES
@@ -201,6 +201,54 @@ def test_a_cut_takes_the_kept_buffers_and_every_conversation_stays_exact(family,
         out = replies[tuple(ids)]
         nxt = ids + out[:-1] + [7, 8]
         turn(nxt, len(ids) + len(out) - 1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_cache_its_reply_filled_grows_between_requests_not_in_the_next_turn(family, tiny_model_dir):
+    """A reply fills the room its cache was made with; `prepare` grows the kept cache after the request, so the next
+    turn's first pass writes into the same buffers (no copy of the conversation in its time to first token), and
+    its reply is still a whole prefill's."""
+    model = eager(tiny_model_dir(family))
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    prompt = list(range(10, 40))
+    cache, _ = prefixes.take(prompt, new_tokens=4)
+    reply = run(model, prompt, cache, 0)
+    prefixes.put(prompt + reply, cache)
+    layers = [layer for layer in cache.layers if isinstance(layer, GrowingLayer)]
+    assert layers and all(layer.capacity - layer.length < NEXT_ROOM for layer in layers)
+    prefixes.prepare()
+    assert all(layer.capacity - layer.length >= REPLY_ROOM for layer in layers)
+    buffers = [storage(layer.keys) for layer in layers]
+    nxt = prompt + reply[:-1] + list(range(50, 90))  # 40 new tokens: more than the room the reply left
+    cache, reused = prefixes.take(nxt, new_tokens=4)
+    assert reused == len(prompt) + len(reply) - 1
+    out = run(model, nxt, cache, reused)
+    assert [storage(layer.keys) for layer in cache.layers if isinstance(layer, GrowingLayer)] == buffers
+    assert out == run(model, nxt, None, 0)
+    prefixes.put(nxt + out, cache)
+    capacity = layers[0].capacity
+    prefixes.prepare()  # room enough left: nothing copied again
+    assert layers[0].capacity == capacity and storage(layers[0].keys) == buffers[0]
+
+
+def test_prepare_grows_only_within_the_budget_and_free_memory(tiny_model_dir):
+    model = eager(tiny_model_dir("olmoe"))
+    free: list[int | None] = [None]
+    for budget_tokens, free_now, grows in ((10_000, None, True), (40, None, False), (10_000, 0, False)):
+        probe = PrefixCache(model.config, budget_bytes=1 << 30)
+        prompt = list(range(10, 40))
+        cache, _ = probe.take(prompt, new_tokens=4)
+        probe.put(prompt + run(model, prompt, cache, 0), cache)
+        per_token = probe.held_bytes / 34
+        prefixes = PrefixCache(model.config, int(per_token * budget_tokens), free_bytes=lambda: free[0])
+        cache, _ = prefixes.take(prompt, new_tokens=4)
+        prefixes.put(prompt + run(model, prompt, cache, 0), cache)
+        before = prefixes.held_bytes
+        free[0] = free_now
+        prefixes.prepare()
+        assert (prefixes.held_bytes > before) == grows, (budget_tokens, free_now)
+        assert prefixes.held_bytes <= prefixes.budget_bytes
+        free[0] = None
 
 
 def test_length_dependent_rope_reuses_only_within_its_original_context():

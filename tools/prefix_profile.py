@@ -12,6 +12,12 @@ worker is idle (the profiler records the thread it is started on); their order i
 prompt, ms per token (Runtime's tpot, medians of `--repeats`) and CPU ms per token (the same steps on this thread
 with one torch thread, `time.thread_time`: less sensitive to other processes than the wall time), with nothing
 profiled: what a KV cache that copies the whole context per token costs at a long context.
+
+`--client N` instead times N pairs as an API client sees them (a chat under the system prompt: Runtime.check on this
+thread, as the server checks a request, then submit until the first text event; the chat template rendered and the
+conversation tokenized included, which the runtime's own TTFT leaves out), each followed at once by a fresh prompt of
+the tokens it prefilled (their text, checked and submitted the same way) on the runtime that keeps nothing; min and
+median of each side, and the runtime's TTFT of the same requests beside them.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ def first_token(runtime: Runtime, prompt: str, request_id: int) -> tuple[int, fl
         token = next(tokens)
     ms = 1000 * (time.perf_counter() - t0)
     runtime._prefixes.put(prompt_list + [token], cache)
+    runtime._prefixes.prepare()  # as Runtime._run does after the request
     return reused, ms
 
 
@@ -64,9 +71,12 @@ def main() -> int:
     p.add_argument("--timing-only", action="store_true", help="the unprofiled times alone, no profile")
     p.add_argument("--decode", type=int, default=0, help="time N decode tokens instead (see above)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each decode timing, median taken")
+    p.add_argument("--client", type=int, default=0, help="time N pairs as an API client sees them (see above)")
     args = p.parse_args()
     if args.decode:
         return decode(args)
+    if args.client:
+        return client(args)
     with tempfile.TemporaryDirectory() as tmp:
         model = with_context(demo_model_dir(), Path(tmp) / "demo")
         config = RuntimeConfig(device="cpu")
@@ -142,6 +152,53 @@ def decode(args: argparse.Namespace) -> int:
                 ms = statistics.median(1000 * r.stats.tpot_s for r in runs)
                 cpu_ms = 1000 * statistics.median(decode_cpu(runtime, text, sampling) for _ in range(args.repeats))
                 print(f"{runs[0].stats.prompt_tokens:>13} {runs[0].stats.tokens:>7} {ms:>9.2f} {cpu_ms:>13.2f}")
+    return 0
+
+
+def client_ttft(runtime: Runtime, messages: list[dict] | str) -> tuple[float, float, int, int]:
+    """(ms from the check to the first text event, the runtime's own TTFT in ms, prompt tokens, reused tokens)."""
+    t0 = time.perf_counter()
+    runtime.check(messages)
+    handle = runtime.submit(messages, SAMPLING)
+    next(iter(handle))
+    ms = 1000 * (time.perf_counter() - t0)
+    final = handle.result(60)
+    return ms, 1000 * final.stats.ttft_s, final.stats.prompt_tokens, final.stats.cached_tokens
+
+
+def client(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = with_context(demo_model_dir(), Path(tmp) / "demo")
+        config = RuntimeConfig(device="cpu")
+        with Runtime.load(model, config) as reuse, Runtime.load(model, config.with_changes(prefix_cache_gb=0)) as whole:
+            system = system_prompt(reuse.engine.tokenizer, args.system_tokens)
+            for r in (reuse, whole):
+                client_ttft(r, [{"role": "user", "content": "hello"}])
+            client_ttft(reuse, [{"role": "system", "content": system}, {"role": "user", "content": "Question 0?"}])
+            sides: dict[str, list[tuple[float, float, int, int]]] = {"reuse": [], "fresh": []}
+            for i in range(1, args.client + 1):
+                chat = [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Question {i} about tides?"},
+                ]
+                sides["reuse"].append(client_ttft(reuse, chat))
+                # The same new tokens as a text prompt (no template to render: that stays on the reusing side only)
+                sides["fresh"].append(client_ttft(whole, new_part(reuse, chat, sides["reuse"][-1][3])))
+            print(f"torch threads {torch.get_num_threads()}; {args.client} pairs, interleaved")
+            print(
+                f"{'side':<6} {'prompt':>6} {'reused':>6} {'client min':>10} {'median':>8} {'runtime min':>11} {'median':>8}"
+            )
+            for name, runs in sides.items():
+                client_ms, runtime_ms = [r[0] for r in runs], [r[1] for r in runs]
+                print(
+                    f"{name:<6} {runs[-1][2]:>6} {runs[-1][3]:>6} {min(client_ms):>10.1f} "
+                    f"{statistics.median(client_ms):>8.1f} {min(runtime_ms):>11.1f} {statistics.median(runtime_ms):>8.1f}"
+                )
+            for i, what in ((0, "client"), (1, "runtime")):
+                reuse_ms = [r[i] for r in sides["reuse"]]
+                fresh_ms = [r[i] for r in sides["fresh"]]
+                ratio = statistics.median(reuse_ms) / statistics.median(fresh_ms)
+                print(f"{what}: ratio of medians {ratio:.2f}, of mins {min(reuse_ms) / min(fresh_ms):.2f}")
     return 0
 
 
