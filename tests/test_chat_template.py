@@ -219,7 +219,9 @@ def test_ctrl_c_ends_the_app_while_a_runaway_template_renders(tiny_model_dir, tm
     args = [sys.executable, str(root / "app.py"), "--no-browser", "--data-dir", str(tmp_path / "data")]
     port = unused_port()
     args += ["--port", str(port), "--model", str(model)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+    # On a hang, SIGABRT makes the app's faulthandler print every thread's stack: the failure says where it waited.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
     try:
         lines = []
         for line in proc.stdout:
@@ -239,7 +241,12 @@ def test_ctrl_c_ends_the_app_while_a_runaway_template_renders(tiny_model_dir, tm
             assert time.monotonic() < deadline, "the runaway template never ran"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)  # was: never (a thread rendering it for ever held the exit)
+        try:
+            out, _ = proc.communicate(timeout=60)  # was: never (a thread rendering it for ever held the exit)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            stacks, _ = proc.communicate(timeout=30)
+            raise AssertionError(f"the app did not end within 60 s of Ctrl+C; its threads:\n{stacks[-6000:]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
