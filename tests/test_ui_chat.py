@@ -438,6 +438,24 @@ def test_a_stream_closed_mid_redraw_holds_no_switch_and_a_redraw_never_queued_ho
     assert page.conv_id == 2 and page.in_flight == [] and page.redraws is not view.redraws
 
 
+def test_a_regenerated_reply_draws_nothing_over_a_chat_opened_before_its_handler_ran(chat):
+    """Regenerate (Continue, an edit) pressed, then another chat opened before the reply's handler ran (a busy
+    machine): before, its first redraw was sent unchecked and landed over the chat opened."""
+    from ui import chat_flow
+    from ui.chat import ChatHandlers, PageView
+
+    session, conv_id = chat
+    session.runtime = SlowRuntime()
+    other = session.store.chats.create("Other")
+    view = PageView(conv_id=other.id)  # what opening the other chat left
+    outputs = list(ChatHandlers(session).regenerate(conv_id, "", 0.7, 0.9, 0, 40, 1.0, 0.0, 0.0, 0, view))
+    assert outputs == [(gr.skip(), gr.skip())]
+    reply = session.chat_reply(conv_id)  # the reply itself goes on, and is saved in its chat
+    if reply is not None:
+        list(chat_flow.follow(session, reply))
+    assert session.store.chats.messages(conv_id)[-1].content == " on" * 40
+
+
 def test_a_reply_the_database_cannot_store_stays_on_the_page_with_what_to_do(chat, monkeypatch):
     import sqlite3
 

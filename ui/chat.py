@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import os
 import tempfile
@@ -585,9 +586,11 @@ class ChatHandlers:
         first = next(replies)  # a Problem (nothing to regenerate, no model) is raised before the notice is cleared
         if view is not None and view.stop_asked and conv_id is not None:  # Stop came before the reply existed
             self.session.stop_chat(conv_id)
-        yield first, notice()
-        for chatbot in while_shown(view, conv_id, replies):
-            yield _drawn(chatbot), gr.skip()
+        # The first redraw is checked too: another chat may have been opened since the button was pressed.
+        said = notice()  # cleared with the first redraw, left alone after it
+        for chatbot in while_shown(view, conv_id, itertools.chain([first], replies)):
+            yield (_drawn(chatbot), said) if chatbot is not None else (gr.skip(), gr.skip())
+            said = gr.skip()
 
     def follow(self, conv_id, view=None):  # noqa: ANN001, ANN201
         """The shown chat's reply still being written (after opening the chat, a reload): streamed until it ends."""
