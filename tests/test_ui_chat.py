@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import gradio as gr
 import pytest
 
@@ -357,6 +359,101 @@ def test_a_reply_goes_on_in_its_own_chat_while_the_page_reads_and_writes_in_othe
     assert stored[other.id] == ["Hello?", " on" * 40]
     assert runtime.turn.acquire(timeout=5)  # both done; nothing left running
     assert not session.chat_replies
+
+
+class _Watched(threading.Condition):
+    """A PageView's condition that says when a thread starts waiting on it."""
+
+    def __init__(self, waiting: threading.Event) -> None:
+        super().__init__()
+        self.waiting = waiting
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_a_redraw_checked_before_another_chat_is_shown_reaches_the_page_before_that_chat():
+    """The browser test once found the streaming reply drawn over the Old chat it had just opened: the stream had
+    checked that its chat was shown and yielded its redraw, the Old chat's handler then changed the view and its
+    output was queued first, and the redraw, queued next, landed over it. Gradio resumes a stream only after queueing
+    its last output (queueing.py's process_events): showing the Old chat now waits for that."""
+    from ui.chat import PageView, showing, while_shown
+
+    queued = []  # the page's message queue, in the order Gradio fills it
+    view = PageView(conv_id=1)
+    moved = threading.Event()  # the Old chat's handler returned, or waits for the redraw
+    view.redraws = _Watched(moved)
+    stream = while_shown(view, 1, iter([["chat 1, a word"], ["chat 1, two words"]]))
+    redraw = next(stream)  # Gradio's step, on one of its threads: chat 1 is shown; the redraw is not queued yet
+
+    def open_old_chat() -> None:  # the Old chat's select handler, on another of Gradio's threads
+        showing(view, 2)
+        queued.append("chat 2")
+        moved.set()
+
+    opener = threading.Thread(target=open_old_chat)
+    opener.start()
+    assert moved.wait(timeout=10)
+    queued.append(redraw)  # Gradio queues the redraw, then resumes the stream
+    after = next(stream)
+    opener.join(timeout=10)
+    assert queued == [["chat 1, a word"], "chat 2"]  # before: ["chat 2", ["chat 1, a word"]], the redraw on top
+    assert after is None and view.conv_id == 2  # and the stream draws nothing more
+
+
+def test_a_reply_that_ends_while_shown_ends_on_nothing_to_draw():
+    """Gradio sends an event's last yield again when it ends: a last redraw of the reply's chat, sent after the page
+    opened another, would land over it. The last yield draws nothing (None: the handlers yield gr.skip())."""
+    from ui.chat import PageView, while_shown
+
+    view = PageView(conv_id=1)
+    stream = while_shown(view, 1, iter([["chat 1, done"]]))
+    assert next(stream) == ["chat 1, done"]
+    assert next(stream) is None
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+def test_a_stream_closed_mid_redraw_holds_no_switch_and_a_redraw_never_queued_holds_it_a_bounded_time(monkeypatch):
+    """Gradio closes a stream's generator however its event ends: its redraw is no longer in flight. One Gradio never
+    resumes holds showing another chat at most REDRAW_WAIT_S."""
+    import copy
+
+    from ui import chat
+    from ui.chat import PageView, showing, while_shown
+
+    view = PageView(conv_id=1)
+    stream = while_shown(view, 1, iter([["chat 1"], ["chat 1 again"]]))
+    next(stream)
+    assert view.in_flight == [1]
+    stream.close()
+    assert view.in_flight == []
+    stuck = while_shown(view, 1, iter([["chat 1"]]))
+    next(stuck)  # never resumed
+    monkeypatch.setattr(chat, "REDRAW_WAIT_S", 0.0)
+    showing(view, 2)
+    assert view.conv_id == 2 and view.in_flight == [1]
+    page = copy.deepcopy(view)  # what gr.State gives each page: its own lock, and none of this page's redraws
+    assert page.conv_id == 2 and page.in_flight == [] and page.redraws is not view.redraws
+
+
+def test_a_regenerated_reply_draws_nothing_over_a_chat_opened_before_its_handler_ran(chat):
+    """Regenerate (Continue, an edit) pressed, then another chat opened before the reply's handler ran (a busy
+    machine): before, its first redraw was sent unchecked and landed over the chat opened."""
+    from ui import chat_flow
+    from ui.chat import ChatHandlers, PageView
+
+    session, conv_id = chat
+    session.runtime = SlowRuntime()
+    other = session.store.chats.create("Other")
+    view = PageView(conv_id=other.id)  # what opening the other chat left
+    outputs = list(ChatHandlers(session).regenerate(conv_id, "", 0.7, 0.9, 0, 40, 1.0, 0.0, 0.0, 0, view))
+    assert outputs == [(gr.skip(), gr.skip())]
+    reply = session.chat_reply(conv_id)  # the reply itself goes on, and is saved in its chat
+    if reply is not None:
+        list(chat_flow.follow(session, reply))
+    assert session.store.chats.messages(conv_id)[-1].content == " on" * 40
 
 
 def test_a_reply_the_database_cannot_store_stays_on_the_page_with_what_to_do(chat, monkeypatch):

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,28 +137,72 @@ class ChatTab:
 class PageView:
     """The chat one page shows, as the reply streams see it: gr.State gives each page its own copy, and a handler
     that shows another chat changes this object in place, which a stream already running reads at its next word
-    (gr.State's value is passed by reference; a returned value would replace it instead)."""
+    (gr.State's value is passed by reference; a returned value would replace it instead).
+
+    Threads: the page's handlers run on Gradio's worker threads, each step of a stream on whichever one Gradio hands
+    it, so there is no owner; `conv_id` and the redraws in flight change only under `redraws` (the condition's
+    lock), through `showing` and `while_shown`. A redraw is in flight from the check that its chat is shown until
+    Gradio resumes its stream, which it does only after putting that output in the page's message queue
+    (queueing.py's process_events); until then another chat's output could be queued first and the redraw would
+    land over it, so `showing` names the new chat, then waits (at most REDRAW_WAIT_S) for those redraws to be
+    queued before its handler returns its own output. `stop_asked` is one flag, set and read without the lock."""
 
     conv_id: int | None = None
     # Stop pressed since this page last asked for a reply. The reply it asked for may not have started yet (Send
     # draws at once; its handler waits for a worker, seconds on a busy machine): it is stopped as soon as it starts.
     stop_asked: bool = False
 
+    def __post_init__(self) -> None:
+        # Not fields: Gradio puts a State's dataclass value through dataclasses.asdict, which cannot copy a lock.
+        self.redraws = threading.Condition()
+        self.in_flight: list[int] = []  # the chat of each redraw in flight, one entry per redraw
+
+    def __deepcopy__(self, memo: dict) -> PageView:
+        # gr.State deep-copies its value for each page: each page gets its own lock, and no redraw of another's.
+        return PageView(self.conv_id, self.stop_asked)
+
+
+# How long showing another chat waits for the redraws checked before it to be queued. Gradio queues one right after
+# the Chatbot's postprocess, and closes a stream however its event ends (queueing.py's reset_iterators), which ends
+# its redraw in flight too: the bound is for a server too busy to queue it in time, never an unbounded wait.
+REDRAW_WAIT_S = 2.0
+
 
 def showing(view: PageView | None, conv_id: int | None) -> None:
-    if view is not None:
+    """The page's view now names chat `conv_id`; returns once the redraws of other chats that were checked before
+    are in the page's message queue, so the output of the handler calling this comes after them (PageView)."""
+    if view is None:
+        return
+    with view.redraws:
         view.conv_id = conv_id
+        if not view.redraws.wait_for(lambda: all(c == conv_id for c in view.in_flight), timeout=REDRAW_WAIT_S):
+            # Still not queued (a server that busy): the chat is shown anyway, and that redraw may land over it.
+            log.warning(
+                "redraws of chats %s not queued within %s s: showing chat %s", view.in_flight, REDRAW_WAIT_S, conv_id
+            )
 
 
 def while_shown(view: PageView | None, conv_id: int, chatbots):  # noqa: ANN001, ANN201 - Chatbot message lists
     """The reply's redraws while the page shows its chat; once it shows another, one None (the handler then yields
     only gr.skip(): Gradio applies an event's last yield again when it ends, which would draw this chat over the
-    one shown) and the page stops drawing it. The reply goes on and is saved in its own chat (chat_flow.py)."""
+    one shown) and the page stops drawing it. The last yield is that None too when the reply ends while shown: the
+    chat may be left between its last redraw and the event's end. The reply goes on and is saved in its own chat
+    (chat_flow.py). Each redraw is in flight (PageView) from its check until Gradio resumes this generator."""
+    if view is None:
+        yield from chatbots
+        return
     for chatbot in chatbots:
-        if view is not None and view.conv_id != conv_id:
-            yield None
-            return
-        yield chatbot
+        with view.redraws:
+            if view.conv_id != conv_id:
+                break
+            view.in_flight.append(conv_id)
+        try:
+            yield chatbot
+        finally:  # resumed (its output is queued), or closed: either way nothing more of it is coming
+            with view.redraws:
+                view.in_flight.remove(conv_id)
+                view.redraws.notify_all()
+    yield None
 
 
 def _drawn(chatbot: list[dict] | None):  # noqa: ANN202 - the Chatbot's value, or gr.skip()
@@ -540,9 +586,11 @@ class ChatHandlers:
         first = next(replies)  # a Problem (nothing to regenerate, no model) is raised before the notice is cleared
         if view is not None and view.stop_asked and conv_id is not None:  # Stop came before the reply existed
             self.session.stop_chat(conv_id)
-        yield first, notice()
-        for chatbot in while_shown(view, conv_id, replies):
-            yield _drawn(chatbot), gr.skip()
+        # The first redraw is checked too: another chat may have been opened since the button was pressed.
+        said = notice()  # cleared with the first redraw, left alone after it
+        for chatbot in while_shown(view, conv_id, itertools.chain([first], replies)):
+            yield (_drawn(chatbot), said) if chatbot is not None else (gr.skip(), gr.skip())
+            said = gr.skip()
 
     def follow(self, conv_id, view=None):  # noqa: ANN001, ANN201
         """The shown chat's reply still being written (after opening the chat, a reload): streamed until it ends."""
