@@ -402,19 +402,6 @@ def test_a_redraw_checked_before_another_chat_is_shown_reaches_the_page_before_t
     assert after is None and view.conv_id == 2  # and the stream draws nothing more
 
 
-def test_a_reply_that_ends_while_shown_ends_on_nothing_to_draw():
-    """Gradio sends an event's last yield again when it ends: a last redraw of the reply's chat, sent after the page
-    opened another, would land over it. The last yield draws nothing (None: the handlers yield gr.skip())."""
-    from ui.chat import PageView, while_shown
-
-    view = PageView(conv_id=1)
-    stream = while_shown(view, 1, iter([["chat 1, done"]]))
-    assert next(stream) == ["chat 1, done"]
-    assert next(stream) is None
-    with pytest.raises(StopIteration):
-        next(stream)
-
-
 def test_a_stream_closed_mid_redraw_holds_no_switch_and_a_redraw_never_queued_holds_it_a_bounded_time(monkeypatch):
     """Gradio closes a stream's generator however its event ends: its redraw is no longer in flight. One Gradio never
     resumes holds showing another chat at most REDRAW_WAIT_S."""

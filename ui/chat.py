@@ -185,24 +185,26 @@ def showing(view: PageView | None, conv_id: int | None) -> None:
 def while_shown(view: PageView | None, conv_id: int, chatbots):  # noqa: ANN001, ANN201 - Chatbot message lists
     """The reply's redraws while the page shows its chat; once it shows another, one None (the handler then yields
     only gr.skip(): Gradio applies an event's last yield again when it ends, which would draw this chat over the
-    one shown) and the page stops drawing it. The last yield is that None too when the reply ends while shown: the
-    chat may be left between its last redraw and the event's end. The reply goes on and is saved in its own chat
+    one shown) and the page stops drawing it. A reply that ends while shown ends on its last redraw: that is the
+    event's result an API caller (gradio_client) receives. The reply goes on and is saved in its own chat
     (chat_flow.py). Each redraw is in flight (PageView) from its check until Gradio resumes this generator."""
     if view is None:
         yield from chatbots
         return
     for chatbot in chatbots:
-        with view.redraws:
-            if view.conv_id != conv_id:
-                break
-            view.in_flight.append(conv_id)
+        with view.redraws:  # never yield holding it: `showing` needs it to return
+            shown = view.conv_id == conv_id
+            if shown:
+                view.in_flight.append(conv_id)
+        if not shown:
+            yield None
+            return
         try:
             yield chatbot
         finally:  # resumed (its output is queued), or closed: either way nothing more of it is coming
             with view.redraws:
                 view.in_flight.remove(conv_id)
                 view.redraws.notify_all()
-    yield None
 
 
 def _drawn(chatbot: list[dict] | None):  # noqa: ANN202 - the Chatbot's value, or gr.skip()
