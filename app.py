@@ -329,16 +329,21 @@ def serve(args: argparse.Namespace):
 
 
 def stop_on_signals() -> threading.Event:
-    """Closing the launcher's terminal (SIGHUP) or a system shutdown (SIGTERM) ends the app the way Ctrl+C does:
-    through main's `finally`, which saves what is in flight (a streaming reply, queued expert maps) and closes the
-    database. Without a handler either signal ends the process at once. The handler only sets the returned event
-    (main's wait looks at it), so a signal during start-up is acted on once start-up is done. Main thread only."""
+    """Ctrl+C (SIGINT), closing the launcher's terminal (SIGHUP) or a system shutdown (SIGTERM) end the app through
+    main's `finally`, which saves what is in flight (a streaming reply, queued expert maps) and closes the database.
+    Without a handler SIGTERM and SIGHUP end the process at once, and Ctrl+C's KeyboardInterrupt lands wherever the
+    main thread is: during start-up, outside main's `try`, where it was lost and the app then served on with no one
+    to stop it (the Ctrl+C test hung so under load). The handler only sets the returned event (main's wait looks at
+    it), so a signal during start-up is acted on once start-up is done; a second Ctrl+C raises KeyboardInterrupt as
+    usual, for a start-up that does not end. Main thread only."""
     stopping = threading.Event()
 
     def leave(signum: int, frame: object) -> None:
         stopping.set()
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    for name in ("SIGTERM", "SIGHUP"):
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
         if hasattr(signal, name):  # Windows has no SIGHUP
             signal.signal(getattr(signal, name), leave)
     return stopping

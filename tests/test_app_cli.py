@@ -273,3 +273,23 @@ def _answering_server():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_ctrl_c_during_start_up_is_acted_on_once_start_up_is_done_and_a_second_one_interrupts():
+    """Ctrl+C sets the event main's wait looks at, as SIGTERM and SIGHUP do: a KeyboardInterrupt raised during
+    start-up (outside main's `try`) was lost, and the app then served on. A second Ctrl+C interrupts as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be set from the main thread")
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in ("SIGINT", "SIGTERM", "SIGHUP")}
+    try:
+        stopping = app.stop_on_signals()
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:  # was: raised here, wherever start-up had got to
+            pytest.fail("The first Ctrl+C raised KeyboardInterrupt instead of asking main to stop.")
+        assert stopping.is_set()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler)
