@@ -75,18 +75,11 @@ def _relative(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _dequantised(fmt: str, w: torch.Tensor) -> torch.Tensor:
-    """The values a kernel of `fmt` multiplies by: the runtime's own packers, unpacked in float32."""
+    """The values a kernel of `fmt` multiplies by: the runtime's own packer, then its unpacking, in float32."""
     if fmt == "bf16":
         return w.to(torch.bfloat16).float()
-    if fmt == "int8":
-        parts = expert_formats.pack_int8(w)
-        return parts["q"].float() * parts["scale"].float()[:, None]
-    parts = expert_formats.pack_int4(w, torch.bfloat16)
-    q = torch.stack([parts["q"] & 0x0F, parts["q"] >> 4], -1).reshape(w.shape).float()
-    sz = parts["sz"].float()  # [in/g, out, 2]
-    group = w.shape[1] // sz.shape[0]
-    scale, zero = (sz[..., i].t().repeat_interleave(group, 1) for i in (0, 1))
-    return (q - 8) * scale + zero
+    param = expert_formats.PackedParam(fmt, tuple(w.shape))
+    return expert_formats.unpack(param, expert_formats.pack(param, w, torch.bfloat16), torch.float32)
 
 
 def torch_candidates(weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, inter: int) -> list[Candidate]:
