@@ -161,8 +161,8 @@ def _build(
     sources = [[arch.expert_sources(ref.layer_index, e, files) for e in range(num_experts)] for ref in moe_layers]
     fmt = resolve_format(config.expert_format, sources, files)
     dense = dense_formats.resolve(config.dense_format, device, fmt)
+    transposed = hf_internals.is_transposed(moe_layers[0].experts)
     if device.type == "cpu":  # before the packed weights are read: the formats this device multiplies packed
-        transposed = hf_internals.is_transposed(moe_layers[0].experts)
         expert_formats.check_cpu_products([dense] + ([] if transposed else [fmt]), dtype)
     copy = None
     if dense in dense_formats.PACKED:  # only ever on a CPU device: int4 is kept in this CPU's layout
@@ -177,7 +177,6 @@ def _build(
     if fmt == "bf16":
         host = CheckpointHostStore(files, sources, param_shapes, dtype, config.host_ram_gb)
     else:
-        transposed = hf_internals.is_transposed(moe_layers[0].experts)
         products = device.type == "cpu"  # computed where they are stored: torch's weight-only CPU products
         host = build_packed_host(files, sources, param_shapes, dtype, fmt, transposed, config, progress, products)
     return model, moe_layers, host, unexpected, dtype, dense
