@@ -244,8 +244,9 @@ class QuantCache:
 
     def build(self, fetch: Fetch, num_experts: int, expert_bytes: int, progress: Progress | None = None) -> None:
         """Quantise the layers not in the copy yet (`fetch(layer, expert)` gives one expert's stored tensors,
-        `expert_bytes` their size), then, when the copy keeps a `layout`, write its portable layers over in it. Raises CopyNotKept (an OSError) when the copy does not fit with the margin to
-        spare (nothing is written) or cannot be written."""
+        `expert_bytes` their size), then, when the copy keeps a `layout`, write its portable layers over in it.
+        Raises CopyNotKept (an OSError) when the copy does not fit with the margin to spare (nothing is written) or
+        cannot be written."""
         _remove_leftovers(self.dir)
         states = [self._state(layer) for layer in range(self.num_layers)]
         missing = [layer for layer, state in enumerate(states) if state == "missing"]
@@ -417,9 +418,9 @@ class DenseCopy:
         return file
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Keep `tensors` ({module name.part: part}, int4 codes in the CPU layout of `layout_key`) as the file, renamed into place whole. A write that
-        fails, or that would leave less than hardware.DISK_MARGIN_BYTES free, is logged and skipped (as is the empty
-        folder it made): the next load packs again."""
+        """Keep `tensors` ({module name.part: part}, int4 codes in the CPU layout of `layout_key`) as the file,
+        renamed into place whole. A write that fails, or that would leave less than hardware.DISK_MARGIN_BYTES free,
+        is logged and skipped (as is the empty folder it made): the next load packs again."""
         folder = self.path.parent
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         try:
