@@ -11,6 +11,10 @@ that every pass reads DRAM, as a decode miss does), per candidate:
   pool per session, the default, starts a spinning thread per session), only when `onnxruntime` and `onnx` import.
   The int8 weights are ours (per-row scale repeated per block: the same dequantised values); int4 is quantised with
   an integer zero point per block, which ours is not (its float zero point sends MatMulNBits to a 30× slower path).
+- OpenVINO's GatherMatmul (`grouped_matmul` on [E, out, in] compressed constants, which the CPU plugin turns into
+  GatherMatmulCompressed): one compiled model holds all the pass's experts, one call computes 8 chosen experts with
+  float32 activations (dynamic quantisation off, so nothing is rounded), on our own int8 and int4 bytes; only when
+  `openvino` imports. Its error column is of the whole expert (gate_up, SwiGLU, down), not of one product.
 
 Columns: ms per expert (best pass; passes interleaved across candidates so a busy machine slows all alike), GB/s of
 the bytes the candidate reads per expert, that as a share of the DRAM read measured in the same run, the largest
@@ -19,7 +23,8 @@ and, for ONNX Runtime, the RSS a session adds per weight against the weight's pa
 
 Run from the repository root: `python tools/kernel_candidates.py --threads 1` (add `--threads 2`; `--experts` sets
 how many distinct experts a pass cycles through). With ONNX Runtime: `pip install onnxruntime==1.32.0 onnx==1.23.2`
-into a folder and put it on PYTHONPATH (neither is a dependency of the app).
+into a folder and put it on PYTHONPATH (neither is a dependency of the app); OpenVINO likewise with
+`pip install --no-deps --target DIR openvino==2026.4.1` (it imports without its telemetry package).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Candidate:
     run: Callable[[int], torch.Tensor]  # expert index -> output [1, H] (one expert, one token)
     error: float = 0.0
     rss_ratio: float | None = None
+    per_call: int = 1  # experts one `run` computes: run(e) does experts e .. e + per_call - 1
     times: list[float] = field(default_factory=list)
 
 
@@ -219,6 +225,96 @@ def ort_candidates(
     return out
 
 
+def openvino_candidates(
+    weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, inter: int, threads: int
+) -> list[Candidate]:
+    """OpenVINO's GatherMatmul: a layer's experts as one compiled model, the chosen experts computed in one call
+    with float32 activations (dynamic quantisation of activations off), on our own packed bytes (int8: `q`, `scale`;
+    int4: `q` as u4, the float zero point written as (code − zp) · scale with zp = 8 − zero / scale)."""
+    try:
+        import openvino as ov
+        import openvino.opset13 as ops
+        import openvino.opset17 as ops17
+    except ImportError:
+        print("openvino not importable: no OpenVINO rows (see the docstring)")
+        return []
+    hidden, top_k = x.shape[1], 8
+    f32 = ov.Type.f32
+
+    def decompressed(fmt: str, ws: list[torch.Tensor], keep: list) -> tuple[object, int]:
+        """The [E, out, in] float32 weight node the CPU plugin fuses into GatherMatmulCompressed, and bytes/expert.
+        The u4 codes' constant shares `q`'s memory, so `keep` holds it for the compiled model's life."""
+        param = expert_formats.PackedParam(fmt, tuple(ws[0].shape))
+        packed = [expert_formats.pack(param, w, torch.bfloat16) for w in ws]
+        e, (a, b) = len(ws), ws[0].shape
+        if fmt == "int8":
+            q = np.stack([p["q"].numpy() for p in packed])
+            scale = np.stack([p["scale"].numpy() for p in packed])[..., None]
+            node = ops.multiply(ops.convert(ops.constant(q, ov.Type.i8), f32), ops.constant(scale))
+            return node, (q.nbytes + scale.nbytes) // e
+        g = expert_formats.int4_group(b)
+        q = np.stack([p["q"].numpy() for p in packed])  # [E, a, b/2], low nibble first: OpenVINO's u4 order
+        sz = torch.stack([p["sz"].float() for p in packed]).permute(0, 2, 1, 3).numpy()  # [E, a, b/g, 2]
+        scale, zero = sz[..., :1], sz[..., 1:]
+        zp = (8 - zero / scale).astype(np.float32)
+        keep.append(q)
+        codes = ops.constant(ov.Tensor(q, [e, a, b // g, g], ov.Type.u4))
+        node = ops.multiply(ops.subtract(ops.convert(codes, f32), ops.constant(zp)), ops.constant(scale.copy()))
+        node = ops.reshape(node, ops.constant(np.array([e, a, b], np.int64)), False)
+        return node, (q.nbytes + scale.nbytes + zp.nbytes) // e
+
+    core = ov.Core()
+    config = {
+        "INFERENCE_NUM_THREADS": threads,
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": 1,
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,  # activations stay float32: the lossless rule
+    }
+    out = []
+    xs = np.repeat(x.numpy(), top_k, 0)
+    for fmt in ("int8", "int4"):
+        _trim()
+        before = _rss_bytes()
+        rows = ops.parameter([-1, hidden], f32)  # one row per chosen expert, sorted by expert
+        ends = ops.parameter([len(weights)], ov.Type.i32)  # cumulative rows per expert
+        keep: list = []
+        gate_up, gu_bytes = decompressed(fmt, [a for a, _ in weights], keep)
+        down, d_bytes = decompressed(fmt, [b for _, b in weights], keep)
+        h = ops17.grouped_matmul(rows, gate_up, ends)
+        gate = ops.slice(h, np.array([0]), np.array([inter]), np.array([1]), np.array([1]))
+        up = ops.slice(h, np.array([inter]), np.array([2 * inter]), np.array([1]), np.array([1]))
+        y = ops17.grouped_matmul(ops.multiply(ops.swish(gate), up), down, ends)
+        compiled = core.compile_model(ov.Model([y], [rows, ends]), "CPU", config)
+        del gate_up, down, h, gate, up, y
+        _trim()
+        rss_ratio = (_rss_bytes() - before) / ((gu_bytes + d_bytes) * len(weights))
+        kinds = {op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()}
+        if "GatherMatmul" not in kinds:
+            print(f"OpenVINO did not fuse the {fmt} experts into GatherMatmul: no {fmt} row")
+            continue
+        request = compiled.create_infer_request()
+
+        def run(e: int, request: object = request, keep: list = keep) -> torch.Tensor:
+            counts = np.zeros(len(weights), np.int32)
+            counts[e : e + top_k] = 1
+            return torch.from_numpy(request.infer({0: xs, 1: np.cumsum(counts, dtype=np.int32)})[0])
+
+        first = run(0)[0:1]
+        a, b = weights[0]
+        ref = _swiglu(x @ _dequantised(fmt, a).T, inter) @ _dequantised(fmt, b).T
+        out.append(
+            Candidate(
+                f"OpenVINO GatherMatmul {fmt}, float32 activations",
+                gu_bytes + d_bytes,
+                run,
+                error=_relative(first, ref),
+                rss_ratio=rss_ratio,
+                per_call=top_k,
+            )
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -237,11 +333,12 @@ def main() -> None:
     cands = torch_candidates(weights, x, inter) + [fbgemm_candidate(weights, x, inter)]
     with tempfile.TemporaryDirectory() as workdir:
         cands += ort_candidates(weights, x, inter, args.threads, workdir)
+        cands += openvino_candidates(weights, x, inter, args.threads)
         dram = bandwidth.dram_read_gbps()
         for _ in range(args.passes):
             for cand in cands:
                 start = time.perf_counter()
-                for e in range(args.experts):
+                for e in range(0, args.experts, cand.per_call):
                     cand.run(e)
                 cand.times.append((time.perf_counter() - start) / args.experts)
         dram = max(dram, bandwidth.dram_read_gbps())
