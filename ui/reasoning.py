@@ -9,8 +9,8 @@ for the model: `opened`, from Runtime.reply_opening); otherwise a thought is rea
 whitespace around the markers (Qwen3 writes "<think>\\n…\\n</think>\\n\\n") is left out. GPT-OSS's analysis channel
 is not read here: its markers (`<|channel|>`, `<|message|>`) are special tokens that the runtime's text leaves out,
 so nothing of them reaches the reply — but a request with tools keeps them, and ui/tool_calls.py's HarmonyStream
-reads its channels. It does NOT decide whether a reply may think (structured.py: a reply held to a grammar has no
-thought, the grammar starting at its first token).
+reads its channels. It does NOT decide whether a reply may think, nor how long (structured.py: a reply held to a grammar has no thought,
+the grammar starting at its first token, unless a thinking budget bounds a thought the prompt opened).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ Piece = tuple[str, str]  # (REASONING or CONTENT, text)
 class ThinkFormat:
     start: str
     end: str
+    close: str  # what ends a thought when its budget is spent (Sampling.thought): the end as the template writes it
 
     def opened(self, opening: str) -> bool:
         """Whether a reply opening (Runtime.reply_opening) leaves a thought open: the reply starts inside it."""
@@ -32,7 +33,7 @@ class ThinkFormat:
         return at >= 0 and self.end not in opening[at:]
 
 
-THINK = ThinkFormat("<think>", "</think>")
+THINK = ThinkFormat("<think>", "</think>", "\n</think>\n\n")
 FORMATS = (THINK,)
 
 
