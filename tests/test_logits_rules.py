@@ -1,8 +1,8 @@
 """One request's logit rules (fmoe_local/logits_rules.py): the repetition penalty follows transformers' rule over the
 prompt and the reply, OpenAI's frequency and presence penalties count the reply's own tokens, each is off at its
-default; a thought that spends its budget has its close forced token by token, and a grammar starts after it; on a
-tiny Qwen3 model whose untrained thought never closes, a budget of B gives exactly B thinking tokens, the close and an
-answer."""
+default; a thought that spends its budget has its close forced token by token, and a grammar starts after it; on
+tiny Qwen3 and GPT-OSS models whose untrained thought does not close, a budget of B gives exactly B thinking tokens,
+the close (</think>, or harmony's end of the analysis message and start of the final one) and an answer."""
 
 from __future__ import annotations
 
@@ -128,19 +128,37 @@ def test_a_thinking_budget_is_refused_without_its_markers():
         Sampling(thought=ThoughtBudget(-1, "<think>", "</think>", "</think>")).validate()
 
 
-def test_a_tiny_qwen3_s_endless_thought_is_cut_at_its_budget_and_the_answer_follows(tiny_model_dir):
+HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")  # GPT-OSS's markers: special tokens in its vocabulary
+THINKERS = {  # family → (its thought's markers, a prompt that opens the thought)
+    "qwen3_moe": (
+        ("<think>", "</think>", "\n</think>\n\n"),
+        "<|user|>\nName a colour.<|eos|>\n<|assistant|>\n<think>\n",
+    ),
+    "gpt_oss": (
+        ("<|channel|>analysis<|message|>", "<|end|>", "<|end|><|start|>assistant<|channel|>final<|message|>"),
+        "<|start|>user<|message|>Name a colour.<|end|><|start|>assistant<|channel|>analysis<|message|>",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(THINKERS))
+def test_a_tiny_model_s_endless_thought_is_cut_at_its_budget_and_the_answer_follows(family, tiny_model_dir, tmp_path):
     from fmoe_local.config import RuntimeConfig
     from fmoe_local.runtime import Runtime
+    from tests.tiny import with_special_tokens
 
-    prompt = "<|user|>\nName a colour.<|eos|>\n<|assistant|>\n<think>\n"  # the prompt opened the thought
+    (start, end, close), prompt = THINKERS[family]
+    model = tiny_model_dir(family)
+    if family == "gpt_oss":
+        model = with_special_tokens(model, tmp_path / "harmony", list(HARMONY))
     plain = Sampling(greedy=True, max_new_tokens=20)
-    thought = ThoughtBudget(6, "<think>", "</think>", "\n</think>\n\n", opened=True)
-    with Runtime.load(tiny_model_dir("qwen3_moe"), RuntimeConfig(device="cpu", sampling=plain)) as runtime:
-        close = runtime.engine.encode_marker(thought.close)
+    thought = ThoughtBudget(6, start, end, close, opened=True)  # the prompt opened the thought
+    with Runtime.load(model, RuntimeConfig(device="cpu", sampling=plain)) as runtime:
+        closing = runtime.engine.encode_marker(close)
         free = runtime.submit(prompt, plain).result()
         cut = runtime.submit(prompt, replace(plain, thought=thought)).result()
-    assert "</think>" not in free.text and len(free.token_ids) == 20  # untrained: the thought never ends
+        written = runtime.engine.tokenizer.decode(free.token_ids[: 6 + len(closing)])  # special tokens and all
+    assert end not in written and len(free.token_ids) == 20  # untrained: the thought goes on, not cut
     assert cut.token_ids[:6] == free.token_ids[:6]  # the budget's six thinking tokens, as the model wrote them
-    assert cut.token_ids[6 : 6 + len(close)] == close  # then the close, forced
-    answer = cut.text.split("</think>")
-    assert len(answer) == 2 and answer[1].strip() and len(cut.token_ids) == 20  # and an answer, within max tokens
+    assert cut.token_ids[6 : 6 + len(closing)] == closing  # then the close, forced
+    assert len(cut.token_ids) == 20 and cut.reason == "length"  # then the answer, up to max_new_tokens

@@ -19,7 +19,7 @@ import pytest
 
 from fmoe_local.config import Sampling
 from tests.api_server import serving
-from tests.tool_templates import HERMES_TEMPLATE, HYBRID_TEMPLATE, THINKING_TEMPLATE, WEATHER
+from tests.tool_templates import HARMONY_TEMPLATE, HERMES_TEMPLATE, HYBRID_TEMPLATE, THINKING_TEMPLATE, WEATHER
 from ui.anthropic_request import parse_messages
 from ui.openai_request import ApiError
 from ui.structured import shape
@@ -96,6 +96,9 @@ def test_the_budget_is_the_request_s_sampling_thought_where_the_model_thinks():
     assert (opened.tokens, opened.start, opened.end, opened.close, opened.opened) == (
         1500, "<think>", "</think>", "\n</think>\n\n", True,
     )  # fmt: skip
+    harmony = thought(HARMONY_TEMPLATE)  # GPT-OSS: its analysis channel, which the reply opens itself
+    assert (harmony.start, harmony.end, harmony.opened) == ("<|channel|>analysis<|message|>", "<|end|>", False)
+    assert harmony.close == "<|end|><|start|>assistant<|channel|>final<|message|>"
     assert thought(HERMES_TEMPLATE) is None  # a model that does not think: nothing to hold
     assert thought(HERMES_TEMPLATE, thinking={"type": "adaptive"}) is None
 

@@ -35,6 +35,12 @@ class ThinkFormat:
 
 THINK = ThinkFormat("<think>", "</think>", "\n</think>\n\n")
 FORMATS = (THINK,)
+# GPT-OSS's analysis channel, for a thought's budget only (`budget_format`): a reply opens it with these markers and
+# ends its message with <|end|>; a budget spent ends it and opens the final channel's message, the answer. Never read
+# by ThinkSplit: the markers are special tokens the reply's text leaves out (HarmonyStream reads them with tools).
+HARMONY_ANALYSIS = ThinkFormat(
+    "<|channel|>analysis<|message|>", "<|end|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
+)
 
 
 def format_of(template: str | None) -> ThinkFormat | None:
@@ -42,6 +48,16 @@ def format_of(template: str | None) -> ThinkFormat | None:
     for fmt in FORMATS:
         if template and fmt.start in template and fmt.end in template:
             return fmt
+    return None
+
+
+def budget_format(template: str | None) -> ThinkFormat | None:
+    """The markers a thinking budget (Sampling.thought) is held with: the <think> format's, or GPT-OSS's analysis
+    channel where the template writes harmony's channels; None for a model that does not think."""
+    if format_of(template) is not None:
+        return format_of(template)
+    if template and "<|channel|>" in template:  # harmony: every reply is channels, its thought the analysis one
+        return HARMONY_ANALYSIS
     return None
 
 
