@@ -4,10 +4,11 @@ thinks with no switch refuses "disabled" with a 400 naming 'thinking'; a model t
 
 Its budget_tokens is held to: refused as Anthropic refuses it (missing, under 1024, not under max_tokens), and
 otherwise the request's Sampling.thought, which the runtime holds to (fmoe_local/logits_rules.py). Anthropic's least
-budget is beyond a tiny model's 512-token context, so the reply's thought is cut through vLLM's
+budget is beyond a tiny model's 512-token context, so the reply's thought is cut with small budgets through vLLM's
 `thinking_token_budget` on the OpenAI side, which shares the same path after the body: a tiny Qwen3 whose untrained
 thought never closes gives exactly B thinking tokens, the close, and an answer — streamed as reasoning then content,
-and with a forced tool call or a JSON schema held from the end of the thought."""
+and with a forced tool call or a JSON schema held from the end of the thought. One test streams Anthropic's least
+budget, 1024, from a copy of the model that reads 2,048 tokens: a thinking block, then text."""
 
 from __future__ import annotations
 
@@ -178,3 +179,20 @@ def test_a_forced_tool_call_follows_the_thought(thinker):
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.model_extra["reasoning_content"], choice
     assert json.loads(choice.message.tool_calls[0].function.arguments)["city"] in ("Oslo", "Lisbon")
+
+
+def test_claude_s_budget_cuts_a_streamed_thought_into_a_thinking_block_then_text(tiny_model_dir, tmp_path):
+    """Anthropic's least budget, 1024, through the anthropic client's stream: the model's copy reads 2,048 tokens."""
+    from tests.tiny import with_special_tokens
+
+    model = with_special_tokens(tiny_model_dir("qwen3_moe"), tmp_path / "long", [], context=2048)
+    with serving(model, tmp_path / "data", template=THINKING_TEMPLATE) as (server, _, _):
+        claude = anthropic.Anthropic(base_url=server.url.rstrip("/"), api_key="x", max_retries=0, timeout=300)
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        kwargs = dict(model="x", messages=ASK, max_tokens=1040, thinking=thinking, extra_body={"temperature": 0})
+        with claude.messages.stream(**kwargs) as stream:
+            starts = [e.content_block.type for e in stream if e.type == "content_block_start"]
+            final = stream.get_final_message()
+    assert starts == ["thinking", "text"] == [b.type for b in final.content], final
+    assert final.content[0].thinking and final.content[1].text.strip()  # the thought, cut; then the answer
+    assert (final.stop_reason, final.usage.output_tokens) == ("max_tokens", 1040)  # max_tokens counts them all
