@@ -80,6 +80,19 @@ def test_a_budget_anthropic_refuses_is_refused_with_a_sentence(body, says):
     assert (refused.value.status, refused.value.param) == (400, "thinking") and says in str(refused.value)
 
 
+def test_vllm_s_thinking_token_budget_is_a_whole_number_of_at_least_0():
+    from ui.openai_request import parse_chat
+
+    body = {"model": "x", "messages": ASK}
+    assert parse_chat(body | {"thinking_token_budget": 7}, Sampling()).thought_budget == 7
+    assert parse_chat(body, Sampling()).thought_budget is None
+    for wrong in (-1, 2.5, "7"):
+        with pytest.raises(ApiError) as refused:
+            parse_chat(body | {"thinking_token_budget": wrong}, Sampling())
+        assert (refused.value.status, refused.value.param) == (400, "thinking_token_budget")
+        assert "at least 0" in str(refused.value)
+
+
 def test_a_refused_budget_reaches_the_anthropic_client_as_a_400(client):
     with pytest.raises(anthropic.BadRequestError, match="at least 1024"):
         client.messages.create(
