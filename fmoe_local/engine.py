@@ -7,7 +7,8 @@ the policy's calls except through the Offload (offload.py).
 Threads: everything here runs on the runtime's worker thread, except `interrupt.set()` (any thread: Stop, close),
 which ends every wait of the Offload within a fraction of a second, and `tokenize_prompt`, which Runtime.check also
 calls on its caller's thread: encodings run one at a time (`_encoding`, which also guards `_encoded`, the ids of the
-last texts tokenized), and the worker otherwise only decodes.
+last texts tokenized), and the worker otherwise only decodes, but for a thinking budget's markers (`encode_marker`,
+under the same lock).
 """
 
 from __future__ import annotations
