@@ -19,6 +19,27 @@ PREFIX_AUTO_MAX_GB = 4.0  # the automatic prefix cache size's ceiling (RuntimeCo
 
 
 @dataclass(frozen=True)
+class ThoughtBudget:
+    """At most `tokens` tokens of the model's thinking (the Anthropic API's budget_tokens): once the thought holds
+    that many, the runtime writes `close` for the model and the reply goes on as the answer (logits_rules.py). The
+    markers are texts, tokenized with the model's own tokenizer: `start` opens a thought when the reply begins with
+    it ("<think>"), `end` is the model's own close ("</think>"), `close` what is forced ("\\n</think>\\n\\n", as
+    Qwen's templates write a closed thought); `opened`: the prompt opened the thought, so the reply starts inside it."""
+
+    tokens: int
+    start: str
+    end: str
+    close: str
+    opened: bool = False
+
+    def validate(self) -> None:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0:
+            raise ValueError("The thinking budget must be a whole number of tokens, 0 or more.")
+        if not (self.start and self.end and self.close):
+            raise ValueError("A thinking budget needs the texts that open, end and close the model's thought.")
+
+
+@dataclass(frozen=True)
 class Sampling:
     """How one reply is sampled. `greedy` overrides temperature, top_p and top_k; the penalties apply either way
     (logits_rules.py). Defaults leave the model's distribution as it is but for temperature and top-p."""
@@ -41,6 +62,8 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # The grammar the reply must follow (constrained.py's grammar text), or None: any text.
     grammar: str | None = None
+    # The most tokens the reply's thought may take before its end is written for the model; None: no limit.
+    thought: ThoughtBudget | None = None
 
     def validate(self) -> None:
         """Raise ValueError with a sentence a user can act on. Written as `not <in range>` so that NaN, which
@@ -64,6 +87,8 @@ class Sampling:
             raise ValueError(f"The seed must be a whole number from 0 to {MAX_SEED}, or left out.")
         if not all(-100 <= bias <= 100 for _, bias in self.logit_bias):
             raise ValueError("Each logit bias must be a number from -100 to 100.")
+        if self.thought is not None:
+            self.thought.validate()
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ the policy's calls except through the Offload (offload.py).
 Threads: everything here runs on the runtime's worker thread, except `interrupt.set()` (any thread: Stop, close),
 which ends every wait of the Offload within a fraction of a second, and `tokenize_prompt`, which Runtime.check also
 calls on its caller's thread: encodings run one at a time (`_encoding`, which also guards `_encoded`, the ids of the
-last texts tokenized), and the worker otherwise only decodes.
+last texts tokenized), and the worker otherwise only decodes, but for a thinking budget's markers (`encode_marker`,
+under the same lock).
 """
 
 from __future__ import annotations
@@ -340,6 +341,16 @@ class Engine:
             probe *= 4
         ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
         return tuple(ids[0] if ids and isinstance(ids[0], list) else ids)  # a tuple: kept in `_encoded`, shared
+
+    def encode_marker(self, text: str) -> list[int]:
+        """A marker's token ids as the tokenizer writes it alone, with no special tokens added (a thinking budget's
+        `</think>`: logits_rules.ThoughtRule). Raises ValueError (a sentence) for a marker the model cannot write: an
+        id beyond its logits."""
+        with self._encoding:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if any(not 0 <= i < int(self.model.config.vocab_size) for i in ids):
+            raise ValueError(f"{self.name} cannot write {text!r}: its tokens are beyond the model's vocabulary.")
+        return ids
 
     def supports_tools(self) -> bool:
         """Whether the model's chat template shows the model the tools it is given: a probe tool's name appears in

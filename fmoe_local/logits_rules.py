@@ -1,13 +1,17 @@
 """What a request changes in the logits before a token is sampled: the repetition penalty, OpenAI's logit_bias,
-frequency_penalty and presence_penalty, and a grammar the reply must follow (constrained.py). The one place each
-is applied, for the chat and the API alike.
+frequency_penalty and presence_penalty, a grammar the reply must follow (constrained.py), and the tokens forced to
+end a thought that has spent its budget (`ThoughtRule`). The one place each is applied, for the chat and the API
+alike.
 
 Scope: one request's rules, applied to the last position's logits [V] and told each token sampled. The repetition
 penalty as transformers' RepetitionPenaltyLogitsProcessor (a positive logit divided by it, a negative one multiplied)
 over every token of the prompt and the reply, first; the bias next; then OpenAI's penalties as it documents them,
 `logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty`, counted over the reply's tokens; the
-grammar's mask last (no bias can make a forbidden token possible). It does NOT sample (generate.py: temperature,
-top-k, top-p).
+grammar's mask last (no bias can make a forbidden token possible). A token the thought's budget forces replaces all
+of them: every other logit is -inf. With a thought and a grammar, the grammar holds the reply from the token after
+the thought's end — only where the prompt opened the thought (the reply cannot be both held to the grammar and free
+to open a thought of its own at its first token), else from the first token, with no thought. It does NOT sample
+(generate.py: temperature, top-k, top-p).
 
 Threads: a LogitsRules belongs to its request, on the runtime's worker thread.
 """
@@ -15,11 +19,15 @@ Threads: a LogitsRules belongs to its request, on the runtime's worker thread.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
 from fmoe_local.config import Sampling
 from fmoe_local.constrained import Grammars, TokenConstraint
+
+# A text's token ids, as the model's tokenizer writes it alone (no special tokens added).
+Encode = Callable[[str], list[int]]
 
 
 class LogitsRules:
@@ -28,30 +36,44 @@ class LogitsRules:
         sampling: Sampling,
         constraint: TokenConstraint | None = None,
         prompt_ids: torch.Tensor | None = None,
+        thought: ThoughtRule | None = None,
     ) -> None:
         """`prompt_ids` [1, T] or [T]: the prompt's tokens, which the repetition penalty counts too."""
-        self._sampling, self._constraint = sampling, constraint
+        self._sampling, self._constraint, self._thought = sampling, constraint, thought
         self._counts: Counter[int] = Counter()
         self._prompt: set[int] = set() if prompt_ids is None else set(prompt_ids.reshape(-1).tolist())
 
     @classmethod
     def for_request(
-        cls, sampling: Sampling, grammars: Grammars | None, prompt_ids: torch.Tensor | None = None
+        cls,
+        sampling: Sampling,
+        grammars: Grammars | None,
+        prompt_ids: torch.Tensor | None = None,
+        encode: Encode | None = None,
     ) -> LogitsRules | None:
-        """The rules `sampling` asks for; None when it asks for none (the token loop then touches no logits)."""
+        """The rules `sampling` asks for; None when it asks for none (the token loop then touches no logits).
+        `encode`: the model's tokenizer, for the markers of a thought's budget (needed only with one)."""
         constraint = grammars.start(sampling.grammar) if sampling.grammar and grammars is not None else None
         if sampling.grammar and constraint is None:
             raise ValueError("This model cannot hold a reply to a grammar. Send the request without one.")
+        thought = ThoughtRule.for_request(sampling, encode, held=constraint is not None)
         asks = (
             sampling.frequency_penalty
             or sampling.presence_penalty
             or sampling.logit_bias
             or sampling.repetition_penalty != 1.0
         )
-        return cls(sampling, constraint, prompt_ids) if asks or constraint is not None else None
+        if asks or constraint is not None or thought is not None:
+            return cls(sampling, constraint, prompt_ids, thought)
+        return None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [V] as the request's rules change them (a new tensor)."""
+        forced = self._thought.forced() if self._thought is not None else None
+        if forced is not None:
+            out = torch.full_like(logits, float("-inf"), dtype=torch.float32)
+            out[forced] = 0.0
+            return out
         s = self._sampling
         logits = logits.float().clone()
         if s.repetition_penalty != 1.0:
@@ -68,11 +90,95 @@ class LogitsRules:
             ids = torch.tensor(list(self._counts), dtype=torch.long)
             counts = torch.tensor(list(self._counts.values()), dtype=logits.dtype)
             logits[ids] -= counts * s.frequency_penalty + s.presence_penalty
-        if self._constraint is not None:
+        if self._constraint is not None and self._after_thought:
             logits = self._constraint.mask(logits)
         return logits
 
+    @property
+    def _after_thought(self) -> bool:
+        return self._thought is None or self._thought.done
+
     def advance(self, token: int) -> None:
         self._counts[token] += 1
-        if self._constraint is not None:
+        after = self._after_thought  # the token was sampled after the thought: the grammar's first, or a later one
+        if self._thought is not None:
+            self._thought.advance(token)
+        if self._constraint is not None and after:
             self._constraint.advance(token)
+
+
+def grammar_after_thought(sampling: Sampling) -> bool:
+    """Whether `sampling`'s grammar starts after the reply's thought rather than at its first token: where a budget
+    bounds a thought the prompt opened (an unbounded thought could keep a forced tool call from ever being written;
+    one the reply would open itself cannot be told from the grammar's first token)."""
+    return sampling.thought is not None and sampling.thought.opened
+
+
+_BEFORE, _THINKING, _CLOSING, _DONE = "before", "thinking", "closing", "done"
+
+
+class ThoughtRule:
+    """A reply's thought held to its budget (Sampling.thought), as llama.cpp's reasoning-budget sampler and vLLM's
+    thinking_token_budget do it: the thought's tokens are counted — from the reply's first token where the prompt
+    opened it, else from after `start` when the reply begins with it — and once `budget` of them are sampled without
+    the model writing `end`, the `close` tokens are forced one by one; the reply then goes on as the answer. The
+    model's own `end` is recognised in the tokens the tokenizer gives it alone (one token in Qwen3's and GPT-OSS's
+    vocabularies). Only the reply's first thought is held; a reply that does not begin with one is left alone."""
+
+    def __init__(self, budget: int, start: list[int], end: list[int], close: list[int], opened: bool) -> None:
+        if not (start and end and close):
+            raise ValueError("A thinking budget needs markers the model's tokenizer writes as at least one token.")
+        self._start, self._end, self._close = start, end, close
+        self._left, self._matched = budget, 0  # tokens the thought may still take; of `start` or `end` matched
+        self._state = _BEFORE
+        if opened:
+            self._think()
+
+    @classmethod
+    def for_request(cls, sampling: Sampling, encode: Encode | None, held: bool) -> ThoughtRule | None:
+        """The rule of `sampling.thought`; None without a budget, or for a reply `held` to a grammar from its first
+        token (grammar_after_thought: it has no thought). A budget of max_new_tokens or more never forces anything:
+        every token of the reply counts toward max_new_tokens, the thought's own too."""
+        budget = sampling.thought
+        if budget is None or (held and not grammar_after_thought(sampling)):
+            return None
+        if encode is None:
+            raise ValueError("A thinking budget needs the model's tokenizer to find the thought's markers.")
+        return cls(budget.tokens, encode(budget.start), encode(budget.end), encode(budget.close), budget.opened)
+
+    def _think(self) -> None:
+        self._state, self._matched = (_THINKING, 0) if self._left > 0 else (_CLOSING, 0)
+
+    @property
+    def done(self) -> bool:
+        """The thought has ended (or the reply had none): what comes next is the answer."""
+        return self._state == _DONE
+
+    def forced(self) -> int | None:
+        """The token the reply must take next, or None when it is free."""
+        return self._close[self._matched] if self._state == _CLOSING else None
+
+    def advance(self, token: int) -> None:
+        if self._state == _BEFORE:
+            if token != self._start[self._matched]:
+                self._state = _DONE
+            else:
+                self._matched += 1
+                if self._matched == len(self._start):
+                    self._think()
+        elif self._state == _THINKING:
+            self._left -= 1
+            if token == self._end[self._matched]:
+                self._matched += 1
+            else:
+                self._matched = 1 if token == self._end[0] else 0
+            if self._matched == len(self._end):
+                self._state = _DONE
+            elif self._left == 0:
+                self._state, self._matched = _CLOSING, 0
+        elif self._state == _CLOSING:
+            if token != self._close[self._matched]:  # the logits allowed nothing else: a bug here, not the model's
+                raise RuntimeError(f"The thinking budget forced token {self._close[self._matched]}, not {token}.")
+            self._matched += 1
+            if self._matched == len(self._close):
+                self._state = _DONE

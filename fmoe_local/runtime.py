@@ -488,7 +488,8 @@ class Runtime:
         waited = 0.0  # the forward pass's waits for experts up to the first token (decode's are the rest)
         stop = request.handle.stop
         try:
-            rules = LogitsRules.for_request(sampling, e.grammars, prompt_ids)  # penalties, bias, a grammar, or None
+            # Penalties, bias, a grammar, a thought's budget, or None.
+            rules = LogitsRules.for_request(sampling, e.grammars, prompt_ids, e.encode_marker)
             with e.request(request_id, stats, text=_request_text(request.prompt), reused_ids=prompt_ids[:, :reused]):
                 tokens = generate_ids(
                     e.model,

@@ -29,6 +29,7 @@ UNREADABLE = {
     "container_upload": "Anthropic's code execution does not run here, and a message has a 'container_upload' block.",
 }
 BLOCKS = "text, tool_use, tool_result or thinking"
+MIN_BUDGET = 1024  # Anthropic's least thinking.budget_tokens: its API refuses a smaller one
 
 REFUSALS = {
     "model": "'model' must be a string (any name: the model this app has loaded answers).",
@@ -172,9 +173,29 @@ class ToolChoice(_Strict):
 class Thinking(_Strict):
     # Acted on where the chat template has a switch (Qwen3's enable_thinking); "disabled" refused for a model that
     # always thinks (ui/structured.py). Otherwise a local model thinks when its training makes it, and what it thinks
-    # comes back as thinking blocks; budget_tokens is not held to (that would cut the thought).
+    # comes back as thinking blocks. "enabled" needs budget_tokens, at least MIN_BUDGET and less than max_tokens, as
+    # Anthropic's API requires (MessagesBody._agree): a thought that reaches it has its end written for the model,
+    # and the reply goes on as the answer (fmoe_local/logits_rules.py).
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    budget_tokens: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> Thinking:
+        if self.type != "enabled":
+            return self
+        if self.budget_tokens is None:
+            raise refused(
+                "'thinking' {\"type\": \"enabled\"} needs 'budget_tokens': the most tokens the model may think, at "
+                f'least {MIN_BUDGET} and less than max_tokens. Send one, or {{"type": "adaptive"}} for no budget.',
+                "thinking",
+            )
+        if self.budget_tokens < MIN_BUDGET:
+            raise refused(
+                f"'thinking.budget_tokens' must be at least {MIN_BUDGET}, as Anthropic's API requires. Send "
+                f'{MIN_BUDGET} or more (less than max_tokens), or {{"type": "adaptive"}} for no budget.',
+                "thinking",
+            )
+        return self
 
 
 class JsonFormat(_Strict):
@@ -209,6 +230,13 @@ class MessagesBody(_Strict):
         stops = self.stop_sequences or []
         if not all(stops) or len(stops) > MAX_STOPS:
             raise refused(REFUSALS["stop_sequences"], "stop_sequences")
+        budget = self.thinking.budget_tokens if self.thinking is not None and self.thinking.type == "enabled" else None
+        if budget is not None and budget >= self.max_tokens:
+            raise refused(
+                f"'max_tokens' ({self.max_tokens}) must be greater than 'thinking.budget_tokens' ({budget}): the "
+                "thought and the answer both count toward max_tokens. Raise max_tokens or lower budget_tokens.",
+                "thinking",
+            )
         names = [t.name for t in self.tools or []]
         if len(set(names)) < len(names):
             raise refused("Each tool in 'tools' needs a name of its own.", "tools")

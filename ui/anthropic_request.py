@@ -41,6 +41,7 @@ def parse_messages(body: dict, defaults: Sampling) -> ApiRequest:
         greedy=temperature == 0.0 or top_p == 0.0,
     )
     tools, choice, parallel = _tools(req.tools, req.tool_choice)
+    enabled = req.thinking is not None and req.thinking.type == "enabled"  # with budget_tokens (anthropic_models.py)
     fmt = None
     if req.output_config is not None and req.output_config.format is not None:
         schema = req.output_config.format.schema_
@@ -56,6 +57,7 @@ def parse_messages(body: dict, defaults: Sampling) -> ApiRequest:
         parallel_tool_calls=parallel,
         response_format=fmt,
         thinking=req.thinking.type if req.thinking is not None else None,
+        thought_budget=req.thinking.budget_tokens if enabled else None,
     )
 
 

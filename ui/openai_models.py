@@ -67,6 +67,8 @@ REFUSALS = {
     "tool_choice": '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", '
     '"function": {"name": ...}}.',
     "parallel_tool_calls": "'parallel_tool_calls' must be true or false.",
+    "thinking_token_budget": "'thinking_token_budget' must be a whole number of at least 0: the most tokens the "
+    "model may think before its answer.",
     "logprobs": "'logprobs' is not supported: this app does not return token probabilities.",
     "top_logprobs": "'top_logprobs' is not supported: this app does not return token probabilities.",
     "suffix": "'suffix' is not supported: this app continues a prompt but does not fill in between.",
@@ -252,6 +254,8 @@ class ChatBody(_Body):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # Not OpenAI's, but vLLM's name for a cap on the reply's thinking (Anthropic's budget_tokens): structured.py.
+    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
     functions: list | None = None  # OpenAI's deprecated form of tools
     function_call: object = None
 

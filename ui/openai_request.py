@@ -60,6 +60,9 @@ class ApiRequest:
     parallel_tool_calls: bool = True  # False: a forced reply is one call, not one or more
     response_format: ResponseFormat | None = None
     thinking: str | None = None  # Anthropic's thinking type ("enabled", "adaptive", "disabled"); None: not asked
+    # The most tokens the reply's thought may take (Anthropic's budget_tokens, vLLM's thinking_token_budget); None:
+    # no limit.
+    thought_budget: int | None = None
 
 
 def read_body(raw: bytes) -> dict:
@@ -188,6 +191,7 @@ def parse_chat(body: dict, defaults: Sampling) -> ApiRequest:
         tool_choice=choice,
         parallel_tool_calls=chat.parallel_tool_calls is not False,
         response_format=chat.response_format,
+        thought_budget=chat.thinking_token_budget,
     )
 
 

@@ -9,8 +9,8 @@ for the model: `opened`, from Runtime.reply_opening); otherwise a thought is rea
 whitespace around the markers (Qwen3 writes "<think>\\n…\\n</think>\\n\\n") is left out. GPT-OSS's analysis channel
 is not read here: its markers (`<|channel|>`, `<|message|>`) are special tokens that the runtime's text leaves out,
 so nothing of them reaches the reply — but a request with tools keeps them, and ui/tool_calls.py's HarmonyStream
-reads its channels. It does NOT decide whether a reply may think (structured.py: a reply held to a grammar has no
-thought, the grammar starting at its first token).
+reads its channels. It does NOT decide whether a reply may think, nor how long (structured.py: a reply held to a grammar has no thought,
+the grammar starting at its first token, unless a thinking budget bounds a thought the prompt opened).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ Piece = tuple[str, str]  # (REASONING or CONTENT, text)
 class ThinkFormat:
     start: str
     end: str
+    close: str  # what ends a thought when its budget is spent (Sampling.thought): the end as the template writes it
 
     def opened(self, opening: str) -> bool:
         """Whether a reply opening (Runtime.reply_opening) leaves a thought open: the reply starts inside it."""
@@ -32,8 +33,14 @@ class ThinkFormat:
         return at >= 0 and self.end not in opening[at:]
 
 
-THINK = ThinkFormat("<think>", "</think>")
+THINK = ThinkFormat("<think>", "</think>", "\n</think>\n\n")
 FORMATS = (THINK,)
+# GPT-OSS's analysis channel, for a thought's budget only (`budget_format`): a reply opens it with these markers and
+# ends its message with <|end|>; a budget spent ends it and opens the final channel's message, the answer. Never read
+# by ThinkSplit: the markers are special tokens the reply's text leaves out (HarmonyStream reads them with tools).
+HARMONY_ANALYSIS = ThinkFormat(
+    "<|channel|>analysis<|message|>", "<|end|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
+)
 
 
 def format_of(template: str | None) -> ThinkFormat | None:
@@ -41,6 +48,16 @@ def format_of(template: str | None) -> ThinkFormat | None:
     for fmt in FORMATS:
         if template and fmt.start in template and fmt.end in template:
             return fmt
+    return None
+
+
+def budget_format(template: str | None) -> ThinkFormat | None:
+    """The markers a thinking budget (Sampling.thought) is held with: the <think> format's, or GPT-OSS's analysis
+    channel where the template writes harmony's channels; None for a model that does not think."""
+    if format_of(template) is not None:
+        return format_of(template)
+    if template and "<|channel|>" in template:  # harmony: every reply is channels, its thought the analysis one
+        return HARMONY_ANALYSIS
     return None
 
 

@@ -6,8 +6,12 @@ enforces token by token (fmoe_local/constrained.py), one it cannot compile a 400
 Scope: the grammar of the request (`Shaped.sampling`) and how its reply is read back (`Shaped.parts`: the model's
 tool-call format and the tools, for the format's reader, ui/tool_calls.py's `ToolFormat.reader`; its thinking
 format, for ui/reasoning.py's ThinkSplit — a chat reply of a model whose template writes <think>, unless a grammar
-holds the reply: the grammar starts at the reply's first token, so there is no thought to read). It does NOT parse
-the body (openai_request.py) or write the reply (openai_stream.py).
+holds the reply: the grammar starts at the reply's first token, so there is no thought to read — except where the
+request gives the thought a budget and the prompt opened it: then the grammar starts after the thought,
+logits_rules.grammar_after_thought) and the thought's budget (`Sampling.thought`: the most tokens it may take before
+its end is written for the model, in <think> or in GPT-OSS's analysis channel — reasoning.budget_format —, a budget
+not less than max_tokens dropped, as it could never bind). It does NOT
+parse the body (openai_request.py) or write the reply (openai_stream.py).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
-from fmoe_local.config import Sampling
+from fmoe_local.config import Sampling, ThoughtBudget
+from fmoe_local.logits_rules import grammar_after_thought
 from ui import reasoning
 from ui.loaded_runtime import LoadedRuntime
 from ui.openai_request import ApiError, ApiRequest
@@ -108,14 +113,23 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
         raise ApiError(400, str(exc), param) from exc
     except ValueError as exc:  # a schema llguidance cannot even read as JSON schema
         raise ApiError(400, f"A JSON schema in the request cannot be read: {exc}.", "response_format") from exc
-    think = reasoning.format_of(runtime.chat_template) if isinstance(req.prompt, list) else None
+    chat = isinstance(req.prompt, list)
+    think = reasoning.format_of(runtime.chat_template) if chat else None
     variables = _thinking(runtime.chat_template or "", think, req.thinking)
-    if think is None or sampling.grammar is not None:
+    marks = reasoning.budget_format(runtime.chat_template) if chat else None  # think's, or GPT-OSS's analysis
+    if marks is None or (think is None and req.thought_budget is None):  # nothing to read or to hold
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     last = req.prompt[-1] if req.prompt else {}
     if last.get("role") == "assistant" and last.get("content"):  # a prefill: the reply goes on from its text
-        return Shaped(sampling, req.tools, fmt, think, think.opened(last["content"]), keep, variables)
-    return Shaped(sampling, req.tools, fmt, think, think.opened(runtime.reply_opening()), keep, variables)
+        opened = marks.opened(last["content"])
+    else:
+        opened = marks.opened(runtime.reply_opening())
+    budget = req.thought_budget
+    if budget is not None and budget < sampling.max_new_tokens:
+        sampling = replace(sampling, thought=ThoughtBudget(budget, marks.start, marks.end, marks.close, opened))
+    if think is None or (sampling.grammar is not None and not grammar_after_thought(sampling)):
+        return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
+    return Shaped(sampling, req.tools, fmt, think, opened, keep, variables)
 
 
 def _thinking(template: str, think: ThinkFormat | None, asked: str | None) -> dict | None:
