@@ -443,6 +443,36 @@ def test_a_regenerated_reply_draws_nothing_over_a_chat_opened_before_its_handler
     assert session.store.chats.messages(conv_id)[-1].content == " on" * 40
 
 
+def test_a_sent_message_draws_nothing_over_a_chat_opened_while_its_reply_started(chat, monkeypatch):
+    """Send, then another chat opened while the reply was starting (a busy machine): before, Send's first outputs
+    were sent unchecked — the sent chat drawn over the one opened, and the page's chat id set back to it."""
+    from ui import chat_flow
+    from ui.chat import ChatHandlers, PageView, showing
+
+    session, conv_id = chat
+    session.runtime = SlowRuntime()
+    other = session.store.chats.create("Other")
+    view = PageView()
+    start_reply = chat_flow.start_reply
+
+    def opened_meanwhile(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - start_reply's own arguments
+        reply = start_reply(*args, **kwargs)
+        showing(view, other.id)  # what opening the other chat does, on another of Gradio's threads
+        return reply
+
+    monkeypatch.setattr(chat_flow, "start_reply", opened_meanwhile)
+    outputs = list(ChatHandlers(session).send("Go on.", conv_id, "", 0.7, 0.9, 0, 40, 1.0, 0.0, 0.0, 0, view))
+    assert len(outputs) == 1
+    chatbot, shown_id, textbox, chat_list, address, _ = outputs[0]
+    assert (chatbot, shown_id, address) == (gr.skip(), gr.skip(), gr.skip())  # the opened chat stays drawn
+    assert textbox == "" and "value" not in chat_list.constructor_args  # the message left; the selection stays
+    assert view.conv_id == other.id and view.in_flight == []
+    reply = session.chat_reply(conv_id)  # the reply itself goes on, and is saved in its chat
+    if reply is not None:
+        list(chat_flow.follow(session, reply))
+    assert [m.content for m in session.store.chats.messages(conv_id)][-2:] == ["Go on.", " on" * 40]
+
+
 def test_a_reply_the_database_cannot_store_stays_on_the_page_with_what_to_do(chat, monkeypatch):
     import sqlite3
 

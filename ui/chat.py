@@ -207,6 +207,16 @@ def while_shown(view: PageView | None, conv_id: int, chatbots):  # noqa: ANN001,
                 view.redraws.notify_all()
 
 
+def _first_redraw(view: PageView | None, conv_id: int, outputs: tuple, elsewhere: tuple):  # noqa: ANN202 - generator
+    """Yields a handler's first `outputs` as one redraw of chat `conv_id` (checked and in flight, as `while_shown`'s),
+    or `elsewhere` where the page shows another chat by then; returns whether the chat was shown."""
+    for drawn in while_shown(view, conv_id, [outputs]):
+        yield elsewhere if drawn is None else drawn
+        if drawn is None:
+            return False
+    return True
+
+
 def _drawn(chatbot: list[dict] | None):  # noqa: ANN202 - the Chatbot's value, or gr.skip()
     return gr.skip() if chatbot is None else chatbot
 
@@ -544,18 +554,25 @@ class ChatHandlers:
             self.chats.set_generation(conv_id, own)
         self.chats.append(conv_id, "user", text)
         showing(view, conv_id)
-        choices = gr.Radio(choices=conversation_choices(self.session), value=conv_id)
+        choices = conversation_choices(self.session)
         shown = display(self.chats.messages(conv_id))
+        # This chat's first outputs, or, where another chat was opened since `showing` (the reply starting takes a
+        # while on a busy machine), only what is true on any page: the message left the textbox, and the chat list
+        # holds this chat (its selection is the chat opened).
+        chat = (conv_id, "", gr.Radio(choices=choices, value=conv_id), str(conv_id), notice())
+        elsewhere = (gr.skip(), "", gr.Radio(choices=choices), gr.skip(), notice())
         try:  # submitted before the first yield: the page may be gone by the next one (a reload), the reply not
             reply = chat_flow.start_reply(self.session, conv_id, own["system_prompt"], sampling, own["context_length"])
         except Exception:
-            yield shown, conv_id, "", choices, str(conv_id), notice()  # the message as sent, then why no reply
+            # The message as sent, then why no reply.
+            yield from _first_redraw(view, conv_id, (shown, *chat), (gr.skip(), *elsewhere))
             raise
         if view is not None and view.stop_asked:  # Stop came before this reply existed (`stop`: flag, then cancel)
             reply.handle.cancel()
-        yield shown + [{"role": "assistant", "content": "…"}], conv_id, "", choices, str(conv_id), notice()
-        for chatbot in while_shown(view, conv_id, chat_flow.follow(self.session, reply)):
-            yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        pending = shown + [{"role": "assistant", "content": "…"}]
+        if (yield from _first_redraw(view, conv_id, (pending, *chat), (gr.skip(), *elsewhere))):
+            for chatbot in while_shown(view, conv_id, chat_flow.follow(self.session, reply)):
+                yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
     def regenerate(self, conv_id, *values):  # noqa: ANN001, ANN201
         values, view = _with_view(values)
