@@ -61,6 +61,11 @@ class Grammars:
         self._tokenizer = None
         self._lock = threading.Lock()
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The tokens that end a reply: kept from a thought that comes before a grammar's text (logits_rules.py)."""
+        return tuple(self._eos)
+
     def _llg(self):  # noqa: ANN202 - an llguidance.LLTokenizer
         with self._lock:
             if self._tokenizer is None:

@@ -349,7 +349,11 @@ class Engine:
         with self._encoding:
             ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if any(not 0 <= i < int(self.model.config.vocab_size) for i in ids):
-            raise ValueError(f"{self.name} cannot write {text!r}: its tokens are beyond the model's vocabulary.")
+            raise ValueError(
+                f"{self.name} cannot write {text!r}: its tokens are beyond the model's vocabulary, so its thinking "
+                "cannot be held to a budget. Send the request without a thinking budget (thinking_token_budget, "
+                "thinking.budget_tokens)."
+            )
         return ids
 
     def supports_tools(self) -> bool:

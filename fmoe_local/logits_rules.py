@@ -10,8 +10,9 @@ over every token of the prompt and the reply, first; the bias next; then OpenAI'
 grammar's mask last (no bias can make a forbidden token possible). A token the thought's budget forces replaces all
 of them: every other logit is -inf. With a thought and a grammar, the grammar holds the reply from the token after
 the thought's end — only where the prompt opened the thought (the reply cannot be both held to the grammar and free
-to open a thought of its own at its first token), else from the first token, with no thought. It does NOT sample
-(generate.py: temperature, top-k, top-p).
+to open a thought of its own at its first token), else from the first token, with no thought; until then the tokens
+that end a reply are barred, so the reply cannot end before the grammar's text. It does NOT sample (generate.py:
+temperature, top-k, top-p).
 
 Threads: a LogitsRules belongs to its request, on the runtime's worker thread.
 """
@@ -37,9 +38,12 @@ class LogitsRules:
         constraint: TokenConstraint | None = None,
         prompt_ids: torch.Tensor | None = None,
         thought: ThoughtRule | None = None,
+        eos_ids: tuple[int, ...] = (),
     ) -> None:
-        """`prompt_ids` [1, T] or [T]: the prompt's tokens, which the repetition penalty counts too."""
+        """`prompt_ids` [1, T] or [T]: the prompt's tokens, which the repetition penalty counts too; `eos_ids`: the
+        tokens that end a reply, barred during a thought that a grammar's text must follow."""
         self._sampling, self._constraint, self._thought = sampling, constraint, thought
+        self._eos = torch.tensor(eos_ids, dtype=torch.long) if constraint is not None and thought is not None else None
         self._counts: Counter[int] = Counter()
         self._prompt: set[int] = set() if prompt_ids is None else set(prompt_ids.reshape(-1).tolist())
 
@@ -64,7 +68,8 @@ class LogitsRules:
             or sampling.repetition_penalty != 1.0
         )
         if asks or constraint is not None or thought is not None:
-            return cls(sampling, constraint, prompt_ids, thought)
+            eos = tuple(grammars.eos_ids) if constraint is not None and thought is not None else ()
+            return cls(sampling, constraint, prompt_ids, thought, eos)
         return None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -92,6 +97,8 @@ class LogitsRules:
             logits[ids] -= counts * s.frequency_penalty + s.presence_penalty
         if self._constraint is not None and self._after_thought:
             logits = self._constraint.mask(logits)
+        elif self._eos is not None and len(self._eos):  # the grammar's text is still to come: no end before it
+            logits[self._eos[self._eos < logits.shape[-1]]] = float("-inf")
         return logits
 
     @property
@@ -123,13 +130,20 @@ class ThoughtRule:
     opened it, else from after `start` when the reply begins with it — and once `budget` of them are sampled without
     the model writing `end`, the `close` tokens are forced one by one; the reply then goes on as the answer. The
     model's own `end` is recognised in the tokens the tokenizer gives it alone (one token in Qwen3's and GPT-OSS's
-    vocabularies). Only the reply's first thought is held; a reply that does not begin with one is left alone."""
+    vocabularies). Only the reply's first thought is held; a reply that does not begin with one is left alone. The
+    count is of the reply's tokens: a thought a prefilled assistant message began is counted from where the reply
+    goes on, not from its start."""
 
     def __init__(self, budget: int, start: list[int], end: list[int], close: list[int], opened: bool) -> None:
         if not (start and end and close):
-            raise ValueError("A thinking budget needs markers the model's tokenizer writes as at least one token.")
+            raise ValueError(
+                "This model's tokenizer writes the thought's markers as no token at all, so its thinking cannot be held "
+                "to a budget. Send the request without a thinking budget (thinking_token_budget, "
+                "thinking.budget_tokens)."
+            )
         self._start, self._end, self._close = start, end, close
-        self._left, self._matched = budget, 0  # tokens the thought may still take; of `start` or `end` matched
+        self._left, self._matched = budget, 0  # tokens the thought may still take; of `start`, `end` or forced matched
+        self._forcing = close  # what is forced once the budget is spent (`_closing`)
         self._state = _BEFORE
         if opened:
             self._think()
@@ -147,7 +161,15 @@ class ThoughtRule:
         return cls(budget.tokens, encode(budget.start), encode(budget.end), encode(budget.close), budget.opened)
 
     def _think(self) -> None:
-        self._state, self._matched = (_THINKING, 0) if self._left > 0 else (_CLOSING, 0)
+        self._state, self._matched = _THINKING, 0
+        if self._left == 0:
+            self._closing()
+
+    def _closing(self) -> None:
+        """The budget is spent: what is forced is the close, or, where the thought's last tokens began the model's
+        own end, the rest of that end (the close written after them would leave half a marker in the thought)."""
+        self._forcing = self._end[self._matched :] if self._matched else self._close
+        self._state, self._matched = _CLOSING, 0
 
     @property
     def done(self) -> bool:
@@ -156,7 +178,7 @@ class ThoughtRule:
 
     def forced(self) -> int | None:
         """The token the reply must take next, or None when it is free."""
-        return self._close[self._matched] if self._state == _CLOSING else None
+        return self._forcing[self._matched] if self._state == _CLOSING else None
 
     def advance(self, token: int) -> None:
         if self._state == _BEFORE:
@@ -175,10 +197,10 @@ class ThoughtRule:
             if self._matched == len(self._end):
                 self._state = _DONE
             elif self._left == 0:
-                self._state, self._matched = _CLOSING, 0
+                self._closing()
         elif self._state == _CLOSING:
-            if token != self._close[self._matched]:  # the logits allowed nothing else: a bug here, not the model's
-                raise RuntimeError(f"The thinking budget forced token {self._close[self._matched]}, not {token}.")
+            if token != self._forcing[self._matched]:  # the logits allowed nothing else: a bug here, not the model's
+                raise RuntimeError(f"The thinking budget forced token {self._forcing[self._matched]}, not {token}.")
             self._matched += 1
-            if self._matched == len(self._close):
+            if self._matched == len(self._forcing):
                 self._state = _DONE

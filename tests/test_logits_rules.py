@@ -85,9 +85,19 @@ def test_a_budget_of_zero_closes_the_thought_at_once_and_repeats_no_penalty():
     assert follow(rules, [0], 4) == [7, 6, 8, None]
 
 
-def test_a_budget_no_smaller_than_max_new_tokens_forces_nothing():
+def test_a_budget_as_long_as_the_reply_forces_nothing_within_it():
     rules = LogitsRules.for_request(budget(4, max_new_tokens=4), None, encode=MARKERS.__getitem__)
     assert follow(rules, [0, 1, 2, 3], 4) == [None] * 4
+
+
+def test_a_budget_spent_inside_the_model_s_own_end_forces_only_the_rest_of_it():
+    """A multi-token end the thought's last tokens began: before, the whole close was forced after its first half,
+    leaving half a marker in the thought ("</" then "\n</think>\n\n")."""
+    markers = {"<think>": [5], "</think>": [6, 9], "\n</think>\n\n": [7, 6, 9, 8]}
+    rules = LogitsRules.for_request(budget(3), None, encode=markers.__getitem__)
+    assert follow(rules, [0, 1, 6, 2], 5) == [None, None, None, 9, None]  # 6 began the end: 9 completes it
+    whole = LogitsRules.for_request(budget(3), None, encode=markers.__getitem__)
+    assert follow(whole, [0, 1, 2, 3], 8) == [None, None, None, 7, 6, 9, 8, None]
 
 
 class _OnlyToken:
@@ -95,6 +105,8 @@ class _OnlyToken:
 
     def __init__(self) -> None:
         self.told: list[int] = []
+
+    eos_ids = (9,)  # the tokens that end a reply, as Grammars gives them
 
     def start(self, grammar: str) -> _OnlyToken:
         return self
@@ -113,6 +125,16 @@ def test_a_grammar_holds_the_reply_from_the_end_of_a_bounded_thought_the_prompt_
     rules = LogitsRules.for_request(budget(2, grammar="g"), grammar, encode=MARKERS.__getitem__)
     assert follow(rules, [0, 1, 4, 4], 7) == [None, None, 7, 6, 8, 4, 4]
     assert grammar.told == [4, 4]  # the thought's tokens and the close are not the grammar's
+
+
+def test_a_reply_cannot_end_inside_a_thought_that_a_grammar_s_text_must_follow():
+    """Before, the thought's logits kept the end-of-reply token, so a forced tool call or a strict schema could end as
+    a thought with no call and no JSON."""
+    rules = LogitsRules.for_request(budget(3, grammar="g"), _OnlyToken(), encode=MARKERS.__getitem__)
+    thinking = rules.apply(WIDE)
+    assert thinking[9] == float("-inf") and torch.isfinite(thinking[:9]).all()
+    free = LogitsRules.for_request(budget(3), None, encode=MARKERS.__getitem__)  # no grammar: it may end
+    assert torch.isfinite(free.apply(WIDE)).all()
 
 
 def test_a_grammar_holds_the_reply_from_its_first_token_where_the_reply_would_open_the_thought():
