@@ -19,10 +19,11 @@ import anthropic
 import pytest
 
 from fmoe_local.config import Sampling
+from fmoe_local.logits_rules import grammar_after_thought
 from tests.api_server import serving
 from tests.tool_templates import HARMONY_TEMPLATE, HERMES_TEMPLATE, HYBRID_TEMPLATE, THINKING_TEMPLATE, WEATHER
 from ui.anthropic_request import parse_messages
-from ui.openai_request import ApiError
+from ui.openai_request import ApiError, parse_chat
 from ui.structured import shape
 
 ASK = [{"role": "user", "content": "Name a colour."}]
@@ -102,7 +103,14 @@ def test_a_refused_budget_reaches_the_anthropic_client_as_a_400(client):
 
 def test_the_budget_is_the_request_s_sampling_thought_where_the_model_thinks():
     def thought(template: str, **extra):  # noqa: ANN003, ANN202 - a ThoughtBudget or None
-        runtime = SimpleNamespace(chat_template=template, reply_opening=lambda: "<|assistant|>\n<think>\n")
+        runtime = SimpleNamespace(
+            chat_template=template,
+            reply_opening=lambda: "<|assistant|>\n<think>\n",
+            response_template=None,
+            supports_tools=lambda: True,
+            check_grammar=lambda *args: None,
+            special_tokens=lambda markers=(): list(markers),
+        )
         body = _body(type="enabled", budget_tokens=1500) | extra
         return shape(runtime, parse_messages(body, Sampling())).sampling.thought
 
@@ -115,6 +123,16 @@ def test_the_budget_is_the_request_s_sampling_thought_where_the_model_thinks():
     assert harmony.close == "<|end|><|start|>assistant<|channel|>final<|message|>"
     assert thought(HERMES_TEMPLATE) is None  # a model that does not think: nothing to hold
     assert thought(HERMES_TEMPLATE, thinking={"type": "adaptive"}) is None
+    # With tools, GPT-OSS's spent budget opens the next channel without naming it: a call is still possible after it.
+    tool = {"name": "weather", "input_schema": WEATHER["function"]["parameters"]}
+    assert thought(HARMONY_TEMPLATE, tools=[tool]).close == "<|end|><|start|>assistant<|channel|>"
+
+
+def test_a_budget_goes_with_enabled_thinking_only():
+    for kind in ("adaptive", "disabled"):
+        with pytest.raises(ApiError, match='with {"type": "enabled"} only') as refused:
+            parse_messages(_body(type=kind, budget_tokens=3), Sampling())
+        assert refused.value.param == "thinking"
 
 
 # The Hermes tool template with Qwen3-Thinking's opened thought: a reply thinks, then answers or calls a tool.
@@ -168,6 +186,21 @@ def test_a_budget_not_under_max_tokens_changes_nothing(thinker):
     free = _ask(openai).choices[0].message
     same = _ask(openai, extra_body={"thinking_token_budget": MAX}).choices[0].message
     assert (same.content, same.model_extra) == (free.content, free.model_extra)
+
+
+def test_a_budget_not_under_max_tokens_still_starts_a_grammar_after_the_thought():
+    """Such a budget cuts nothing, but with a grammar it says where the grammar starts: before, it was dropped, and
+    the grammar held the reply from its first token, inside the thought the prompt opened."""
+    runtime = SimpleNamespace(
+        chat_template=THINKING_TEMPLATE,
+        reply_opening=lambda: "<|assistant|>\n<think>\n",
+        check_grammar=lambda *args: None,
+    )
+    body = {"model": "x", "max_tokens": 40, "messages": ASK, "response_format": {"type": "json_object"}}
+    req = parse_chat(body | {"thinking_token_budget": 100}, Sampling())
+    shaped = shape(runtime, req)
+    assert shaped.sampling.thought is not None and shaped.sampling.thought.tokens == 100
+    assert shaped.sampling.grammar is not None and grammar_after_thought(shaped.sampling)
 
 
 def test_a_json_schema_holds_the_reply_from_the_end_of_the_thought(thinker):

@@ -182,6 +182,12 @@ class Thinking(_Strict):
     @model_validator(mode="after")
     def _budget(self) -> Thinking:
         if self.type != "enabled":
+            if self.budget_tokens is not None:  # Anthropic's "disabled" and "adaptive" take no budget either
+                raise refused(
+                    f'\'thinking.budget_tokens\' goes with {{"type": "enabled"}} only, not with '
+                    f'"{self.type}". Send {{"type": "enabled", "budget_tokens": ...}}, or leave the budget out.',
+                    "thinking",
+                )
             return self
         if self.budget_tokens is None:
             raise refused(

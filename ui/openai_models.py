@@ -78,7 +78,9 @@ REFUSALS = {
 def refused(sentence: str, param: str | None = None) -> PydanticCustomError:
     """A validator's refusal: the 400 says `sentence` as it is; `param`: the field it names, where the validator
     spans several (else the field being validated)."""
-    return PydanticCustomError("refused", sentence.replace("{", "{{").replace("}", "}}"), {"param": param})
+    # The sentence goes in the context, not the template: pydantic fills a template's {name} from the context and
+    # leaves every other brace as it is (no {{ escape), so a sentence quoting JSON, escaped, kept its doubled braces.
+    return PydanticCustomError("refused", "{sentence}", {"sentence": sentence, "param": param})
 
 
 def refusal(exc: ValidationError, sentences: dict[str, str] | None = None) -> tuple[str, str | None]:

@@ -41,6 +41,11 @@ FORMATS = (THINK,)
 HARMONY_ANALYSIS = ThinkFormat(
     "<|channel|>analysis<|message|>", "<|end|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
 )
+# With tools, a spent budget opens the next message's channel only: the model names it, the final one or a call
+# (`commentary to=functions.NAME`), where forcing the final channel would forbid every call.
+HARMONY_ANALYSIS_TOOLS = ThinkFormat(
+    "<|channel|>analysis<|message|>", "<|end|>", "<|end|><|start|>assistant<|channel|>"
+)
 
 
 def format_of(template: str | None) -> ThinkFormat | None:
@@ -51,13 +56,14 @@ def format_of(template: str | None) -> ThinkFormat | None:
     return None
 
 
-def budget_format(template: str | None) -> ThinkFormat | None:
+def budget_format(template: str | None, tools: bool = False) -> ThinkFormat | None:
     """The markers a thinking budget (Sampling.thought) is held with: the <think> format's, or GPT-OSS's analysis
-    channel where the template writes harmony's channels; None for a model that does not think."""
+    channel where the template writes harmony's channels (`tools`: the request sends tools); None for a model that
+    does not think."""
     if format_of(template) is not None:
         return format_of(template)
     if template and "<|channel|>" in template:  # harmony: every reply is channels, its thought the analysis one
-        return HARMONY_ANALYSIS
+        return HARMONY_ANALYSIS_TOOLS if tools else HARMONY_ANALYSIS
     return None
 
 

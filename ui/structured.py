@@ -116,7 +116,7 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
     chat = isinstance(req.prompt, list)
     think = reasoning.format_of(runtime.chat_template) if chat else None
     variables = _thinking(runtime.chat_template or "", think, req.thinking)
-    marks = reasoning.budget_format(runtime.chat_template) if chat else None  # think's, or GPT-OSS's analysis
+    marks = reasoning.budget_format(runtime.chat_template, bool(req.tools)) if chat else None  # think's or harmony's
     if marks is None or (think is None and req.thought_budget is None):  # nothing to read or to hold
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     last = req.prompt[-1] if req.prompt else {}
@@ -125,7 +125,9 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
     else:
         opened = marks.opened(runtime.reply_opening())
     budget = req.thought_budget
-    if budget is not None and budget < sampling.max_new_tokens:
+    # A budget of max_new_tokens or more forces nothing, but with a grammar it still says where the grammar starts:
+    # after the thought, not inside it.
+    if budget is not None and (budget < sampling.max_new_tokens or sampling.grammar is not None):
         sampling = replace(sampling, thought=ThoughtBudget(budget, marks.start, marks.end, marks.close, opened))
     if think is None or (sampling.grammar is not None and not grammar_after_thought(sampling)):
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
