@@ -179,10 +179,18 @@ def test_switching_chats_while_a_reply_streams(env):
         assert "A second question." not in _chat_text(page)
         page.locator("#chatbot .reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)  # it ended and was saved
         page.locator("#conv-list").get_by_text("A second question.").click()
-        # This chat's question first: the chat left has a stats line too, which could match before the switch lands.
-        page.locator("#chatbot").get_by_text("A second question.").wait_for(timeout=30_000)
-        page.locator("#chatbot .reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)  # the waiting one too
-        assert "Waiting for its turn" not in _chat_text(page)
+        page.wait_for_function(  # the waiting one's own reply, written after its wait (200 tokens: still streaming)
+            """() => {
+                const shown = document.querySelector('#chatbot').innerText;
+                return !shown.includes('Waiting for its turn')
+                    && shown.split('A second question.')[1]?.trim().length > 6;
+            }""",
+            timeout=STREAM_TIMEOUT_MS,
+        )
+        # Its length is not what is tested, its end and its saving are. Dispatched: a click waits for the button to
+        # stop moving, and every streamed token redraws it.
+        page.locator("#stop").dispatch_event("click")
+        page.locator("#chatbot .reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)  # in this chat: the only one
     finally:
         hold.unlink(missing_ok=True)
         page.close()
