@@ -5,6 +5,8 @@ reloaded mid-stream is kept, and switching chats while a reply streams leaves it
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 
 from tests.browser.test_browser_app import (
@@ -23,153 +25,176 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 sync_api = pytest.importorskip("playwright.sync_api")
 
 
-def test_stats_send_state_and_settings_reload(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def env(tiny_model_dir, tmp_path_factory):
+    """One app and one browser for both tests (an app start is 14–18 s of CPU: docs/bench.md, "fewerstarts"). Each
+    test has its own chats, made here before the start (the store is the running app's afterwards), and opens its
+    own page; neither leaves a reply running. The hold file exists only inside the test that holds a reply."""
     from store import open_store
 
     SHOTS.mkdir(parents=True, exist_ok=True)
-    data = tmp_path / "data"
-    data.mkdir()
-    with open_store(data) as store:  # a reply that ended inside a code block (the token limit cut it)
-        conv = store.chats.create("code")
-        store.chats.append(conv.id, "user", "Write some Python.")
+    data = tmp_path_factory.mktemp("browser-chat")
+    with open_store(data) as store:
+        old = store.chats.create("Old chat")
+        store.chats.append(old.id, "user", "An old question.")
+        store.chats.append(old.id, "assistant", "An old answer.", {"tokens_per_s": 9.0, "finish_reason": "stop"})
+        code = store.chats.create("code")  # a reply that ended inside a code block (the token limit cut it)
+        store.chats.append(code.id, "user", "Write some Python.")
         stats = {"tokens_per_s": 12.0, "ttft_s": 0.1, "hit_rate": 0.5, "finish_reason": "length"}
-        store.chats.append(conv.id, "assistant", "Here:\n```python\nprint('unfinished", stats)
+        store.chats.append(code.id, "assistant", "Here:\n```python\nprint('unfinished", stats)
+    hold = data.parent / "hold-reply"
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         # 50 ms a token: a 300-token reply streams for 15 s, long enough to act on it while it runs
-        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", token_delay_s=0.05)
+        app = App(data, tiny_model_dir("mixtral"), data.parent / "net.log", token_delay_s=0.05, hold=hold)
         try:
-            page = open_page(browser, app.url, [])
-            chat = page.locator("#chatbot")
-            chat.locator(".reply-stats").first.wait_for(timeout=30_000)  # an element, not text in a code block
-            assert "reply-stats" not in chat.inner_text()
-            page.screenshot(path=SHOTS / "chat-stats-after-code.png", full_page=True)
-
-            page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 300
-            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
-            set_max_tokens(page, 300)
-            send(page, "Tell me a very long story.")
-            button = page.locator("#send")
-            page.wait_for_function("() => document.querySelector('#send').disabled === true", timeout=30_000)
-            assert "Generating" in button.inner_text()
-            # The reply belongs to its chat: starting or opening another one stays possible (issue 30).
-            assert page.locator("#new-chat").is_enabled() and page.locator("#conv-list input").first.is_enabled()
-            page.locator("#stop").click()
-            page.wait_for_function(
-                "() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS
-            )
-            assert button.inner_text().strip() == "Send"
-            assert page.locator("#new-chat").is_enabled() and page.locator("#conv-list input").first.is_enabled()
-
-            # A reload in the middle of a reply: the reply is kept. It belongs to its chat, not to the page: it runs to
-            # its end and is saved whole, with its stats, and the reloaded page shows it streaming meanwhile.
-            send(page, "Keep going.")
-            page.wait_for_function(
-                "() => document.querySelector('#chatbot').innerText.split('Keep going.')[1]?.trim().length > 6",
-                timeout=STREAM_TIMEOUT_MS,
-            )
-            for _ in range(60):  # 300 tokens at 50 ms: at most 15 s to its end
-                page.reload()
-                page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
-                stats = page.locator("#chatbot .reply-stats")
-                if stats.count() == 2:
-                    break
-                page.wait_for_timeout(1000)
-            assert stats.count() == 2, "a reply cut by a reload was not kept"
-            ending = stats.last.inner_text().strip()
-            assert "tok/s" in ending, ending  # a stats line: the reply was saved (stopped, or finished)
-            page.screenshot(path=SHOTS / "chat-kept-after-reload.png", full_page=True)
-
-            page.reload()  # the chat's own generation settings come back, not the start-up ones
-            page.get_by_role("tab", name="Chat").wait_for()
-            page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
-            page.get_by_text("Generation", exact=True).click()
-            page.wait_for_function(
-                "() => document.querySelector('#max-tokens input[type=number]').value === '300'", timeout=30_000
-            )
-            page.close()
+            yield {"browser": browser, "app": app, "data": data, "hold": hold, "code": code.id}
         finally:
             app.stop()
-        browser.close()
+            browser.close()
+
+
+def saved_replies(data) -> dict[str, list[str]]:
+    """Every chat's saved replies by title, read from the running app's database (read-only: the app holds the
+    store's instance lock, so `open_store` would refuse)."""
+    from store.paths import resolve_db_path
+
+    conn = sqlite3.connect(f"{resolve_db_path(data).as_uri()}?mode=ro", uri=True, timeout=10)
+    try:
+        rows = conn.execute(
+            "SELECT c.title, m.content FROM conversations c JOIN messages m ON m.conversation_id = c.id "
+            "WHERE m.role = 'assistant' ORDER BY c.id, m.position"
+        ).fetchall()
+    finally:
+        conn.close()
+    replies: dict[str, list[str]] = {}
+    for title, content in rows:
+        replies.setdefault(title, []).append(content)
+    return replies
+
+
+def test_stats_send_state_and_settings_reload(env):
+    page = open_page(env["browser"], f"{env['app'].url}?chat={env['code']}", [])  # the chat with the cut reply
+    try:
+        chat = page.locator("#chatbot")
+        chat.locator(".reply-stats").first.wait_for(timeout=30_000)  # an element, not text in a code block
+        assert "reply-stats" not in chat.inner_text()
+        page.screenshot(path=SHOTS / "chat-stats-after-code.png", full_page=True)
+
+        page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 300
+        page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
+        set_max_tokens(page, 300)
+        send(page, "Tell me a very long story.")
+        button = page.locator("#send")
+        page.wait_for_function("() => document.querySelector('#send').disabled === true", timeout=30_000)
+        assert "Generating" in button.inner_text()
+        # The reply belongs to its chat: starting or opening another one stays possible (issue 30).
+        assert page.locator("#new-chat").is_enabled() and page.locator("#conv-list input").first.is_enabled()
+        page.locator("#stop").click()
+        page.wait_for_function("() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS)
+        assert button.inner_text().strip() == "Send"
+        assert page.locator("#new-chat").is_enabled() and page.locator("#conv-list input").first.is_enabled()
+
+        # A reload in the middle of a reply: the reply is kept. It belongs to its chat, not to the page: it runs to
+        # its end and is saved whole, with its stats, and the reloaded page shows it streaming meanwhile.
+        send(page, "Keep going.")
+        page.wait_for_function(
+            "() => document.querySelector('#chatbot').innerText.split('Keep going.')[1]?.trim().length > 6",
+            timeout=STREAM_TIMEOUT_MS,
+        )
+        for _ in range(60):  # 300 tokens at 50 ms: at most 15 s to its end
+            page.reload()
+            page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
+            stats = page.locator("#chatbot .reply-stats")
+            if stats.count() == 2:
+                break
+            page.wait_for_timeout(1000)
+        assert stats.count() == 2, "a reply cut by a reload was not kept"
+        ending = stats.last.inner_text().strip()
+        assert "tok/s" in ending, ending  # a stats line: the reply was saved (stopped, or finished)
+        page.screenshot(path=SHOTS / "chat-kept-after-reload.png", full_page=True)
+
+        page.reload()  # the chat's own generation settings come back, not the start-up ones
+        page.get_by_role("tab", name="Chat").wait_for()
+        page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
+        page.get_by_text("Generation", exact=True).click()
+        page.wait_for_function(
+            "() => document.querySelector('#max-tokens input[type=number]').value === '300'", timeout=30_000
+        )
+    finally:
+        page.close()
 
 
 def _chat_text(page) -> str:
     return page.locator("#chatbot").inner_text()
 
 
-def test_switching_chats_while_a_reply_streams(tiny_model_dir, tmp_path):
+def test_switching_chats_while_a_reply_streams(env):
     """Issue 30, item 2: the reply goes on and lands in its own chat, never in the chat shown; another chat can be
     read and a new one started (its reply says it waits for its turn); going back shows the first reply streaming or
     finished, and both are saved."""
-    from store import open_store
+    hold = env["hold"]
+    # The first reply cannot end until the test deletes `hold`: it is still streaming when the second question is
+    # sent, however slow the machine (a delay alone let it end first under load).
+    hold.touch()
+    page = open_page(env["browser"], env["app"].url, [])
+    try:
+        page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 200
+        page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
+        set_max_tokens(page, 200)  # 50 ms a token, and no end before the release
+        send(page, "Tell me a very long tale.")
+        page.wait_for_function(
+            "() => document.querySelector('#chatbot').innerText.split('very long tale.')[1]?.trim().length > 6",
+            timeout=STREAM_TIMEOUT_MS,
+        )
+        page.locator("#conv-list").get_by_text("Old chat").click()  # reading another chat during the reply
+        page.wait_for_function(
+            "() => document.querySelector('#chatbot').innerText.includes('An old answer.')", timeout=30_000
+        )
+        page.wait_for_timeout(1500)  # tokens keep coming meanwhile: none of them may land in this chat
+        shown = _chat_text(page)
+        assert "very long tale" not in shown and "An old answer." in shown, shown
+        assert page.locator("#send").is_enabled()  # this chat is not answering: Send works here
 
-    data = tmp_path / "data"
-    data.mkdir()
-    with open_store(data) as store:
-        old = store.chats.create("Old chat")
-        store.chats.append(old.id, "user", "An old question.")
-        store.chats.append(old.id, "assistant", "An old answer.", {"tokens_per_s": 9.0, "finish_reason": "stop"})
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        # The first reply cannot end until the test deletes `hold`: it is still streaming when the second question is
-        # sent, however slow the machine (a delay alone let it end first under load).
-        hold = tmp_path / "hold-reply"
-        hold.touch()
-        app = App(data, tiny_model_dir("mixtral"), tmp_path / "net.log", token_delay_s=0.05, hold=hold)
-        try:
-            page = open_page(browser, app.url, [])
-            page.locator("#new-chat").click()  # a new chat starts from the saved defaults: then its own 200
-            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
-            set_max_tokens(page, 200)  # 50 ms a token, and no end before the release
-            send(page, "Tell me a very long story.")
-            page.wait_for_function(
-                "() => document.querySelector('#chatbot').innerText.split('very long story.')[1]?.trim().length > 6",
-                timeout=STREAM_TIMEOUT_MS,
-            )
-            page.locator("#conv-list").get_by_text("Old chat").click()  # reading another chat during the reply
-            page.wait_for_function(
-                "() => document.querySelector('#chatbot').innerText.includes('An old answer.')", timeout=30_000
-            )
-            page.wait_for_timeout(1500)  # tokens keep coming meanwhile: none of them may land in this chat
-            shown = _chat_text(page)
-            assert "very long story" not in shown and "An old answer." in shown, shown
-            assert page.locator("#send").is_enabled()  # this chat is not answering: Send works here
+        page.locator("#new-chat").click()  # a new chat during the reply: its reply waits, and says so
+        page.wait_for_function(  # the new chat is shown (its empty view) before anything is typed into it
+            "() => !document.querySelector('#chatbot').innerText.includes('An old answer.')", timeout=30_000
+        )
+        page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
+        set_max_tokens(page, 200, open_panel=False)
+        send(page, "A second question.")
+        page.wait_for_function(
+            "() => document.querySelector('#chatbot').innerText.includes('Waiting for its turn')",
+            timeout=30_000,
+        )
+        page.screenshot(path=SHOTS / "chat-waits-its-turn.png", full_page=True)
+        assert "very long tale" not in _chat_text(page)
+        hold.unlink()  # the first reply goes on: to its end, then the second one
 
-            page.locator("#new-chat").click()  # a new chat during the reply: its reply waits, and says so
-            page.wait_for_function(  # the new chat is shown (its empty view) before anything is typed into it
-                "() => !document.querySelector('#chatbot').innerText.includes('An old answer.')", timeout=30_000
-            )
-            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
-            set_max_tokens(page, 200, open_panel=False)
-            send(page, "A second question.")
-            page.wait_for_function(
-                "() => document.querySelector('#chatbot').innerText.includes('Waiting for its turn')",
-                timeout=30_000,
-            )
-            page.screenshot(path=SHOTS / "chat-waits-its-turn.png", full_page=True)
-            assert "very long story" not in _chat_text(page)
-            hold.unlink()  # the first reply goes on: to its end, then the second one
-
-            page.locator("#conv-list").get_by_text("Tell me a very long story.").click()  # back: streaming or done
-            page.wait_for_function(
-                "() => document.querySelector('#chatbot').innerText.split('very long story.')[1]?.trim().length > 6",
-                timeout=30_000,
-            )
-            assert "A second question." not in _chat_text(page)
-            page.locator("#chatbot .reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)  # it ended and was saved
-            page.locator("#conv-list").get_by_text("A second question.").click()
-            page.locator("#chatbot .reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)  # the waiting one too
-            assert "Waiting for its turn" not in _chat_text(page)
-            page.close()
-        finally:
-            hold.unlink(missing_ok=True)
-            app.stop()
-        browser.close()
-    with open_store(data) as store:
-        replies = {
-            c.title: [m.content for m in store.chats.messages(c.id) if m.role == "assistant"]
-            for c in store.chats.list()
-        }
+        page.locator("#conv-list").get_by_text("Tell me a very long tale.").click()  # back: streaming or done
+        page.wait_for_function(
+            "() => document.querySelector('#chatbot').innerText.split('very long tale.')[1]?.trim().length > 6",
+            timeout=30_000,
+        )
+        assert "A second question." not in _chat_text(page)
+        page.locator("#chatbot .reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)  # it ended and was saved
+        page.locator("#conv-list").get_by_text("A second question.").click()
+        page.wait_for_function(  # the waiting one's own reply, written after its wait (200 tokens: still streaming)
+            """() => {
+                const shown = document.querySelector('#chatbot').innerText;
+                return !shown.includes('Waiting for its turn')
+                    && shown.split('A second question.')[1]?.trim().length > 6;
+            }""",
+            timeout=STREAM_TIMEOUT_MS,
+        )
+        # Its length is not what is tested, its end and its saving are. Dispatched: a click waits for the button to
+        # stop moving, and every streamed token redraws it.
+        page.locator("#stop").dispatch_event("click")
+        page.locator("#chatbot .reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)  # in this chat: the only one
+    finally:
+        hold.unlink(missing_ok=True)
+        page.close()
+    replies = saved_replies(env["data"])
     assert replies["Old chat"] == ["An old answer."]  # nothing written into the chat that was shown
-    assert len(replies["Tell me a very long story."]) == 1 and replies["Tell me a very long story."][0]
+    assert len(replies["Tell me a very long tale."]) == 1 and replies["Tell me a very long tale."][0]
     assert len(replies["A second question."]) == 1 and replies["A second question."][0]
