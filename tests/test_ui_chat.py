@@ -345,11 +345,11 @@ def test_a_reply_goes_on_in_its_own_chat_while_the_page_reads_and_writes_in_othe
     first.close()  # the page opens another chat: it stops following, the reply goes on
     other = session.store.chats.create("Other")
     session.store.chats.append(other.id, "user", "Hello?")
-    assert list(chat_flow.follow_chat(session, other.id)) == []  # reading another chat: nothing of the reply there
+    assert session.chat_reply(other.id) is None  # reading another chat: nothing of the reply there
     with pytest.raises(chat_flow.Problem, match="still answering"):
         next(chat_flow.reply(session, conv_id, "", Sampling()))  # one reply at a time in a chat
     second = chat_flow.reply(session, other.id, "", Sampling())
-    back = list(chat_flow.follow_chat(session, conv_id))  # back to the first chat: it streams to its end
+    back = list(chat_flow.follow(session, session.chat_reply(conv_id)))  # back to the first chat: to its end
     assert back and back[-1][-1]["content"].startswith(" on" * 40)
     assert all(m["content"] != "Hello?" for shown in back for m in shown)  # never the other chat's bubbles
     *_, shown = list(second)
@@ -471,6 +471,28 @@ def test_a_sent_message_draws_nothing_over_a_chat_opened_while_its_reply_started
     if reply is not None:
         list(chat_flow.follow(session, reply))
     assert [m.content for m in session.store.chats.messages(conv_id)][-2:] == ["Go on.", " on" * 40]
+
+
+def test_a_chat_opened_as_its_reply_is_saved_shows_the_reply(chat):
+    """Opening a chat reads its stored messages, then a second step follows its running reply. A reply that saved
+    and ended between the two was in neither: before, the page showed the question alone until reloaded."""
+    from fmoe_local.config import Sampling
+    from ui import chat_flow
+    from ui.chat import ChatHandlers, PageView, shown_chat
+
+    session, conv_id = chat
+    session.runtime = SlowRuntime()
+    handlers, view = ChatHandlers(session), PageView()
+    session.store.chats.append(conv_id, "user", "Go on.")
+    reply = chat_flow.start_reply(session, conv_id, "", Sampling(greedy=True, max_new_tokens=4))
+    opened = shown_chat(session, conv_id)[1]  # the opening handler's read: the reply is not saved yet
+    list(chat_flow.follow(session, reply))  # it saves and ends before the page's next step
+    handlers.select(conv_id, view)
+    drawn = [out for out in handlers.follow(conv_id, view) if out[0] != gr.skip()]
+    assert opened[-1]["role"] == "user" and len(drawn) == 1
+    saved = session.store.chats.messages(conv_id)[-1]
+    assert saved.role == "assistant" and drawn[0][0][-1]["content"].startswith(saved.content)  # its stats after it
+    assert drawn[0][1] == gr.skip()  # Send's state is `ended`'s to set, after this step
 
 
 def test_a_reply_the_database_cannot_store_stays_on_the_page_with_what_to_do(chat, monkeypatch):

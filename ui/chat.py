@@ -612,10 +612,19 @@ class ChatHandlers:
             said = gr.skip()
 
     def follow(self, conv_id, view=None):  # noqa: ANN001, ANN201
-        """The shown chat's reply still being written (after opening the chat, a reload): streamed until it ends."""
-        for chatbot in while_shown(view, conv_id, chat_flow.follow_chat(self.session, conv_id)):
-            yield (_drawn(chatbot), busy()) if chatbot is not None else (gr.skip(), gr.skip())
-        yield gr.skip(), gr.skip()  # a chat with no reply running: nothing to redraw
+        """The shown chat's reply still being written (after opening the chat, a reload): streamed until it ends.
+        With none running, the chat as stored now, once: a reply saved between the opening handler's read of the
+        chat and this step (a reply saves, then ends) was in neither, and the page showed the question alone."""
+        reply = self.session.chat_reply(conv_id) if conv_id is not None else None
+        if reply is not None:
+            replies, send = chat_flow.follow(self.session, reply), busy()
+        elif conv_id is not None:
+            replies, send = [display(self.chats.messages(conv_id))], gr.skip()
+        else:
+            replies, send = [], gr.skip()
+        for chatbot in while_shown(view, conv_id, replies):
+            yield (_drawn(chatbot), send) if chatbot is not None else (gr.skip(), gr.skip())
+        yield gr.skip(), gr.skip()  # the event's last output, which Gradio applies again when it ends: nothing
 
     def ask(self, view: PageView | None = None) -> gr.Button:
         """Send (Regenerate, Continue, an edit) pressed, before its handler runs: Send shows that a reply is coming,

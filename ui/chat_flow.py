@@ -256,13 +256,6 @@ def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
     yield shown_now
 
 
-def follow_chat(session: Session, conv_id: int | None) -> Iterator[list[dict]]:
-    """Chat `conv_id`'s reply still being written, as `follow` streams it; nothing when it has none."""
-    reply = session.chat_reply(conv_id) if conv_id is not None else None
-    if reply is not None:
-        yield from follow(session, reply)
-
-
 def _bubble(content: str) -> dict:
     return {"role": "assistant", "content": content}
 
