@@ -115,8 +115,8 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
         raise ApiError(400, f"A JSON schema in the request cannot be read: {exc}.", "response_format") from exc
     chat = isinstance(req.prompt, list)
     think = reasoning.format_of(runtime.chat_template) if chat else None
-    variables = _thinking(runtime.chat_template or "", think, req.thinking)
     marks = reasoning.budget_format(runtime.chat_template) if chat else None  # think's, or GPT-OSS's analysis
+    variables = _thinking(runtime.chat_template or "", marks, req.thinking)
     if marks is None or (think is None and req.thought_budget is None):  # nothing to read or to hold
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     last = req.prompt[-1] if req.prompt else {}
@@ -134,7 +134,8 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
 
 def _thinking(template: str, think: ThinkFormat | None, asked: str | None) -> dict | None:
     """The template switch an Anthropic `thinking` option sets: Qwen3's hybrid models take `enable_thinking`;
-    "disabled" for a model that thinks with no switch to stop it is refused by name; "enabled"/"adaptive" for a
+    "disabled" for a model that thinks with no switch to stop it (`think`: the format it thinks in, <think> or
+    GPT-OSS's analysis channel, whose reasoning effort has no "none") is refused by name; "enabled"/"adaptive" for a
     model that does not think is a reply without a thought (Anthropic's budget is a most, not a least)."""
     if asked is None:
         return None
