@@ -111,7 +111,9 @@ def test_a_refused_budget_reaches_the_anthropic_client_as_a_400(client):
 
 def test_the_budget_is_the_request_s_sampling_thought_where_the_model_thinks():
     def thought(template: str, **extra):  # noqa: ANN003, ANN202 - a ThoughtBudget or None
-        runtime = SimpleNamespace(chat_template=template, reply_opening=lambda: "<|assistant|>\n<think>\n")
+        runtime = SimpleNamespace(
+            chat_template=template, reply_opening=lambda: "<|assistant|>\n<think>\n", special_tokens=lambda texts: {}
+        )
         body = _body(type="enabled", budget_tokens=1500) | extra
         return shape(runtime, parse_messages(body, Sampling())).sampling.thought
 

@@ -8,7 +8,8 @@ tool-call format and the tools, for the format's reader, ui/tool_calls.py's `Too
 format, for ui/reasoning.py's ThinkSplit — a chat reply of a model whose template writes <think>, unless a grammar
 holds the reply: the grammar starts at the reply's first token, so there is no thought to read — except where the
 request gives the thought a budget and the prompt opened it: then the grammar starts after the thought,
-logits_rules.grammar_after_thought) and the thought's budget (`Sampling.thought`: the most tokens it may take before
+logits_rules.grammar_after_thought; a GPT-OSS chat reply without tools, under the same rule, keeps its harmony
+markers and is read by harmony_reply.reader, its analysis channel the reasoning) and the thought's budget (`Sampling.thought`: the most tokens it may take before
 its end is written for the model, in <think> or in GPT-OSS's analysis channel — reasoning.budget_format —, a budget
 not less than max_tokens dropped, as it could never bind). It does NOT
 parse the body (openai_request.py) or write the reply (openai_stream.py).
@@ -21,7 +22,7 @@ from functools import partial
 
 from fmoe_local.config import Sampling, ThoughtBudget
 from fmoe_local.logits_rules import grammar_after_thought
-from ui import reasoning
+from ui import harmony_reply, reasoning
 from ui.loaded_runtime import LoadedRuntime
 from ui.openai_request import ApiError, ApiRequest
 from ui.reasoning import ThinkFormat, ThinkSplit
@@ -44,6 +45,7 @@ class Shaped:
     opened: bool = False  # the prompt opened the thought: the reply starts inside it
     keep: frozenset[str] = frozenset()  # the tool format's markers that are special tokens: the reply keeps them
     variables: dict | None = None  # the chat template's switches the request sets (enable_thinking)
+    channels: bool = False  # a GPT-OSS reply without tools: its harmony channels read (harmony_reply.reader)
 
     def submit_options(self) -> dict:
         """Runtime.submit's keywords beyond the prompt and sampling: the tools, the markers the reply keeps, the
@@ -58,7 +60,7 @@ class Shaped:
     def parts(self, stops: list[str]) -> ReplyParts:
         """A new reader of the reply: cut at `stops`, its thought apart from its content, its tool calls."""
         think = ThinkSplit(self.think, self.opened) if self.think is not None else None
-        return ReplyParts(stops, think, self.calls())
+        return ReplyParts(stops, think, harmony_reply.reader(self.opened) if self.channels else self.calls())
 
 
 def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
@@ -117,7 +119,9 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
     think = reasoning.format_of(runtime.chat_template) if chat else None
     marks = reasoning.budget_format(runtime.chat_template) if chat else None  # think's, or GPT-OSS's analysis
     variables = _thinking(runtime.chat_template or "", marks, req.thinking)
-    if marks is None or (think is None and req.thought_budget is None):  # nothing to read or to hold
+    # GPT-OSS without tools: its channels are read here (with tools, by the tool format's reader, HarmonyStream too)
+    channels = chat and not req.tools and harmony_reply.writes_channels(runtime.chat_template)
+    if marks is None or (think is None and not channels and req.thought_budget is None):  # nothing to read or hold
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     last = req.prompt[-1] if req.prompt else {}
     if last.get("role") == "assistant" and last.get("content"):  # a prefill: the reply goes on from its text
@@ -127,6 +131,8 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
     budget = req.thought_budget
     if budget is not None and budget < sampling.max_new_tokens:
         sampling = replace(sampling, thought=ThoughtBudget(budget, marks.start, marks.end, marks.close, opened))
+    if channels and (sampling.grammar is None or grammar_after_thought(sampling)):
+        return Shaped(sampling, [], None, None, opened, harmony_reply.kept(runtime), variables, channels=True)
     if think is None or (sampling.grammar is not None and not grammar_after_thought(sampling)):
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     return Shaped(sampling, req.tools, fmt, think, opened, keep, variables)
