@@ -9,10 +9,10 @@ format, for ui/reasoning.py's ThinkSplit — a chat reply of a model whose templ
 holds the reply: the grammar starts at the reply's first token, so there is no thought to read — except where the
 request gives the thought a budget and the prompt opened it: then the grammar starts after the thought,
 logits_rules.grammar_after_thought; a GPT-OSS chat reply without tools, under the same rule, keeps its harmony
-markers and is read by harmony_reply.reader, its analysis channel the reasoning) and the thought's budget (`Sampling.thought`: the most tokens it may take before
-its end is written for the model, in <think> or in GPT-OSS's analysis channel — reasoning.budget_format —, a budget
-not less than max_tokens dropped, as it could never bind). It does NOT
-parse the body (openai_request.py) or write the reply (openai_stream.py).
+markers and is read by harmony_reply.reader, its analysis channel the reasoning) and the thought's budget
+(`Sampling.thought`: the most tokens it may take before its end is written for the model, in <think> or in GPT-OSS's
+analysis channel — reasoning.budget_format —, a budget not less than max_tokens dropped, as it could never bind). It
+does NOT parse the body (openai_request.py) or write the reply (openai_stream.py).
 """
 
 from __future__ import annotations
