@@ -33,6 +33,8 @@ CALL = [
     "<|constrain|>", "json", "<|message|>", '{"', "city", '":', ' "', "Oslo", '"}', "<|call|>",
 ]  # fmt: skip
 THOUGHT, ANSWER = "The user asks.", "It is dry."
+OPENED = {"role": "assistant", "content": HARMONY_ANALYSIS.start}  # a prefill: the reply goes on inside the analysis
+B = 5  # thinking tokens before the runtime writes the analysis' end and the final channel's header
 
 
 class HarmonyRuntime(FakeRuntime):
@@ -124,6 +126,10 @@ def test_which_requests_keep_the_markers_and_read_the_channels():
     )
     assert not held.channels and held.keep == frozenset()  # the grammar holds it from its first token: no channels
     assert not _shaped(HERMES_TEMPLATE).channels  # not a harmony template
+    prefill = _shaped(HARMONY_TEMPLATE, messages=[*ASK, {"role": "assistant", "content": "It is"}])
+    assert not prefill.channels and prefill.keep == frozenset()  # it goes on inside its message: no header to read
+    opened = _shaped(HARMONY_TEMPLATE, messages=[*ASK, OPENED])
+    assert opened.channels and opened.opened  # it goes on inside the analysis the prefill opened
     from ui.openai_request import parse_completion
 
     completion = shape(HarmonyRuntime(), parse_completion({"model": "x", "prompt": "Once"}, Sampling()))
@@ -262,7 +268,6 @@ def _recording(events, prompts: list):  # noqa: ANN001, ANN202 - the fake's even
 
 # ---- the real runtime on a tiny GPT-OSS ----
 
-OPENED = {"role": "assistant", "content": HARMONY_ANALYSIS.start}  # a prefill: the reply goes on inside the analysis
 B = 5  # thinking tokens before the runtime writes the analysis' end and the final channel's header
 
 

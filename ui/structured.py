@@ -124,14 +124,13 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
     if marks is None or (think is None and not channels and req.thought_budget is None):  # nothing to read or hold
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     last = req.prompt[-1] if req.prompt else {}
-    if last.get("role") == "assistant" and last.get("content"):  # a prefill: the reply goes on from its text
-        opened = marks.opened(last["content"])
-    else:
-        opened = marks.opened(runtime.reply_opening())
+    prefill = last.get("role") == "assistant" and bool(last.get("content"))  # the reply goes on from its text
+    opened = marks.opened(last["content"] if prefill else runtime.reply_opening())
     budget = req.thought_budget
     if budget is not None and budget < sampling.max_new_tokens:
         sampling = replace(sampling, thought=ThoughtBudget(budget, marks.start, marks.end, marks.close, opened))
-    if channels and (sampling.grammar is None or grammar_after_thought(sampling)):
+    # A prefill that leaves no analysis open goes on inside its own message, with no header to read: as written.
+    if channels and (opened or not prefill) and (sampling.grammar is None or grammar_after_thought(sampling)):
         return Shaped(sampling, [], None, None, opened, harmony_reply.kept(runtime), variables, channels=True)
     if think is None or (sampling.grammar is not None and not grammar_after_thought(sampling)):
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
