@@ -4,7 +4,8 @@ block in the Anthropic API, and as the chat's folded thought, stored in the `<th
 token by token, by a runtime that writes harmony's markers only where the request keeps them (Runtime.submit's
 `keep`, as the real Detokenizer does), so a request that does not ask for them gets its thought and answer joined —
 what every request without tools got before. A reply held to a grammar from its first token has no channels and is
-read as it is written; /v1/completions stays the raw text."""
+read as it is written; /v1/completions stays the raw text. Last, the real runtime on a tiny GPT-OSS: a thinking
+budget writes the analysis' end and the final header for the untrained model, and both APIs split the reply there."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class HarmonyRuntime(FakeRuntime):
         return {t: 200_000 + i for i, t in enumerate(HARMONY.markers) if texts is None or t in texts}
 
     def submit(self, prompt, sampling=None, tools=None, keep=frozenset(), variables=None):  # noqa: ANN001, ANN201
-        self.kept.append(keep)  # read by `events`, which runs this request (the fake runs one at a time, in order)
+        self.kept.append(keep)  # read by `events`, which runs this request (these tests send one request at a time)
         return super().submit(prompt, sampling, tools, keep, variables)
 
     def supports_tools(self) -> bool:
