@@ -63,6 +63,15 @@ def test_disabled_is_refused_by_name_for_a_model_that_always_thinks():
     assert _shape(HYBRID_TEMPLATE, None).variables is None
 
 
+def test_disabled_is_refused_by_name_for_gpt_oss_which_always_thinks_in_its_analysis_channel():
+    """Harmony has no switch that stops the analysis channel (reasoning effort is low, medium or high): before, the
+    request was taken and the model thought anyway."""
+    with pytest.raises(ApiError) as refused:
+        _shape(HARMONY_TEMPLATE, "disabled")
+    assert (refused.value.status, refused.value.param) == (400, "thinking")
+    assert "cannot be disabled" in str(refused.value)
+
+
 def _body(max_tokens: int = 2048, **thinking) -> dict:  # noqa: ANN003 - the thinking option's fields
     return {"model": "x", "max_tokens": max_tokens, "messages": ASK, "thinking": thinking}
 

@@ -40,6 +40,8 @@ def test_a_failed_reply_shows_its_sentence_inline_and_keeps_the_partial_text(tmp
     sentence = "Could not load expert 3 of MoE layer 1: disk error. Download the model again."
 
     class FailingRuntime(FakeRuntime):
+        chat_template = None  # no harmony channels: the reply is read as it is written
+
         def events(self, messages, sampling, stop):
             yield TextDelta("The sea", 5)
             yield Finished("The sea", [5], RequestStats(finish_reason="error"), "error", error=sentence)
@@ -125,6 +127,8 @@ def test_export_all_chats_gives_one_json_file_of_every_conversation(app):
 
 class ScriptedRuntime(FakeRuntime):
     """Streams the given replies in turn (each as two deltas) and records what the model was asked to read."""
+
+    chat_template = None  # no harmony channels: the reply is read as it is written
 
     def __init__(self, *replies: tuple[str, str]) -> None:
         import threading
@@ -219,6 +223,8 @@ def test_editing_an_earlier_message_drops_what_followed_and_replies_again(chat):
 
 class SlowRuntime(FakeRuntime):
     """Tokens every 10 ms until its request's stop flag is set, or 40 of them, like the real runtime."""
+
+    chat_template = None  # no harmony channels: the reply is read as it is written
 
     def __init__(self) -> None:
         import threading

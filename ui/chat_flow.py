@@ -13,9 +13,10 @@ without its owner asking (the model unloaded under it) is saved as interrupted.
 
 A reasoning model's reply is saved as it was written, its thought between `<think>` and `</think>`; where the chat
 template opened the thought for the model (Runtime.reply_opening ends inside `<think>`), the reply is saved with
-that opening marker, so every stored thought starts with it (chat_view.py shows it folded). The model reads earlier
-replies without their thoughts, as the thinking models' own templates show them; a reply being continued is read
-whole.
+that opening marker, so every stored thought starts with it (chat_view.py shows it folded). A GPT-OSS reply is
+written with its harmony markers kept and stored in that same form: its analysis channel as the `<think>` thought,
+then its answer (harmony_reply.ThoughtText). The model reads earlier replies without their thoughts, as the thinking
+models' own templates show them; a reply being continued is read whole.
 
 A chat's context length (its Generation value; 0: all the model reads) bounds the tokens of the prompt sent: the
 oldest turns (a question and the replies after it) are left out whole until the rest fits, the system prompt and the
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from fmoe_local.config import Sampling
 from fmoe_local.request_handle import RequestHandle
 from fmoe_local.runtime_types import Finished, TextDelta
+from ui import harmony_reply
 from ui.chat_view import bubble_messages, display, reply_bubbles, thought_of, warning
 from ui.loaded_runtime import LoadedRuntime
 from ui.reasoning import THINK
@@ -172,6 +174,7 @@ class ChatReply:
     opening: str = ""  # the thought's marker that the template wrote for the model (`thought_opening`)
     left_out: int = 0  # the oldest messages not sent (`fit`), under the chat's context length `context`
     context: int = 0
+    channels: bool = False  # a GPT-OSS reply written with its harmony markers: stored as harmony_reply.ThoughtText
 
     def stats(self, stats: object) -> object:
         """The reply's stats as saved: with the messages left out, which its stats line says (chat_view.py)."""
@@ -202,8 +205,13 @@ def start(
         raise Problem(STILL_ANSWERING)
     messages, left_out = fit(runtime, messages, context)
     opening = "" if prefix else thought_opening(runtime)  # a continued reply carries its own marker
-    handle = runtime.submit(messages, sampling)
-    reply = ChatReply(conv_id, handle, shown, prefix, opening=opening, left_out=left_out, context=context)
+    # A continued GPT-OSS reply goes on inside the message it was cut in, with no header to read: its text as written.
+    channels = not prefix and harmony_reply.writes_channels(runtime.chat_template)
+    keep = harmony_reply.kept(runtime) if channels else frozenset()
+    handle = runtime.submit(messages, sampling, keep=keep) if keep else runtime.submit(messages, sampling)
+    reply = ChatReply(
+        conv_id, handle, shown, prefix, opening=opening, left_out=left_out, context=context, channels=channels
+    )
     if not session.begin_chat_reply(conv_id, reply):  # another page started one in between
         handle.cancel()
         raise Problem(STILL_ANSWERING)
@@ -220,12 +228,13 @@ def _ended(session: Session, reply: ChatReply, save: Callable[[str, object], obj
             final.stats.finish_reason = "interrupted"
         if final.reason != "error":
             session.record(final.stats)
-        if final.reason != "error" or final.text.strip():  # a failure keeps what was written before it
+        written = harmony_reply.stored_form(final.text) if reply.channels else final.text
+        if final.reason != "error" or written.strip():  # a failure keeps what was written before it
             try:
-                save(reply.opening + final.text, reply.stats(final.stats))
+                save(reply.opening + written, reply.stats(final.stats))
             except Exception as exc:  # noqa: BLE001 - the text must stay on the page, with why
                 log.exception("a finished reply could not be saved")
-                reply.unsaved = Unsaved(reply.text(final.text), unsaved_sentence(exc))
+                reply.unsaved = Unsaved(reply.text(written), unsaved_sentence(exc))
     finally:
         session.end_chat_reply(reply.conv_id, reply)
 
@@ -238,10 +247,11 @@ def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
         so_far = reply_bubbles(reply.text(""), writing=True) if reply.text("").strip() else [_bubble("…")]
         yield reply.shown + so_far + [_bubble(WAITING)]
     text, final = "", None
+    view = harmony_reply.ThoughtText() if reply.channels else None
     for batch in reply.handle.batches():
         for event in batch:
             if isinstance(event, TextDelta):
-                text += event.text
+                text = view.add(event.text) if view is not None else text + event.text
             else:
                 final = event
         if final is None:

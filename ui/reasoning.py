@@ -7,10 +7,10 @@ when the template's reply opening already holds an unclosed `<think>` (Qwen3-Thi
 for the model: `opened`, from Runtime.reply_opening); otherwise a thought is read only where the reply begins with
 `<think>` (Qwen3's hybrid models write it themselves). A reply cut before `</think>` is reasoning to its end. The
 whitespace around the markers (Qwen3 writes "<think>\\n…\\n</think>\\n\\n") is left out. GPT-OSS's analysis channel
-is not read here: its markers (`<|channel|>`, `<|message|>`) are special tokens that the runtime's text leaves out,
-so nothing of them reaches the reply — but a request with tools keeps them, and ui/tool_calls.py's HarmonyStream
-reads its channels. It does NOT decide whether a reply may think, nor how long (structured.py: a reply held to a grammar has no thought,
-the grammar starting at its first token, unless a thinking budget bounds a thought the prompt opened).
+is not read here: its markers (`<|channel|>`, `<|message|>`) are special tokens, which every chat request on a
+harmony template keeps (ui/harmony_reply.py), and ui/tool_calls.py's HarmonyStream reads its channels. It does NOT
+decide whether a reply may think, nor how long (structured.py: a reply held to a grammar has no thought, the grammar
+starting at its first token, unless a thinking budget bounds a thought the prompt opened).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ THINK = ThinkFormat("<think>", "</think>", "\n</think>\n\n")
 FORMATS = (THINK,)
 # GPT-OSS's analysis channel, for a thought's budget only (`budget_format`): a reply opens it with these markers and
 # ends its message with <|end|>; a budget spent ends it and opens the final channel's message, the answer. Never read
-# by ThinkSplit: the markers are special tokens the reply's text leaves out (HarmonyStream reads them with tools).
+# by ThinkSplit: the markers are special tokens, read by HarmonyStream (harmony_reply.py, and with tools).
 HARMONY_ANALYSIS = ThinkFormat(
     "<|channel|>analysis<|message|>", "<|end|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
 )

@@ -6,8 +6,8 @@ Scope: the order of the three readers each piece of text goes through: cut at th
 (openai_stream.Generation: stops apply to everything the model wrote, as OpenAI and Anthropic apply them), split
 into reasoning and content (reasoning.ThinkSplit, when the model thinks in a format we read), and the content's
 tool calls held back and parsed at the end (tool_calls.CallStream, when the model may call tools; a GPT-OSS reply's
-channels are reasoning and content there too: tool_calls.HarmonyStream). It does NOT write any API's shapes
-(openai_stream.py, anthropic_stream.py).
+channels are reasoning and content there too: tool_calls.HarmonyStream, which reads every GPT-OSS chat reply, with
+no tools as well: harmony_reply.reader). It does NOT write any API's shapes (openai_stream.py, anthropic_stream.py).
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ tool-call format and the tools, for the format's reader, ui/tool_calls.py's `Too
 format, for ui/reasoning.py's ThinkSplit — a chat reply of a model whose template writes <think>, unless a grammar
 holds the reply: the grammar starts at the reply's first token, so there is no thought to read — except where the
 request gives the thought a budget and the prompt opened it: then the grammar starts after the thought,
-logits_rules.grammar_after_thought) and the thought's budget (`Sampling.thought`: the most tokens it may take before
-its end is written for the model, in <think> or in GPT-OSS's analysis channel — reasoning.budget_format —, a budget
-not less than max_tokens dropped, as it could never bind). It does NOT
-parse the body (openai_request.py) or write the reply (openai_stream.py).
+logits_rules.grammar_after_thought; a GPT-OSS chat reply without tools, under the same rule, keeps its harmony
+markers and is read by harmony_reply.reader, its analysis channel the reasoning) and the thought's budget
+(`Sampling.thought`: the most tokens it may take before its end is written for the model, in <think> or in GPT-OSS's
+analysis channel — reasoning.budget_format —; a budget not less than max_tokens is dropped, as it could never bind,
+unless a grammar holds the reply: there it says the grammar starts after the thought). It does NOT parse the body
+(openai_request.py) or write the reply (openai_stream.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from functools import partial
 
 from fmoe_local.config import Sampling, ThoughtBudget
 from fmoe_local.logits_rules import grammar_after_thought
-from ui import reasoning
+from ui import harmony_reply, reasoning
 from ui.loaded_runtime import LoadedRuntime
 from ui.openai_request import ApiError, ApiRequest
 from ui.reasoning import ThinkFormat, ThinkSplit
@@ -44,6 +46,7 @@ class Shaped:
     opened: bool = False  # the prompt opened the thought: the reply starts inside it
     keep: frozenset[str] = frozenset()  # the tool format's markers that are special tokens: the reply keeps them
     variables: dict | None = None  # the chat template's switches the request sets (enable_thinking)
+    channels: bool = False  # a GPT-OSS reply without tools: its harmony channels read (harmony_reply.reader)
 
     def submit_options(self) -> dict:
         """Runtime.submit's keywords beyond the prompt and sampling: the tools, the markers the reply keeps, the
@@ -58,7 +61,7 @@ class Shaped:
     def parts(self, stops: list[str]) -> ReplyParts:
         """A new reader of the reply: cut at `stops`, its thought apart from its content, its tool calls."""
         think = ThinkSplit(self.think, self.opened) if self.think is not None else None
-        return ReplyParts(stops, think, self.calls())
+        return ReplyParts(stops, think, harmony_reply.reader(self.opened) if self.channels else self.calls())
 
 
 def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
@@ -115,20 +118,23 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
         raise ApiError(400, f"A JSON schema in the request cannot be read: {exc}.", "response_format") from exc
     chat = isinstance(req.prompt, list)
     think = reasoning.format_of(runtime.chat_template) if chat else None
-    variables = _thinking(runtime.chat_template or "", think, req.thinking)
     marks = reasoning.budget_format(runtime.chat_template, bool(req.tools)) if chat else None  # think's or harmony's
-    if marks is None or (think is None and req.thought_budget is None):  # nothing to read or to hold
+    variables = _thinking(runtime.chat_template or "", marks, req.thinking)
+    # GPT-OSS without tools: its channels are read here (with tools, by the tool format's reader, HarmonyStream too)
+    channels = chat and not req.tools and harmony_reply.writes_channels(runtime.chat_template)
+    if marks is None or (think is None and not channels and req.thought_budget is None):  # nothing to read or hold
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     last = req.prompt[-1] if req.prompt else {}
-    if last.get("role") == "assistant" and last.get("content"):  # a prefill: the reply goes on from its text
-        opened = marks.opened(last["content"])
-    else:
-        opened = marks.opened(runtime.reply_opening())
+    prefill = last.get("role") == "assistant" and bool(last.get("content"))  # the reply goes on from its text
+    opened = marks.opened(last["content"] if prefill else runtime.reply_opening())
     budget = req.thought_budget
     # A budget of max_new_tokens or more forces nothing, but with a grammar it still says where the grammar starts:
     # after the thought, not inside it.
     if budget is not None and (budget < sampling.max_new_tokens or sampling.grammar is not None):
         sampling = replace(sampling, thought=ThoughtBudget(budget, marks.start, marks.end, marks.close, opened))
+    # A prefill that leaves no analysis open goes on inside its own message, with no header to read: as written.
+    if channels and (opened or not prefill) and (sampling.grammar is None or grammar_after_thought(sampling)):
+        return Shaped(sampling, [], None, None, opened, harmony_reply.kept(runtime), variables, channels=True)
     if think is None or (sampling.grammar is not None and not grammar_after_thought(sampling)):
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
     return Shaped(sampling, req.tools, fmt, think, opened, keep, variables)
@@ -136,7 +142,8 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
 
 def _thinking(template: str, think: ThinkFormat | None, asked: str | None) -> dict | None:
     """The template switch an Anthropic `thinking` option sets: Qwen3's hybrid models take `enable_thinking`;
-    "disabled" for a model that thinks with no switch to stop it is refused by name; "enabled"/"adaptive" for a
+    "disabled" for a model that thinks with no switch to stop it (`think`: the format it thinks in, <think> or
+    GPT-OSS's analysis channel, whose reasoning effort has no "none") is refused by name; "enabled"/"adaptive" for a
     model that does not think is a reply without a thought (Anthropic's budget is a most, not a least)."""
     if asked is None:
         return None

@@ -424,7 +424,8 @@ _HARMONY_BODY_ENDS = ("<|end|>", "<|start|>", "<|call|>", "<|return|>")  # as _H
 
 
 class HarmonyStream(CallStream):
-    """A GPT-OSS reply as it streams, its markers kept (a request with tools keeps them): each message's body is sent
+    """A GPT-OSS reply as it streams, its markers kept (every chat request on a harmony template keeps them; without
+    tools, `tools` is empty and every call is content: ui/harmony_reply.py): each message's body is sent
     as it comes — the analysis channel's as reasoning (each message's stripped, a line between two, as a reply held
     whole was read), any other channel's as content (the final answer; a commentary message to no recipient, the
     preamble OpenAI's harmony guide says is shown to the user) — and a message's header never. From the first
@@ -432,15 +433,17 @@ class HarmonyStream(CallStream):
     (<|call|> is an end token: the call completes the reply), as CallStream holds a call from its start; a call
     that does not parse is content then. What may still be part of a marker is held until it cannot; so is the
     content's trailing whitespace, until more content comes (content before a call ends stripped). A reply in which
-    no message opens is content less its markers, at its end."""
+    no message opens is content less its markers, at its end. `opened`: the prompt opened an analysis message (a
+    prefill that ends inside one), so the reply starts in its body."""
 
-    def __init__(self, fmt: ToolFormat, tools: list[dict]) -> None:
+    def __init__(self, fmt: ToolFormat, tools: list[dict], opened: bool = False) -> None:
         super().__init__(fmt, tools)
         self.at = 0  # where the next (or the held call's) header begins
-        self.body: str | None = None  # the open body's kind: REASONING, CONTENT, or "" (no message: sent as nothing)
-        self.opened = False  # a message has opened: text outside messages is no one's
-        self.thoughts = 0  # analysis messages opened
-        self.fresh = False  # nothing of the open analysis body sent yet: its leading whitespace is left out
+        # the open body's kind: REASONING, CONTENT, or "" (no message: sent as nothing)
+        self.body: str | None = REASONING if opened else None
+        self.opened = opened  # a message has opened: text outside messages is no one's
+        self.thoughts = int(opened)  # analysis messages opened
+        self.fresh = opened  # nothing of the open analysis body sent yet: its leading whitespace is left out
         self.space = {REASONING: "", CONTENT: ""}  # trailing whitespace held, per kind
 
     def add(self, delta: str) -> list[Piece]:

@@ -3,7 +3,7 @@
 leaves its oldest turns out of what the model reads, which the reply says and a reload keeps (issues 28 and 30).
 
 The model is the tiny test model made to write a fixed reply with `<think>…</think>` (netguard/scripted_reply.py):
-its random weights would never write the markers."""
+its random weights would never write the markers; for GPT-OSS, a tiny GPT-OSS writing harmony's channels."""
 
 from __future__ import annotations
 
@@ -72,6 +72,43 @@ def test_thinking_is_folded_above_the_answer_and_a_chats_context_length_survives
             said.wait_for(timeout=30_000)
             page.get_by_text("Generation", exact=True).click()
             assert page.locator("#context-length input").input_value() == "64"  # kept with the chat
+        finally:
+            app.stop()
+            browser.close()
+
+
+HARMONY_REPLY = f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
+
+
+def test_gpt_oss_s_analysis_channel_is_the_folded_thought_above_its_final_channel(tiny_model_dir, tmp_path):
+    """A tiny GPT-OSS whose tokenizer has harmony's markers as special tokens, as the real one has, writing a scripted
+    harmony reply: the analysis channel is the folded block, the final channel the answer — before, the markers were
+    left out of the reply's text and the chat showed "analysis…assistantfinal…" as one answer."""
+    from tests.tiny import with_special_tokens
+    from tests.tool_templates import HARMONY_TEMPLATE
+    from ui.tool_calls import HARMONY
+
+    model = with_special_tokens(tiny_model_dir("gpt_oss"), tmp_path / "gpt-oss", list(HARMONY.markers))
+    (model / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    data = tmp_path / "data"
+    data.mkdir()
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        app = App(data, model, tmp_path / "net.log", reply=HARMONY_REPLY)
+        try:
+            page = open_page(browser, app.url, [])
+            chat = page.locator("#chatbot")
+            page.locator("#new-chat").click()
+            page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
+            send(page, "Hi there.")
+            chat.locator(".reply-stats").first.wait_for(timeout=STREAM_TIMEOUT_MS)
+            thought = chat.locator(".thought-group")
+            assert thought.count() == 1 and "Thinking" in thought.inner_text(), chat.inner_text()
+            assert ANSWER in chat.inner_text() and THOUGHT not in chat.inner_text()  # folded: not shown
+            assert "analysis" not in chat.inner_text() and "final" not in chat.inner_text()  # no channel names
+            thought.locator("[role=button]").first.click()  # unfolds
+            page.wait_for_function("t => document.querySelector('#chatbot').innerText.includes(t)", arg=THOUGHT)
+            assert ANSWER not in thought.inner_text()
         finally:
             app.stop()
             browser.close()
