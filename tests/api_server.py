@@ -1,5 +1,6 @@
 """The real app (`app.serve`) on a tiny model for the /v1 tests: served on a port the OS picked (tests/ports.py), with
-a Mixtral-Instruct-strict chat template when asked, and an openai client that never retries."""
+a Mixtral-Instruct-strict chat template when asked, and an openai client that never retries; or with no model and a
+scripted runtime put in its place (`serving_script`)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,29 @@ def serving(model: Path, data: Path, strict_template: bool = False, template: st
         assert session.loading.finished.wait(120) and session.runtime is not None  # loaded on a thread of its own
         yield server, session, openai.OpenAI(base_url=f"{url}v1", api_key="anything", max_retries=0, timeout=120)
     finally:
+        server.close()
+        session.close()
+        session.store.close()
+
+
+@contextmanager
+def serving_script(runtime: object, data: Path) -> Iterator[tuple]:
+    """The real app with no model loaded (a --model that is none: nothing loads, not even the demo model), then
+    `runtime` (a scripted stand-in) as its runtime; (openai client, anthropic client)."""
+    import anthropic
+    import openai
+
+    args = ["--no-browser", "--data-dir", str(data), "--port", str(unused_port()), "--model", str(data / "none")]
+    server, session, url = app.serve(app.build_parser().parse_args(args))
+    assert session.runtime is None and session.loading is None, "a model is loading: it would replace the script"
+    session.runtime = runtime
+    try:
+        yield (
+            openai.OpenAI(base_url=f"{url}v1", api_key="x", max_retries=0, timeout=120),
+            anthropic.Anthropic(base_url=url.rstrip("/"), api_key="x", max_retries=0, timeout=120),
+        )
+    finally:
+        session.runtime = None
         server.close()
         session.close()
         session.store.close()

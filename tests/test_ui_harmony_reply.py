@@ -15,8 +15,8 @@ import anthropic
 import pytest
 
 from fmoe_local.config import Sampling, ThoughtBudget
+from tests.api_server import serving_script
 from tests.fake_runtime import FakeRuntime
-from tests.ports import unused_port
 from tests.tool_templates import ASK, HARMONY_TEMPLATE, HERMES_TEMPLATE
 from ui import harmony_reply
 from ui.openai_request import parse_chat
@@ -143,24 +143,9 @@ def test_which_requests_keep_the_markers_and_read_the_channels():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The real app with no model loaded, then the script as its runtime; (the script, openai, anthropic)."""
-    import app
-
-    data = tmp_path_factory.mktemp("harmony-reply")
-    args = ["--no-browser", "--data-dir", str(data), "--port", str(unused_port()), "--model", str(data / "none")]
-    server, session, url = app.serve(app.build_parser().parse_args(args))
-    assert session.runtime is None and session.loading is None, "a model is loading: it would replace the script"
-    session.runtime = HarmonyRuntime()
-    try:
-        yield (
-            session.runtime,
-            openai.OpenAI(base_url=f"{url}v1", api_key="x", max_retries=0, timeout=120),
-            anthropic.Anthropic(base_url=url.rstrip("/"), api_key="x", max_retries=0, timeout=120),
-        )
-    finally:
-        session.runtime = None
-        server.close()
-        session.close()
-        session.store.close()
+    script = HarmonyRuntime()
+    with serving_script(script, tmp_path_factory.mktemp("harmony-reply")) as clients:
+        yield (script, *clients)
 
 
 def test_the_openai_api_sends_the_analysis_as_reasoning_content_and_the_final_channel_as_content(served):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import anthropic
 import pytest
 
-from tests.api_server import serving
+from tests.api_server import serving, serving_script
 from tests.fake_runtime import FakeRuntime
 from tests.tiny import with_special_tokens
 from tests.tool_templates import (
@@ -196,26 +196,10 @@ class HarmonyScript(FakeRuntime):
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    """The real app with no model loaded (a --model that is none: nothing loads, not even the demo model), then the
-    script as its runtime; (the script, openai and anthropic clients)."""
-    import app
-
-    data = tmp_path_factory.mktemp("harmony-script")
-    args = ["--no-browser", "--data-dir", str(data), "--port", "7975", "--model", str(data / "no-model")]
-    server, session, url = app.serve(app.build_parser().parse_args(args))
-    assert session.runtime is None and session.loading is None, "a model is loading: it would replace the script"
-    session.runtime = HarmonyScript(SimpleNamespace(name="gpt-oss-script"))
-    try:
-        yield (
-            session.runtime,
-            openai.OpenAI(base_url=f"{url}v1", api_key="x", max_retries=0, timeout=120),
-            anthropic.Anthropic(base_url=url.rstrip("/"), api_key="x", max_retries=0, timeout=120),
-        )
-    finally:
-        session.runtime = None
-        server.close()
-        session.close()
-        session.store.close()
+    """The real app with no model loaded, then the script as its runtime; (the script, openai, anthropic)."""
+    script = HarmonyScript(SimpleNamespace(name="gpt-oss-script"))
+    with serving_script(script, tmp_path_factory.mktemp("harmony-script")) as clients:
+        yield (script, *clients)
 
 
 class Reader:
