@@ -228,76 +228,50 @@ def ort_candidates(
 def openvino_candidates(
     weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, inter: int, threads: int
 ) -> list[Candidate]:
-    """OpenVINO's GatherMatmul: a layer's experts as one compiled model, the chosen experts computed in one call
-    with float32 activations (dynamic quantisation of activations off), on our own packed bytes (int8: `q`, `scale`;
+    """OpenVINO's GatherMatmul: a layer's experts as one compiled model (tools/openvino_layer.py builds it), the
+    chosen experts computed in one call with float32 activations, on our own packed bytes (int8: `q`, `scale`;
     int4: `q` as u4, the float zero point written as (code − zp) · scale with zp = 8 − zero / scale)."""
     try:
         import openvino as ov
-        import openvino.opset13 as ops
-        import openvino.opset17 as ops17
+        from openvino_layer import call_inputs, compile_config, int4_weight, int8_weight, layer_model
     except ImportError:
-        print("openvino not importable: no OpenVINO rows (see the docstring)")
+        print("openvino (or tools/openvino_layer.py beside this script) not importable: no OpenVINO rows")
         return []
-    hidden, top_k = x.shape[1], 8
-    f32 = ov.Type.f32
+    top_k, experts = 8, len(weights)
 
-    def decompressed(fmt: str, ws: list[torch.Tensor], keep: list) -> tuple[object, int]:
-        """The [E, out, in] float32 weight node the CPU plugin fuses into GatherMatmulCompressed, and bytes/expert.
-        The u4 codes' constant shares `q`'s memory, so `keep` holds it for the compiled model's life."""
+    def decompressed(fmt: str, ws: list[torch.Tensor]) -> tuple[object, int]:
+        """Our packed `ws` as the [E, out, in] weight node GatherMatmulCompressed is made from, and bytes/expert."""
         param = expert_formats.PackedParam(fmt, tuple(ws[0].shape))
         packed = [expert_formats.pack(param, w, torch.bfloat16) for w in ws]
-        e, (a, b) = len(ws), ws[0].shape
+        q = np.stack([p["q"].numpy() for p in packed])  # int4: [E, a, b/2], low nibble first
         if fmt == "int8":
-            q = np.stack([p["q"].numpy() for p in packed])
             scale = np.stack([p["scale"].numpy() for p in packed])[..., None]
-            node = ops.multiply(ops.convert(ops.constant(q, ov.Type.i8), f32), ops.constant(scale))
-            return node, (q.nbytes + scale.nbytes) // e
-        g = expert_formats.int4_group(b)
-        q = np.stack([p["q"].numpy() for p in packed])  # [E, a, b/2], low nibble first: OpenVINO's u4 order
+            return int8_weight(q, scale), (q.nbytes + scale.nbytes) // experts
         sz = torch.stack([p["sz"].float() for p in packed]).permute(0, 2, 1, 3).numpy()  # [E, a, b/g, 2]
-        scale, zero = sz[..., :1], sz[..., 1:]
+        scale, zero = sz[..., :1].copy(), sz[..., 1:]
         zp = (8 - zero / scale).astype(np.float32)
-        keep.append(q)
-        codes = ops.constant(ov.Tensor(q, [e, a, b // g, g], ov.Type.u4))
-        node = ops.multiply(ops.subtract(ops.convert(codes, f32), ops.constant(zp)), ops.constant(scale.copy()))
-        node = ops.reshape(node, ops.constant(np.array([e, a, b], np.int64)), False)
-        return node, (q.nbytes + scale.nbytes + zp.nbytes) // e
+        return int4_weight(q, scale, zp), (q.nbytes + scale.nbytes + zp.nbytes) // experts
 
     core = ov.Core()
-    config = {
-        "INFERENCE_NUM_THREADS": threads,
-        "PERFORMANCE_HINT": "LATENCY",
-        "NUM_STREAMS": 1,
-        "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,  # activations stay float32: the lossless rule
-    }
     out = []
-    xs = np.repeat(x.numpy(), top_k, 0)
+    calls = {e: call_inputs(x.numpy(), range(e, e + top_k), experts) for e in range(0, experts, top_k)}
     for fmt in ("int8", "int4"):
         _trim()
         before = _rss_bytes()
-        rows = ops.parameter([-1, hidden], f32)  # one row per chosen expert, sorted by expert
-        ends = ops.parameter([len(weights)], ov.Type.i32)  # cumulative rows per expert
-        keep: list = []
-        gate_up, gu_bytes = decompressed(fmt, [a for a, _ in weights], keep)
-        down, d_bytes = decompressed(fmt, [b for _, b in weights], keep)
-        h = ops17.grouped_matmul(rows, gate_up, ends)
-        gate = ops.slice(h, np.array([0]), np.array([inter]), np.array([1]), np.array([1]))
-        up = ops.slice(h, np.array([inter]), np.array([2 * inter]), np.array([1]), np.array([1]))
-        y = ops17.grouped_matmul(ops.multiply(ops.swish(gate), up), down, ends)
-        compiled = core.compile_model(ov.Model([y], [rows, ends]), "CPU", config)
-        del gate_up, down, h, gate, up, y
+        gate_up, gu_bytes = decompressed(fmt, [a for a, _ in weights])
+        down, d_bytes = decompressed(fmt, [b for _, b in weights])
+        compiled = core.compile_model(layer_model(gate_up, down), "CPU", compile_config(threads))
+        del gate_up, down
         _trim()
-        rss_ratio = (_rss_bytes() - before) / ((gu_bytes + d_bytes) * len(weights))
+        rss_ratio = (_rss_bytes() - before) / ((gu_bytes + d_bytes) * experts)
         kinds = {op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()}
         if "GatherMatmul" not in kinds:
             print(f"OpenVINO did not fuse the {fmt} experts into GatherMatmul: no {fmt} row")
             continue
         request = compiled.create_infer_request()
 
-        def run(e: int, request: object = request, keep: list = keep) -> torch.Tensor:
-            counts = np.zeros(len(weights), np.int32)
-            counts[e : e + top_k] = 1
-            return torch.from_numpy(request.infer({0: xs, 1: np.cumsum(counts, dtype=np.int32)})[0])
+        def run(e: int, request: object = request) -> torch.Tensor:
+            return torch.from_numpy(request.infer(calls[e])[0])
 
         first = run(0)[0:1]
         a, b = weights[0]

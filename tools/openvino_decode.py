@@ -29,9 +29,8 @@ from unittest import mock
 
 import numpy as np
 import openvino as ov
-import openvino.opset13 as ops
-import openvino.opset17 as ops17
 import torch
+from openvino_layer import call_inputs, compile_config, int8_weight, layer_model
 
 from fmoe_bench import cpu_decode
 from fmoe_local import bandwidth
@@ -41,34 +40,21 @@ from fmoe_local.runtime import Runtime
 
 
 def layer_models(runtime: Runtime, threads: int) -> dict[int, ov.CompiledModel]:
-    """One compiled GatherMatmul model per MoE layer, from the host store's int8 parts of its experts."""
+    """One compiled GatherMatmul model per MoE layer (tools/openvino_layer.py), from the host store's int8 parts of
+    its experts."""
     offload = runtime.engine.offload
     info = runtime.info
     core = ov.Core()
-    config = {
-        "INFERENCE_NUM_THREADS": threads,
-        "PERFORMANCE_HINT": "LATENCY",
-        "NUM_STREAMS": 1,
-        "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,  # float32 activations
-    }
     models = {}
     for layer in range(info.num_layers):
         parts = [offload.host.read(layer, e) for e in range(info.num_experts)]
 
         def weight(name: str, parts: list = parts) -> ov.Node:
             q = np.stack([p[f"{name}.q"].numpy() for p in parts])
-            scale = np.stack([p[f"{name}.scale"].numpy() for p in parts])[..., None]
-            return ops.multiply(ops.convert(ops.constant(q, ov.Type.i8), ov.Type.f32), ops.constant(scale))
+            return int8_weight(q, np.stack([p[f"{name}.scale"].numpy() for p in parts])[..., None])
 
-        gate_up, down = weight("gate_up_proj"), weight("down_proj")
-        hidden, inter = gate_up.get_output_shape(0)[2], down.get_output_shape(0)[2]
-        rows = ops.parameter([-1, hidden], ov.Type.f32)  # one row per chosen expert, ascending expert order
-        ends = ops.parameter([info.num_experts], ov.Type.i32)  # cumulative rows per expert
-        h = ops17.grouped_matmul(rows, gate_up, ends)
-        gate = ops.slice(h, np.array([0]), np.array([inter]), np.array([1]), np.array([1]))
-        up = ops.slice(h, np.array([inter]), np.array([2 * inter]), np.array([1]), np.array([1]))
-        y = ops17.grouped_matmul(ops.multiply(ops.swish(gate), up), down, ends)
-        models[layer] = core.compile_model(ov.Model([y], [rows, ends]), "CPU", config)
+        model = layer_model(weight("gate_up_proj"), weight("down_proj"))
+        models[layer] = core.compile_model(model, "CPU", compile_config(threads))
     return models
 
 
@@ -86,10 +72,8 @@ def one_token_with(models: dict[int, ov.CompiledModel]) -> object:
                 slots = []
                 return original(module, layer, offload, hidden_states, chosen, top_k_weights, out)
             t0 = time.perf_counter()
-            counts = np.zeros(module.num_experts, np.int32)
-            counts[needed] = 1
             x = hidden_states.to("cpu", torch.float32).numpy()
-            y = requests[layer].infer({0: np.repeat(x, len(needed), 0), 1: np.cumsum(counts, dtype=np.int32)})[0]
+            y = requests[layer].infer(call_inputs(x, needed, module.num_experts))[0]
             currents = torch.from_numpy(y.copy()).to(hidden_states.dtype)
             offload.counters.host_s += time.perf_counter() - t0
             for j, e in enumerate(needed):
