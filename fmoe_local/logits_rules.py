@@ -43,7 +43,9 @@ class LogitsRules:
         """`prompt_ids` [1, T] or [T]: the prompt's tokens, which the repetition penalty counts too; `eos_ids`: the
         tokens that end a reply, barred during a thought that a grammar's text must follow."""
         self._sampling, self._constraint, self._thought = sampling, constraint, thought
-        self._eos = torch.tensor(eos_ids, dtype=torch.long) if constraint is not None and thought is not None else None
+        # Only a thought that a grammar's text must follow bars them (the grammar's own mask ends a reply after it).
+        held = eos_ids and constraint is not None and thought is not None
+        self._eos = torch.tensor(eos_ids, dtype=torch.long) if held else None
         self._counts: Counter[int] = Counter()
         self._prompt: set[int] = set() if prompt_ids is None else set(prompt_ids.reshape(-1).tolist())
 
@@ -68,7 +70,7 @@ class LogitsRules:
             or sampling.repetition_penalty != 1.0
         )
         if asks or constraint is not None or thought is not None:
-            eos = tuple(grammars.eos_ids) if constraint is not None and thought is not None else ()
+            eos = tuple(grammars.eos_ids) if constraint is not None else ()  # constraint: grammars gave it
             return cls(sampling, constraint, prompt_ids, thought, eos)
         return None
 
@@ -97,7 +99,7 @@ class LogitsRules:
             logits[ids] -= counts * s.frequency_penalty + s.presence_penalty
         if self._constraint is not None and self._after_thought:
             logits = self._constraint.mask(logits)
-        elif self._eos is not None and len(self._eos):  # the grammar's text is still to come: no end before it
+        elif self._eos is not None:  # the grammar's text is still to come: no end before it
             logits[self._eos[self._eos < logits.shape[-1]]] = float("-inf")
         return logits
 

@@ -15,7 +15,7 @@ starting at its first token, unless a thinking budget bounds a thought the promp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 REASONING, CONTENT = "reasoning", "content"
 Piece = tuple[str, str]  # (REASONING or CONTENT, text)
@@ -43,9 +43,7 @@ HARMONY_ANALYSIS = ThinkFormat(
 )
 # With tools, a spent budget opens the next message's channel only: the model names it, the final one or a call
 # (`commentary to=functions.NAME`), where forcing the final channel would forbid every call.
-HARMONY_ANALYSIS_TOOLS = ThinkFormat(
-    "<|channel|>analysis<|message|>", "<|end|>", "<|end|><|start|>assistant<|channel|>"
-)
+HARMONY_ANALYSIS_TOOLS = replace(HARMONY_ANALYSIS, close="<|end|><|start|>assistant<|channel|>")
 
 
 def format_of(template: str | None) -> ThinkFormat | None:
