@@ -208,7 +208,7 @@ def start(
     # A continued GPT-OSS reply goes on inside the message it was cut in, with no header to read: its text as written.
     channels = not prefix and harmony_reply.writes_channels(runtime.chat_template)
     keep = harmony_reply.kept(runtime) if channels else frozenset()
-    handle = runtime.submit(messages, sampling, keep=keep) if keep else runtime.submit(messages, sampling)
+    handle = runtime.submit(messages, sampling, keep=keep)
     reply = ChatReply(
         conv_id, handle, shown, prefix, opening=opening, left_out=left_out, context=context, channels=channels
     )
