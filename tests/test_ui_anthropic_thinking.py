@@ -47,8 +47,21 @@ def test_the_template_s_switch_is_set_by_the_thinking_option(client):
     assert all(b.type == "text" for b in off.content)
 
 
+def _stand_in(template: str, opening: str = "<|assistant|>\n<think>\n") -> SimpleNamespace:
+    """What `shape` reads of a loaded runtime: its chat template, the reply's opening (here the template opens the
+    thought), a model that takes tools, and checks that pass."""
+    return SimpleNamespace(
+        chat_template=template,
+        reply_opening=lambda: opening,
+        response_template=None,
+        supports_tools=lambda: True,
+        check_grammar=lambda *args: None,
+        special_tokens=lambda markers=(): list(markers),
+    )
+
+
 def _shape(template: str, thinking: str | None):  # noqa: ANN202 - a Shaped
-    runtime = SimpleNamespace(chat_template=template, reply_opening=lambda: "")
+    runtime = _stand_in(template, opening="")
     body = {"model": "x", "max_tokens": 4, "messages": ASK} | ({"thinking": {"type": thinking}} if thinking else {})
     return shape(runtime, parse_messages(body, Sampling()))
 
@@ -112,14 +125,7 @@ def test_a_refused_budget_reaches_the_anthropic_client_as_a_400(client):
 
 def test_the_budget_is_the_request_s_sampling_thought_where_the_model_thinks():
     def thought(template: str, **extra):  # noqa: ANN003, ANN202 - a ThoughtBudget or None
-        runtime = SimpleNamespace(
-            chat_template=template,
-            reply_opening=lambda: "<|assistant|>\n<think>\n",
-            response_template=None,
-            supports_tools=lambda: True,
-            check_grammar=lambda *args: None,
-            special_tokens=lambda markers=(): list(markers),
-        )
+        runtime = _stand_in(template)
         body = _body(type="enabled", budget_tokens=1500) | extra
         return shape(runtime, parse_messages(body, Sampling())).sampling.thought
 
@@ -200,11 +206,7 @@ def test_a_budget_not_under_max_tokens_changes_nothing(thinker):
 def test_a_budget_not_under_max_tokens_still_starts_a_grammar_after_the_thought():
     """Such a budget cuts nothing, but with a grammar it says where the grammar starts: before, it was dropped, and
     the grammar held the reply from its first token, inside the thought the prompt opened."""
-    runtime = SimpleNamespace(
-        chat_template=THINKING_TEMPLATE,
-        reply_opening=lambda: "<|assistant|>\n<think>\n",
-        check_grammar=lambda *args: None,
-    )
+    runtime = _stand_in(THINKING_TEMPLATE)
     body = {"model": "x", "max_tokens": 40, "messages": ASK, "response_format": {"type": "json_object"}}
     req = parse_chat(body | {"thinking_token_budget": 100}, Sampling())
     shaped = shape(runtime, req)
