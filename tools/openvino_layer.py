@@ -1,5 +1,7 @@
-"""One MoE layer's experts as an OpenVINO GatherMatmul model: compile time, ms per call and the memory it holds
-(issue 26; the kernel's speed beside ours is tools/kernel_candidates.py). Prints one line per run.
+"""One MoE layer's experts as an OpenVINO GatherMatmul model: how it is built (`int8_weight`, `int4_weight`,
+`layer_model`, `compile_config`, `call_inputs`, which tools/kernel_candidates.py and tools/openvino_decode.py import
+from here), and, run as a script, its compile time, ms per call and the memory it holds (issue 26; the kernel's speed
+beside ours is kernel_candidates'). Prints one line per run.
 
 The layer: [E, 2I, H] gate_up and [E, H, I] down weights in int8 (per-row float32 scale) or int4 (u4 codes in groups
 of 64 with float32 scale and float zero point), random codes, real widths; one call computes 8 chosen experts for one
