@@ -524,6 +524,7 @@ def chat_outputs(tab: ChatTab) -> list:
 
 
 CHAT_OUTPUTS = 6 + len(GENERATION_KEYS)  # len(chat_outputs(tab))
+ADDRESS_OUTPUT = 4  # chat_outputs(tab).index(tab.address)
 
 
 class ChatHandlers:
@@ -666,8 +667,13 @@ class ChatHandlers:
         return shows(view, shown_chat(self.session, None))
 
     def on_load(self, address, view=None) -> tuple:  # noqa: ANN001
-        """The page's load, and back/forward: the chat the address names."""
-        return shows(view, open_address(self.session, address))
+        """The page's load, and back/forward: the chat the address names. An address that already names the chat
+        shown is left as it is: back pressed twice quickly opens the first address, then (its event runs again once
+        it ends) the second, which the page read into `address` meanwhile; the first's output must not put its
+        older address back, or the second opening would open it again and push it into the history."""
+        shown = shows(view, open_address(self.session, address))
+        at = ADDRESS_OUTPUT
+        return (*shown[:at], gr.skip(), *shown[at + 1 :]) if shown[at] == address else shown
 
     def select(self, conv_id, view=None) -> tuple:  # noqa: ANN001
         if conv_id is None:
@@ -746,7 +752,11 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     h, t = ChatHandlers(session), tab
     gen = t.generation
     shown = chat_outputs(t)
-    quick = dict(queue=False, api_visibility="private")
+    # Gradio's default ("once") drops an event fired while its previous run is still pending, so a chat opened (or
+    # an address stepped to, a search typed, a setting moved) in that moment was ignored and the page kept showing
+    # the one before. Events whose last run must win are run again once the pending one ends.
+    latest = dict(trigger_mode="always_last")
+    quick = dict(queue=False, api_visibility="private", **latest)
     # No concurrency slot: the runtime queues requests itself, and a chat has one reply at a time (chat_flow.start).
     free = dict(concurrency_limit=None)
     held, ctrl = [t.send], [t.continue_reply, t.alt_prev, t.alt_label, t.alt_next]
@@ -755,7 +765,8 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
         return event(guarded(fn, len(outputs)), inputs, outputs, **kwargs)
 
     def reply(trigger, fn, inputs, outputs, **kwargs):  # noqa: ANN001, ANN202 - Send held, then the reply
-        return on(trigger(h.ask, [t.view], held, **quick).then, fn, inputs, outputs, **kwargs, **free)
+        asked = trigger(h.ask, [t.view], held, queue=False, api_visibility="private")  # one reply per press
+        return on(asked.then, fn, inputs, outputs, **kwargs, **free)
 
     send_out = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.address, t.notice]
     send_in, reply_in = [t.textbox, t.conv_id, *gen, t.view], [t.conv_id, *gen, t.view]
@@ -778,18 +789,20 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     followers = []
 
     def then_follow(event):  # noqa: ANN001, ANN202 - another chat is shown: follow its reply if one runs
-        following = event.then(h.follow, [t.conv_id, t.view], [t.chatbot, *held], api_visibility="private", **free)
+        following = event.then(
+            h.follow, [t.conv_id, t.view], [t.chatbot, *held], api_visibility="private", **free, **latest
+        )
         followers.append(following)
         return following.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)
 
     opened = on(t.new_chat.click, h.new_chat, [t.view], shown, api_name="new_chat")
     opened.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)  # a new chat has no reply to follow
-    then_follow(on(t.conv_list.input, h.select, [t.conv_list, t.view], shown, api_name="open_chat"))
+    then_follow(on(t.conv_list.input, h.select, [t.conv_list, t.view], shown, api_name="open_chat", **latest))
     # The address follows the chat shown; back and forward (the page's script presses the hidden nav) open its chat.
     # The script only reads the address (into `address`); the handler then gets it with the page's PageView.
     t.address.change(None, [t.address], None, js=ADDRESS_JS, **quick)
     read = t.nav.click(None, None, [t.address], js=READ_ADDRESS_JS, **quick)
-    then_follow(on(read.then, h.on_load, [t.address, t.view], shown, api_visibility="private"))
+    then_follow(on(read.then, h.on_load, [t.address, t.view], shown, api_visibility="private", **latest))
     # Each control's change is kept with the chat at once; Save as default makes the values new chats start from. The
     # system prompt's input event sends the text as it was before the last keystroke (Gradio 6): its change event.
     on(t.system.change, h.keep_generation, [t.conv_id, *gen], [t.notice], **quick)
@@ -798,7 +811,7 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     on(t.save_default.click, h.save_default, gen, [t.notice], api_name="save_default")
     imported = on(t.import_file.upload, h.import_file, [t.import_file, t.view], shown, api_name="import_chats")
     imported.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)  # imported chats have no reply to follow
-    on(t.search.input, h.search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats")
+    on(t.search.input, h.search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats", **latest)
     on(t.rename.click, h.rename, [t.conv_id, t.rename_box], [t.conv_list, t.notice], api_name="rename_chat")
     question = [t.delete, t.confirm_delete, t.keep_chat]
     on(t.delete.click, h.delete, [t.conv_id], [t.pending_delete, *question, t.notice], api_name="delete_chat")

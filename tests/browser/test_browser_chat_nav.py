@@ -150,6 +150,61 @@ def test_the_address_names_the_chat_for_reload_back_and_forward(env):
     shown_chat(page, "Alpha answer.")
 
 
+class HeldOpening:
+    """Holds the first queue request of the page that opens chat `chat` (its first input is the page's address:
+    the chat's id, or `new`) unanswered, so that event is still pending in the page while the test goes on."""
+
+    def __init__(self, page, chat: int | str) -> None:
+        self.page, self.chat, self.routes = page, str(chat), []
+        page.route("**/queue/join*", self.route)
+
+    def route(self, route) -> None:
+        try:
+            data = json.loads(route.request.post_data or "{}").get("data") or [None]
+        except ValueError:
+            data = [None]
+        if not self.routes and str(data[0]) == self.chat:
+            self.routes.append(route)
+        else:
+            route.continue_()
+
+    def held(self) -> None:
+        """Returns once the request is held (the route handler runs while Playwright waits on the page)."""
+        for _ in range(300):
+            if self.routes:
+                return
+            self.page.wait_for_timeout(100)
+        raise AssertionError(f"the page never asked to open chat {self.chat}")
+
+    def release(self) -> None:
+        self.routes[0].continue_()
+        self.page.unroute("**/queue/join*", self.route)
+
+
+def test_an_address_stepped_to_while_the_last_one_is_still_opening_is_shown(env):
+    """Gradio drops an event fired while its previous run is pending (trigger_mode "once"): back or forward pressed
+    while the chat before was still opening was ignored, and the page kept showing that chat under the new address
+    (seen in CI, under load). The history is Alpha, a new chat, Beta; back twice, the second before the first has
+    opened the new chat: Alpha is shown."""
+    page, alpha, beta = env["page"], env["alpha"], env["beta"]
+    listed = page.locator("#conv-list")
+    listed.get_by_text("Alpha", exact=True).click()
+    shown_chat(page, "Alpha answer.")
+    page.locator("#new-chat").click()
+    wait_address(page, "new")
+    listed.get_by_text("Beta", exact=True).click()
+    shown_chat(page, "Beta answer.")
+    wait_address(page, beta)
+    opening = HeldOpening(page, "new")
+    page.go_back()
+    opening.held()
+    page.go_back()
+    wait_address(page, alpha)
+    opening.release()
+    shown_chat(page, "Alpha answer.")  # without a second opening the new chat stays: neither answer is shown
+    assert listed.locator("input:checked").input_value() == str(alpha)
+
+
 def test_escape_stops_a_reply(env):
     page = env["page"]
     page.locator("#new-chat").click()
