@@ -22,6 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import ui  # noqa: E402, F401 - before a test module imports gradio: it then skips its type stubs (ui/gradio_import.py)
 from tests.tiny import FAMILIES, build_tiny_model  # noqa: E402
 
 

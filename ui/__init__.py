@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ui.gradio_import import skip_type_stubs
+
 if TYPE_CHECKING:
     import gradio as gr
 
     from ui.session import Session
 
 __all__ = ["TITLE", "build", "header"]
+
+# Before any ui module imports gradio: it then skips rewriting its type stubs, half of its import time.
+skip_type_stubs()
 
 
 def __getattr__(name: str) -> object:
