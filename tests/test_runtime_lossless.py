@@ -53,7 +53,8 @@ def test_greedy_tokens_equal_eager_for_every_policy_and_cache_size(family, tiny_
             ids = engine.encode_prompt(prompt)
             expected = reference_tokens(reference, ids, NEW_TOKENS)
             for policy, misses in RUNS:
-                for slots in (k, 3 * k, total):
+                # Every expert resident: no miss, so the policy and the miss handling decide nothing; once is enough.
+                for slots in (k, 3 * k, total) if (policy, misses) == RUNS[0] else (k, 3 * k):
                     runtime.reconfigure(cache_experts=slots, policy=policy, miss_handling=misses)
                     final = runtime.generate(prompt)
                     got = final.token_ids
