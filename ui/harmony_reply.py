@@ -75,12 +75,13 @@ class ThoughtText:
         self.before = len(self.text)
 
     def add(self, delta: str) -> str:
-        """The reply so far in its stored form (what may still be part of a marker held back)."""
+        """The reply so far in its stored form (what may still be part of a marker held back), after the stored
+        reply it continues."""
         self._take(self.stream.add(delta))
         return self.text[self.before :]
 
     def finish(self) -> str:
-        """The whole reply in its stored form, once it has ended."""
+        """The whole reply in its stored form, once it has ended, after the stored reply it continues."""
         rest, _ = self.stream.finish()  # no tools: a call is content
         self._take(rest)
         return self.text[self.before :]
