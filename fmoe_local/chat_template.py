@@ -78,7 +78,7 @@ def render(
     messages: list[dict],
     *,
     add_generation_prompt: bool,
-    continue_final_message: bool,
+    continue_final_message: bool | str,
     variables: dict,
     model: str,
     budget_s: float | None = None,

@@ -294,8 +294,9 @@ class Engine:
         self, prompt: list[dict] | str, tools: list[dict] | None = None, variables: dict | None = None
     ) -> list[int]:
         """Prompt ids of chat messages, from the tokenizer's own chat template (plain concatenation when it has none;
-        a final assistant message is continued, not answered), or of a text to continue as it is (an API client's
-        /v1/completions: the tokenizer's own special tokens, a BOS where the model has one, and no template).
+        a final assistant message is continued, not answered: inside its thought when it has only a `thinking`), or
+        of a text to continue as it is (an API client's /v1/completions: the tokenizer's own special tokens, a BOS
+        where the model has one, and no template).
         Touches no device: Runtime.check calls it on its caller's thread. Raises ContextTooLong (a sentence) when
         the prompt leaves no room for a reply: refused before any compute, so an over-long paste cannot occupy the
         model for minutes; TemplateRefused (a sentence) when the model's chat template rejects the messages (its
@@ -404,8 +405,11 @@ class Engine:
         if not getattr(tok, "chat_template", None):
             return "\n".join(m.get("content") or "" for m in messages), True
         # A final assistant message is a reply to go on with (the chat's Continue, an API client's prefill): the
-        # prompt ends inside it, where the model left off, instead of opening a new turn after it.
-        cont = bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("content"))
+        # prompt ends inside it, where the model left off, instead of opening a new turn after it. One with no content
+        # but a `thinking` was cut inside its thought (GPT-OSS's analysis channel): the prompt ends inside the thought,
+        # as the template renders it (transformers' continue_final_message="thinking").
+        last = messages[-1] if messages and messages[-1].get("role") == "assistant" else {}
+        cont: bool | str = bool(last.get("content")) or ("thinking" if isinstance(last.get("thinking"), str) else False)
         if self.template_stopped:
             raise TemplateOverBudget(self.template_stopped)
         try:

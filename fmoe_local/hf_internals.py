@@ -220,7 +220,11 @@ def activation(experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def render_chat_template(
-    template: str, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool, variables: dict
+    template: str,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    continue_final_message: bool | str,
+    variables: dict,
 ) -> str:
     """The prompt text `tokenizer.apply_chat_template(messages, tokenize=False, ...)` renders: the same sandboxed
     jinja2 environment (its globals, filters and extensions), the same handling of a message to continue, and

@@ -1,5 +1,5 @@
 """Engine.encode_prompt and Runtime.tokenize: a final assistant message is continued (the chat's Continue), not
-answered; a prompt too long for the model is refused in a sentence naming the model as people know it."""
+answered, inside its thought when it has only that; a prompt too long for the model is refused in a sentence naming the model as people know it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,23 @@ def test_a_final_assistant_message_is_continued_where_it_stopped(tiny_model_dir)
         assert text.endswith("The sea is")  # the prompt ends inside the reply: no end of turn, no new turn
         answered = engine.tokenizer.decode(runtime.tokenize(asked))
         assert text.startswith(answered)  # the same turn the model was answering
+
+
+def test_a_final_assistant_message_with_only_a_thought_is_continued_inside_the_thought(tiny_model_dir):
+    """GPT-OSS's template shows a last reply's `thinking` as an analysis message: a reply cut inside its thought (no
+    content yet) goes on there, where transformers' continue_final_message="thinking" ends the prompt."""
+    from tests.tool_templates import HARMONY_TEMPLATE
+
+    with Runtime.load(tiny_model_dir("olmoe"), RuntimeConfig(device="cpu")) as runtime:
+        tokenizer = runtime.engine.tokenizer
+        tokenizer.chat_template = HARMONY_TEMPLATE
+        asked = [{"role": "user", "content": "Tell me about the sea."}]
+        thought = asked + [{"role": "assistant", "content": "", "thinking": "They ask"}]
+        text = tokenizer.decode(runtime.tokenize(thought))
+        assert text.endswith("<|start|>assistant<|channel|>analysis<|message|>They ask")
+        assert text.startswith(tokenizer.decode(runtime.tokenize(asked)).removesuffix("<|start|>assistant"))
+        nothing = tokenizer.decode(runtime.tokenize(asked + [{"role": "assistant", "content": ""}]))
+        assert nothing.endswith("<|start|>assistant")  # nothing to continue: a new turn, as before
 
 
 def test_a_conversation_too_long_names_the_model_as_people_know_it(tiny_model_dir):

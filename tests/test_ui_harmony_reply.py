@@ -244,6 +244,77 @@ def test_the_chat_folds_the_analysis_as_its_thought_and_the_next_turn_reads_only
     assert seen_prompts[0][1] == {"role": "assistant", "content": ANSWER}  # the thought is not read again
 
 
+CUT = {"finish_reason": "length", "tokens": 4}
+
+
+def _continued(session, conv_id: int, stored: str, script: list[str]):  # noqa: ANN001, ANN202
+    """Continue the reply `stored` (cut by the length limit) with `script`: (the prompt read, the bubbles shown
+    last, the reply as stored)."""
+    from ui import chat_flow
+
+    session.store.chats.append(conv_id, "assistant", stored, CUT)
+    session.runtime.script, prompts = script, []
+    session.runtime.events = _recording(session.runtime.events, prompts)
+    *_, shown = list(chat_flow.continue_reply(session, conv_id, "", Sampling()))
+    return prompts[0], shown, session.store.chats.messages(conv_id)[-1].content
+
+
+def test_a_reply_cut_inside_its_thought_goes_on_in_it_and_its_answer_is_shown_unfolded(chat):
+    """The model reads its thought as an analysis message still open (the template renders `thinking` so:
+    Engine.tokenize_prompt), and writes the rest of it, its end and the final channel: kept, so the answer is the
+    answer, not more thought."""
+    session, conv_id = chat
+    more = [" It", " is", " about", " rain", ".", "<|end|>"]
+    prompt, shown, stored = _continued(session, conv_id, f"<think>\n{THOUGHT}", more + FINAL)
+    assert prompt[-1] == {"role": "assistant", "content": "", "thinking": THOUGHT}
+    assert stored == f"<think>\n{THOUGHT} It is about rain.\n</think>\n\n{ANSWER}"  # as a fresh reply is stored
+    assert [b.get("metadata", {}).get("title") for b in shown] == [None, "Thinking", None]
+    assert shown[1]["content"] == f"{THOUGHT} It is about rain." and shown[2]["content"].startswith(ANSWER)
+
+
+def test_a_reply_cut_in_its_answer_goes_on_as_its_answer(chat):
+    session, conv_id = chat
+    prompt, shown, stored = _continued(session, conv_id, f"<think>\n{THOUGHT}\n</think>\n\nIt is", [" dry", "."])
+    assert prompt[-1] == {"role": "assistant", "content": "It is", "thinking": THOUGHT}  # its turn as written
+    assert stored == f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"
+    assert shown[1]["content"] == THOUGHT and shown[2]["content"].startswith(ANSWER)
+
+
+def test_a_harmony_template_that_never_shows_a_thought_reads_the_reply_whole_as_before(chat):
+    session, conv_id = chat
+    session.runtime.chat_template = HARMONY_TEMPLATE.replace("thinking", "analysis_text")
+    prompt, _, stored = _continued(session, conv_id, f"<think>\n{THOUGHT}", [" More", "."])
+    assert prompt[-1] == {"role": "assistant", "content": f"<think>\n{THOUGHT}"}  # no thought it could end inside
+    assert stored == f"<think>\n{THOUGHT} More."
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        ["<|message|>", " x", "<|channel|>"],  # a body marker, then a header never finished
+        ["<|end|>", "<|end|>", "<|start|>", "<|message|>", "y", "<|return|>", "z"],
+        ["<|channel|>", "final", "<|start|>", "<|channel|>", "<|message|>"],
+        [" a", *CALL],  # a call with no tools to call
+        ["<|end|>", "<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "A", *ANALYSIS, "B"],
+    ],
+)
+def test_a_malformed_continuation_of_a_thought_is_stored_as_text(chat, script):
+    session, conv_id = chat
+    _, shown, stored = _continued(session, conv_id, f"<think>\n{THOUGHT}", script)
+    assert stored.startswith(f"<think>\n{THOUGHT}") and "<|" not in stored
+    assert shown[1]["metadata"]["title"] == "Thinking" and shown[1]["content"].startswith(THOUGHT)
+
+
+def test_a_continued_thought_keeps_its_leading_space_and_only_grows():
+    view = harmony_reply.ThoughtText("Rain")
+    assert view.add(" or") == " or" and view.add(" snow") == " or snow"  # what goes after the stored reply
+    assert view.add("<|end|><|start|>assistant<|channel|>final<|message|>Dry") == " or snow\n</think>\n\nDry"
+    later = view.add("<|end|><|start|>assistant<|channel|>analysis<|message|>Sure.")
+    assert later == " or snow\nSure.\n</think>\n\nDry"  # later analysis is still the one thought, before the answer
+    empty = harmony_reply.ThoughtText("")  # a thought cut before its first word: stored as its marker alone
+    assert empty.text == "<think>\n" and empty.add(" So.") == " So."
+
+
 def _recording(events, prompts: list):  # noqa: ANN001, ANN202 - the fake's events, recording each prompt
     def recorded(prompt, sampling, stop):  # noqa: ANN001, ANN202
         prompts.append(prompt)
@@ -294,3 +365,63 @@ def test_the_real_runtime_s_reply_keeps_its_markers_and_comes_back_as_reasoning_
 
 def _marks() -> tuple[str, str, str]:
     return HARMONY_ANALYSIS.start, HARMONY_ANALYSIS.end, HARMONY_ANALYSIS.close
+
+
+@pytest.fixture
+def oss_chat(gpt_oss, tmp_path):
+    """(session, chat id, runtime): a chat on the tiny GPT-OSS, one question in it."""
+    from fmoe_local.config import RuntimeConfig
+    from store import open_store
+    from ui.session import Session
+
+    store = open_store(tmp_path)
+    session = Session(store=store, config=RuntimeConfig())
+    session.runtime = gpt_oss[2]  # the server's: this session only borrows it, and does not close it
+    conv = store.chats.create("weather")
+    store.chats.append(conv.id, "user", ASK[0]["content"])
+    yield session, conv.id, session.runtime
+    store.close()
+
+
+def _prompt_text(runtime, messages: list[dict]) -> str:  # noqa: ANN001 - a Runtime
+    """The prompt the model reads for `messages`, its special tokens written out."""
+    return runtime._engine.tokenizer.decode(runtime.tokenize(messages), skip_special_tokens=False)
+
+
+def test_the_real_runtime_continues_a_thought_in_its_analysis_and_stores_the_answer_after_it(oss_chat):
+    """The prompt ends inside the analysis message, as the harmony template renders a last reply's `thinking` (with
+    transformers' continue_final_message="thinking"); a budget of B tokens then writes the analysis' end and the final
+    channel's header for the untrained model, and the reply is stored as the old thought + the new one, then the
+    answer: what the same request, run alone with its markers kept, writes."""
+    from ui import chat_flow
+
+    session, conv_id, runtime = oss_chat
+    session.store.chats.append(conv_id, "assistant", f"<think>\n{THOUGHT}", CUT)
+    unfinished = [*ASK, {"role": "assistant", "content": "", "thinking": THOUGHT}]
+    assert _prompt_text(runtime, unfinished).endswith(f"<|start|>assistant<|channel|>analysis<|message|>{THOUGHT}")
+    budget = Sampling(greedy=True, max_new_tokens=30, thought=ThoughtBudget(B, *_marks(), True))
+    raw = runtime.submit(unfinished, budget, keep=harmony_reply.kept(runtime)).result().text
+    thought, _, answer = raw.partition(HARMONY_ANALYSIS.close)
+    assert thought.strip() and answer.strip() and "<|" not in thought + answer, raw
+    *_, shown = list(chat_flow.continue_reply(session, conv_id, "", budget))
+    stored = session.store.chats.messages(conv_id)[-1].content
+    assert stored == f"<think>\n{THOUGHT}{thought.rstrip()}\n</think>\n\n{answer}"
+    assert [b.get("metadata", {}).get("title") for b in shown] == [None, "Thinking", None]
+    assert shown[1]["content"].startswith(THOUGHT) and answer.strip() in shown[2]["content"]
+
+
+def test_the_real_runtime_continues_an_answer_after_its_thought_as_text(oss_chat):
+    from ui import chat_flow
+
+    session, conv_id, runtime = oss_chat
+    before = f"<think>\n{THOUGHT}\n</think>\n\nIt is"
+    session.store.chats.append(conv_id, "assistant", before, CUT)
+    unfinished = [*ASK, {"role": "assistant", "content": "It is", "thinking": THOUGHT}]
+    assert _prompt_text(runtime, unfinished).endswith(
+        f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>It is"
+    )
+    sampling = Sampling(greedy=True, max_new_tokens=6)
+    more = runtime.submit(unfinished, sampling).result().text
+    *_, shown = list(chat_flow.continue_reply(session, conv_id, "", sampling))
+    assert session.store.chats.messages(conv_id)[-1].content == before + more
+    assert shown[1]["content"] == THOUGHT and shown[2]["content"].startswith("It is" + more.rstrip())

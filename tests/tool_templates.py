@@ -87,7 +87,9 @@ MISTRAL_TEMPLATE = (
 )
 
 # gpt-oss (harmony): tools as a TypeScript namespace in the developer message; a call is a commentary message to
-# functions.NAME; the reply opens with <|start|>assistant and the model writes its channel.
+# functions.NAME; the reply opens with <|start|>assistant and the model writes its channel. As openai/gpt-oss's own
+# template, a last assistant message with no generation prompt after it (a reply to go on with) shows its `thinking`
+# as an analysis message before its final one; earlier replies are read without it.
 HARMONY_TEMPLATE = (
     """\
 <|start|>system<|message|>Reasoning: low<|end|>
@@ -106,6 +108,8 @@ type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
     + _ARGS
     + """<|call|>
 {%- endfor %}
+{%- if loop.last and not add_generation_prompt and m.thinking is defined %}\
+<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{%- endif %}
 {%- if m.content %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif %}
 {%- elif m.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>
 {%- endif %}

@@ -16,7 +16,8 @@ template opened the thought for the model (Runtime.reply_opening ends inside `<t
 that opening marker, so every stored thought starts with it (chat_view.py shows it folded). A GPT-OSS reply is
 written with its harmony markers kept and stored in that same form: its analysis channel as the `<think>` thought,
 then its answer (harmony_reply.ThoughtText). The model reads earlier replies without their thoughts, as the thinking
-models' own templates show them; a reply being continued is read whole.
+models' own templates show them; a reply being continued is read whole (a GPT-OSS one as its template shows an
+unfinished turn: its thought apart, so one cut inside it goes on there, its markers kept: harmony_reply.unfinished).
 
 A chat's context length (its Generation value; 0: all the model reads) bounds the tokens of the prompt sent: the
 oldest turns (a question and the replies after it) are left out whole until the rest fits, the system prompt and the
@@ -175,6 +176,7 @@ class ChatReply:
     left_out: int = 0  # the oldest messages not sent (`fit`), under the chat's context length `context`
     context: int = 0
     channels: bool = False  # a GPT-OSS reply written with its harmony markers: stored as harmony_reply.ThoughtText
+    thought: str | None = None  # with `channels`: the thought of the reply continued, cut inside it
 
     def stats(self, stats: object) -> object:
         """The reply's stats as saved: with the messages left out, which its stats line says (chat_view.py)."""
@@ -196,21 +198,31 @@ def start(
     sampling: Sampling,
     prefix: str = "",
     context: int = 0,
+    thought: str | None = None,
 ) -> ChatReply:
     """Submit the model's reply to `messages` for chat `conv_id`, within the chat's `context` length (`fit`);
     `save(text, stats)` stores it when it ends (even a stopped or interrupted one), whatever becomes of the page that
-    asked."""
+    asked. `thought`: the GPT-OSS reply continued (`prefix`) was cut inside this thought (harmony_reply.unfinished)."""
     runtime = runtime_of(session)
     if session.chat_reply(conv_id) is not None:
         raise Problem(STILL_ANSWERING)
     messages, left_out = fit(runtime, messages, context)
     opening = "" if prefix else thought_opening(runtime)  # a continued reply carries its own marker
-    # A continued GPT-OSS reply goes on inside the message it was cut in, with no header to read: its text as written.
-    channels = not prefix and harmony_reply.writes_channels(runtime.chat_template)
+    # A continued GPT-OSS reply goes on inside the message it was cut in: its answer as text, its thought with the
+    # markers that may close it and open the answer.
+    channels = (not prefix or thought is not None) and harmony_reply.writes_channels(runtime.chat_template)
     keep = harmony_reply.kept(runtime) if channels else frozenset()
     handle = runtime.submit(messages, sampling, keep=keep)
     reply = ChatReply(
-        conv_id, handle, shown, prefix, opening=opening, left_out=left_out, context=context, channels=channels
+        conv_id,
+        handle,
+        shown,
+        prefix,
+        opening=opening,
+        left_out=left_out,
+        context=context,
+        channels=channels,
+        thought=thought if channels else None,
     )
     if not session.begin_chat_reply(conv_id, reply):  # another page started one in between
         handle.cancel()
@@ -228,7 +240,7 @@ def _ended(session: Session, reply: ChatReply, save: Callable[[str, object], obj
             final.stats.finish_reason = "interrupted"
         if final.reason != "error":
             session.record(final.stats)
-        written = harmony_reply.stored_form(final.text) if reply.channels else final.text
+        written = harmony_reply.stored_form(final.text, reply.thought) if reply.channels else final.text
         if final.reason != "error" or written.strip():  # a failure keeps what was written before it
             try:
                 save(reply.opening + written, reply.stats(final.stats))
@@ -247,7 +259,7 @@ def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
         so_far = reply_bubbles(reply.text(""), writing=True) if reply.text("").strip() else [_bubble("…")]
         yield reply.shown + so_far + [_bubble(WAITING)]
     text, final = "", None
-    view = harmony_reply.ThoughtText() if reply.channels else None
+    view = harmony_reply.ThoughtText(reply.thought) if reply.channels else None
     for batch in reply.handle.batches():
         for event in batch:
             if isinstance(event, TextDelta):
@@ -279,9 +291,10 @@ def stream_reply(
     sampling: Sampling,
     prefix: str = "",
     context: int = 0,
+    thought: str | None = None,
 ) -> Iterator[list[dict]]:
     """`start` the reply, then `follow` it: Chatbot message lists."""
-    yield from follow(session, start(session, conv_id, messages, shown, save, sampling, prefix, context))
+    yield from follow(session, start(session, conv_id, messages, shown, save, sampling, prefix, context, thought))
 
 
 def start_reply(session: Session, conv_id: int, system: str, sampling: Sampling, context: int = 0) -> ChatReply:
@@ -347,7 +360,7 @@ def continue_reply(
         )
     if not stored or not can_continue(stored[-1]):
         raise Problem("Only a reply cut by the length limit can be continued. Send a message or Regenerate instead.")
-    runtime_of(session)
+    runtime = runtime_of(session)
     last = stored[-1]
 
     def save(text: str, stats: object) -> None:
@@ -355,9 +368,11 @@ def continue_reply(
 
     # The model reads the reply so far as its own unfinished turn (Engine.encode_prompt continues a final assistant
     # message instead of opening a new one).
-    messages = model_messages(stored, system, continued=True)
+    messages, thought = model_messages(stored, system, continued=True), None
+    if harmony_reply.writes_channels(runtime.chat_template):
+        messages[-1], thought = harmony_reply.unfinished(last.content, runtime.chat_template)
     shown = display(stored[:-1])
-    yield from stream_reply(session, conv_id, messages, shown, save, sampling, prefix=last.content, context=context)
+    yield from stream_reply(session, conv_id, messages, shown, save, sampling, last.content, context, thought)
 
 
 def edit(

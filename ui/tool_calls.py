@@ -434,16 +434,17 @@ class HarmonyStream(CallStream):
     that does not parse is content then. What may still be part of a marker is held until it cannot; so is the
     content's trailing whitespace, until more content comes (content before a call ends stripped). A reply in which
     no message opens is content less its markers, at its end. `opened`: the prompt opened an analysis message (a
-    prefill that ends inside one), so the reply starts in its body."""
+    prefill that ends inside one), so the reply starts in its body; `midway`: the prompt ends inside that body's
+    text (a thought being continued), so the reply's leading whitespace is the thought's own, not left out."""
 
-    def __init__(self, fmt: ToolFormat, tools: list[dict], opened: bool = False) -> None:
+    def __init__(self, fmt: ToolFormat, tools: list[dict], opened: bool = False, midway: bool = False) -> None:
         super().__init__(fmt, tools)
         self.at = 0  # where the next (or the held call's) header begins
         # the open body's kind: REASONING, CONTENT, or "" (no message: sent as nothing)
         self.body: str | None = REASONING if opened else None
         self.opened = opened  # a message has opened: text outside messages is no one's
         self.thoughts = int(opened)  # analysis messages opened
-        self.fresh = opened  # nothing of the open analysis body sent yet: its leading whitespace is left out
+        self.fresh = opened and not midway  # nothing of the open body sent yet: its leading whitespace is left out
         self.space = {REASONING: "", CONTENT: ""}  # trailing whitespace held, per kind
 
     def add(self, delta: str) -> list[Piece]:
