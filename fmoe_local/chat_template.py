@@ -4,8 +4,9 @@ Scope: `render(template, messages, ...)` → the prompt text exactly as transfor
 tokenize=False)` renders it (hf_internals.render_chat_template: the same sandboxed environment), or
 TemplateOverBudget, a sentence, when the template runs longer than RENDER_BUDGET_S, needs more memory than
 MEMORY_BUDGET_BYTES or writes far more than the conversation holds (`output_budget`). A template's own refusal
-(`raise_exception`) comes back as jinja2's TemplateError, a broken template as TemplateSyntaxError, as
-apply_chat_template raises them. It does NOT tokenize (engine.py does, here) or decide that a model's template is
+(`raise_exception`), and any other error it raises on a conversation (a TypeError on a message, transformers'
+ValueError for a message it cannot continue), comes back as jinja2's TemplateError, a broken template as
+TemplateSyntaxError. It does NOT tokenize (engine.py does, here) or decide that a model's template is
 not used again (engine.py).
 
 Why a child process: a chat template is code from the model's files. transformers renders it in jinja2's
@@ -123,9 +124,10 @@ def render(
         raise TemplateOverBudget(_sentence(model, f"needed more than {MEMORY_BUDGET_BYTES >> 20:,} MB of memory"))
     if kind == "syntax":
         raise TemplateSyntaxError(message, lineno=int(reply.get("lineno") or 0))
-    if kind == "template":  # the template's own refusal (raise_exception), or a message it cannot read
-        raise TemplateError(message)
-    raise RuntimeError(f"The chat template of {model} failed on this conversation ({message}).")
+    # The template's own refusal (raise_exception), a message it cannot read, or any other error it raised on this
+    # conversation (a TypeError on a message's content, transformers' ValueError for a message it cannot continue):
+    # a template that renders other conversations fails on this one's messages, which the request must change.
+    raise TemplateError(message)
 
 
 def _sentence(model: str, what: str) -> str:
@@ -322,7 +324,7 @@ def _kind(exc: BaseException) -> str:
         return "memory"
     if isinstance(exc, TemplateSyntaxError):
         return "syntax"
-    return "template" if isinstance(exc, TemplateError) else "other"
+    return "template"
 
 
 def _cap_memory() -> None:

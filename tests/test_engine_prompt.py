@@ -40,6 +40,18 @@ def test_a_final_assistant_message_with_only_a_thought_is_continued_inside_the_t
         assert nothing.endswith("<|start|>assistant")  # nothing to continue: a new turn, as before
 
 
+def test_a_template_that_errs_on_a_conversation_refuses_its_messages(tiny_model_dir):
+    """An error the template raises that is not its own refusal (here a TypeError on a message's content) refuses
+    these messages as a refusal does — a 400 for an API client, a sentence in the chat — not a RuntimeError (a 500)."""
+    from fmoe_local.engine import TemplateRefused
+
+    with Runtime.load(tiny_model_dir("olmoe"), RuntimeConfig(device="cpu")) as runtime:
+        runtime.engine.tokenizer.chat_template = "{{ messages[0]['content'] + 1 }}"
+        with pytest.raises(TemplateRefused) as refused:
+            runtime.check([{"role": "user", "content": "Tell me about the sea."}])
+        assert "refuses these messages" in str(refused.value) and "TypeError" in str(refused.value)
+
+
 def test_a_conversation_too_long_names_the_model_as_people_know_it(tiny_model_dir):
     from fmoe_local.demo import demo_model_dir
     from fmoe_local.engine import ContextTooLong
