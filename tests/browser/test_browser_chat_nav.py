@@ -150,20 +150,28 @@ def test_the_address_names_the_chat_for_reload_back_and_forward(env):
     shown_chat(page, "Alpha answer.")
 
 
-class HeldOpening:
-    """Holds the first queue request of the page that opens chat `chat` (its first input is the page's address:
-    the chat's id, or `new`) unanswered, so that event is still pending in the page while the test goes on."""
+def inputs_of(request) -> list | None:  # noqa: ANN001 - a Playwright request
+    """The event's input values a request to the app carries (`data`), None for any other request."""
+    try:
+        data = json.loads(request.post_data or "{}").get("data")
+    except (ValueError, AttributeError):
+        return None
+    return data if isinstance(data, list) and data else None
 
-    def __init__(self, page, chat: int | str) -> None:
-        self.page, self.chat, self.routes = page, str(chat), []
-        page.route("**/queue/join*", self.route)
+
+class HeldRequest:
+    """Holds the page's first request to the app whose inputs (`data`, the event's input values) `matches`
+    unanswered, so that event is still pending in the page while the test goes on; `release` lets it through."""
+
+    URL = "**/gradio_api/**"
+
+    def __init__(self, page, matches) -> None:  # noqa: ANN001 - matches: (list) -> bool
+        self.page, self.matches, self.routes = page, matches, []
+        page.route(self.URL, self.route)
 
     def route(self, route) -> None:
-        try:
-            data = json.loads(route.request.post_data or "{}").get("data") or [None]
-        except ValueError:
-            data = [None]
-        if not self.routes and str(data[0]) == self.chat:
+        data = inputs_of(route.request)
+        if not self.routes and data is not None and self.matches(data):
             self.routes.append(route)
         else:
             route.continue_()
@@ -174,11 +182,11 @@ class HeldOpening:
             if self.routes:
                 return
             self.page.wait_for_timeout(100)
-        raise AssertionError(f"the page never asked to open chat {self.chat}")
+        raise AssertionError("the page never sent the request to hold")
 
     def release(self) -> None:
         self.routes[0].continue_()
-        self.page.unroute("**/queue/join*", self.route)
+        self.page.unroute(self.URL, self.route)
 
 
 def test_an_address_stepped_to_while_the_last_one_is_still_opening_is_shown(env):
@@ -195,7 +203,7 @@ def test_an_address_stepped_to_while_the_last_one_is_still_opening_is_shown(env)
     listed.get_by_text("Beta", exact=True).click()
     shown_chat(page, "Beta answer.")
     wait_address(page, beta)
-    opening = HeldOpening(page, "new")
+    opening = HeldRequest(page, lambda data: data[0] == "new")  # the opening of the address `new`
     page.go_back()
     opening.held()
     page.go_back()
@@ -203,6 +211,35 @@ def test_an_address_stepped_to_while_the_last_one_is_still_opening_is_shown(env)
     opening.release()
     shown_chat(page, "Alpha answer.")  # without a second opening the new chat stays: neither answer is shown
     assert listed.locator("input:checked").input_value() == str(alpha)
+
+
+def test_a_setting_changed_twice_while_the_first_change_is_kept_keeps_the_second(env):
+    """Gradio drops an event fired while its previous run is pending (trigger_mode "once"): a Generation value
+    changed again while the first change was still being kept was never sent, and the chat kept the first value."""
+    page = env["page"]
+    page.locator("#conv-list").get_by_text("Beta", exact=True).click()
+    shown_chat(page, "Beta answer.")
+    if not slider(page, "temperature").is_visible():
+        page.get_by_text("Generation", exact=True).click()
+    box, at = slider(page, "temperature"), 1 + GENERATION_KEYS.index("temperature")  # after the chat's id
+
+    def keeps(value: float):  # noqa: ANN202 - a predicate on a request's inputs: the panel's values kept
+        return lambda data: len(data) == 1 + len(GENERATION_KEYS) and data[at] == value
+
+    first = HeldRequest(page, keeps(0.9))
+    box.fill("0.9")
+    box.press("Enter")
+    first.held()
+    box.fill("1.2")
+    with page.expect_response(lambda r: inputs_of(r.request) is not None and keeps(1.2)(inputs_of(r.request))):
+        box.press("Enter")  # sent once the held change has been answered
+        first.release()
+    page.reload()
+    page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
+    shown_chat(page, "Beta answer.")  # the newest chat, and the address's
+    if not slider(page, "temperature").is_visible():
+        page.get_by_text("Generation", exact=True).click()
+    page.wait_for_function("() => document.querySelector('#temperature input[type=number]').value === '1.2'")
 
 
 def test_escape_stops_a_reply(env):
