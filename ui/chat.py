@@ -811,7 +811,9 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
     on(t.save_default.click, h.save_default, gen, [t.notice], api_name="save_default")
     imported = on(t.import_file.upload, h.import_file, [t.import_file, t.view], shown, api_name="import_chats")
     imported.then(h.ended, [t.conv_id], [*held, *ctrl], **quick)  # imported chats have no reply to follow
-    on(t.search.input, h.search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats", **latest)
+    # change, not input: Gradio's input event is not fired for a deletion, so a search cleared with Backspace kept
+    # the list it had filtered.
+    on(t.search.change, h.search, [t.search, t.conv_id], [t.conv_list, t.notice], api_name="search_chats", **latest)
     on(t.rename.click, h.rename, [t.conv_id, t.rename_box], [t.conv_list, t.notice], api_name="rename_chat")
     question = [t.delete, t.confirm_delete, t.keep_chat]
     on(t.delete.click, h.delete, [t.conv_id], [t.pending_delete, *question, t.notice], api_name="delete_chat")

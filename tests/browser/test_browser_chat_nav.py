@@ -242,6 +242,23 @@ def test_a_setting_changed_twice_while_the_first_change_is_kept_keeps_the_second
     page.wait_for_function("() => document.querySelector('#temperature input[type=number]').value === '1.2'")
 
 
+def test_a_search_typed_on_while_the_last_one_runs_lists_the_last_one(env):
+    """The same for the chat list's search: more typed while a search was still running was never searched, and the
+    list kept the shorter search's chats. And a search deleted lists every chat again."""
+    page = env["page"]
+    listed, search = page.locator("#conv-list"), page.locator("#chat-search textarea")
+    held = HeldRequest(page, lambda data: data[0] == "a")  # both chats hold an "a"
+    search.press_sequentially("a")
+    held.held()
+    search.press_sequentially("lpha")  # only Alpha is found by "alpha"
+    held.release()
+    listed.get_by_text("Beta", exact=True).wait_for(state="detached", timeout=30_000)
+    assert listed.get_by_text("Alpha", exact=True).count() == 1
+    search.press("Control+a")
+    search.press("Backspace")  # a search deleted lists every chat again (Gradio's input event missed a deletion)
+    listed.get_by_text("Beta", exact=True).wait_for(timeout=30_000)
+
+
 def test_escape_stops_a_reply(env):
     page = env["page"]
     page.locator("#new-chat").click()
