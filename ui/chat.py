@@ -780,7 +780,9 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
 
     def reply(trigger, fn, inputs, outputs, **kwargs):  # noqa: ANN001, ANN202 - Send held, then the reply
         asked = trigger(h.ask, [t.view], held, queue=False, api_visibility="private")  # one reply per press
-        return on(asked.then, fn, inputs, outputs, **kwargs, **free)
+        # Every press that got past `ask` runs: a Send streams until its reply's next redraw sees another chat shown
+        # (a reply waiting for its turn: until it starts), and "once" dropped a message sent in another chat meanwhile.
+        return on(asked.then, fn, inputs, outputs, **kwargs, **free, trigger_mode="multiple")
 
     send_out = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.address, t.notice]
     send_in, reply_in = [t.textbox, t.conv_id, *gen, t.view], [t.conv_id, *gen, t.view]
