@@ -572,8 +572,22 @@ class ChatHandlers:
             reply.handle.cancel()
         pending = shown + [{"role": "assistant", "content": "…"}]
         if (yield from _first_redraw(view, conv_id, (pending, *chat), (gr.skip(), *elsewhere))):
+            # The next redraw selects this chat in the list again, as a plain value. Gradio's page applies a stream's
+            # diffs in place to the outputs it keeps, which are the objects of an output it may not have drawn yet
+            # (messages that reach the page before it has registered their event, on a stream another event keeps
+            # open, are handled in one go): the skip right after the list's update deleted its choices, and the list
+            # lacked the chat just sent. From a value the diff replaces the output whole.
+            listed = conv_id
             for chatbot in while_shown(view, conv_id, chat_flow.follow(self.session, reply)):
-                yield _drawn(chatbot), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                yield (
+                    _drawn(chatbot),
+                    gr.skip(),
+                    gr.skip(),
+                    gr.skip() if chatbot is None else listed,
+                    gr.skip(),
+                    gr.skip(),
+                )
+                listed = gr.skip()
 
     def regenerate(self, conv_id, *values):  # noqa: ANN001, ANN201
         values, view = _with_view(values)
@@ -766,7 +780,9 @@ def wire(session: Session, tab: ChatTab, demo: gr.Blocks) -> list:
 
     def reply(trigger, fn, inputs, outputs, **kwargs):  # noqa: ANN001, ANN202 - Send held, then the reply
         asked = trigger(h.ask, [t.view], held, queue=False, api_visibility="private")  # one reply per press
-        return on(asked.then, fn, inputs, outputs, **kwargs, **free)
+        # Every press that got past `ask` runs: a Send streams until its reply's next redraw sees another chat shown
+        # (a reply waiting for its turn: until it starts), and "once" dropped a message sent in another chat meanwhile.
+        return on(asked.then, fn, inputs, outputs, **kwargs, **free, trigger_mode="multiple")
 
     send_out = [t.chatbot, t.conv_id, t.textbox, t.conv_list, t.address, t.notice]
     send_in, reply_in = [t.textbox, t.conv_id, *gen, t.view], [t.conv_id, *gen, t.view]
