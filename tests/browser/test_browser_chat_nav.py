@@ -74,6 +74,12 @@ def slider(page, elem_id: str):
     return page.locator(f"#{elem_id} input[type=number]")
 
 
+def show_generation(page) -> None:
+    """The chat's Generation panel open (a click on its title toggles it)."""
+    if not slider(page, "temperature").is_visible():
+        page.get_by_text("Generation", exact=True).click()
+
+
 def kept(page, action, value) -> None:
     """Do `action` (a change of one Generation control to `value`) and wait for the server's answer to the event that
     keeps it with the chat (its request: the chat and the panel's values, `value` among them)."""
@@ -219,8 +225,7 @@ def test_a_setting_changed_twice_while_the_first_change_is_kept_keeps_the_second
     page = env["page"]
     page.locator("#conv-list").get_by_text("Beta", exact=True).click()
     shown_chat(page, "Beta answer.")
-    if not slider(page, "temperature").is_visible():
-        page.get_by_text("Generation", exact=True).click()
+    show_generation(page)
     box, at = slider(page, "temperature"), 1 + GENERATION_KEYS.index("temperature")  # after the chat's id
 
     def keeps(value: float):  # noqa: ANN202 - a predicate on a request's inputs: the panel's values kept
@@ -237,8 +242,7 @@ def test_a_setting_changed_twice_while_the_first_change_is_kept_keeps_the_second
     page.reload()
     page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
     shown_chat(page, "Beta answer.")  # the newest chat, and the address's
-    if not slider(page, "temperature").is_visible():
-        page.get_by_text("Generation", exact=True).click()
+    show_generation(page)
     page.wait_for_function("() => document.querySelector('#temperature input[type=number]').value === '1.2'")
 
 
