@@ -24,7 +24,8 @@ def _no_stubs(*args: object, **kwargs: object) -> None:
 
 
 class _StubSkipper(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for gradio's component_meta it asks the finders after it, then wraps the loader."""
+    """Finds only gradio's component_meta, through the path finder that would find it, with its loader wrapped;
+    every other module is left to the finders after it."""
 
     def find_spec(self, name: str, path=None, target=None):  # noqa: ANN001, ANN201 - importlib's protocol
         if name != MODULE:
