@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from fmoe_local.runtime_types import Finished, TextDelta
@@ -100,18 +101,28 @@ class RequestHandle:
         for batch in self.batches():
             yield from batch
 
-    def batches(self) -> Iterator[list[Event]]:
+    def batches(self, min_interval_s: float = 0.0) -> Iterator[list[Event]]:
         """The events in lists of whatever has arrived since the last one (the last list ends with the Finished): a
-        reader that comes late, or is slower than the model, redraws once per list instead of once per token."""
-        seen = 0
+        reader that comes late, or is slower than the model, redraws once per list instead of once per token.
+
+        `min_interval_s`: after a list, the next one waits until that long after it (or the end, which never waits),
+        so a reader that redraws per list redraws at most 1 / min_interval_s times a second however fast the model
+        writes. The first list comes as soon as there is anything."""
+        if min_interval_s < 0:
+            raise ValueError(f"min_interval_s must be 0 or more, not {min_interval_s}.")
+        seen, due = 0, 0.0
         while True:
             with self._cond:
                 self._cond.wait_for(lambda n=seen: len(self._events) > n or self._final is not None)
+                wait = due - time.monotonic()
+                if wait > 0:
+                    self._cond.wait_for(lambda: self._final is not None, wait)
                 batch, final = self._events[seen:], self._final
             seen += len(batch)
             if final is not None:  # nothing is published after the final event: the batch holds the rest
                 yield [*batch, final]
                 return
+            due = time.monotonic() + min_interval_s
             yield batch
 
     async def __aiter__(self) -> AsyncIterator[Event]:

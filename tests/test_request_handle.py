@@ -136,3 +136,34 @@ def test_a_late_reader_gets_what_arrived_in_one_batch():
     handle.finish(_final("0123"))
     assert [e.text for e in next(batches)] == ["3", "0123"]
     assert next(batches, None) is None
+
+
+def test_a_list_waits_out_its_interval_gathering_what_arrives_and_the_end_does_not_wait():
+    handle = RequestHandle()
+    handle.claim()
+    handle.publish(TextDelta("0", 0))
+    batches = handle.batches(min_interval_s=3600.0)
+    assert [e.text for e in next(batches)] == ["0"]  # the first list at once
+    handle.publish(TextDelta("1", 1))
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(next(batches)))
+    reader.start()  # it waits out the hour, unless the request ends
+    handle.publish(TextDelta("2", 2))
+    handle.finish(_final("012"))
+    reader.join(timeout=60)
+    assert [e.text for e in got[0]] == ["1", "2", "012"]
+
+
+def test_a_list_comes_once_its_interval_has_passed():
+    handle = RequestHandle()
+    handle.claim()
+    handle.publish(TextDelta("0", 0))
+    batches = handle.batches(min_interval_s=0.01)
+    assert [e.text for e in next(batches)] == ["0"]
+    handle.publish(TextDelta("1", 1))
+    assert [e.text for e in next(batches)] == ["1"]  # no end is coming: the interval's end lets it go
+
+
+def test_a_negative_interval_is_refused_with_a_sentence():
+    with pytest.raises(ValueError, match="min_interval_s must be 0 or more"):
+        next(RequestHandle().batches(min_interval_s=-1.0))

@@ -48,6 +48,10 @@ WAITING = (
     "*Waiting for its turn: the model is still answering another chat (or an API request). This reply starts as soon "
     "as that one ends; you can read and write in other chats meanwhile.*"
 )
+# A page redraws the streaming reply at most this often. The page redraws the whole reply's Markdown each time: at one
+# redraw per token a fast model kept the browser busier than a CPU core (9.6 s of Chromium's CPU for a 300-token
+# reply at 63 tok/s, docs/bench.md), CPU the model's own CPU experts need. 20 a second still reads as smooth.
+REDRAW_INTERVAL_S = 0.05
 EDIT_WAIT_S = 60.0  # how long an edit waits for the reply it replaced to end (it was cancelled: a token or two)
 
 
@@ -260,7 +264,7 @@ def follow(session: Session, reply: ChatReply) -> Iterator[list[dict]]:
         yield reply.shown + so_far + [_bubble(WAITING)]
     text, final = "", None
     view = harmony_reply.ThoughtText(reply.thought) if reply.channels else None
-    for batch in reply.handle.batches():
+    for batch in reply.handle.batches(REDRAW_INTERVAL_S):
         for event in batch:
             if isinstance(event, TextDelta):
                 text = view.add(event.text) if view is not None else text + event.text
