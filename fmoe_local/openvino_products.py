@@ -14,14 +14,16 @@ to float32 (exact) and the output rounded back to bf16 once.
 
 Memory: the model's constant shares the memory of the `q` tensor it is given (no copy at build), which must stay
 alive and unchanged while the product is used (PackedLinear holds it); the CPU plugin makes its own repacked copy of
-the codes at the first call (measured: ≈ 1× the codes), so a weight computed here holds about twice its int8 bytes
-(REPACK_BYTES_PER_CODE; hardware.cpu_resident_bytes counts it; docs/bench.md, session 21).
+the codes at the first call, about as large (REPACK_BYTES_PER_CODE), so a weight computed here holds about twice its
+int8 bytes (hardware.cpu_resident_bytes and ModelInfo.resident_bytes count it; docs/bench.md, session 21).
 
 Threads: OpenVINO's pool (TBB) runs beside torch's (OpenMP) in one process. `threads` (torch's thread count at the
-load) sizes OpenVINO's; docs/bench.md, session 21, measures one against two. The compiled model and its infer request
-are built on the loading thread and, once the model is loaded, used only by the runtime's worker thread (the thread
-that runs forward passes): an infer request is not safe to call from two threads at once, and each Int8Product has
-its own, so two weights never share one.
+load) sizes OpenVINO's: with one, a call runs on the calling thread alone; with two, on it and OpenVINO's own workers,
+which take turns with torch's on a small machine (docs/bench.md, session 21: no setting measured better there). The
+probe's verdict is measured at torch's thread count and kept per count (dtype_verdicts.machine_key). The compiled
+model and its infer request are built on the loading thread and, once the model is loaded, used only by the runtime's
+worker thread (the thread that runs forward passes): an infer request is not safe to call from two threads at once,
+and each Int8Product has its own, so two weights never share one.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def _measured_ratio(dtype: torch.dtype, threads: int) -> float:
     return measured_ratio(dtype, threads)
 
 
-def measured_ratio(dtype: torch.dtype, threads: int, repeats: int = 5) -> float:
+def measured_ratio(dtype: torch.dtype, threads: int, repeats: int = 9) -> float:
     """Seconds of OpenVINO's one-token product over torch's `_weight_int8pack_mm` with `dtype` activations (as
     expert_formats.Int8Weight runs it) on the same int8 weights: below 1 OpenVINO is faster here. The weights are
     [4096, 2048] (a q_proj's shape, bandwidth.HALF_PROBE_*), as many as make twice the last-level cache so both read
