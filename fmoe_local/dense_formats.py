@@ -144,10 +144,10 @@ def int8_product(
         )
     if why:
         log.warning(
-            "The dense int8 weights are multiplied by torch's _weight_int8pack_mm: %s. Where measured (docs/bench.md) "
-            "torch's product reads its bytes at a half to a third of OpenVINO's rate, so the attention and output "
-            "head take up to 2-3x as long per token; install openvino (%s) for the faster product.",
+            "The dense int8 weights are multiplied by torch's _weight_int8pack_mm: %s. %s Install openvino (%s) "
+            "where it has a wheel for this machine for the faster product.",
             why,
+            _TORCH_COST,
             _OPENVINO_PIN,
         )
         return None
@@ -162,6 +162,11 @@ def int8_product(
 
 
 _OPENVINO_PIN = "pip install openvino==2026.4.1"
+# What torch's product costs against OpenVINO's, as measured (docs/bench.md, session 21): said where it runs instead.
+_TORCH_COST = (
+    "Where measured it read these weights 1.2-2.3x slower than OpenVINO's product, and int8 decode took 5-36 % "
+    "longer per token."
+)
 
 
 def packs(fmt: str, out_features: int, in_features: int) -> bool:
@@ -255,10 +260,10 @@ def quantise(
             except RuntimeError as exc:  # OpenVINO's errors are RuntimeError subclasses
                 log.warning(
                     "OpenVINO could not compile the int8 product of %s (%s): the dense int8 weights from here on are "
-                    "multiplied by torch's _weight_int8pack_mm, which reads its bytes at a half to a third of "
-                    "OpenVINO's rate where measured (docs/bench.md).",
+                    "multiplied by torch's _weight_int8pack_mm. %s",
                     name,
                     exc,
+                    _TORCH_COST,
                 )
                 int8_product = None
         packed = PackedLinear(fmt, param.shape[1], param.shape[0], parts, linear.bias, product)
