@@ -40,7 +40,7 @@ from functools import partial
 from pathlib import Path
 
 from fmoe_local.cli_args import whole
-from fmoe_local.config import DENSE_FORMATS
+from fmoe_local.config import DENSE_FORMATS, DENSE_INT8_PRODUCTS
 
 FORMATS = ("bf16", "int8", "int4", "nf4")
 DTYPES = ("auto", "bfloat16", "float32")
@@ -61,6 +61,7 @@ class DecodeSettings:
     dtype: str = "auto"
     policy: str = "on_demand"
     dense_format: str = "auto"  # RuntimeConfig.dense_format: auto packs the dense weights as int8/int4 experts
+    dense_int8_product: str = "auto"  # RuntimeConfig.dense_int8_product: auto, torch or openvino
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,10 @@ def token_bytes(runtime: object) -> TokenBytes:
     """What one decode token of this loaded runtime reads: the K active experts of every MoE layer at their stored
     size, and every resident weight at its stored size (ModelInfo.resident_bytes: a packed dense weight counts its
     packed bytes; tied embeddings are one tensor, unless the head was packed into a copy of its own; the input table
-    counts as the one row read)."""
+    counts as the one row read; OpenVINO's repacked copy of the dense int8 codes is read instead of them, not beside
+    them)."""
     info, model = runtime.info, runtime.engine.model
-    resident = info.resident_bytes
+    resident = info.resident_bytes - info.dense_repacked_bytes
     table = model.get_input_embeddings().weight
     head = getattr(model.get_output_embeddings(), "weight", None)  # None: no head, or a packed one (PackedLinear)
     if head is None or head.data_ptr() != table.data_ptr():  # not one tensor: the lookup reads one row of the table
@@ -145,6 +147,7 @@ def _config(fmt: str, dtype: str, settings: DecodeSettings, quant_dir: Path, top
         dtype=dtype,
         expert_format=fmt,
         dense_format=settings.dense_format,
+        dense_int8_product=settings.dense_int8_product,
         miss_handling="cpu",
         policy=settings.policy,
         # K slots: a token's experts fit (the one-token path), and on_demand never fills them (misses go to the CPU).
@@ -186,7 +189,8 @@ def measure_format(
     gc.collect()  # the engine holds reference cycles: without this the next format loads beside this one
     per_token = stats.host_s / max(stats.tokens, 1)
     kernel = saved[fmt].cpu_kernel
-    return Sample(fmt, stats.tokens_per_s, per_token, dram_gbps, counted, note, kernel, info.dense_format)
+    dense = info.dense_format + (f" ({info.dense_product})" if info.dense_product else "")
+    return Sample(fmt, stats.tokens_per_s, per_token, dram_gbps, counted, note, kernel, dense)
 
 
 def summarise(samples: Sequence[Sample], dtypes: dict[str, str]) -> list[Row]:
@@ -351,6 +355,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=DENSE_FORMATS,
         help="how the dense linear weights are stored (default auto: as int8/int4 experts, else unquantised)",
     )
+    p.add_argument(
+        "--dense-int8-product",
+        default=DecodeSettings.dense_int8_product,
+        choices=DENSE_INT8_PRODUCTS,
+        help="what multiplies dense weights packed int8 (default auto: the faster one on this machine)",
+    )
     p.add_argument("--threads", type=whole(0), default=0, help="torch CPU threads (default: torch's own choice)")
     p.add_argument(
         "--work-dir", type=Path, help="keep the checkpoint and the quantised copies here (default: a temporary folder)"
@@ -374,7 +384,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"Unknown policy '{args.policy}'. Choose from: {', '.join(REGISTRY)}.")
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = DecodeSettings(formats, args.tokens, args.rounds, args.dtype, args.policy, args.dense_format)
+    settings = DecodeSettings(
+        formats, args.tokens, args.rounds, args.dtype, args.policy, args.dense_format, args.dense_int8_product
+    )
 
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -103,6 +103,11 @@ def add_expert_format_argument(p: argparse.ArgumentParser) -> None:
         help="how the linear weights outside the experts (attention, output head, shared experts) are stored: auto "
         "(as int8/int4 experts on a CPU device, else unquantised), bf16 (unquantised), int8 or int4 (CPU device only)",
     )
+    p.add_argument(
+        "--dense-int8-product",
+        default=RuntimeConfig.dense_int8_product,
+        help="what multiplies dense weights packed int8: auto (the faster one on this machine), torch or openvino",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
@@ -119,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         miss_handling=args.miss_handling,
         expert_format=args.expert_format,
         dense_format=args.dense_format,
+        dense_int8_product=args.dense_int8_product,
         store_capacity=args.store_capacity,
         synchronous_prefetch=args.synchronous,
         record_trace=str(args.record_trace) if args.record_trace else None,

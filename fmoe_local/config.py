@@ -14,6 +14,7 @@ MISS_HANDLING = ("auto", "copy", "cpu")
 SEMANTIC_MODES = ("running_mean", "token")
 EXPERT_FORMATS = ("auto", "bf16", "int8", "int4", "nf4")  # expert_formats.py describes each
 DENSE_FORMATS = ("auto", "bf16", "int8", "int4")  # dense_formats.py describes each
+DENSE_INT8_PRODUCTS = ("auto", "torch", "openvino")  # dense_formats.int8_product describes each
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes; a larger seed overflowed mid-request
 PREFIX_AUTO_MAX_GB = 4.0  # the automatic prefix cache size's ceiling (RuntimeConfig.prefix_cache_gb)
 
@@ -140,6 +141,11 @@ class RuntimeConfig:
     # "auto" follows the experts on a CPU device when they are int8 or int4 (a CPU decode reads every dense weight
     # per token, as llama.cpp's Q8_0/Q4_0 files quantise them), else unquantised (dense_formats.py).
     dense_format: str = "auto"
+    # Which product multiplies the dense weights packed int8: "openvino" (OpenVINO's CPU plugin, float32 activations:
+    # openvino_products.py), "torch" (torch's `_weight_int8pack_mm`), "auto" the one measured faster on this machine
+    # (dtype_verdicts.py), torch's where openvino cannot be imported. Forcing "openvino" where it cannot run refuses
+    # the load.
+    dense_int8_product: str = "auto"
     quant_cache_dir: str | None = None
     # Host RAM for expert weights; None = what the RAM available at load holds, less the fit verdicts' headroom
     # (hardware.host_ram_budget_gb). What does not fit is read from the checkpoint per use.
@@ -192,6 +198,11 @@ class RuntimeConfig:
             raise ValueError(
                 f"Unknown dense format '{self.dense_format}'. Choose auto (as the experts on a CPU, else unquantised), "
                 "bf16 (unquantised), int8 (8-bit) or int4 (4-bit); int8 and int4 run on a CPU device only."
+            )
+        if self.dense_int8_product not in DENSE_INT8_PRODUCTS:
+            raise ValueError(
+                f"Unknown dense int8 product '{self.dense_int8_product}'. Choose auto (the faster one on this "
+                "machine), torch or openvino."
             )
         if self.semantic_mode not in SEMANTIC_MODES:
             raise ValueError(

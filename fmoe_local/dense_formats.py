@@ -1,6 +1,6 @@
 """Dense formats: the linear weights a token reads outside the routed experts (attention projections, the output
 head, shared experts, dense MLP layers), stored packed on a CPU device as llama.cpp's Q8_0/Q4_0 files store every
-weight, and multiplied by the same torch weight-only products the experts use there.
+weight, and multiplied by the same torch weight-only products the experts use there, or for int8 by OpenVINO's.
 
 Scope: resolving `dense_format` (auto | bf16 | int8 | int4, config.py) against the device and the experts' resolved
 format; choosing the nn.Linear modules to pack; swapping each for a `PackedLinear` holding the weight in
@@ -22,9 +22,19 @@ table stays as it is (a lookup reads one row of it per token), so a tied model h
 in the compute dtype plus the packed head (vocab × hidden bytes in int8, about half that in int4) — for a 151,936 ×
 2,048 vocabulary 311 MB or 175 MB more RAM than unpacked, in exchange for a head that reads 2–3.6× fewer bytes.
 
+The int8 product: OpenVINO's (openvino_products.Int8Product, float32 activations, on the same `q` and `scale`) where
+the machine's verdict says it is faster (measured once per machine and saved with the dtype verdicts:
+dtype_verdicts.DtypeVerdicts.dense_prefers_openvino; `RuntimeConfig.dense_int8_product` forces either), torch's
+`_weight_int8pack_mm` otherwise, and where openvino cannot be imported or a weight does not compile (`int8_product`
+and `quantise` log which product runs and what that costs). OpenVINO's costs RAM: its plugin keeps a repacked copy of
+the codes beside ours (made at the first call; our `q` stays, shared with the model's constant, not copied), so a
+dense int8 weight it computes holds about twice its int8 bytes (`repacked_bytes`; hardware.cpu_resident_bytes counts
+it): for Qwen3-30B-A3B's 1.2 GB of dense int8 weights, 1.2 GB more (as much RAM as the bf16 weights, half the bytes
+read per token).
+
 Exactness: a PackedLinear computes x·Wᵀ (+ b) with W = expert_formats.unpack of its parts; "lossless" for a packed
 dense format means the same greedy tokens as transformers eager whose dense weights (and experts) are those
-dequantised values (tests/test_dense_formats.py).
+dequantised values (tests/test_dense_formats.py, with each int8 product).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fmoe_local import expert_formats
+from fmoe_local import expert_formats, openvino_products
 from fmoe_local.architectures import Architecture, MoELayerRef
 from fmoe_local.expert_formats import Int4Weight, Int8Weight, PackedParam
 from fmoe_local.quant_cache import DenseCopy
@@ -70,12 +80,19 @@ def resolve(choice: str, device: torch.device, expert_format: str) -> str:
 
 class PackedLinear(nn.Module):
     """An nn.Linear's place in the model with its weight stored packed (`fmt` int8 or int4, expert_formats' parts:
-    int8 `q`/`scale`, int4 `q` in torch's CPU layout and `sz`), multiplied by torch's weight-only CPU product. The
-    parts are non-persistent buffers: they move with the model and count in `model.buffers()`, and a state_dict
-    never saves them as the checkpoint's weight."""
+    int8 `q`/`scale`, int4 `q` in torch's CPU layout and `sz`), multiplied by torch's weight-only CPU product, or for
+    int8 by `product` (an openvino_products.Int8Product built on these same `q` and `scale`; it reads `q`'s memory,
+    so the buffers must not be replaced or moved while it is set). The parts are non-persistent buffers: they move
+    with the model and count in `model.buffers()`, and a state_dict never saves them as the checkpoint's weight."""
 
     def __init__(
-        self, fmt: str, in_features: int, out_features: int, parts: dict[str, torch.Tensor], bias: nn.Parameter | None
+        self,
+        fmt: str,
+        in_features: int,
+        out_features: int,
+        parts: dict[str, torch.Tensor],
+        bias: nn.Parameter | None,
+        product: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
@@ -83,17 +100,73 @@ class PackedLinear(nn.Module):
         for name, tensor in parts.items():
             self.register_buffer(name, tensor, persistent=False)
         self.bias = bias
+        self.product = product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # torch's products take [tokens, in]
-        if self.fmt == "int8":
+        if self.product is not None:
+            out = self.product(flat)
+            out = out if self.bias is None else out + self.bias
+        elif self.fmt == "int8":
             out = Int8Weight(self.q, self.scale).linear(flat, self.bias)
         else:
             out = Int4Weight(self.q, self.sz, self.group).linear(flat, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+        by = ", product=openvino" if self.product is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{by}"
+
+    def repacked_bytes(self) -> int:
+        """RAM OpenVINO's product holds beside the parts (its repacked copy of the codes; 0 for torch's product): held,
+        but a token reads it instead of `q`, not beside it."""
+        return 0 if self.product is None else round(self.q.numel() * openvino_products.REPACK_BYTES_PER_CODE)
+
+
+Int8ProductFactory = Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def int8_product(
+    choice: str, dtype: torch.dtype, prefers_openvino: Callable[[torch.dtype], bool]
+) -> Int8ProductFactory | None:
+    """What multiplies the dense weights packed int8 (`RuntimeConfig.dense_int8_product`): a factory of OpenVINO's
+    product per weight (openvino_products.Int8Product), or None for torch's `_weight_int8pack_mm`. `auto` asks
+    `prefers_openvino(dtype)` (the machine's measured verdict, dtype_verdicts.py) only where openvino imports; where
+    it does not, or the verdict says torch, the log says which product runs and what that costs. `openvino` where
+    it cannot be imported is refused (ValueError, a sentence) before any weight is packed."""
+    if choice == "torch":
+        return None
+    why = openvino_products.unavailable()
+    if choice == "openvino" and why:
+        raise ValueError(
+            f"Dense int8 product openvino was chosen but {why}. Install openvino "
+            f"({_OPENVINO_PIN}), or choose dense int8 product auto or torch."
+        )
+    if why:
+        log.warning(
+            "The dense int8 weights are multiplied by torch's _weight_int8pack_mm: %s. %s Install openvino (%s) "
+            "where it has a wheel for this machine for the faster product.",
+            why,
+            _TORCH_COST,
+            _OPENVINO_PIN,
+        )
+        return None
+    if choice == "auto" and not prefers_openvino(dtype):
+        log.info(
+            "The dense int8 weights are multiplied by torch's _weight_int8pack_mm: it measured faster on this "
+            "machine than OpenVINO's product (saved verdict, dtype_verdicts.py)."
+        )
+        return None
+    threads = torch.get_num_threads()
+    return lambda q, scale: openvino_products.Int8Product(q, scale, threads)
+
+
+_OPENVINO_PIN = "pip install openvino==2026.4.1"
+# What torch's product costs against OpenVINO's, as measured (docs/bench.md, session 21): said where it runs instead.
+_TORCH_COST = (
+    "Where measured it read these weights 1.2-2.3x slower than OpenVINO's product, and int8 decode took 5-36 % "
+    "longer per token."
+)
 
 
 def packs(fmt: str, out_features: int, in_features: int) -> bool:
@@ -121,6 +194,7 @@ class DenseReport:
     bytes_before: int = 0  # the packed modules' weights as they were
     bytes_after: int = 0  # … and as they are now
     from_copy: int = 0  # how many of `packed` were read from the DenseCopy rather than packed now
+    openvino: int = 0  # how many of `packed` OpenVINO's product multiplies (the rest: torch's)
 
 
 @torch.no_grad()
@@ -131,13 +205,16 @@ def quantise(
     fmt: str,
     kept_in_fp32: Callable[[str], bool] = lambda name: False,
     copy: DenseCopy | None = None,
+    int8_product: Int8ProductFactory | None = None,
 ) -> DenseReport:
     """Swap every candidate nn.Linear of `model` for a PackedLinear in `fmt` (int8 or int4; bf16 does nothing).
     Each weight's parts are read from `copy` when it holds exactly the ones this load packs, else packed from the
     weight's current values (float32 arithmetic) and then written to `copy` whole; the weight is dropped as soon as
     its module is swapped, so the peak is one module's packed copy over the unpacked model (the copy writes the
     modules' own parts). `kept_in_fp32(parameter name)`: transformers'
-    keep-in-fp32 rule (hf_internals.keep_in_fp32): such a weight is left as it is."""
+    keep-in-fp32 rule (hf_internals.keep_in_fp32): such a weight is left as it is. `int8_product` (`int8_product`'s
+    answer): builds the product each int8 layer multiplies with instead of torch's; where it fails for one, torch's
+    product runs for it and every later layer, and the log says so."""
     report = DenseReport(fmt)
     if fmt not in PACKED:
         return report
@@ -176,21 +253,36 @@ def quantise(
             parts = {k.removeprefix("w."): v for k, v in parts.items()}
             if written is not None:
                 written.update({f"{name}.{part}": t for part, t in parts.items()})
-        packed = PackedLinear(fmt, param.shape[1], param.shape[0], parts, linear.bias)
+        product = None
+        if int8_product is not None and fmt == "int8":
+            try:
+                product = int8_product(parts["q"], parts["scale"])
+            except RuntimeError as exc:  # OpenVINO's errors are RuntimeError subclasses
+                log.warning(
+                    "OpenVINO could not compile the int8 product of %s (%s): the dense int8 weights from here on are "
+                    "multiplied by torch's _weight_int8pack_mm. %s",
+                    name,
+                    exc,
+                    _TORCH_COST,
+                )
+                int8_product = None
+        packed = PackedLinear(fmt, param.shape[1], param.shape[0], parts, linear.bias, product)
+        report.openvino += product is not None
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, packed)
         report.packed.append(name)
         report.bytes_before += weight.numel() * weight.element_size()
-        report.bytes_after += sum(t.numel() * t.element_size() for t in parts.values())
+        report.bytes_after += sum(t.numel() * t.element_size() for t in parts.values()) + packed.repacked_bytes()
     if stored is not None:
         stored.close()
     if written:
         copy.write(written)
     log.info(
-        "dense format %s: %d linear layers (%d read from %s), %.0f MB → %.0f MB in %.1f s",
+        "dense format %s: %d linear layers (%d read from %s, %d multiplied by OpenVINO), %.0f MB → %.0f MB in %.1f s",
         fmt,
         len(report.packed),
         report.from_copy,
+        report.openvino,
         copy.path if copy is not None else "no copy",
         report.bytes_before / 1e6,
         report.bytes_after / 1e6,
@@ -202,7 +294,21 @@ def quantise(
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes of every PackedLinear's packed weight in `model` (buffers, which a count over parameters misses)."""
+    """Bytes of every PackedLinear's packed weight in `model` (buffers, which a count over parameters misses): what a
+    token reads of them."""
     return sum(
         b.numel() * b.element_size() for m in model.modules() if isinstance(m, PackedLinear) for b in m.buffers()
     )
+
+
+def repacked_bytes(model: nn.Module) -> int:
+    """RAM OpenVINO's products hold beside the packed weights in `model` (PackedLinear.repacked_bytes)."""
+    return sum(m.repacked_bytes() for m in model.modules() if isinstance(m, PackedLinear))
+
+
+def product_name(model: nn.Module) -> str:
+    """What multiplies the dense weights packed int8: "openvino", "torch", both as "openvino, torch" where a compile
+    failed part way, or "" with none packed int8."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.fmt == "int8"]
+    names = {"openvino" if m.product is not None else "torch" for m in layers}
+    return ", ".join(sorted(names))

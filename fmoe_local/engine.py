@@ -24,7 +24,16 @@ import numpy as np
 import torch
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
-from fmoe_local import bandwidth, cache_budget, chat_template, cpu_experts, expert_formats, hardware, miss_cost
+from fmoe_local import (
+    bandwidth,
+    cache_budget,
+    chat_template,
+    cpu_experts,
+    dense_formats,
+    expert_formats,
+    hardware,
+    miss_cost,
+)
 from fmoe_local.attention import use_grouped_sdpa
 from fmoe_local.cache import ExpertCache
 from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
@@ -32,7 +41,6 @@ from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.constrained import Grammars
 from fmoe_local.cpu_experts import Kernel
-from fmoe_local.dense_formats import packed_bytes
 from fmoe_local.dtype_verdicts import DtypeVerdicts
 from fmoe_local.experts import OffloadedExperts
 from fmoe_local.loading import checkpoint_dtype, load_model
@@ -142,7 +150,7 @@ class Engine:
             config.expert_format,
             verdicts.products_prefer_bf16,
         )
-        loaded = load_model(model_dir, config, self.device, dtype, progress)
+        loaded = load_model(model_dir, config, self.device, dtype, progress, verdicts.dense_prefers_openvino)
         self.model, self.tokenizer, self.arch, self.host = loaded.model, loaded.tokenizer, loaded.arch, loaded.host
         self._encoding = threading.Lock()  # tokenize_prompt: the worker's and Runtime.check's callers'
         # The ids of the last texts tokenized, under `_encoding`: an API request's prompt is tokenized by
@@ -164,8 +172,12 @@ class Engine:
             embed_dim=int(cfg.hidden_size),
         )
         self.dense_format = loaded.dense_format
-        self.resident_bytes = packed_bytes(self.model) + sum(
-            p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta"
+        self.dense_product = dense_formats.product_name(self.model)
+        self.dense_repacked_bytes = dense_formats.repacked_bytes(self.model)
+        self.resident_bytes = (
+            dense_formats.packed_bytes(self.model)
+            + self.dense_repacked_bytes
+            + sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
         )
         self.counters = LayerCounters(self.shape.num_layers, self.shape.num_experts)
         self._check_store(config)  # a saved capacity too big for RAM: a sentence (SettingRefused), not MemoryError

@@ -12,7 +12,8 @@ stays bf16 where the CPU decodes it about as fast as float32 (`Machine.cpu_keeps
 int8/int4 and torch's weight-only products are measured faster with bf16 activations (`Machine.cpu_bf16_products`,
 bandwidth.products_decode_ratio; both probes once per machine: dtype_verdicts.py), else it is computed in float32
 and counts twice its size (`cpu_widening`); with int8/int4 experts the resident part's linear weights are packed the
-same way (dense format auto: `cpu_resident_bytes`). `host_ram_budget_gb` is the RAM the host store may fill.
+same way (dense format auto: `cpu_resident_bytes`; int8 ones twice where OpenVINO multiplies them,
+`Machine.cpu_openvino_dense`). `host_ram_budget_gb` is the RAM the host store may fill.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class Machine:
     # Without a CUDA GPU: the packed expert formats (int8, int4) whose weight-only products this CPU computes faster
     # with bf16 activations (bandwidth.cpu_products_prefer_bf16): a bf16 model in one of them stays bf16 in RAM.
     cpu_bf16_products: tuple[str, ...] = ()
+    # Without a CUDA GPU: does OpenVINO's product multiply dense weights packed int8 here (the measured verdict,
+    # dtype_verdicts.DtypeVerdicts.dense_prefers_openvino)? Then they take their size once more in RAM (its repacked
+    # copy, openvino_products.REPACK_BYTES_PER_CODE).
+    cpu_openvino_dense: bool = False
 
     @property
     def has_gpu(self) -> bool:
@@ -192,6 +197,8 @@ def probe(data_dir: str | os.PathLike = ".", verdicts: DtypeVerdicts | None = No
     from fmoe_local.expert_formats import PRODUCTS
 
     products = () if device == "cuda" else tuple(f for f in PRODUCTS if verdicts.products_prefer_bf16(f))
+    int8_dtype = torch.bfloat16 if "int8" in products or keeps_bf16 else torch.float32  # engine.resolve_dtype's
+    openvino_dense = device != "cuda" and verdicts.dense_prefers_openvino(int8_dtype)
     return Machine(
         device,
         name,
@@ -203,6 +210,7 @@ def probe(data_dir: str | os.PathLike = ".", verdicts: DtypeVerdicts | None = No
         unused_gpu=unused,
         cpu_keeps_bf16=keeps_bf16,
         cpu_bf16_products=products,
+        cpu_openvino_dense=openvino_dense,
     )
 
 
@@ -281,13 +289,18 @@ def resident_widening(machine: Machine, fmt: str = "bf16") -> int:
 
 def cpu_resident_bytes(entry: CatalogEntry, fmt: str, machine: Machine) -> int:
     """The resident part in RAM without a CUDA GPU, experts stored as `fmt`: dense format auto packs its linear
-    weights as int8/int4 experts (dense_formats.resolve, `cpu_dense_copy_bytes`); the input embedding table, and
+    weights as int8/int4 experts (dense_formats.resolve, `cpu_dense_copy_bytes`), int8 ones twice where OpenVINO
+    multiplies them (`Machine.cpu_openvino_dense`: its repacked copy beside ours); the input embedding table, and
     everything with other experts, takes its size in the compute dtype (resident_widening)."""
+    from fmoe_local.openvino_products import REPACK_BYTES_PER_CODE
+
     stored = entry.native_format if fmt == "auto" else fmt
     widen = resident_widening(machine, stored)
     packed = cpu_dense_copy_bytes(entry, fmt, machine)
     if not packed:
         return widen * entry.resident_bytes
+    if stored == "int8" and machine.cpu_openvino_dense:
+        packed += round(packed * REPACK_BYTES_PER_CODE)
     return widen * entry.embedding_bytes + packed
 
 

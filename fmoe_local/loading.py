@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -58,12 +59,16 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     progress: Progress | None = None,
+    prefers_openvino: Callable[[torch.dtype], bool] | None = None,
 ) -> LoadedModel:
     """Load `model_dir` (a Hugging Face checkpoint directory in safetensors) for expert offloading.
 
     `dtype=None` keeps the checkpoint's dtype. Host RAM for experts follows `config.host_ram_gb` (None = what
     the available RAM holds, hardware.host_ram_budget_gb).
     `progress(done, total)` is called per expert while an int8/nf4 copy is made (quant_cache.py), only then.
+    `prefers_openvino(dtype)`: the machine's verdict on the dense int8 product (DtypeVerdicts.dense_prefers_openvino;
+    None = a fresh DtypeVerdicts', which measures it), asked only when dense weights are packed int8 and
+    `config.dense_int8_product` is auto.
     """
     model_dir = Path(model_dir)
     config = config or RuntimeConfig()
@@ -76,7 +81,7 @@ def load_model(
     files = CheckpointFiles(model_dir)
     try:
         model, moe_layers, host, unexpected, dtype, dense = _build(
-            model_dir, hf_config, arch, files, config, device, dtype, progress
+            model_dir, hf_config, arch, files, config, device, dtype, progress, prefers_openvino
         )
     except BaseException:
         files.close()  # no half-loaded model keeps the checkpoint mapped
@@ -129,6 +134,7 @@ def _build(
     device: torch.device,
     dtype: torch.dtype | None,
     progress: Progress | None = None,
+    prefers_openvino: Callable[[torch.dtype], bool] | None = None,
 ) -> tuple[PreTrainedModel, list[MoELayerRef], TieredHostStore, list[str], torch.dtype, str]:
     """The meta skeleton, its resident weights (dense linear layers packed as the dense format says) and the host
     store (see load_model)."""
@@ -164,11 +170,15 @@ def _build(
     transposed = hf_internals.is_transposed(moe_layers[0].experts)
     if device.type == "cpu":  # before the packed weights are read: the formats this device multiplies packed
         expert_formats.check_cpu_products([dense] + ([] if transposed else [fmt]), dtype)
-    copy = None
+    copy, product = None, None
     if dense in dense_formats.PACKED:  # only ever on a CPU device: int4 is kept in this CPU's layout
         layout_key = dtype_verdicts.torch_cpu_key() if dense == "int4" else None
         copy = DenseCopy(config.quant_cache_dir, model_dir, dense, dtype, layout_key)
-    dense_formats.quantise(model, arch, moe_layers, dense, hf_internals.keep_in_fp32(model, dtype), copy)
+    if dense == "int8":
+        prefers = prefers_openvino or dtype_verdicts.DtypeVerdicts().dense_prefers_openvino
+        product = dense_formats.int8_product(config.dense_int8_product, dtype, prefers)
+    keep = hf_internals.keep_in_fp32(model, dtype)
+    dense_formats.quantise(model, arch, moe_layers, dense, keep, copy, product)
     if config.host_ram_gb is None:
         # Measured now, with the resident weights loaded; on the CPU the expert cache's slots come out of RAM too.
         on_host = device.type == "cpu" and config.cache_experts is None

@@ -163,6 +163,8 @@ class Runtime:
             miss_handling=e.offload.miss_handling,
             expert_format=e.host.expert_format,
             dense_format=e.dense_format,
+            dense_product=e.dense_product,
+            dense_repacked_bytes=e.dense_repacked_bytes,
             prefetch_distance=e.config.prefetch_distance,
             store_capacity=e.config.store_capacity,
         ), e.offload.explain_misses()

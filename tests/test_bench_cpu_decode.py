@@ -78,8 +78,11 @@ def test_rows_count_each_format_at_its_stored_size(tiny_dir, tmp_path, dtype):
         assert r.kernel in ((native, INT8_BLOCKS_ON_CPU.name) if (r.fmt, dtype) == ("int8", "float32") else (native,))
         assert r.expert_bytes_per_token == K * LAYERS * expected_expert_bytes(r.fmt, size), r.fmt
         # dense format auto: the attention and the head packed as int8/int4 experts, unpacked beside bf16/nf4 ones
-        assert r.dense == (r.fmt if r.fmt in ("int8", "int4") else "bf16")
-        assert r.bytes_per_token == r.expert_bytes_per_token + resident[r.dense], r.fmt
+        # (int8's names its product: the faster one on this machine, dtype_verdicts.py; a token reads its codes once)
+        dense, _, product = r.dense.partition(" ")
+        assert dense == (r.fmt if r.fmt in ("int8", "int4") else "bf16")
+        assert product in (("(openvino)", "(torch)") if r.fmt == "int8" else ("",))
+        assert r.bytes_per_token == r.expert_bytes_per_token + resident[dense], r.fmt
         # the limit of each round is its own DRAM figure over the bytes; the median of the two rounds is their mean
         assert r.limit_tok_s == pytest.approx(1.5 * FAKE_DRAM_GBPS * 1e9 / r.bytes_per_token)
     by = {r.fmt: r for r in rows}

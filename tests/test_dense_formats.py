@@ -70,13 +70,20 @@ def _config(fmt: str, tmp_path, **changes) -> RuntimeConfig:
     return config.with_changes(**changes)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+# int8 with each of its products (torch's `_weight_int8pack_mm`, OpenVINO's: openvino_products.py); int4 has torch's.
+PRODUCTS = [("int8", "torch"), ("int8", "openvino"), ("int4", "torch")]
+
+
+@pytest.mark.parametrize(("fmt", "product"), PRODUCTS, ids=[f"{f}-{p}" for f, p in PRODUCTS])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_dense_layers_give_eager_s_tokens_on_the_dequantised_weights(family, fmt, tiny_model_dir, tmp_path):
+def test_packed_dense_layers_give_eager_s_tokens_on_the_dequantised_weights(
+    family, fmt, product, tiny_model_dir, tmp_path
+):
     model_dir = tiny_model_dir(family)
-    with Runtime.load(model_dir, _config(fmt, tmp_path)) as runtime:
+    config = _config(fmt, tmp_path, dense_int8_product=product)
+    with Runtime.load(model_dir, config) as runtime:
         engine = runtime.engine
-        assert runtime.info.dense_format == fmt
+        assert runtime.info.dense_format == fmt and runtime.info.dense_product == (product if fmt == "int8" else "")
         ids = engine.encode_prompt(PROMPT)
         expected, names = reference_tokens(model_dir, fmt, ids)
         packed = [n for n, m in engine.model.named_modules() if isinstance(m, PackedLinear)]
@@ -84,7 +91,7 @@ def test_packed_dense_layers_give_eager_s_tokens_on_the_dequantised_weights(fami
         for policy, misses in (("on_demand", "cpu"), ("fmoe", "copy")):
             runtime.reconfigure(cache_experts=engine.shape.top_k, policy=policy, miss_handling=misses)
             final = runtime.generate(PROMPT)
-            assert final.token_ids == expected[: len(final.token_ids)], f"{family} {fmt} {policy} {misses}"
+            assert final.token_ids == expected[: len(final.token_ids)], f"{family} {fmt} {product} {policy} {misses}"
             assert len(final.token_ids) == NEW_TOKENS or final.token_ids[-1] in engine.eos_ids
 
 
@@ -125,10 +132,13 @@ def test_int4_leaves_a_weight_its_product_cannot_take_unpacked(tiny_model_dir, t
 
 def test_packed_dense_weights_count_at_their_stored_size(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("olmoe")
-    sizes = {}
-    for fmt in ("bf16", "int8", "int4"):
-        with Runtime.load(model_dir, _config("bf16", tmp_path, dense_format=fmt)) as runtime:
+    sizes, repacked = {}, 0
+    for fmt, product in (("bf16", "auto"), ("int8", "torch"), ("int4", "auto"), ("int8-openvino", "openvino")):
+        dense = fmt.removesuffix("-openvino")
+        config = _config("bf16", tmp_path, dense_format=dense, dense_int8_product=product)
+        with Runtime.load(model_dir, config) as runtime:
             sizes[fmt] = runtime.info.resident_bytes
+            repacked = runtime.info.dense_repacked_bytes
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     linears = [m.weight for n, m in plain.named_modules() if type(m) is nn.Linear]  # OLMoE's router is no nn.Linear
     dense = sum(w.numel() * 4 for w in linears)
@@ -138,6 +148,9 @@ def test_packed_dense_weights_count_at_their_stored_size(tiny_model_dir, tmp_pat
     )  # codes, float32 (scale, zero)
     assert sizes["int8"] == sizes["bf16"] - dense + int8
     assert sizes["int4"] == sizes["bf16"] - dense + int4
+    # OpenVINO's product holds its repacked copy of the int8 codes beside ours (openvino_products.py): counted in RAM.
+    codes = sum(w.numel() for w in linears)
+    assert repacked == codes and sizes["int8-openvino"] == sizes["int8"] + codes
 
 
 def test_auto_follows_int8_and_int4_experts_on_a_cpu_only():

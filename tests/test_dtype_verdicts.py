@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fmoe_local import bandwidth, dtype_verdicts
+from fmoe_local import bandwidth, dtype_verdicts, openvino_products
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.dtype_verdicts import DtypeVerdicts
 from fmoe_local.runtime import Runtime
@@ -117,3 +117,46 @@ def test_a_cpu_load_in_auto_dtype_reuses_the_saved_verdicts(tiny_model_dir, monk
     with Runtime.load(model, config, dtype_verdicts=DtypeVerdicts(saved)) as runtime:
         assert runtime.info.dtype == "bfloat16" and runtime.dtype_verdicts.measured == 0
     assert calls == ["int4"]  # the second load ran no probe
+
+
+def test_the_dense_int8_product_verdict_is_kept_per_dtype_and_openvino_version():
+    calls: list[object] = []
+    v = DtypeVerdicts(None, "machine A", openvino_ratio=lambda dtype: calls.append(dtype) or 0.6)
+    assert v.dense_prefers_openvino(torch.bfloat16) and v.dense_prefers_openvino(torch.bfloat16)
+    assert calls == [torch.bfloat16]  # asked twice, measured once
+    name = f"openvino int8 bfloat16 {openvino_products.version()}"
+    assert _saved(v)["ratios"] == {name: 0.6}
+    slower = DtypeVerdicts(_saved(v), "machine A", openvino_ratio=lambda dtype: calls.append(dtype) or 1.7)
+    assert slower.dense_prefers_openvino(torch.bfloat16) and slower.measured == 0  # read back, not measured
+    assert not slower.dense_prefers_openvino(torch.float32) and calls == [torch.bfloat16, torch.float32]
+
+
+def test_where_openvino_cannot_be_imported_nothing_is_measured(monkeypatch):
+    openvino_products._openvino.cache_clear()
+    monkeypatch.setattr(openvino_products, "_import_openvino", lambda: (_ for _ in ()).throw(ImportError("none")))
+    try:
+        v = DtypeVerdicts(None, "machine A", openvino_ratio=lambda dtype: pytest.fail("probed without openvino"))
+        assert not v.dense_prefers_openvino(torch.float32) and v.measured == 0 and _saved(v)["ratios"] == {}
+    finally:
+        openvino_products._openvino.cache_clear()
+
+
+@pytest.mark.parametrize(("ratio", "product"), [(0.5, "openvino"), (2.0, "torch")])
+def test_an_int8_load_multiplies_with_the_faster_product_and_a_second_load_probes_nothing(
+    ratio, product, tiny_model_dir, monkeypatch, tmp_path
+):
+    calls: list[object] = []
+    monkeypatch.setattr(openvino_products, "int8_ratio", lambda dtype: calls.append(dtype) or ratio)
+    model = tiny_model_dir("mixtral")
+    config = RuntimeConfig(device="cpu", expert_format="int8", quant_cache_dir=str(tmp_path))
+    with Runtime.load(model, config) as runtime:
+        assert runtime.info.dense_format == "int8" and runtime.info.dense_product == product
+        saved = json.loads(json.dumps(runtime.dtype_verdicts.to_dict()))
+    assert calls == [torch.float32]
+    with Runtime.load(model, config, dtype_verdicts=DtypeVerdicts(saved)) as runtime:
+        assert runtime.info.dense_product == product and runtime.dtype_verdicts.measured == 0
+    assert calls == [torch.float32]  # the second load ran no probe
+    # Forced, the setting wins over the verdict and nothing is measured.
+    with Runtime.load(model, config.with_changes(dense_int8_product="torch")) as runtime:
+        assert runtime.info.dense_product == "torch"
+    assert calls == [torch.float32]

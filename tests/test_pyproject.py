@@ -75,10 +75,9 @@ def test_every_package_the_tests_import_is_a_dependency_or_a_dev_one():
     other_python = {REPO / "tools" / "llamacpp" / "time_gguf.py"}
     tests = [*(REPO / "tests").rglob("*.py"), *(p for p in (REPO / "tools").rglob("*.py") if p not in other_python)]
     declared = set(_requirements()) | set(_requirements("dev")) | {"pytest"}
-    # tools/kernel_candidates.py times ONNX Runtime's and OpenVINO's kernels beside torch's when someone installed them
-    # (its docstring says how), as tools/openvino_layer.py does OpenVINO's; nothing installs them for them, and the
-    # app never imports them.
-    library_kernels = {"onnxruntime": {"onnxruntime"}, "onnx": {"onnx"}, "openvino": {"openvino"}}
+    # tools/kernel_candidates.py times ONNX Runtime's kernels beside torch's when someone installed them (its
+    # docstring says how); nothing installs them for them, and the app never imports them.
+    library_kernels = {"onnxruntime": {"onnxruntime"}, "onnx": {"onnx"}}
     assert _undeclared(tests, declared) == library_kernels
 
 

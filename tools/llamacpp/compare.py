@@ -65,11 +65,14 @@ def gguf_files(src: Path, py: str, model_dir: Path, work: Path, types: list[str]
     return out
 
 
-def ours(model_dir_root: Path, layers: int, formats: str, tokens: int, threads: int) -> dict:
+def ours(
+    model_dir_root: Path, layers: int, formats: str, tokens: int, threads: int, int8_product: str = "auto"
+) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "fmoe_bench.cli", "cpu-decode", "--layers", str(layers), "--rounds", "1"]
         cmd += ["--tokens", str(tokens), "--formats", formats, "--work-dir", str(model_dir_root), "--json", f.name]
         cmd += ["--threads", str(threads)]  # as many as llama.cpp gets: torch's own choice may differ
+        cmd += ["--dense-int8-product", int8_product]
         subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
         return json.loads(Path(f.name).read_text())
 
@@ -97,6 +100,7 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "fmoe-llamacpp")
     ap.add_argument("--formats", default="bf16,int8,int4")
     ap.add_argument("--types", default="bf16,q8_0,q4_0,q4_k_m")
+    ap.add_argument("--dense-int8-product", default="auto", help="ours: what multiplies dense int8 (cpu-decode's)")
     args = ap.parse_args()
 
     from fmoe_bench.cpu_decode import checkpoint
@@ -109,7 +113,7 @@ def main() -> int:
         gbps, llama = None, {}
         for step in ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours"):
             if step == "ours":
-                got = ours(args.work_dir, args.layers, args.formats, args.tokens, args.threads)
+                got = ours(args.work_dir, args.layers, args.formats, args.tokens, args.threads, args.dense_int8_product)
                 gbps = got["info"]["dram_gbps"][0]  # measured at the start of cpu-decode's one round
                 rows += [(r, "fmoe-local", row["fmt"], row["tok_s"], row["of_limit"]) for row in got["rows"]]
             else:
