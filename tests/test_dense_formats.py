@@ -58,12 +58,15 @@ def reference_tokens(model_dir, fmt: str, ids: torch.Tensor, tied: bool = False)
 
 
 def _config(fmt: str, tmp_path, **changes) -> RuntimeConfig:
-    """A CPU load with experts and dense weights in `fmt` (`changes` override)."""
+    """A CPU load with experts and dense weights in `fmt` (`changes` override). Torch's int8 product unless a test
+    asks for another: OpenVINO's compiles every weight at every load (~40 ms each here), and the tests of the dense
+    copy load three times each; the exactness tests run both products."""
     config = RuntimeConfig(
         device="cpu",
         cache_experts=1,
         expert_format=fmt,
         dense_format=fmt,
+        dense_int8_product="torch",
         quant_cache_dir=str(tmp_path),
         sampling=Sampling(greedy=True, max_new_tokens=NEW_TOKENS),
     )
