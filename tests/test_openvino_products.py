@@ -81,7 +81,10 @@ def test_without_openvino_a_load_says_torch_s_product_runs_and_gives_eager_s_tok
     no_openvino, tiny_model_dir, tmp_path, caplog
 ):
     model_dir = tiny_model_dir("mixtral")
-    with caplog.at_level(logging.WARNING), Runtime.load(model_dir, _config("int8", tmp_path)) as runtime:
+    with (
+        caplog.at_level(logging.WARNING),
+        Runtime.load(model_dir, _config("int8", tmp_path, dense_int8_product="auto")) as runtime,
+    ):
         assert runtime.info.dense_product == "torch" and runtime.info.dense_repacked_bytes == 0
         said = " ".join(r.getMessage() for r in caplog.records)
         assert "multiplied by torch's _weight_int8pack_mm" in said and "openvino is not importable here" in said
