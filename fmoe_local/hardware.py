@@ -197,8 +197,20 @@ def probe(data_dir: str | os.PathLike = ".", verdicts: DtypeVerdicts | None = No
     from fmoe_local.expert_formats import PRODUCTS
 
     products = () if device == "cuda" else tuple(f for f in PRODUCTS if verdicts.products_prefer_bf16(f))
-    int8_dtype = torch.bfloat16 if "int8" in products or keeps_bf16 else torch.float32  # engine.resolve_dtype's
-    openvino_dense = device != "cuda" and verdicts.dense_prefers_openvino(int8_dtype)
+    openvino_dense = False
+    if device != "cuda":
+        from fmoe_local.engine import resolve_dtype  # engine imports this module
+
+        # What a bf16 checkpoint with int8 experts computes in here (None: it keeps bf16).
+        int8_dtype = resolve_dtype(
+            "auto",
+            torch.device("cpu"),
+            lambda: torch.bfloat16,
+            verdicts.keeps_half,
+            "int8",
+            verdicts.products_prefer_bf16,
+        )
+        openvino_dense = verdicts.dense_prefers_openvino(int8_dtype or torch.bfloat16)
     return Machine(
         device,
         name,
