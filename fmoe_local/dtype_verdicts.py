@@ -91,10 +91,15 @@ class DtypeVerdicts:
 
     def dense_prefers_openvino(self, dtype: object) -> bool:
         """Does OpenVINO's int8 product (openvino_products.py) run one token faster here than torch's with `dtype`
-        activations? False, with nothing measured, where openvino cannot be imported."""
-        if openvino_products.unavailable():
+        activations? False, with nothing measured, where openvino is not installed or, with no saved verdict, cannot
+        be imported. A saved verdict is read without importing openvino (about 0.3 s at every app start); should the
+        import fail at the load, dense_formats falls back to torch's product and says so."""
+        installed = openvino_products.version()
+        if not installed:
             return False
-        name = f"openvino int8 {str(dtype).removeprefix('torch.')} {openvino_products.version()}"
+        name = f"openvino int8 {str(dtype).removeprefix('torch.')} {installed}"
+        if name not in self.ratios and openvino_products.unavailable():
+            return False
         return self._ratio(name, lambda: self._openvino_ratio(dtype)) < 1.0
 
     def _ratio(self, name: str, measure: Callable[[], float]) -> float:

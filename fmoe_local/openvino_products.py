@@ -29,6 +29,7 @@ and each Int8Product has its own, so two weights never share one.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 import math
 import sys
@@ -75,9 +76,12 @@ def unavailable() -> str:
 
 
 def version() -> str:
-    """The openvino version in use ("" when not importable): a verdict measured with one version is not another's."""
-    found = _openvino()
-    return "" if isinstance(found, str) else str(found[0].__version__).split("-")[0]
+    """The installed openvino's version ("" when it is not installed): a verdict measured with one version is not
+    another's. Read from the package's metadata, not by importing it: every app start asks, to read a saved verdict."""
+    try:
+        return importlib.metadata.version("openvino")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def _config(threads: int) -> dict:

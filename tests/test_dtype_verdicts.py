@@ -3,6 +3,7 @@ measured again for another key or anything unreadable; and a load that reuses th
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 
@@ -139,6 +140,29 @@ def test_where_openvino_cannot_be_imported_nothing_is_measured(monkeypatch):
         assert not v.dense_prefers_openvino(torch.float32) and v.measured == 0 and _saved(v)["ratios"] == {}
     finally:
         openvino_products._openvino.cache_clear()
+
+
+def test_a_saved_openvino_verdict_is_read_without_importing_openvino(monkeypatch):
+    """Every app start asks (hardware.probe): importing openvino would cost it about 0.3 s."""
+    openvino_products._openvino.cache_clear()
+    monkeypatch.setattr(openvino_products, "_import_openvino", lambda: pytest.fail("openvino imported"))
+    try:
+        saved = {"key": "machine A", "ratios": {f"openvino int8 bfloat16 {openvino_products.version()}": 0.6}}
+        v = DtypeVerdicts(saved, "machine A", openvino_ratio=lambda dtype: pytest.fail("probed again"))
+        assert v.dense_prefers_openvino(torch.bfloat16) and v.measured == 0
+    finally:
+        openvino_products._openvino.cache_clear()
+
+
+def test_where_openvino_is_not_installed_its_product_is_never_chosen(monkeypatch):
+    def absent(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", absent)
+    assert openvino_products.version() == ""
+    saved = {"key": "machine A", "ratios": {"openvino int8 bfloat16 2026.4.1": 0.6}}  # measured before an uninstall
+    v = DtypeVerdicts(saved, "machine A", openvino_ratio=lambda dtype: pytest.fail("probed without openvino"))
+    assert not v.dense_prefers_openvino(torch.bfloat16) and v.measured == 0
 
 
 @pytest.mark.parametrize(("ratio", "product"), [(0.5, "openvino"), (2.0, "torch")])
