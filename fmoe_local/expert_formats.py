@@ -369,15 +369,19 @@ def _pack_nf4_bf16(parts: list[Tensor], a: int, b: int) -> dict[str, Tensor]:
         # the largest, so it reaches _check_finite), and every index then stays inside its slice.
         magnitudes = torch.bitwise_and(bits, 0x7FFF, out=magnitude[:m].view(n, b))
         largest = torch.amax(magnitudes.view(-1, NF4_BLOCK), 1, out=top[:blocks])
-        zero = largest == 0
-        if bool(((largest < _NF4_TABLE_MIN_BITS) & ~zero).any()):
-            compares = compares or _Nf4Compares(rows, b)
-            compares.pack(source, maxima, q[start : start + n])
-            continue
+        zero = None
+        if int(largest.min()) < _NF4_TABLE_MIN_BITS:  # rare: asked apart, the common case is one reduction
+            zero = largest == 0
+            if bool(((largest < _NF4_TABLE_MIN_BITS) & ~zero).any()):
+                compares = compares or _Nf4Compares(rows, b)
+                compares.pack(source, maxima, q[start : start + n])
+                continue
         maxima.copy_(largest.view(torch.bfloat16))
         c = scaled[:blocks, 0]
         torch.bitwise_and(largest, 127, out=c).mul_(1 << 16).add_(_NF4_POSITIVE)
-        c.sub_(torch.bitwise_and(largest, -128, out=exponent[:blocks])).masked_fill_(zero, _NF4_ZERO_BLOCK)
+        c.sub_(torch.bitwise_and(largest, -128, out=exponent[:blocks]))
+        if zero is not None:
+            c.masked_fill_(zero, _NF4_ZERO_BLOCK)
         at = index[:m].view(-1, NF4_BLOCK)
         at.view(n, b).copy_(bits)
         at.add_(scaled[:blocks])
