@@ -377,9 +377,10 @@ def _pack_nf4_bf16(parts: list[Tensor], a: int, b: int) -> dict[str, Tensor]:
                 compares.pack(source, maxima, q[start : start + n])
                 continue
         maxima.copy_(largest.view(torch.bfloat16))
-        c = scaled[:blocks, 0]
-        torch.bitwise_and(largest, 127, out=c).mul_(1 << 16).add_(_NF4_POSITIVE)
-        c.sub_(torch.bitwise_and(largest, -128, out=exponent[:blocks]))
+        # C(a) = 65408 − (a & −128) + 65536 · (a & 127) = 65408 + 65536 · a − 65537 · (a & −128), all in int32.
+        c = scaled[:blocks, 0].copy_(largest)
+        high = torch.bitwise_and(c, -128, out=exponent[:blocks])
+        c.mul_(1 << 16).add_(_NF4_POSITIVE).sub_(high, alpha=(1 << 16) + 1)
         if zero is not None:
             c.masked_fill_(zero, _NF4_ZERO_BLOCK)
         at = index[:m].view(-1, NF4_BLOCK)
