@@ -308,16 +308,16 @@ def pack_nf4_compares(w: Rows) -> dict[str, Tensor]:
 
 
 # ---- nf4 of bf16 weights by table ---------------------------------------------------------------------------------
-# The code of a bf16 weight w in a block of largest magnitude a is the count of midpoints below fl32(w / a): a function
-# of the two 16-bit patterns alone, and of less than all their bits. Where a ≥ 2^-39 (normal, and above the counting
+# The code of a bf16 weight w in a block of largest magnitude a is the count of midpoints below fl32(w/a): a function of
+# the two 16-bit patterns alone, and of less than all their bits. Where a ≥ 2^-39 (normal, and above the counting
 # packer's floor of 1e-12) it depends on a's 7 mantissa bits, w's sign and mantissa, and d = w's exponent − a's: the
-# scale 2^(a's exponent) divides out exactly while the quotient is a normal float32, and for d ≤ −6 the code is 7
-# (|w / a| < 2^-5, inside the bin of the level 0.0). So one gather on w's bits replaces the 15 compares (3× faster:
+# scale 2^(a's exponent) divides out exactly while the quotient is a normal float32, and for d ≤ −6 the code is 7 (|w/a|
+# < 2^-5, inside the bin of the level 0.0). So one gather on w's bits replaces the 15 compares (2–2.5× less CPU:
 # docs/bench.md, "nf4 of bf16 weights by table"): index = w's bits read as int16 + C(a), C(a) = 65408 − (a's exponent
 # bits) + 65536 · (a's mantissa), i.e. a slice of 65536 entries per mantissa of a in which, with v = d·128 + w's
 # mantissa (v ≤ 127: |w| ≤ a), w ≥ 0 lands at 65408 + v and w < 0 at 32640 + v. Its entries are the counting packer's
-# own codes for d in [−5, 0], computed at one representative exponent, and 7 elsewhere, so its rounding and ties are
-# the counting packer's by construction (tests/test_expert_formats.py compares every weight under every mantissa of a).
+# own codes for d in [−5, 0], computed at one representative exponent, and 7 elsewhere, so its rounding and ties are the
+# counting packer's by construction (tests/test_expert_formats.py compares every weight under every mantissa of a).
 _NF4_POSITIVE, _NF4_NEGATIVE = 65408, 32640
 # A block of ±0 only reads 7 through C = 32768 (±0 land on v = −32640: d = −255). A block whose maximum is nonzero and
 # below 2^-39 (never seen in a checkpoint) has its row block counted by the compares instead.
@@ -352,7 +352,7 @@ def _pack_nf4_bf16(parts: list[Tensor], a: int, b: int) -> dict[str, Tensor]:
     table = _nf4_bf16_table()
     q = torch.empty(a, b // 2, dtype=torch.uint8)
     absmax = torch.empty(a * b // NF4_BLOCK, dtype=torch.float32)
-    # The int32 indices are 4 bytes per weight: 1 MB of them per step (measured best of 0.5–2 MB).
+    # The int32 indices are 4 bytes per weight: 1 MB of them per step (1–2 MB measured best, 0.5 and 4 MB slower).
     rows = max(1, min(a, PACK_BLOCK_BYTES // (8 * b)))
     per_row = b // NF4_BLOCK
     magnitude = torch.empty(rows * b, dtype=torch.int16)
