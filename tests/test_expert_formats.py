@@ -262,6 +262,19 @@ def test_nf4_of_bf16_weights_gives_the_counted_codes_for_every_weight_and_every_
             assert torch.equal(got["absmax"], want["absmax"]) and torch.equal(got["q"], want["q"]), (top, negative_top)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_nf4_of_bf16_weights_gives_bitsandbytes_bytes_for_every_weight():
+    # bitsandbytes' CPU quantize_4bit scales by the reciprocal of the maximum (w · (1/a)), we divide; for bf16 weights
+    # the codes agree on every pattern under every mantissa of the maximum (on float32 weights beside a midpoint they
+    # need not: docs/bench.md, "nf4 of bf16 weights by table"), so a checkpoint bitsandbytes wrote has our bytes.
+    import bitsandbytes.functional as bnb
+
+    w = torch.cat([_every_weight_under((127 << 7) | mantissa) for mantissa in range(128)])
+    q, state = bnb.quantize_4bit(w, blocksize=ef.NF4_BLOCK, quant_type="nf4")
+    ours = ef.pack_nf4(w)
+    assert torch.equal(ours["absmax"], state.absmax) and torch.equal(ours["q"], q.reshape(-1))
+
+
 def test_nf4_of_bf16_rows_with_zero_or_tiny_blocks_gives_the_counted_codes(monkeypatch):
     monkeypatch.setattr(ef, "PACK_BLOCK_BYTES", 8 * 4 * 256)  # row blocks of 4 rows of 256: each case its own
     w = (torch.randn(16, 256, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
