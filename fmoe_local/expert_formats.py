@@ -177,7 +177,7 @@ class _Nibbles:
     def __init__(self, rows: int, cols: int, first_high: bool) -> None:
         self.codes = torch.empty(rows, cols, dtype=torch.int8)  # float → int8 is vectorised, float → uint8 is not
         self.shifted = torch.empty(rows, cols // 2, dtype=torch.int16)
-        self.high = torch.empty(rows, cols // 2, dtype=torch.int16)
+        self.high = torch.empty(rows, cols // 2 if first_high else 0, dtype=torch.int16)  # only nf4 shifts down
         self.first_high = first_high
 
     def pack(self, block: Tensor, out: Tensor) -> None:
