@@ -177,17 +177,22 @@ class _Nibbles:
     def __init__(self, rows: int, cols: int, first_high: bool) -> None:
         self.codes = torch.empty(rows, cols, dtype=torch.int8)  # float → int8 is vectorised, float → uint8 is not
         self.shifted = torch.empty(rows, cols // 2, dtype=torch.int16)
+        self.high = torch.empty(rows, cols // 2 if first_high else 0, dtype=torch.int16)  # only nf4 shifts down
         self.first_high = first_high
 
     def pack(self, block: Tensor, out: Tensor) -> None:
-        codes = self.codes[: block.shape[0]].copy_(block)
+        """`block`'s codes into `out`; `block` may be `codes` itself, written by the caller (nf4's table)."""
+        codes = self.codes[: block.shape[0]]
+        if block.data_ptr() != codes.data_ptr():
+            codes.copy_(block)
         if sys.byteorder != "little":  # no platform we ship: the plain strided form
             even, odd = codes[:, 0::2].to(torch.uint8), codes[:, 1::2].to(torch.uint8)
             out.copy_((even << 4) | odd if self.first_high else even | (odd << 4))
             return
         pair, shifted = codes.view(torch.int16), self.shifted[: block.shape[0]]  # pair = first | second << 8
         if self.first_high:
-            torch.bitwise_left_shift(pair, 4, out=shifted).bitwise_or_(pair >> 8)
+            high = torch.bitwise_right_shift(pair, 8, out=self.high[: block.shape[0]])
+            torch.bitwise_left_shift(pair, 4, out=shifted).bitwise_or_(high)
         else:
             torch.bitwise_right_shift(pair, 4, out=shifted).bitwise_or_(pair)
         out.copy_(shifted)  # int16 → uint8 keeps the low byte: the two codes
@@ -256,26 +261,134 @@ _NF4_MIDS = tuple(((torch.tensor(NF4_CODE[1:]) + torch.tensor(NF4_CODE[:-1])) / 
 
 
 def pack_nf4(w: Rows) -> dict[str, Tensor]:
+    """nf4 parts of a weight: bf16 rows (checkpoints' own form) by a table lookup on their bits (`_pack_nf4_bf16`),
+    other dtypes by counting the midpoints below each scaled weight (`pack_nf4_compares`); the same bytes either way."""
     parts, a, b = _stacked(w)
     if parts[0].dim() != 2 or b % NF4_BLOCK:
         return _pack_nf4_flat(torch.cat(parts) if len(parts) > 1 else parts[0])
-    # Whole blocks in every row: a block of rows at a time is the same packing, in place on cache-sized buffers.
+    if all(p.dtype == torch.bfloat16 for p in parts):
+        return _pack_nf4_bf16(parts, a, b)
+    return pack_nf4_compares(w)
+
+
+class _Nf4Compares:
+    """nf4 codes of a block of rows by counting midpoints: the block scaled by its blocks' maxima in float32, then one
+    compare per midpoint, in place on buffers made once per weight."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        self.work, self.other, self.count = torch.empty(rows, cols), torch.empty(rows, cols), torch.empty(rows, cols)
+        self.nibbles = _Nibbles(rows, cols, first_high=True)
+
+    def pack(self, source: Tensor, maxima: Tensor, q: Tensor) -> None:
+        """Codes of `source` [n, cols] into `q` [n, cols/2], its blocks' largest magnitudes into `maxima`."""
+        n = source.shape[0]
+        block = self.work[:n]
+        block.copy_(source)
+        blocks = block.view(-1, NF4_BLOCK)
+        torch.amax(torch.abs(blocks, out=self.other[:n].view(-1, NF4_BLOCK)), 1, out=maxima)
+        blocks.div_(maxima.clamp(min=1e-12)[:, None])
+        above, total = self.other[:n], self.count[:n].zero_()
+        for mid in _NF4_MIDS:
+            total.add_(torch.gt(block, mid, out=above))
+        self.nibbles.pack(total, q)
+
+
+def pack_nf4_compares(w: Rows) -> dict[str, Tensor]:
+    """nf4 parts of rows of whole blocks, any float dtype, by counting midpoints: the packer for float16 and float32
+    rows (bf16 rows take the table, `_pack_nf4_bf16`, which gives these bytes)."""
+    parts, a, b = _stacked(w)
     q = torch.empty(a, b // 2, dtype=torch.uint8)
     absmax = torch.empty(a * b // NF4_BLOCK, dtype=torch.float32)
     rows = _block_rows(a, b)
-    work, other, count = torch.empty(rows, b), torch.empty(rows, b), torch.empty(rows, b)
-    nibbles = _Nibbles(rows, b, first_high=True)
-    per_row = b // NF4_BLOCK
+    packer, per_row = _Nf4Compares(rows, b), b // NF4_BLOCK
     for source, start, n in _row_blocks(parts, rows):
-        block = work[:n]
-        block.copy_(source)
-        blocks, maxima = block.view(-1, NF4_BLOCK), absmax[start * per_row : (start + n) * per_row]
-        torch.amax(torch.abs(blocks, out=other[:n].view(-1, NF4_BLOCK)), 1, out=maxima)
-        blocks.div_(maxima.clamp(min=1e-12)[:, None])
-        above, total = other[:n], count[:n].zero_()
-        for mid in _NF4_MIDS:
-            total.add_(torch.gt(block, mid, out=above))
-        nibbles.pack(total, q[start : start + n])
+        packer.pack(source, absmax[start * per_row : (start + n) * per_row], q[start : start + n])
+    _check_finite(absmax, "nf4")
+    return {"q": q.view(-1), "absmax": absmax}
+
+
+# ---- nf4 of bf16 weights by table ---------------------------------------------------------------------------------
+# The code of a bf16 weight w in a block of largest magnitude a is the count of midpoints below fl32(w/a): a function of
+# the two 16-bit patterns alone, and of less than all their bits. Where a ≥ 2^-39 (normal, and above the counting
+# packer's floor of 1e-12) it depends on a's 7 mantissa bits, w's sign and mantissa, and d = w's exponent − a's: the
+# scale 2^(a's exponent) divides out exactly while the quotient is a normal float32, and for d ≤ −6 the code is 7 (|w/a|
+# < 2^-5, inside the bin of the level 0.0). So one gather on w's bits replaces the 15 compares (2–2.5× less CPU:
+# docs/bench.md, "nf4 of bf16 weights by table"): index = w's bits read as int16 + C(a), C(a) = 65408 − (a's exponent
+# bits) + 65536 · (a's mantissa), i.e. a slice of 65536 entries per mantissa of a in which, with v = d·128 + w's
+# mantissa (v ≤ 127: |w| ≤ a), w ≥ 0 lands at 65408 + v and w < 0 at 32640 + v. Its entries are the counting packer's
+# own codes for d in [−5, 0], computed at one representative exponent, and 7 elsewhere, so its rounding and ties are the
+# counting packer's by construction (tests/test_expert_formats.py compares every weight under every mantissa of a).
+_NF4_POSITIVE, _NF4_NEGATIVE = 65408, 32640
+# A block of ±0 only reads 7 through C = 32768 (±0 land on v = −32640: d = −255). A block whose maximum is nonzero and
+# below 2^-39 (never seen in a checkpoint) has its row block counted by the compares instead.
+_NF4_TABLE_MIN_BITS = (127 - 39) << 7
+_NF4_ZERO_BLOCK = 32768
+
+
+def _nf4_count(x: Tensor) -> Tensor:
+    """The counting packer's code of each scaled weight (the midpoints below it), as int8."""
+    total = torch.zeros_like(x)
+    for mid in _NF4_MIDS:
+        total.add_(torch.gt(x, mid))
+    return total.to(torch.int8)
+
+
+@functools.cache
+def _nf4_bf16_table() -> Tensor:
+    """int8 [128 · 65536]: the nf4 code at index C(a) + w's bits (see above); 8 MiB, made once per process."""
+    table = torch.full((128, 1 << 16), 7, dtype=torch.int8)
+    exponent = 127 << 7  # the representative: a in [1, 2), w in [2^-5, 2)
+    a = (exponent | torch.arange(128, dtype=torch.int32)).to(torch.int16).view(torch.bfloat16).float()
+    offset = torch.arange(-5 * 128, 128, dtype=torch.int32)  # d·128 + w's mantissa, d in [-5, 0]
+    for negative, at in ((False, _NF4_POSITIVE), (True, _NF4_NEGATIVE)):
+        bits = exponent + offset - (1 << 15 if negative else 0)  # the int16 value of w's pattern
+        w = bits.to(torch.int16).view(torch.bfloat16).float()
+        table[:, at + offset] = _nf4_count(w[None, :] / a[:, None])
+    return table.view(-1)
+
+
+def _pack_nf4_bf16(parts: list[Tensor], a: int, b: int) -> dict[str, Tensor]:
+    """nf4 parts of bf16 rows of whole blocks by `_nf4_bf16_table`, a block of rows at a time on reused buffers."""
+    table = _nf4_bf16_table()
+    q = torch.empty(a, b // 2, dtype=torch.uint8)
+    absmax = torch.empty(a * b // NF4_BLOCK, dtype=torch.float32)
+    # The int32 indices are 4 bytes per weight: 1 MB of them per step (1–2 MB measured best, 0.5 and 4 MB slower).
+    rows = max(1, min(a, PACK_BLOCK_BYTES // (8 * b)))
+    per_row = b // NF4_BLOCK
+    magnitude = torch.empty(rows * b, dtype=torch.int16)
+    index = torch.empty(rows * b, dtype=torch.int32)
+    top, scaled = torch.empty(rows * per_row, dtype=torch.int16), torch.empty(rows * per_row, 1, dtype=torch.int32)
+    exponent = torch.empty(rows * per_row, dtype=torch.int32)
+    nibbles = _Nibbles(rows, b, first_high=True)
+    compares: _Nf4Compares | None = None
+    for source, start, n in _row_blocks(parts, rows):
+        m, blocks = n * b, n * per_row
+        bits = source.view(torch.int16)  # any strides: every op below reads it through its view
+        maxima = absmax[start * per_row : (start + n) * per_row]
+        # Each block's largest magnitude from the bits, sign cleared: patterns order as magnitudes do (a NaN's is
+        # the largest, so it reaches _check_finite), and every index then stays inside its slice.
+        magnitudes = torch.bitwise_and(bits, 0x7FFF, out=magnitude[:m].view(n, b))
+        largest = torch.amax(magnitudes.view(-1, NF4_BLOCK), 1, out=top[:blocks])
+        zero = None
+        if int(largest.min()) < _NF4_TABLE_MIN_BITS:  # rare: asked apart, the common case is one reduction
+            zero = largest == 0
+            if bool(((largest < _NF4_TABLE_MIN_BITS) & ~zero).any()):
+                compares = compares or _Nf4Compares(rows, b)
+                compares.pack(source, maxima, q[start : start + n])
+                continue
+        maxima.copy_(largest.view(torch.bfloat16))
+        # C(a) = 65408 − (a & −128) + 65536 · (a & 127) = 65408 + 65536 · a − 65537 · (a & −128), all in int32.
+        c = scaled[:blocks, 0].copy_(largest)
+        high = torch.bitwise_and(c, -128, out=exponent[:blocks])
+        c.mul_(1 << 16).add_(_NF4_POSITIVE).sub_(high, alpha=(1 << 16) + 1)
+        if zero is not None:
+            c.masked_fill_(zero, _NF4_ZERO_BLOCK)
+        at = index[:m].view(-1, NF4_BLOCK)
+        at.view(n, b).copy_(bits)
+        at.add_(scaled[:blocks])
+        codes = nibbles.codes[:n]
+        torch.index_select(table, 0, index[:m], out=codes.view(-1))
+        nibbles.pack(codes, q[start : start + n])
     _check_finite(absmax, "nf4")
     return {"q": q.view(-1), "absmax": absmax}
 

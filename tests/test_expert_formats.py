@@ -224,6 +224,76 @@ def test_packers_give_the_bytes_of_the_plain_formula(dtype, out_f, in_f, monkeyp
     # A view that is not contiguous (a transposed row) packs as its contiguous copy does.
     t = w.t().contiguous().t()
     assert torch.equal(ef.pack_int8(t)["q"], ef.pack_int8(w)["q"])
+    assert all(torch.equal(ef.pack_nf4(t)[k], v) for k, v in ef.pack_nf4(w).items())
+
+
+def _bf16(bits: torch.Tensor) -> torch.Tensor:
+    """bf16 values of 16-bit patterns given as integers in [0, 65535]."""
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16)
+
+
+def _every_weight_under(top: int) -> torch.Tensor:
+    """Blocks of 64 bf16 weights, each led by its largest magnitude, the bf16 of pattern `top`, holding every
+    pattern of either sign no larger than it down to 2^-9 of it (the table's whole range: ±top itself, each
+    midpoint's neighbours and any weight landing exactly on one), and some far smaller ones: subnormals, ±0."""
+    smallest = max(top - 9 * 128, 0)
+    magnitudes = torch.cat([torch.arange(smallest, top + 1), torch.tensor([0, 1, 127, 128, 3000, top // 2])])
+    magnitudes = magnitudes[magnitudes <= top]
+    others = torch.cat([magnitudes, magnitudes | (1 << 15)])
+    others = torch.cat([others, others[: -len(others) % 63]])  # whole blocks: repeat the first few
+    blocks = torch.cat([torch.full((len(others) // 63, 1), top), others.view(-1, 63)], dim=1)
+    return _bf16(blocks)
+
+
+@pytest.mark.parametrize("exponent", [88, 100, 127, 135, 254])  # a from 2^-39 (the table's least) to 2^127
+def test_nf4_of_bf16_weights_gives_the_counted_codes_for_every_weight_and_every_block_maximum(exponent, monkeypatch):
+    # bf16 rows are coded by a table on their bits (expert_formats._pack_nf4_bf16); the bytes must be the formula's
+    # for every pattern under every mantissa of the block's maximum, and no row block may fall back to counting.
+    def no_counting(*args):
+        raise AssertionError("a bf16 row block of normal blocks was counted, not looked up")
+
+    monkeypatch.setattr(ef._Nf4Compares, "pack", no_counting)
+    for mantissa in range(128):
+        top = (exponent << 7) | mantissa
+        rows = _every_weight_under(top)
+        for negative_top in (False, True):
+            w = -rows if negative_top else rows
+            got, want = ef.pack_nf4(w.reshape(-1, 128 if len(w) % 2 == 0 else 64)), _formula_nf4(w)
+            assert torch.equal(got["absmax"], want["absmax"]) and torch.equal(got["q"], want["q"]), (top, negative_top)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_nf4_of_bf16_weights_gives_bitsandbytes_bytes_for_every_weight():
+    # bitsandbytes' CPU quantize_4bit scales by the reciprocal of the maximum (w · (1/a)), we divide; for bf16 weights
+    # the codes agree on every pattern under every mantissa of the maximum (on float32 weights beside a midpoint they
+    # need not: docs/bench.md, "nf4 of bf16 weights by table"), so a checkpoint bitsandbytes wrote has our bytes.
+    import bitsandbytes.functional as bnb
+
+    w = torch.cat([_every_weight_under((127 << 7) | mantissa) for mantissa in range(128)])
+    q, state = bnb.quantize_4bit(w, blocksize=ef.NF4_BLOCK, quant_type="nf4")
+    ours = ef.pack_nf4(w)
+    assert torch.equal(ours["absmax"], state.absmax) and torch.equal(ours["q"], q.reshape(-1))
+
+
+def test_nf4_of_bf16_rows_with_zero_or_tiny_blocks_gives_the_counted_codes(monkeypatch):
+    monkeypatch.setattr(ef, "PACK_BLOCK_BYTES", 8 * 4 * 256)  # row blocks of 4 rows of 256: each case its own
+    w = (torch.randn(16, 256, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    w[0, :64] = 0.0  # an all-zero block among normal ones: the table's zero block
+    w[1, 64:128] = -0.0
+    w[2, 128:] = torch.tensor([0.0, -0.0]).repeat(64)
+    w[4, :64] *= 1e-30  # a block whose maximum is below 2^-39: counted, the whole row block
+    w[8, :64] = _bf16(torch.arange(64))  # subnormals and zero: a maximum that is not a normal bf16
+    w[12, :64] = _bf16(torch.tensor([(88 << 7) - 1] * 64))  # the largest pattern below the table's least
+    counted = []
+    original = ef._Nf4Compares.pack
+    monkeypatch.setattr(
+        ef._Nf4Compares,
+        "pack",
+        lambda self, source, *rest: counted.append(source.shape[0]) or original(self, source, *rest),
+    )
+    got, want = ef.pack_nf4(w), _formula_nf4(w)
+    assert torch.equal(got["absmax"], want["absmax"]) and torch.equal(got["q"], want["q"])
+    assert counted == [4, 4, 4]  # rows 4, 8 and 12's row blocks; the zero blocks of rows 0-2 were looked up
 
 
 def test_packing_leaves_a_float32_input_as_it_was():
@@ -233,10 +303,11 @@ def test_packing_leaves_a_float32_input_as_it_was():
     assert torch.equal(w, before)  # the packers work in place on their own buffers, never on the caller's weights
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-def test_a_weight_with_inf_or_nan_is_refused_with_a_sentence(fmt, bad):
-    w = _weights(8, 64)
+def test_a_weight_with_inf_or_nan_is_refused_with_a_sentence(fmt, bad, dtype):
+    w = _weights(8, 64).to(dtype)
     w[5, 7] = bad
     param = ef.layout(fmt, {"w": (8, 64)})["w"]
     with pytest.raises(ValueError, match="inf or NaN.*damaged"):
