@@ -23,9 +23,9 @@ in the compute dtype plus the packed head (vocab × hidden bytes in int8, about 
 2,048 vocabulary 311 MB or 175 MB more RAM than unpacked, in exchange for a head that reads 2–3.6× fewer bytes.
 
 The int8 product: OpenVINO's (openvino_products.Int8Product, float32 activations, on the same `q` and `scale`) where
-the machine's verdict says it is faster (measured once per machine and saved with the dtype verdicts:
-dtype_verdicts.DtypeVerdicts.dense_prefers_openvino; `RuntimeConfig.dense_int8_product` forces either), torch's
-`_weight_int8pack_mm` otherwise, and where openvino cannot be imported or a weight does not compile (`int8_product`
+the machine's verdict for the weight's size says it is faster (measured once per machine and size class and saved
+with the dtype verdicts: dtype_verdicts.DtypeVerdicts.dense_prefers_openvino; `RuntimeConfig.dense_int8_product`
+forces either), torch's `_weight_int8pack_mm` otherwise, and where openvino cannot be imported or a weight does not compile (`int8_product`
 and `quantise` log which product runs and what that costs). OpenVINO's costs RAM: its plugin keeps a repacked copy of
 the codes beside ours (made at the first call; our `q` stays, shared with the model's constant, not copied), so a
 dense int8 weight it computes holds about twice its int8 bytes (`repacked_bytes`; hardware.cpu_resident_bytes counts
@@ -123,17 +123,19 @@ class PackedLinear(nn.Module):
         return 0 if self.product is None else round(self.q.numel() * openvino_products.REPACK_BYTES_PER_CODE)
 
 
-Int8ProductFactory = Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+Int8ProductFactory = Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]
 
 
 def int8_product(
-    choice: str, dtype: torch.dtype, prefers_openvino: Callable[[torch.dtype], bool]
+    choice: str, dtype: torch.dtype, prefers_openvino: Callable[[torch.dtype, str], bool]
 ) -> Int8ProductFactory | None:
     """What multiplies the dense weights packed int8 (`RuntimeConfig.dense_int8_product`): a factory of OpenVINO's
-    product per weight (openvino_products.Int8Product), or None for torch's `_weight_int8pack_mm`. `auto` asks
-    `prefers_openvino(dtype)` (the machine's measured verdict, dtype_verdicts.py) only where openvino imports; where
-    it does not, or the verdict says torch, the log says which product runs and what that costs. `openvino` where
-    it cannot be imported is refused (ValueError, a sentence) before any weight is packed."""
+    product per weight (openvino_products.Int8Product; None for a weight torch's `_weight_int8pack_mm` multiplies),
+    or None for torch's on every weight. `auto` asks `prefers_openvino(dtype, size)` (the machine's measured verdict,
+    dtype_verdicts.py) once per weight size class (openvino_products.size_class: an output head can be faster with
+    OpenVINO where an attention projection is not), only where openvino imports; where it does not, or a verdict
+    says torch, the log says which product runs and what that costs. `openvino` where it cannot be imported is
+    refused (ValueError, a sentence) before any weight is packed."""
     if choice == "torch":
         return None
     why = openvino_products.unavailable()
@@ -151,14 +153,24 @@ def int8_product(
             _OPENVINO_PIN,
         )
         return None
-    if choice == "auto" and not prefers_openvino(dtype):
-        log.info(
-            "The dense int8 weights are multiplied by torch's _weight_int8pack_mm: it measured faster on this "
-            "machine than OpenVINO's product (saved verdict, dtype_verdicts.py)."
-        )
-        return None
     threads = torch.get_num_threads()
-    return lambda q, scale: openvino_products.Int8Product(q, scale, threads)
+    if choice == "openvino":
+        return lambda q, scale: openvino_products.Int8Product(q, scale, threads)
+    verdicts: dict[str, bool] = {}
+
+    def by_size(q: torch.Tensor, scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        size = openvino_products.size_class(q.numel())
+        if size not in verdicts:
+            verdicts[size] = prefers_openvino(dtype, size)
+            if not verdicts[size]:
+                log.info(
+                    "The %s dense int8 weights are multiplied by torch's _weight_int8pack_mm: at that size it measured "
+                    "faster on this machine than OpenVINO's product (saved verdict, dtype_verdicts.py).",
+                    size,
+                )
+        return openvino_products.Int8Product(q, scale, threads) if verdicts[size] else None
+
+    return by_size
 
 
 _OPENVINO_PIN = "pip install openvino==2026.4.1"
@@ -307,8 +319,8 @@ def repacked_bytes(model: nn.Module) -> int:
 
 
 def product_name(model: nn.Module) -> str:
-    """What multiplies the dense weights packed int8: "openvino", "torch", both as "openvino, torch" where a compile
-    failed part way, or "" with none packed int8."""
+    """What multiplies the dense weights packed int8: "openvino", "torch", both as "openvino, torch" where the
+    verdicts differ by weight size or a compile failed part way, or "" with none packed int8."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.fmt == "int8"]
     names = {"openvino" if m.product is not None else "torch" for m in layers}
     return ", ".join(sorted(names))

@@ -2,7 +2,7 @@
 bandwidth's dtype probes (`half_decode_ratio`: bf16 against float32 dense decode; `products_decode_ratio`: torch's
 int8/int4 products with bf16 against float32 activations), keyed by what they depend on; and, by the same rule, which
 product multiplies the dense int8 weights (`openvino_products.int8_ratio`: OpenVINO's against torch's, per compute
-dtype and openvino version, which its ratio's name holds).
+dtype, weight size class and openvino version, which its ratio's name holds).
 
 Scope: `DtypeVerdicts` holds the ratios measured for one machine key (the CPU's model name and flags, torch's version
 and CPU capability, torch's thread count), measures a missing one when it is first asked (the probe for a format is
@@ -69,14 +69,14 @@ class DtypeVerdicts:
         key: str | None = None,
         half_ratio: Callable[[object], float] | None = None,
         products_ratio: Callable[[str], float] | None = None,
-        openvino_ratio: Callable[[object], float] | None = None,
+        openvino_ratio: Callable[[object, str], float] | None = None,
     ) -> None:
         self.key = machine_key() if key is None else key
         # The probes (default: bandwidth's, looked up when measured) and the key are arguments so that tests count
         # the probes run without timing anything.
         self._half_ratio = half_ratio or (lambda dtype: bandwidth.half_decode_ratio(dtype))
         self._products_ratio = products_ratio or (lambda fmt: bandwidth.products_decode_ratio(fmt))
-        self._openvino_ratio = openvino_ratio or (lambda dtype: openvino_products.int8_ratio(dtype))
+        self._openvino_ratio = openvino_ratio or (lambda dtype, size: openvino_products.int8_ratio(dtype, size))
         self.ratios: dict[str, float] = _readable(saved, self.key)
         self.measured = 0
 
@@ -89,18 +89,21 @@ class DtypeVerdicts:
         """Does this CPU compute torch's weight-only products for `fmt` faster with bf16 activations?"""
         return self._ratio(f"products {fmt}", lambda: self._products_ratio(fmt)) < 1.0
 
-    def dense_prefers_openvino(self, dtype: object) -> bool:
+    def dense_prefers_openvino(self, dtype: object, size: str = "small") -> bool:
         """Does OpenVINO's int8 product (openvino_products.py) run one token faster here than torch's with `dtype`
-        activations? False, with nothing measured, where openvino is not installed or, with no saved verdict, cannot
-        be imported. A saved verdict is read without importing openvino (about 0.3 s at every app start); should the
-        import fail at the load, dense_formats falls back to torch's product and says so."""
+        activations, on weights of `size` (openvino_products.size_class)? False, with nothing measured, where
+        openvino is not installed or, with no saved verdict, cannot be imported. A saved verdict is read without
+        importing openvino (about 0.3 s at every app start); should the import fail at the load, dense_formats falls
+        back to torch's product and says so."""
         installed = openvino_products.version()
         if not installed:
             return False
-        name = f"openvino int8 {str(dtype).removeprefix('torch.')} {installed}"
+        # The small size's name is the one verdicts were saved under before sizes were told apart (the same probe).
+        kind = "" if size == "small" else f"{size} "
+        name = f"openvino int8 {kind}{str(dtype).removeprefix('torch.')} {installed}"
         if name not in self.ratios and openvino_products.unavailable():
             return False
-        return self._ratio(name, lambda: self._openvino_ratio(dtype)) < 1.0
+        return self._ratio(name, lambda: self._openvino_ratio(dtype, size)) < 1.0
 
     def _ratio(self, name: str, measure: Callable[[], float]) -> float:
         if name not in self.ratios:

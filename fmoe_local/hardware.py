@@ -12,7 +12,7 @@ stays bf16 where the CPU decodes it about as fast as float32 (`Machine.cpu_keeps
 int8/int4 and torch's weight-only products are measured faster with bf16 activations (`Machine.cpu_bf16_products`,
 bandwidth.products_decode_ratio; both probes once per machine: dtype_verdicts.py), else it is computed in float32
 and counts twice its size (`cpu_widening`); with int8/int4 experts the resident part's linear weights are packed the
-same way (dense format auto: `cpu_resident_bytes`; int8 ones twice where OpenVINO multiplies them,
+same way (dense format auto: `cpu_resident_bytes`; int8 ones twice where OpenVINO multiplies them, per size class:
 `Machine.cpu_openvino_dense`). `host_ram_budget_gb` is the RAM the host store may fill.
 """
 
@@ -60,10 +60,11 @@ class Machine:
     # Without a CUDA GPU: the packed expert formats (int8, int4) whose weight-only products this CPU computes faster
     # with bf16 activations (bandwidth.cpu_products_prefer_bf16): a bf16 model in one of them stays bf16 in RAM.
     cpu_bf16_products: tuple[str, ...] = ()
-    # Without a CUDA GPU: does OpenVINO's product multiply dense weights packed int8 here (the measured verdict,
-    # dtype_verdicts.DtypeVerdicts.dense_prefers_openvino)? Then they take their size once more in RAM (its repacked
-    # copy, openvino_products.REPACK_BYTES_PER_CODE).
-    cpu_openvino_dense: bool = False
+    # Without a CUDA GPU: the size classes of dense weights packed int8 that OpenVINO's product multiplies here
+    # (openvino_products.size_class, "small" and/or "large"; the measured verdicts,
+    # dtype_verdicts.DtypeVerdicts.dense_prefers_openvino). Those take their size once more in RAM (its repacked copy,
+    # openvino_products.REPACK_BYTES_PER_CODE).
+    cpu_openvino_dense: tuple[str, ...] = ()
 
     @property
     def has_gpu(self) -> bool:
@@ -195,9 +196,10 @@ def probe(data_dir: str | os.PathLike = ".", verdicts: DtypeVerdicts | None = No
     verdicts = DtypeVerdicts() if verdicts is None else verdicts
     keeps_bf16 = device != "cuda" and verdicts.keeps_half(torch.bfloat16)
     from fmoe_local.expert_formats import PRODUCTS
+    from fmoe_local.openvino_products import PROBE_SHAPES
 
     products = () if device == "cuda" else tuple(f for f in PRODUCTS if verdicts.products_prefer_bf16(f))
-    openvino_dense = False
+    openvino_dense: tuple[str, ...] = ()
     if device != "cuda":
         from fmoe_local.engine import resolve_dtype  # engine imports this module
 
@@ -210,7 +212,9 @@ def probe(data_dir: str | os.PathLike = ".", verdicts: DtypeVerdicts | None = No
             "int8",
             verdicts.products_prefer_bf16,
         )
-        openvino_dense = verdicts.dense_prefers_openvino(int8_dtype or torch.bfloat16)
+        openvino_dense = tuple(
+            size for size in PROBE_SHAPES if verdicts.dense_prefers_openvino(int8_dtype or torch.bfloat16, size)
+        )
     return Machine(
         device,
         name,
@@ -302,17 +306,21 @@ def resident_widening(machine: Machine, fmt: str = "bf16") -> int:
 def cpu_resident_bytes(entry: CatalogEntry, fmt: str, machine: Machine) -> int:
     """The resident part in RAM without a CUDA GPU, experts stored as `fmt`: dense format auto packs its linear
     weights as int8/int4 experts (dense_formats.resolve, `cpu_dense_copy_bytes`), int8 ones twice where OpenVINO
-    multiplies them (`Machine.cpu_openvino_dense`: its repacked copy beside ours); the input embedding table, and
-    everything with other experts, takes its size in the compute dtype (resident_widening)."""
-    from fmoe_local.openvino_products import REPACK_BYTES_PER_CODE
+    multiplies them (`Machine.cpu_openvino_dense`: its repacked copy beside ours; the output head judged by its own
+    size, the other linear weights as attention projections, small); the input embedding table, and everything with
+    other experts, takes its size in the compute dtype (resident_widening)."""
+    from fmoe_local.openvino_products import REPACK_BYTES_PER_CODE, size_class
 
     stored = entry.native_format if fmt == "auto" else fmt
     widen = resident_widening(machine, stored)
     packed = cpu_dense_copy_bytes(entry, fmt, machine)
     if not packed:
         return widen * entry.resident_bytes
-    if stored == "int8" and machine.cpu_openvino_dense:
-        packed += round(packed * REPACK_BYTES_PER_CODE)
+    if stored == "int8":
+        head = entry.embedding_bytes // 2  # int8 codes of the input table's shape: none of the catalog ties them
+        repacked = head if size_class(head) in machine.cpu_openvino_dense else 0
+        repacked += packed - head if "small" in machine.cpu_openvino_dense else 0
+        packed += round(repacked * REPACK_BYTES_PER_CODE)
     return widen * entry.embedding_bytes + packed
 
 

@@ -59,16 +59,16 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     progress: Progress | None = None,
-    prefers_openvino: Callable[[torch.dtype], bool] | None = None,
+    prefers_openvino: Callable[[torch.dtype, str], bool] | None = None,
 ) -> LoadedModel:
     """Load `model_dir` (a Hugging Face checkpoint directory in safetensors) for expert offloading.
 
     `dtype=None` keeps the checkpoint's dtype. Host RAM for experts follows `config.host_ram_gb` (None = what
     the available RAM holds, hardware.host_ram_budget_gb).
     `progress(done, total)` is called per expert while an int8/nf4 copy is made (quant_cache.py), only then.
-    `prefers_openvino(dtype)`: the machine's verdict on the dense int8 product (DtypeVerdicts.dense_prefers_openvino;
-    None = a fresh DtypeVerdicts', which measures it), asked only when dense weights are packed int8 and
-    `config.dense_int8_product` is auto.
+    `prefers_openvino(dtype, size)`: the machine's verdict on the dense int8 product for weights of a size class
+    (DtypeVerdicts.dense_prefers_openvino; None = a fresh DtypeVerdicts', which measures it), asked only when dense
+    weights are packed int8 and `config.dense_int8_product` is auto.
     """
     model_dir = Path(model_dir)
     config = config or RuntimeConfig()
@@ -134,7 +134,7 @@ def _build(
     device: torch.device,
     dtype: torch.dtype | None,
     progress: Progress | None = None,
-    prefers_openvino: Callable[[torch.dtype], bool] | None = None,
+    prefers_openvino: Callable[[torch.dtype, str], bool] | None = None,
 ) -> tuple[PreTrainedModel, list[MoELayerRef], TieredHostStore, list[str], torch.dtype, str]:
     """The meta skeleton, its resident weights (dense linear layers packed as the dense format says) and the host
     store (see load_model)."""

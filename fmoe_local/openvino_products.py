@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fmoe_local import bandwidth
+
 log = logging.getLogger(__name__)
 
 
@@ -126,33 +128,53 @@ class Int8Product:
         return out.clone() if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def int8_ratio(dtype: torch.dtype) -> float:
+# The two shapes the probe times, as [out, in] int8 codes: an attention projection's (Qwen3-30B-A3B's q_proj, as
+# bandwidth's probes) and an output head's (Qwen's 151,936-token vocabulary). Which product is faster depends on the
+# weight (docs/bench.md, "One verdict per weight size", session 23: in a decode here OpenVINO took the head in 0.67-0.70
+# of torch's time, and a k_proj in 1.6-1.8 times it): each shape has its verdict, and a weight takes the verdict of
+# the shape its size is nearer to on a log scale (`size_class`).
+PROBE_SHAPES = {"small": (bandwidth.HALF_PROBE_OUT, bandwidth.HALF_PROBE_IN), "large": (151936, 2048)}
+
+
+def size_class(codes: int) -> str:
+    """Which probe judges a weight of `codes` int8 codes: "small" or "large" (at and above the geometric mean of the
+    two probes' sizes, 51 MB: every output head of the catalog's models, none of their attention weights)."""
+    small, large = (math.prod(shape) for shape in PROBE_SHAPES.values())
+    return "large" if codes >= math.sqrt(small * large) else "small"
+
+
+def int8_ratio(dtype: torch.dtype, size: str = "small") -> float:
     """`measured_ratio` at torch's thread count now, measured once per process (a benchmark or the tests load many
     times; dtype_verdicts.py keeps the answer across processes)."""
-    return _measured_ratio(dtype, torch.get_num_threads())
+    return _measured_ratio(dtype, torch.get_num_threads(), size)
 
 
 @functools.cache
-def _measured_ratio(dtype: torch.dtype, threads: int) -> float:
-    return measured_ratio(dtype, threads)
+def _measured_ratio(dtype: torch.dtype, threads: int, size: str) -> float:
+    return measured_ratio(dtype, threads, size=size)
 
 
-def measured_ratio(dtype: torch.dtype, threads: int, repeats: int = 9) -> float:
+def measured_ratio(dtype: torch.dtype, threads: int, repeats: int = 9, size: str = "small") -> float:
     """Seconds of OpenVINO's one-token product over torch's `_weight_int8pack_mm` with `dtype` activations (as
-    expert_formats.Int8Weight runs it) on the same int8 weights: below 1 OpenVINO is faster here. The weights are
-    [4096, 2048] (a q_proj's shape, bandwidth.HALF_PROBE_*), as many as make twice the last-level cache so both read
-    DRAM as a decode does; each pass times torch then OpenVINO back to back and the median ratio counts (a busy
-    machine slows both of a pair alike). Infinite where OpenVINO cannot run, compile or call here."""
-    from fmoe_local import bandwidth
+    expert_formats.Int8Weight runs it) on the same int8 weights: below 1 OpenVINO is faster here. The weights have
+    `size`'s shape (PROBE_SHAPES), as many as make twice the last-level cache so both read DRAM as a decode does;
+    each pass times torch then OpenVINO back to back and the median ratio counts (a busy machine slows both of a pair
+    alike). Infinite where OpenVINO cannot run, compile or call here."""
     from fmoe_local.expert_formats import Int8Weight
 
     found = _openvino()
     if isinstance(found, str):
         return math.inf
-    out_f, in_f = bandwidth.HALF_PROBE_OUT, bandwidth.HALF_PROBE_IN
-    count = max(2, -(-2 * bandwidth.llc_bytes() // (out_f * in_f)))
+    out_f, in_f = PROBE_SHAPES[size]
+    count = max(1, -(-2 * bandwidth.llc_bytes() // (out_f * in_f)))
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8, generator=gen) for _ in range(count)]
+    # Random codes for a small shape's rows, repeated down a larger one: drawing 311 MB of random codes takes two
+    # seconds, and no kernel's speed depends on the values.
+    rows = PROBE_SHAPES["small"][0]
+    weights = [
+        torch.randint(-127, 128, (rows, in_f), dtype=torch.int8, generator=gen).repeat(-(-out_f // rows), 1)[:out_f]
+        for _ in range(count)
+    ]
     scale = torch.full((out_f,), 0.01)
     torchs = [Int8Weight(q, scale) for q in weights]
     x = torch.full((1, in_f), 0.5, dtype=dtype)

@@ -53,7 +53,8 @@ class ModelInfo:
     host_ram_bytes: int = 0  # expert weights held in RAM (the rest are read from disk per use)
     expert_format: str = "bf16"  # how experts are stored in RAM and the cache (auto resolved: expert_formats.py)
     dense_format: str = "bf16"  # how the dense linear weights are stored (auto resolved: dense_formats.py)
-    dense_product: str = ""  # what multiplies them packed int8: "openvino" or "torch" ("" not int8; dense_formats.py)
+    # What multiplies them packed int8: "openvino", "torch" or both ("" not int8; dense_formats.product_name).
+    dense_product: str = ""
     # OpenVINO's repacked copy of the dense int8 codes, counted in `resident_bytes` (RAM held) but not read per token
     # beside them: a token reads the copy instead of the codes.
     dense_repacked_bytes: int = 0

@@ -6,6 +6,7 @@ runtime's products compute with), for every family.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,11 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from fmoe_local import dense_formats, expert_formats, hardware, quant_cache
+from fmoe_local import dense_formats, expert_formats, hardware, openvino_products, quant_cache
 from fmoe_local.architectures import architecture_for
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.dense_formats import PackedLinear
+from fmoe_local.dtype_verdicts import DtypeVerdicts
 from fmoe_local.loading import load_model
 from fmoe_local.runtime import Runtime
 from fmoe_local.safetensors_file import DamagedFile, SafetensorsFile
@@ -96,6 +98,38 @@ def test_packed_dense_layers_give_eager_s_tokens_on_the_dequantised_weights(
             final = runtime.generate(PROMPT)
             assert final.token_ids == expected[: len(final.token_ids)], f"{family} {fmt} {product} {policy} {misses}"
             assert len(final.token_ids) == NEW_TOKENS or final.token_ids[-1] in engine.eos_ids
+
+
+def test_auto_asks_one_verdict_per_weight_size_and_the_head_alone_can_be_openvino_s(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """An output head streams faster with OpenVINO where an attention projection is slower (docs/bench.md, session
+    23): each size class has its verdict, asked once, and a load with both gives eager's tokens."""
+    model_dir = tiny_model_dir("qwen3_moe")
+    config = _config("int8", tmp_path, dense_int8_product="auto")
+    with Runtime.load(model_dir, config.with_changes(dense_int8_product="torch")) as runtime:
+        head = runtime.engine.model.lm_head.q.numel()  # the tiny model's largest weight: "large" here
+    monkeypatch.setattr(openvino_products, "size_class", lambda codes: "large" if codes >= head else "small")
+    asked: list[tuple[object, str]] = []
+    ratios = {"small": 2.0, "large": 0.5}
+    verdicts = DtypeVerdicts(
+        None,
+        "machine A",
+        half_ratio=lambda dtype: 2.0,  # float32 compute: no dtype probe runs
+        products_ratio=lambda fmt: math.inf,
+        openvino_ratio=lambda dtype, size: asked.append((dtype, size)) or ratios[size],
+    )
+    with Runtime.load(model_dir, config, dtype_verdicts=verdicts) as runtime:
+        engine = runtime.engine
+        products = {n: m.product is not None for n, m in engine.model.named_modules() if isinstance(m, PackedLinear)}
+        assert products.pop("lm_head") and products and not any(products.values())
+        assert runtime.info.dense_product == "openvino, torch"
+        assert engine.dense_repacked_bytes == round(head * openvino_products.REPACK_BYTES_PER_CODE)
+        assert asked == [(engine.dtype, "small"), (engine.dtype, "large")]  # once per size, in the order met
+        expected, _ = reference_tokens(model_dir, "int8", engine.encode_prompt(PROMPT))
+        runtime.reconfigure(cache_experts=engine.shape.top_k, policy="on_demand", miss_handling="cpu")
+        final = runtime.generate(PROMPT)
+        assert final.token_ids == expected[: len(final.token_ids)]
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -120,23 +120,37 @@ def test_a_cpu_load_in_auto_dtype_reuses_the_saved_verdicts(tiny_model_dir, monk
     assert calls == ["int4"]  # the second load ran no probe
 
 
-def test_the_dense_int8_product_verdict_is_kept_per_dtype_and_openvino_version():
+def test_the_dense_int8_product_verdict_is_kept_per_dtype_size_and_openvino_version():
     calls: list[object] = []
-    v = DtypeVerdicts(None, "machine A", openvino_ratio=lambda dtype: calls.append(dtype) or 0.6)
+    v = DtypeVerdicts(None, "machine A", openvino_ratio=lambda dtype, size: calls.append((dtype, size)) or 0.6)
     assert v.dense_prefers_openvino(torch.bfloat16) and v.dense_prefers_openvino(torch.bfloat16)
-    assert calls == [torch.bfloat16]  # asked twice, measured once
+    assert calls == [(torch.bfloat16, "small")]  # asked twice, measured once
     name = f"openvino int8 bfloat16 {openvino_products.version()}"
     assert _saved(v)["ratios"] == {name: 0.6}
-    slower = DtypeVerdicts(_saved(v), "machine A", openvino_ratio=lambda dtype: calls.append(dtype) or 1.7)
+    slower = DtypeVerdicts(
+        _saved(v), "machine A", openvino_ratio=lambda dtype, size: calls.append((dtype, size)) or 1.7
+    )
     assert slower.dense_prefers_openvino(torch.bfloat16) and slower.measured == 0  # read back, not measured
-    assert not slower.dense_prefers_openvino(torch.float32) and calls == [torch.bfloat16, torch.float32]
+    assert not slower.dense_prefers_openvino(torch.float32) and calls[1:] == [(torch.float32, "small")]
+    # A large weight (an output head) has a verdict of its own beside the small one's.
+    assert not slower.dense_prefers_openvino(torch.bfloat16, "large") and calls[2:] == [(torch.bfloat16, "large")]
+    assert _saved(slower)["ratios"][f"openvino int8 large bfloat16 {openvino_products.version()}"] == 1.7
+
+
+def test_a_verdict_saved_before_sizes_were_told_apart_is_the_small_size_s():
+    """The small size's probe is the one every verdict was measured with before: read back, the large one measured."""
+    saved = {"key": "machine A", "ratios": {f"openvino int8 bfloat16 {openvino_products.version()}": 0.6}}
+    calls: list[str] = []
+    v = DtypeVerdicts(saved, "machine A", openvino_ratio=lambda dtype, size: calls.append(size) or 1.3)
+    assert v.dense_prefers_openvino(torch.bfloat16, "small") and calls == []
+    assert not v.dense_prefers_openvino(torch.bfloat16, "large") and calls == ["large"]
 
 
 def test_where_openvino_cannot_be_imported_nothing_is_measured(monkeypatch):
     openvino_products._openvino.cache_clear()
     monkeypatch.setattr(openvino_products, "_import_openvino", lambda: (_ for _ in ()).throw(ImportError("none")))
     try:
-        v = DtypeVerdicts(None, "machine A", openvino_ratio=lambda dtype: pytest.fail("probed without openvino"))
+        v = DtypeVerdicts(None, "machine A", openvino_ratio=lambda dtype, size: pytest.fail("probed without openvino"))
         assert not v.dense_prefers_openvino(torch.float32) and v.measured == 0 and _saved(v)["ratios"] == {}
     finally:
         openvino_products._openvino.cache_clear()
@@ -148,7 +162,7 @@ def test_a_saved_openvino_verdict_is_read_without_importing_openvino(monkeypatch
     monkeypatch.setattr(openvino_products, "_import_openvino", lambda: pytest.fail("openvino imported"))
     try:
         saved = {"key": "machine A", "ratios": {f"openvino int8 bfloat16 {openvino_products.version()}": 0.6}}
-        v = DtypeVerdicts(saved, "machine A", openvino_ratio=lambda dtype: pytest.fail("probed again"))
+        v = DtypeVerdicts(saved, "machine A", openvino_ratio=lambda dtype, size: pytest.fail("probed again"))
         assert v.dense_prefers_openvino(torch.bfloat16) and v.measured == 0
     finally:
         openvino_products._openvino.cache_clear()
@@ -161,7 +175,7 @@ def test_where_openvino_is_not_installed_its_product_is_never_chosen(monkeypatch
     monkeypatch.setattr(importlib.metadata, "version", absent)
     assert openvino_products.version() == ""
     saved = {"key": "machine A", "ratios": {"openvino int8 bfloat16 2026.4.1": 0.6}}  # measured before an uninstall
-    v = DtypeVerdicts(saved, "machine A", openvino_ratio=lambda dtype: pytest.fail("probed without openvino"))
+    v = DtypeVerdicts(saved, "machine A", openvino_ratio=lambda dtype, size: pytest.fail("probed without openvino"))
     assert not v.dense_prefers_openvino(torch.bfloat16) and v.measured == 0
 
 
@@ -170,7 +184,7 @@ def test_an_int8_load_multiplies_with_the_faster_product_and_a_second_load_probe
     ratio, product, tiny_model_dir, monkeypatch, tmp_path
 ):
     calls: list[object] = []
-    monkeypatch.setattr(openvino_products, "int8_ratio", lambda dtype: calls.append(dtype) or ratio)
+    monkeypatch.setattr(openvino_products, "int8_ratio", lambda dtype, size: calls.append(dtype) or ratio)
     model = tiny_model_dir("mixtral")
     config = RuntimeConfig(device="cpu", expert_format="int8", quant_cache_dir=str(tmp_path))
     with Runtime.load(model, config) as runtime:

@@ -144,12 +144,19 @@ def test_each_format_says_what_it_takes_on_disk_in_ram_and_on_the_gpu():
     assert products["int4"].disk_bytes == OLMOE.download_bytes + OLMOE.experts_bytes_for("int4") + packed(4.5, 0)
     assert products["int8"].ram_bytes == cpu["int8"].ram_bytes == OLMOE.experts_bytes_for("int8") + packed(8, 2)
     assert products["bf16"].ram_bytes == cpu["bf16"].ram_bytes
-    # Where OpenVINO multiplies the dense int8 weights (the measured verdict), they take their size twice in RAM (its
-    # repacked copy beside ours), not on disk; int4's dense weights and the experts are as before.
-    ov = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_openvino_dense=True))}
+    # Where OpenVINO multiplies the dense int8 weights (the measured verdicts, per size class), they take their size
+    # twice in RAM (its repacked copy beside ours), not on disk; int4's dense weights and the experts are as before.
+    ov = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_openvino_dense=("small", "large")))}
     assert ov["int8"].ram_bytes == cpu["int8"].ram_bytes + round(linear * 8 / 16)
     assert ov["int8"].disk_bytes == cpu["int8"].disk_bytes
     assert ov["int4"].ram_bytes == cpu["int4"].ram_bytes and ov["bf16"].ram_bytes == cpu["bf16"].ram_bytes
+    # The output head (the input table's shape, 103 MB in int8: large) and the other linear weights (small) each
+    # follow their own size's verdict.
+    head = table // 2
+    heads = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_openvino_dense=("large",)))}
+    assert heads["int8"].ram_bytes == cpu["int8"].ram_bytes + head
+    rest = {f.fmt: f for f in format_fits(OLMOE, replace(OFFICE, cpu_openvino_dense=("small",)))}
+    assert rest["int8"].ram_bytes == cpu["int8"].ram_bytes + round(linear * 8 / 16) - head
     gpt_oss = format_fits(find("openai/gpt-oss-20b"), desktop)
     assert (gpt_oss[0].fmt, gpt_oss[0].choice) == ("mxfp4", "auto")
     assert gpt_oss[0].disk_bytes == find("openai/gpt-oss-20b").download_bytes  # its own form: no copy

@@ -125,6 +125,16 @@ def test_a_weight_that_does_not_compile_falls_back_to_torch_s_product_for_the_re
         assert final.token_ids == expected[: len(final.token_ids)]
 
 
-def test_the_probe_measures_both_products():
-    ratio = openvino_products.measured_ratio(torch.float32, threads=1, repeats=1)
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_the_probe_measures_both_products(size):
+    ratio = openvino_products.measured_ratio(torch.float32, threads=1, repeats=1, size=size)
     assert 0 < ratio < float("inf")
+
+
+def test_an_output_head_is_judged_by_the_large_probe_and_attention_weights_by_the_small():
+    from fmoe_local.catalog import CATALOG
+
+    for entry in CATALOG:  # none ties its head to the input table: the head has the table's shape, one byte a code
+        assert openvino_products.size_class(entry.embedding_bytes // 2) == "large", entry.repo_id
+    for out_f, in_f in [(4096, 4096), (4096, 2880), (1024, 4096), (10944, 2048)]:  # Mixtral, GPT-OSS, DeepSeek
+        assert openvino_products.size_class(out_f * in_f) == "small"
