@@ -11,7 +11,9 @@ NOT save anything: as for miss_cost.MissCosts, the app saves `to_dict()` in its 
 back to the next (`Runtime.load(..., dtype_verdicts=)`); the Models tab's "Re-check this computer" measures them
 again. Saved figures of another machine key, or unreadable ones, are ignored and measured again, never an error.
 
-Threads: one object per load or machine probe, used by the thread that made it.
+Threads: one object may be shared (the app's page probes the machine while its start-up load resolves a dtype). A
+probe runs under the object's lock: two threads asking at once never measure together (each probe would time the
+other's memory traffic and save a wrong verdict for good), and a ratio is measured once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 import platform
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -79,6 +82,7 @@ class DtypeVerdicts:
         self._openvino_ratio = openvino_ratio or (lambda dtype, size: openvino_products.int8_ratio(dtype, size))
         self.ratios: dict[str, float] = _readable(saved, self.key)
         self.measured = 0
+        self._lock = threading.Lock()  # held while a probe runs and while `ratios` changes or is copied
 
     def keeps_half(self, dtype: object) -> bool:
         """Does this CPU decode with weights in half precision `dtype` about as fast as in float32?"""
@@ -106,15 +110,18 @@ class DtypeVerdicts:
         return self._ratio(name, lambda: self._openvino_ratio(dtype, size)) < 1.0
 
     def _ratio(self, name: str, measure: Callable[[], float]) -> float:
-        if name not in self.ratios:
-            self.ratios[name] = float(measure())
-            self.measured += 1
-        return self.ratios[name]
+        with self._lock:
+            if name not in self.ratios:
+                self.ratios[name] = float(measure())
+                self.measured += 1
+            return self.ratios[name]
 
     def to_dict(self) -> dict:
         """What to save: the key and the ratios (an infinite ratio, a product torch lacks here, as the string "inf",
         so that the saved text is strict JSON)."""
-        return {"key": self.key, "ratios": {k: (v if math.isfinite(v) else "inf") for k, v in self.ratios.items()}}
+        with self._lock:
+            ratios = {k: (v if math.isfinite(v) else "inf") for k, v in self.ratios.items()}
+        return {"key": self.key, "ratios": ratios}
 
 
 def _readable(saved: object, key: str) -> dict[str, float]:

@@ -198,3 +198,13 @@ def test_an_int8_load_multiplies_with_the_faster_product_and_a_second_load_probe
     with Runtime.load(model, config.with_changes(dense_int8_product="torch")) as runtime:
         assert runtime.info.dense_product == "torch"
     assert calls == [torch.float32]
+
+
+def test_a_probe_runs_under_the_verdicts_lock_so_threads_sharing_them_never_measure_at_once():
+    """The app's page and its start-up load share one object (ui/session.py): a second asker waits for the probe
+    under way and reads its answer; it never runs a probe beside it."""
+    held: list[bool] = []
+    v = DtypeVerdicts(None, "machine A", half_ratio=lambda dtype: held.append(v._lock.locked()) or 1.4)
+    assert not v.keeps_half(torch.bfloat16) and held == [True]
+    v.to_dict()  # takes the same lock: not held afterwards
+    assert not v._lock.locked()

@@ -237,20 +237,40 @@ def test_a_gpu_model_s_memory_is_given_back_to_the_verdicts():
 def test_the_dtype_verdicts_are_measured_once_saved_and_measured_again_on_re_check(store, monkeypatch):
     import json
 
-    from fmoe_local import bandwidth, dtype_verdicts
+    from fmoe_local import bandwidth, dtype_verdicts, openvino_products
 
     calls: list[str] = []
     monkeypatch.setattr(bandwidth, "half_decode_ratio", lambda dtype: calls.append("half") or 0.9)
     monkeypatch.setattr(bandwidth, "products_decode_ratio", lambda fmt: calls.append(fmt) or 0.5)
+    monkeypatch.setattr(openvino_products, "int8_ratio", lambda dtype, size: calls.append(f"openvino {size}") or 2.0)
     monkeypatch.setattr("fmoe_local.hardware.unused_gpu_reason", lambda cuda: "")
     Session(store=store, config=RuntimeConfig(device="cpu")).machine()
-    assert calls == ["half", "int8", "int4"]
+    measured = ["half", "int8", "int4"] + (["openvino small", "openvino large"] if openvino_products.version() else [])
+    assert calls == measured
     saved = json.loads(store.settings.load().dtype_verdicts)
     assert saved["key"] == dtype_verdicts.machine_key() and saved["ratios"]["half bfloat16"] == 0.9
     again = Session(store=store, config=RuntimeConfig(device="cpu"))  # the app started again on this machine
-    assert again.machine().cpu_keeps_bf16 and len(calls) == 3  # read back, not measured
+    assert again.machine().cpu_keeps_bf16 and calls == measured  # read back, not measured
     again.machine(refresh=True)  # the Models tab's "Re-check this computer"
-    assert len(calls) == 6
+    assert calls == measured * 2
     store.settings.set(dtype_verdicts='{"key": 1')  # unreadable: measured again and replaced
     Session(store=store, config=RuntimeConfig(device="cpu")).machine()
-    assert len(calls) == 9 and json.loads(store.settings.load().dtype_verdicts)["key"] == saved["key"]
+    assert calls == measured * 3 and json.loads(store.settings.load().dtype_verdicts)["key"] == saved["key"]
+
+
+def test_the_page_s_machine_probe_and_a_load_share_one_set_of_verdicts(ui_session, tiny_model_dir, monkeypatch):
+    """At a first start the page probes the machine while the start-up load resolves its dtype: with one object
+    each probe runs once, never two at the same time (tests/test_dtype_verdicts.py: under its lock)."""
+    from fmoe_local.hardware import Machine
+
+    seen = []
+    monkeypatch.setattr(
+        "ui.session.probe", lambda _, verdicts: seen.append(verdicts) or Machine("cpu", "", 0, 0, 1, 1, 1)
+    )
+    ui_session.machine()
+    ui_session.load(tiny_model_dir("mixtral"))
+    assert ui_session.runtime.dtype_verdicts is seen[0]
+    ui_session.machine(refresh=True)  # "Re-check this computer": a new set, which the next load uses
+    assert seen[-1] is not seen[0]
+    ui_session.load(tiny_model_dir("mixtral"))
+    assert ui_session.runtime.dtype_verdicts is seen[-1]

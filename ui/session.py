@@ -97,6 +97,11 @@ class Session:
     # Saved settings the store refused when read (`check_settings`): the page's header says so for this run.
     settings_notice: str = ""
     _machine: Machine | None = None
+    # The dtype verdicts of this machine (fmoe_local.dtype_verdicts), one object for the page's machine probe and
+    # every load, so that a probe the start-up load runs while the page is built is measured once, never twice at
+    # the same time; replaced (under `_verdicts_lock`) when the Models tab measures again.
+    _verdicts: DtypeVerdicts | None = None
+    _verdicts_lock: threading.Lock = field(default_factory=threading.Lock)
     _persistence: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _replies_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -137,7 +142,7 @@ class Session:
         what the app's own loaded model holds counted as free, since Load unloads it first. Without that, the
         loaded model's GPU memory and RAM made every other model (and itself) look as if it did not fit."""
         if self._machine is None or refresh:
-            verdicts = DtypeVerdicts() if refresh else self._saved_dtype_verdicts()  # the button measures again
+            verdicts = self._dtype_verdicts(refresh)  # the button measures again
             self._machine = probe(self.models_dir.parent, verdicts)
             self._save_dtype_verdicts(verdicts)
         vram, ram = self.footprint()
@@ -272,7 +277,7 @@ class Session:
                 # saved value stays for the others, and the load says so (`distance_notice`).
                 config = config.with_changes(prefetch_distance=min(config.prefetch_distance, top))
                 saved = self._saved_miss_costs(model_dir)
-                verdicts = self._saved_dtype_verdicts()
+                verdicts = self._dtype_verdicts()
                 return Runtime.load(model_dir, config, self._persistence, saved, progress, verdicts)
 
             notice = self.check_settings()
@@ -364,13 +369,18 @@ class Session:
         known[str(model_dir)] = self.runtime.miss_costs.to_dict()
         self.store.settings.set(miss_costs=json.dumps(known))
 
-    def _saved_dtype_verdicts(self) -> DtypeVerdicts:
-        """The dtype probes' ratios saved for this machine; empty (measured when asked) when there are none, they
-        are another machine's, or they cannot be read."""
-        try:
-            return DtypeVerdicts(json.loads(self.store.settings.load().dtype_verdicts or "{}"))
-        except ValueError:
-            return DtypeVerdicts()  # unreadable (an older or newer version wrote it): measure again, then overwrite
+    def _dtype_verdicts(self, refresh: bool = False) -> DtypeVerdicts:
+        """This session's dtype verdicts: at first those saved for this machine (empty, measured when asked, when
+        there are none, they are another machine's, or they cannot be read); a new empty one with `refresh`."""
+        with self._verdicts_lock:
+            if refresh:
+                self._verdicts = DtypeVerdicts()
+            elif self._verdicts is None:
+                try:
+                    self._verdicts = DtypeVerdicts(json.loads(self.store.settings.load().dtype_verdicts or "{}"))
+                except ValueError:  # unreadable (an older or newer version wrote it): measure again, then overwrite
+                    self._verdicts = DtypeVerdicts()
+            return self._verdicts
 
     def _save_dtype_verdicts(self, verdicts: DtypeVerdicts) -> None:
         if verdicts.measured:  # nothing new: the saved text stands
