@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import app
+from tests import machine_verdicts
 from tests.ports import unused_port
 
 
@@ -165,6 +166,7 @@ def test_a_closed_terminal_or_a_shutdown_stops_the_app_through_its_cleanup(signa
         "--port",
         str(unused_port()),
     ]
+    machine_verdicts.seed(tmp_path)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
     try:
         lines = []
@@ -179,6 +181,7 @@ def test_a_closed_terminal_or_a_shutdown_stops_the_app_through_its_cleanup(signa
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out  # without the handler: -15 / -1, killed before any cleanup
+    machine_verdicts.keep(tmp_path)
     assert "fmoe-local: stopped (chats and expert maps saved)." in out, "".join(lines) + out
     if after == "serving on":  # the address it served at goes with it: a later start must not send anyone there
         assert not (tmp_path / app.RUNNING_URL).exists()

@@ -22,6 +22,7 @@ from fmoe_local import chat_template
 from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.runtime import Runtime
+from tests import machine_verdicts
 from tests.api_server import STRICT_TEMPLATE, serving
 from tests.ports import unused_port
 
@@ -221,6 +222,7 @@ def test_ctrl_c_ends_the_app_while_a_runaway_template_renders(tiny_model_dir, tm
     args += ["--port", str(port), "--model", str(model)]
     # On a hang, SIGABRT makes the app's faulthandler print every thread's stack: the failure says where it waited.
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    machine_verdicts.seed(tmp_path / "data")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
     try:
         lines = []
@@ -252,6 +254,7 @@ def test_ctrl_c_ends_the_app_while_a_runaway_template_renders(tiny_model_dir, tm
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0 and "fmoe-local: stopped" in out, out[-2000:]
+    machine_verdicts.keep(tmp_path / "data")
 
 
 def test_a_render_after_the_app_stopped_the_renderer_for_good_starts_no_child(monkeypatch):

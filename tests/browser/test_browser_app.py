@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from tests import machine_verdicts
 from tests.ports import unused_port
 
 # A real browser against a real app started twice: minutes on a busy 2-core machine, not the default 120 s.
@@ -35,6 +36,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 STREAM_TIMEOUT_MS = 120_000
+
 
 if not Path(CHROMIUM).exists():
     if os.environ.get("CI"):  # in CI the browser tests must run: fail loudly rather than skip
@@ -63,6 +65,8 @@ class App:
         `hold`: a reply started while this file exists keeps writing and cannot end until the test deletes it
         (tests/browser/netguard/slow_tokens.py)."""
         self.port = unused_port() if port is None else port
+        self.data_dir = data_dir
+        machine_verdicts.seed(data_dir)  # read back, as at a user's later starts
         env = dict(os.environ)
         if reply:
             env["FMOE_TEST_REPLY"], env["FMOE_TEST_REPLY_MODEL"] = reply, str(model)
@@ -114,6 +118,7 @@ class App:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        machine_verdicts.keep(self.data_dir)
 
 
 @pytest.fixture(scope="module")
