@@ -25,12 +25,12 @@ in the compute dtype plus the packed head (vocab × hidden bytes in int8, about 
 The int8 product: OpenVINO's (openvino_products.Int8Product, float32 activations, on the same `q` and `scale`) where
 the machine's verdict for the weight's size says it is faster (measured once per machine and size class and saved
 with the dtype verdicts: dtype_verdicts.DtypeVerdicts.dense_prefers_openvino; `RuntimeConfig.dense_int8_product`
-forces either), torch's `_weight_int8pack_mm` otherwise, and where openvino cannot be imported or a weight does not compile (`int8_product`
-and `quantise` log which product runs and what that costs). OpenVINO's costs RAM: its plugin keeps a repacked copy of
-the codes beside ours (made at the first call; our `q` stays, shared with the model's constant, not copied), so a
-dense int8 weight it computes holds about twice its int8 bytes (`repacked_bytes`; hardware.cpu_resident_bytes counts
-it): for Qwen3-30B-A3B's 1.2 GB of dense int8 weights, 1.2 GB more (as much RAM as the bf16 weights, half the bytes
-read per token).
+forces either), torch's `_weight_int8pack_mm` otherwise, and where openvino cannot be imported or a weight does not
+compile (`int8_product` and `quantise` log which product runs and what that costs). OpenVINO's costs RAM: its plugin
+keeps a repacked copy of the codes beside ours (made at the first call; our `q` stays, shared with the model's
+constant, not copied), so a dense int8 weight it computes holds about twice its int8 bytes (`repacked_bytes`;
+hardware.cpu_resident_bytes counts it): for Qwen3-30B-A3B's 1.2 GB of dense int8 weights, up to 1.2 GB more (as much
+RAM as the bf16 weights, half the bytes read per token).
 
 Exactness: a PackedLinear computes x·Wᵀ (+ b) with W = expert_formats.unpack of its parts; "lossless" for a packed
 dense format means the same greedy tokens as transformers eager whose dense weights (and experts) are those

@@ -130,9 +130,9 @@ class Int8Product:
 
 # The two shapes the probe times, as [out, in] int8 codes: an attention projection's (Qwen3-30B-A3B's q_proj, as
 # bandwidth's probes) and an output head's (Qwen's 151,936-token vocabulary). Which product is faster depends on the
-# weight (docs/bench.md, "One verdict per weight size", session 23: in a decode here OpenVINO took the head in 0.67-0.70
-# of torch's time, and a k_proj in 1.6-1.8 times it): each shape has its verdict, and a weight takes the verdict of
-# the shape its size is nearer to on a log scale (`size_class`).
+# weight (docs/bench.md, "One verdict per weight size", session 23: in a decode here OpenVINO took the head in
+# 0.63-0.70 of torch's time, and a k_proj in 1.5-2 times it): each shape has its verdict, and a weight takes the
+# verdict of the shape its size is nearer to on a log scale (`size_class`).
 PROBE_SHAPES = {"small": (bandwidth.HALF_PROBE_OUT, bandwidth.HALF_PROBE_IN), "large": (151936, 2048)}
 
 

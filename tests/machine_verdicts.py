@@ -1,6 +1,6 @@
 """This machine's dtype verdicts (fmoe_local.dtype_verdicts) for the apps the tests start in a process of their own.
 
-An app's first start on a machine measures them: 6-12 s of probes under the suite's load (docs/bench.md, session 23),
+An app's first start on a machine measures them: 5-12 s of probes under the suite's load (docs/bench.md, session 23),
 which every later start of a user's app skips by reading them back from its settings. `keep(data_dir)` takes them
 from the first stopped app of this test process; `seed(data_dir)` writes them into a data folder before a start, so
 the starts after the first read them back as a user's do. The probes have tests of their own
