@@ -19,7 +19,7 @@ copies predicted experts into RAM slots (hits are then computed from the slots w
 Method: formats interleaved in every round (the order reversed every other round, so a drifting machine load does
 not favour one format), each round's DRAM figure (bandwidth.dram_read_gbps, all torch threads) measured at its
 start; per format the medians over rounds of tok/s and of each round's own share of its limit. The compute dtype is
-resolved once per format before the first round (`--dtype auto`: engine.resolve_dtype's probes, what a load of that
+resolved once per format before the first round (`--dtype auto`: dtype_verdicts.resolve_dtype's probes, what a load of that
 format would choose: int8/int4 keep bf16 where torch's products are faster so), and kept over the rounds. The prompt is one character, so the prefill is one token as every decode step.
 """
 
@@ -130,7 +130,7 @@ def compute_dtype(name: str, model_dir: Path, fmt: str = "auto") -> str:
     """The compute dtype `fmt` runs in: `name`, or with auto what a CPU load of this checkpoint in `fmt` chooses."""
     import torch
 
-    from fmoe_local.engine import resolve_dtype
+    from fmoe_local.dtype_verdicts import resolve_dtype
     from fmoe_local.loading import checkpoint_dtype
 
     if name != "auto":

@@ -98,7 +98,7 @@ class RuntimeConfig:
     device: str = "auto"
     # Compute dtype: "auto" keeps the checkpoint's dtype (bf16 → bf16); on the CPU bf16 only where this CPU decodes
     # in it about as fast as in float32, or where the experts are int8/int4 and torch's products for them are faster
-    # with bf16 activations (both measured at load: engine.resolve_dtype), fp16 never, else float32.
+    # with bf16 activations (both measured at load: dtype_verdicts.resolve_dtype), fp16 never, else float32.
     dtype: str = "auto"
     # Expert cache budget on the device. cache_experts (a count) wins over cache_gb when both are given.
     cache_gb: float = 4.0

@@ -6,7 +6,7 @@ dtype, weight size class and openvino version, which its ratio's name holds).
 
 Scope: `DtypeVerdicts` holds the ratios measured for one machine key (the CPU's model name and flags, torch's version
 and CPU capability, torch's thread count), measures a missing one when it is first asked (the probe for a format is
-run only for a load in that format), and gives the verdicts engine.resolve_dtype and hardware.probe ask for. It does
+run only for a load in that format), and gives the verdicts `resolve_dtype` (here) and hardware.probe ask for. It does
 NOT save anything: as for miss_cost.MissCosts, the app saves `to_dict()` in its settings after a load and hands it
 back to the next (`Runtime.load(..., dtype_verdicts=)`); the Models tab's "Re-check this computer" measures them
 again. Saved figures of another machine key, or unreadable ones, are ignored and measured again, never an error.
@@ -25,13 +25,13 @@ import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from fmoe_local import bandwidth, openvino_products
+import torch
+
+from fmoe_local import bandwidth, expert_formats, openvino_products
 
 
 def machine_key() -> str:
     """What the dtype probes' answers depend on, as one string: `torch_cpu_key()` and torch's thread count now."""
-    import torch
-
     return f"{torch_cpu_key()} | threads {torch.get_num_threads()}"
 
 
@@ -39,8 +39,6 @@ def torch_cpu_key() -> str:
     """The CPU (model name and flags, or what the platform says of it), torch's version and the CPU capability it
     dispatches to, as one string: what torch's CPU kernels, and the int4 layout they read (kept on disk by
     quant_cache.py), depend on."""
-    import torch
-
     model, flags = _cpu_identity()
     digest = hashlib.sha256(flags.encode()).hexdigest()[:16]
     return f"{model} | flags {digest} | torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
@@ -138,3 +136,32 @@ def _readable(saved: object, key: str) -> dict[str, float]:
             return {}
         ratios[name] = float(value)
     return ratios
+
+
+def resolve_dtype(
+    name: str,
+    device: torch.device,
+    stored: Callable[[], torch.dtype] | None = None,
+    keeps_half: Callable[[torch.dtype], bool] = bandwidth.cpu_keeps_half,
+    expert_format: str = "auto",
+    products_prefer_bf16: Callable[[str], bool] = bandwidth.cpu_products_prefer_bf16,
+) -> torch.dtype | None:
+    """None = keep the checkpoint's dtype (`stored()` says which it is). On a GPU auto keeps it. On the CPU auto keeps
+    a bf16 checkpoint where this CPU decodes in bf16 about as fast as in float32 (`keeps_half`, a measurement:
+    CPUs range from ones without bf16 units to AMX), so the model holds its own size in RAM, and where its experts
+    are int8/int4 (`expert_format`) that torch's weight-only products compute faster with bf16 activations
+    (`products_prefer_bf16`, measured; asked first: the experts are most of a token's bytes). Else, and for fp16
+    checkpoints (models trained in bf16 can overflow fp16, and CPUs' fp16 products are slow), float32."""
+    if name != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if device.type == "cuda" or stored is None:
+        return None
+    dtype = stored()
+    if dtype == torch.float32:
+        return None
+    if dtype == torch.bfloat16:
+        if expert_format in expert_formats.PRODUCTS and products_prefer_bf16(expert_format):
+            return None
+        if keeps_half(dtype):
+            return None
+    return torch.float32

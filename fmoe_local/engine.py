@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -25,12 +25,10 @@ import torch
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
 from fmoe_local import (
-    bandwidth,
     cache_budget,
     chat_template,
     cpu_experts,
     dense_formats,
-    expert_formats,
     hardware,
     miss_cost,
 )
@@ -41,7 +39,7 @@ from fmoe_local.chat_template import TemplateOverBudget
 from fmoe_local.config import RuntimeConfig
 from fmoe_local.constrained import Grammars
 from fmoe_local.cpu_experts import Kernel
-from fmoe_local.dtype_verdicts import DtypeVerdicts
+from fmoe_local.dtype_verdicts import DtypeVerdicts, resolve_dtype
 from fmoe_local.experts import OffloadedExperts
 from fmoe_local.loading import checkpoint_dtype, load_model
 from fmoe_local.maps import MapStore
@@ -87,35 +85,6 @@ def pinned_budget(config: RuntimeConfig) -> int:
         return int(config.pinned_ram_gb * 1024**3)
     total, _ = hardware.ram_bytes()
     return total // 2
-
-
-def resolve_dtype(
-    name: str,
-    device: torch.device,
-    stored: Callable[[], torch.dtype] | None = None,
-    keeps_half: Callable[[torch.dtype], bool] = bandwidth.cpu_keeps_half,
-    expert_format: str = "auto",
-    products_prefer_bf16: Callable[[str], bool] = bandwidth.cpu_products_prefer_bf16,
-) -> torch.dtype | None:
-    """None = keep the checkpoint's dtype (`stored()` says which it is). On a GPU auto keeps it. On the CPU auto keeps
-    a bf16 checkpoint where this CPU decodes in bf16 about as fast as in float32 (`keeps_half`, a measurement:
-    CPUs range from ones without bf16 units to AMX), so the model holds its own size in RAM, and where its experts
-    are int8/int4 (`expert_format`) that torch's weight-only products compute faster with bf16 activations
-    (`products_prefer_bf16`, measured; asked first: the experts are most of a token's bytes). Else, and for fp16
-    checkpoints (models trained in bf16 can overflow fp16, and CPUs' fp16 products are slow), float32."""
-    if name != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    if device.type == "cuda" or stored is None:
-        return None
-    dtype = stored()
-    if dtype == torch.float32:
-        return None
-    if dtype == torch.bfloat16:
-        if expert_format in expert_formats.PRODUCTS and products_prefer_bf16(expert_format):
-            return None
-        if keeps_half(dtype):
-            return None
-    return torch.float32
 
 
 class Engine:

@@ -201,7 +201,7 @@ def probe(data_dir: str | os.PathLike = ".", verdicts: DtypeVerdicts | None = No
     products = () if device == "cuda" else tuple(f for f in PRODUCTS if verdicts.products_prefer_bf16(f))
     openvino_dense: tuple[str, ...] = ()
     if device != "cuda":
-        from fmoe_local.engine import resolve_dtype  # engine imports this module
+        from fmoe_local.dtype_verdicts import resolve_dtype
 
         # What a bf16 checkpoint with int8 experts computes in here (None: it keeps bf16).
         int8_dtype = resolve_dtype(
@@ -286,7 +286,7 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: st
 
 def cpu_widening(entry: CatalogEntry, fmt: str, machine: Machine) -> float:
     """How many times larger than its size in `expert_formats.BITS` an expert of `fmt` is in RAM here. Without a CUDA
-    GPU the runtime computes in float32 where the CPU computes bf16 slowly (engine.resolve_dtype: `_widens`): bf16
+    GPU the runtime computes in float32 where the CPU computes bf16 slowly (dtype_verdicts.resolve_dtype: `_widens`): bf16
     experts take twice their size, and int4's group scales and zeros, kept in the compute dtype, 5 bits per weight
     instead of 4.5. Else, and for int8, nf4 and MXFP4 (their scales are float32 or bytes either way), 1."""
     from fmoe_local.expert_formats import BITS, INT4_FLOAT32_BITS
@@ -344,7 +344,7 @@ def cpu_dense_copy_bytes(entry: CatalogEntry, fmt: str, machine: Machine) -> int
 
 
 def _widens(machine: Machine, fmt: str) -> bool:
-    """Does a bf16 model with experts in `fmt` compute in float32 here (engine.resolve_dtype's rule)?"""
+    """Does a bf16 model with experts in `fmt` compute in float32 here (dtype_verdicts.resolve_dtype's rule)?"""
     if machine.has_gpu or machine.cpu_keeps_bf16:
         return False
     return fmt not in machine.cpu_bf16_products

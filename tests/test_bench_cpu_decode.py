@@ -90,12 +90,12 @@ def test_rows_count_each_format_at_its_stored_size(tiny_dir, tmp_path, dtype):
 
 
 def test_auto_gives_each_format_the_dtype_a_load_of_it_would_choose(tiny_dir, monkeypatch):
-    from fmoe_local import engine
+    from fmoe_local import dtype_verdicts
 
-    def resolve(name, device, stored, expert_format):  # noqa: ANN001, ANN202 - engine.resolve_dtype's call
+    def resolve(name, device, stored, expert_format):  # noqa: ANN001, ANN202 - dtype_verdicts.resolve_dtype's call
         return torch.bfloat16 if expert_format in ("int8", "int4") else torch.float32
 
-    monkeypatch.setattr(engine, "resolve_dtype", resolve)
+    monkeypatch.setattr(dtype_verdicts, "resolve_dtype", resolve)
     got = [cpu_decode.compute_dtype("auto", tiny_dir, fmt) for fmt in cpu_decode.FORMATS]
     assert got == ["float32", "bfloat16", "bfloat16", "float32"]
     assert cpu_decode.compute_dtype("float32", tiny_dir, "int4") == "float32"  # an explicit dtype stays
