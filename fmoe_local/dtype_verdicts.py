@@ -12,8 +12,9 @@ back to the next (`Runtime.load(..., dtype_verdicts=)`); the Models tab's "Re-ch
 again. Saved figures of another machine key, or unreadable ones, are ignored and measured again, never an error.
 
 Threads: one object may be shared (the app's page probes the machine while its start-up load resolves a dtype). A
-probe runs under the object's lock: two threads asking at once never measure together (each probe would time the
-other's memory traffic and save a wrong verdict for good), and a ratio is measured once.
+probe runs under the object's lock: two threads asking at once never run two probes together (each would time the
+other's memory traffic and save a wrong verdict for good), and a ratio is measured once. The lock does not keep a
+load's own work (reading, quantising) from running beside a probe.
 """
 
 from __future__ import annotations
@@ -106,6 +107,13 @@ class DtypeVerdicts:
         if name not in self.ratios and openvino_products.unavailable():
             return False
         return self._ratio(name, lambda: self._openvino_ratio(dtype, size)) < 1.0
+
+    def forget(self) -> None:
+        """Measure everything again when next asked (the Models tab's "Re-check this computer"), here and in this
+        process's cache of OpenVINO's probe (openvino_products.int8_ratio); waits for a probe under way."""
+        with self._lock:
+            self.ratios.clear()
+            openvino_products.forget_measured()
 
     def _ratio(self, name: str, measure: Callable[[], float]) -> float:
         with self._lock:

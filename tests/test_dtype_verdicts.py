@@ -206,8 +206,15 @@ def test_a_probe_runs_under_the_verdicts_lock_so_threads_sharing_them_never_meas
     held: list[bool] = []
     v = DtypeVerdicts(None, "machine A", half_ratio=lambda dtype: held.append(v._lock.locked()) or 1.4)
     assert not v.keeps_half(torch.bfloat16) and held == [True]
-    v.to_dict()  # takes the same lock: not held afterwards
-    assert not v._lock.locked()
+
+
+def test_forget_measures_every_verdict_again_when_next_asked():
+    calls: list[str] = []
+    v = DtypeVerdicts(None, "machine A", half_ratio=lambda dtype: calls.append("half") or 1.4)
+    assert not v.keeps_half(torch.bfloat16) and not v.keeps_half(torch.bfloat16) and calls == ["half"]
+    v.forget()  # the Models tab's "Re-check this computer"
+    assert _saved(v)["ratios"] == {}
+    assert not v.keeps_half(torch.bfloat16) and calls == ["half", "half"]
 
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

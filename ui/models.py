@@ -189,8 +189,8 @@ class ModelsHandlers:
     def __init__(self, session: Session) -> None:
         self.session = session
 
-    def machine_md(self, refresh: bool = False) -> str:
-        return f"**This computer:** {literal(self.session.machine(refresh).summary())}"
+    def machine_md(self, remeasure: bool = False) -> str:
+        return f"**This computer:** {literal(self.session.machine(remeasure=remeasure).summary())}"
 
     def on_load(self) -> tuple:
         """The page's load. The loaded model is preselected, so "Your models" shows what is running."""
@@ -206,7 +206,7 @@ class ModelsHandlers:
         return line, gr.Button(visible=bool(line))
 
     def recheck(self) -> tuple:
-        return self.machine_md(refresh=True), catalog_rows(self.session)
+        return self.machine_md(remeasure=True), catalog_rows(self.session)
 
     def pick(self, evt: gr.SelectData) -> tuple:
         """The wizard's row: its repo id and table per format. The format choice stays with the model picked for

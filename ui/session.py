@@ -99,7 +99,7 @@ class Session:
     _machine: Machine | None = None
     # The dtype verdicts of this machine (fmoe_local.dtype_verdicts), one object for the page's machine probe and
     # every load, so that a probe the start-up load runs while the page is built is measured once, never twice at
-    # the same time; replaced (under `_verdicts_lock`) when the Models tab measures again.
+    # the same time; made from the saved text at first use (under `_verdicts_lock`), emptied in place on a re-check.
     _verdicts: DtypeVerdicts | None = None
     _verdicts_lock: threading.Lock = field(default_factory=threading.Lock)
     _persistence: object | None = None
@@ -137,12 +137,16 @@ class Session:
     def models_dir(self) -> Path:
         return Path(self.store.models_dir)
 
-    def machine(self, refresh: bool = False) -> Machine:
-        """This computer as a model to load finds it: the probe (taken again after every load and unload), with
-        what the app's own loaded model holds counted as free, since Load unloads it first. Without that, the
-        loaded model's GPU memory and RAM made every other model (and itself) look as if it did not fit."""
-        if self._machine is None or refresh:
-            verdicts = self._dtype_verdicts(refresh)  # the button measures again
+    def machine(self, refresh: bool = False, remeasure: bool = False) -> Machine:
+        """This computer as a model to load finds it: the probe (taken again after every load and unload, and with
+        `refresh`: its memory and disk now), with what the app's own loaded model holds counted as free, since Load
+        unloads it first. Without that, the loaded model's GPU memory and RAM made every other model (and itself)
+        look as if it did not fit. `remeasure` (the Models tab's "Re-check this computer") measures the dtype
+        verdicts again too; nothing else does (a download's disk check once re-ran every probe)."""
+        if self._machine is None or refresh or remeasure:
+            verdicts = self._dtype_verdicts()
+            if remeasure:
+                verdicts.forget()
             self._machine = probe(self.models_dir.parent, verdicts)
             self._save_dtype_verdicts(verdicts)
         vram, ram = self.footprint()
@@ -369,13 +373,12 @@ class Session:
         known[str(model_dir)] = self.runtime.miss_costs.to_dict()
         self.store.settings.set(miss_costs=json.dumps(known))
 
-    def _dtype_verdicts(self, refresh: bool = False) -> DtypeVerdicts:
-        """This session's dtype verdicts: at first those saved for this machine (empty, measured when asked, when
-        there are none, they are another machine's, or they cannot be read); a new empty one with `refresh`."""
+    def _dtype_verdicts(self) -> DtypeVerdicts:
+        """This session's dtype verdicts: those saved for this machine (empty, measured when asked, when there are
+        none, they are another machine's, or they cannot be read). One object for the session: a re-check empties it
+        in place (`DtypeVerdicts.forget`), so a load under way never measures beside it nor saves older figures."""
         with self._verdicts_lock:
-            if refresh:
-                self._verdicts = DtypeVerdicts()
-            elif self._verdicts is None:
+            if self._verdicts is None:
                 try:
                     self._verdicts = DtypeVerdicts(json.loads(self.store.settings.load().dtype_verdicts or "{}"))
                 except ValueError:  # unreadable (an older or newer version wrote it): measure again, then overwrite
