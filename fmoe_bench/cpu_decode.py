@@ -19,8 +19,8 @@ copies predicted experts into RAM slots (hits are then computed from the slots w
 Method: formats interleaved in every round (the order reversed every other round, so a drifting machine load does
 not favour one format), each round's DRAM figure (bandwidth.dram_read_gbps, all torch threads) measured at its
 start; per format the medians over rounds of tok/s and of each round's own share of its limit. The compute dtype is
-resolved once per format before the first round (`--dtype auto`: dtype_verdicts.resolve_dtype's probes, what a load of that
-format would choose: int8/int4 keep bf16 where torch's products are faster so), and kept over the rounds. The prompt is one character, so the prefill is one token as every decode step.
+resolved once per format before the first round (`--dtype auto`: dtype_verdicts.resolve_dtype's probes, what a load
+of that format would choose: int8/int4 keep bf16 where torch's products are faster so), and kept over the rounds. The prompt is one character, so the prefill is one token as every decode step.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def add_expert_format_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dense-int8-product",
         default=RuntimeConfig.dense_int8_product,
-        help="what multiplies dense weights packed int8: auto (the faster one on this machine), torch or openvino",
+        help="what multiplies dense weights packed int8: auto (the faster one on this machine for each weight's size), "
+        "torch or openvino",
     )
 
 

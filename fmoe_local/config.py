@@ -143,7 +143,8 @@ class RuntimeConfig:
     dense_format: str = "auto"
     # Which product multiplies the dense weights packed int8: "openvino" (OpenVINO's CPU plugin, float32 activations:
     # openvino_products.py), "torch" (torch's `_weight_int8pack_mm`), "auto" the one measured faster on this machine
-    # (dtype_verdicts.py), torch's where openvino cannot be imported. Forcing "openvino" where it cannot run refuses
+    # for weights of that size (an output head, an attention projection: dtype_verdicts.py), torch's where openvino
+    # cannot be imported. Forcing "openvino" where it cannot run refuses
     # the load.
     dense_int8_product: str = "auto"
     quant_cache_dir: str | None = None

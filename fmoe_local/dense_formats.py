@@ -164,15 +164,16 @@ def int8_product(
             verdicts[size] = prefers_openvino(dtype, size)
             if not verdicts[size]:
                 log.info(
-                    "The %s dense int8 weights are multiplied by torch's _weight_int8pack_mm: at that size it measured "
-                    "faster on this machine than OpenVINO's product (saved verdict, dtype_verdicts.py).",
-                    size,
+                    "Dense int8 weights the size of %s are multiplied by torch's _weight_int8pack_mm: at that size it "
+                    "measured faster on this machine than OpenVINO's product (saved verdict, dtype_verdicts.py).",
+                    _SIZE_NAMES[size],
                 )
         return openvino_products.Int8Product(q, scale, threads) if verdicts[size] else None
 
     return by_size
 
 
+_SIZE_NAMES = {"small": "an attention projection", "large": "an output head"}  # openvino_products.PROBE_SHAPES
 _OPENVINO_PIN = "pip install openvino==2026.4.1"
 # What torch's product costs against OpenVINO's, as measured (docs/bench.md, session 21): said where it runs instead.
 _TORCH_COST = (
@@ -225,7 +226,7 @@ def quantise(
     its module is swapped, so the peak is one module's packed copy over the unpacked model (the copy writes the
     modules' own parts). `kept_in_fp32(parameter name)`: transformers'
     keep-in-fp32 rule (hf_internals.keep_in_fp32): such a weight is left as it is. `int8_product` (`int8_product`'s
-    answer): builds the product each int8 layer multiplies with instead of torch's; where it fails for one, torch's
+    answer): builds the product an int8 layer multiplies with instead of torch's, or None where torch's runs; where it fails for one, torch's
     product runs for it and every later layer, and the log says so."""
     report = DenseReport(fmt)
     if fmt not in PACKED:

@@ -286,8 +286,8 @@ def fit(entry: CatalogEntry, machine: Machine, downloaded: bool = False, fmt: st
 
 def cpu_widening(entry: CatalogEntry, fmt: str, machine: Machine) -> float:
     """How many times larger than its size in `expert_formats.BITS` an expert of `fmt` is in RAM here. Without a CUDA
-    GPU the runtime computes in float32 where the CPU computes bf16 slowly (dtype_verdicts.resolve_dtype: `_widens`): bf16
-    experts take twice their size, and int4's group scales and zeros, kept in the compute dtype, 5 bits per weight
+    GPU the runtime computes in float32 where the CPU computes bf16 slowly (dtype_verdicts.resolve_dtype: `_widens`):
+    bf16 experts take twice their size, and int4's group scales and zeros, kept in the compute dtype, 5 bits per weight
     instead of 4.5. Else, and for int8, nf4 and MXFP4 (their scales are float32 or bytes either way), 1."""
     from fmoe_local.expert_formats import BITS, INT4_FLOAT32_BITS
 

@@ -129,8 +129,8 @@ def test_quantised_output_differs_from_the_unquantised_model_but_only_slightly(t
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_oss"])
 def test_packed_experts_computed_in_bf16_give_eager_s_tokens_in_bf16(family, fmt, tiny_model_dir, tmp_path):
     """What `dtype` auto gives a bf16 model with int8/int4 experts on a CPU whose products are faster with bf16
-    activations (dtype_verdicts.resolve_dtype): torch's products with bf16 activations, against eager in bf16 on the same
-    dequantised weights — misses computed on the CPU and copied into slots."""
+    activations (dtype_verdicts.resolve_dtype): torch's products with bf16 activations, against eager in bf16 on the
+    same dequantised weights — misses computed on the CPU and copied into slots."""
     model_dir = tiny_model_dir(family, dtype=torch.bfloat16)
     config = RuntimeConfig(
         device="cpu",
