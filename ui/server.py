@@ -13,6 +13,8 @@ Threads: `start`, `wait` and `close` belong to the thread that built the server 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 
@@ -27,6 +29,26 @@ from ui.http_guard import LocalOnlyGuard, machine_names
 
 # The UI uploads nothing; Gradio's upload route exists anyway, so keep what it could take small.
 MAX_UPLOAD = "5mb"
+# How long a stop waits for requests still open before uvicorn cancels them. An open page keeps one for good (its
+# heartbeat stream): without a limit uvicorn waited for it, close() gave up after its 10 s join, and the stop ran
+# neither uvicorn's nor Gradio's shutdown (Gradio's deletes its cached copies of the files the page offered).
+SHUTDOWN_GRACE_S = 2
+
+
+class _QuietStop(logging.Filter):
+    """Once the server stops, uvicorn logs each request it cancels (a page's heartbeat) as an error with a traceback:
+    the expected end of an open page, not a failure, so those records are dropped; everything else passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.stopping:
+            return True
+        if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+            return False
+        return "timeout graceful shutdown exceeded" not in record.getMessage()
 
 
 class Server:
@@ -57,7 +79,11 @@ class Server:
         gr.mount_gradio_app(app, demo, path="/", max_file_size=MAX_UPLOAD, show_error=True, **ui_options)
         self.app = app
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '127.0.0.1') else host}:{port}/"
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+        )
+        self._quiet = _QuietStop()  # added after Config, which configures uvicorn's loggers
+        logging.getLogger("uvicorn.error").addFilter(self._quiet)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="fmoe-http", daemon=True)
 
@@ -77,5 +103,7 @@ class Server:
             self._thread.join(0.5)
 
     def close(self) -> None:
+        self._quiet.stopping = True
         self._server.should_exit = True
         self._thread.join(10)
+        logging.getLogger("uvicorn.error").removeFilter(self._quiet)
