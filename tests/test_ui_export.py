@@ -109,3 +109,52 @@ def test_a_reasoning_models_thinking_is_its_own_section_before_the_answer(tmp_pa
         text = chat_markdown(store.chats, conv.id)
     assert "### Assistant (thinking)\n\n> A greeting.\n\n### Assistant\n\n> Hello.\n" in text
     assert "think&gt;" not in text and "&lt;think" not in text
+
+
+def test_an_exported_chat_leaves_no_copy_in_the_temp_folder_once_the_app_stops(tmp_path, capfd):
+    """The export is written to a folder of the app's own, and Gradio serves a copy from its cache: both are in the
+    system temp folder, where a chat's text (a deleted chat's too) outlived the app until a reboot. Gradio deletes its
+    copies in its shutdown, which ran only once no request was open: the client's stream kept the server waiting
+    until close() gave up (ui/server.py, SHUTDOWN_GRACE_S). The requests it cancels are no error to show."""
+    import os
+    import tempfile
+    import uuid
+
+    import app
+    from tests.ports import unused_port
+
+    gradio_client = pytest.importorskip("gradio_client")
+    marker = f"the launch code is {uuid.uuid4()}"
+    data = tmp_path / "data"
+    data.mkdir()  # a folder: a path that does not exist would name the database file
+    with open_store(data) as store:  # before the start: the page lists the chats it finds then
+        conv = store.chats.create("Plans")
+        store.chats.append(conv.id, "user", marker)
+    args = ["--no-browser", "--data-dir", str(data), "--port", str(unused_port()), "--model", str(data / "none")]
+    server, session, url = app.serve(app.build_parser().parse_args(args))  # no model: an export needs none
+    temp = Path(tempfile.gettempdir())
+    gradio_cache = Path(os.environ.get("GRADIO_TEMP_DIR") or temp / "gradio")
+
+    def copies() -> list[Path]:
+        found = []
+        for place in [*temp.glob("fmoe-export-*"), gradio_cache]:
+            for f in place.rglob("*") if place.is_dir() else ():
+                if f.is_file() and f.stat().st_size < 1_000_000 and marker in f.read_text(errors="replace"):
+                    found.append(f)
+        return found
+
+    try:
+        client = gradio_client.Client(url, verbose=False, download_files=False)
+        client.predict("", api_name="/search_chats")  # the list, as a page's load fills it
+        client.predict(conv.id, api_name="/open_chat")
+        client.predict(api_name="/export_chat")
+        made = copies()
+        assert len(made) >= 2, made  # ours and Gradio's cached copy
+        client.close()
+    finally:
+        server.close()
+        session.close()
+        session.store.close()
+    assert copies() == []
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "graceful shutdown" not in err, err[-2000:]

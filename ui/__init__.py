@@ -47,7 +47,9 @@ def build(session: Session) -> gr.Blocks:
 
     # Before the tabs read the saved settings: what the store refuses is reset and said in the header.
     session.check_settings()
-    with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as demo:
+    # Gradio keeps a copy of every file the page offers or receives (a chat export, an imported chats file) in its
+    # cache in the system temp folder: deleted a day after (checked hourly), and all of them when the app stops.
+    with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True, delete_cache=(3600, 86400)) as demo:
         with gr.Row(equal_height=True):
             top = gr.Markdown(header(session), elem_id="app-title")
             # Beside the system's own setting, the page can be kept light or dark (remembered by this browser).

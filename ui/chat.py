@@ -23,11 +23,9 @@ import inspect
 import itertools
 import logging
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import gradio as gr
 
@@ -737,14 +735,13 @@ class ChatHandlers:
             raise Problem("Pick a conversation to export first.")
         title = self.chats.get(conv_id).title or "chat"
         safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip()[:40] or "chat"
-        # Gradio serves files from the system temp folder; a fresh folder per export avoids name clashes.
-        path = Path(tempfile.mkdtemp(prefix="fmoe-export-")) / f"{safe}.md"
+        path = self.session.export_path(f"{safe}.md")
         path.write_text(chat_markdown(self.chats, conv_id), encoding="utf-8")
         return gr.File(value=str(path), visible=True), notice()
 
     def export_all(self) -> tuple:
         stamp = time.strftime("%Y-%m-%d")
-        path = Path(tempfile.mkdtemp(prefix="fmoe-export-")) / f"fmoe-local-chats-{stamp}.json"
+        path = self.session.export_path(f"fmoe-local-chats-{stamp}.json")
         path.write_text(self.chats.export_all_json(), encoding="utf-8")
         return gr.File(value=str(path), visible=True), notice()
 

@@ -8,6 +8,8 @@ and probes the machine when asked. It does NOT build components or format anythi
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -103,6 +105,10 @@ class Session:
     _verdicts: DtypeVerdicts | None = None
     _verdicts_lock: threading.Lock = field(default_factory=threading.Lock)
     _persistence: object | None = None
+    # This run's own folder in the system temp folder for chat exports (`export_path`), made at the first export and
+    # removed by `close`: an export holds a chat's text, which must not outlive the app there (nor a deleted chat).
+    _exports: Path | None = None
+    _exports_lock: threading.Lock = field(default_factory=threading.Lock)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _replies_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -403,7 +409,19 @@ class Session:
             self._persistence.close()
             self._persistence = None
 
+    def export_path(self, name: str) -> Path:
+        """Where to write a chat export called `name` for the page to offer: a folder of its own (two exports of one
+        name never clash) inside this run's export folder, which `close` removes. Any page thread."""
+        with self._exports_lock:
+            if self._exports is None:
+                self._exports = Path(tempfile.mkdtemp(prefix="fmoe-export-"))
+            return Path(tempfile.mkdtemp(dir=self._exports)) / name
+
     def close(self) -> None:
+        with self._exports_lock:
+            if self._exports is not None:
+                shutil.rmtree(self._exports, ignore_errors=True)  # ours: made by export_path, nothing else in it
+                self._exports = None
         if self.download is not None:
             self.download.cancel()
         if self.loading is not None:
