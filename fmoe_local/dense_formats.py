@@ -224,10 +224,10 @@ def quantise(
     Each weight's parts are read from `copy` when it holds exactly the ones this load packs, else packed from the
     weight's current values (float32 arithmetic) and then written to `copy` whole; the weight is dropped as soon as
     its module is swapped, so the peak is one module's packed copy over the unpacked model (the copy writes the
-    modules' own parts). `kept_in_fp32(parameter name)`: transformers'
-    keep-in-fp32 rule (hf_internals.keep_in_fp32): such a weight is left as it is. `int8_product` (`int8_product`'s
-    answer): builds the product an int8 layer multiplies with instead of torch's, or None where torch's runs; where it fails for one, torch's
-    product runs for it and every later layer, and the log says so."""
+    modules' own parts). `kept_in_fp32(parameter name)`: transformers' keep-in-fp32 rule (hf_internals.keep_in_fp32):
+    such a weight is left as it is. `int8_product` (`int8_product`'s answer): builds the product an int8 layer
+    multiplies with instead of torch's, or None where torch's runs; where it fails for one, torch's product runs for it
+    and every later layer, and the log says so."""
     report = DenseReport(fmt)
     if fmt not in PACKED:
         return report
