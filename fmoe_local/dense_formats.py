@@ -166,14 +166,13 @@ def int8_product(
                 log.info(
                     "Dense int8 weights the size of %s are multiplied by torch's _weight_int8pack_mm: at that size it "
                     "measured faster on this machine than OpenVINO's product (saved verdict, dtype_verdicts.py).",
-                    _SIZE_NAMES[size],
+                    openvino_products.PROBE_NAMES[size],
                 )
         return openvino_products.Int8Product(q, scale, threads) if verdicts[size] else None
 
     return by_size
 
 
-_SIZE_NAMES = {"small": "an attention projection", "large": "an output head"}  # openvino_products.PROBE_SHAPES
 _OPENVINO_PIN = "pip install openvino==2026.4.1"
 # What torch's product costs against OpenVINO's, as measured (docs/bench.md, session 21): said where it runs instead.
 _TORCH_COST = (

@@ -134,6 +134,7 @@ class Int8Product:
 # 0.63-0.70 of torch's time, and a k_proj in 1.5-2 times it): each shape has its verdict, and a weight takes the
 # verdict of the shape its size is nearer to on a log scale (`size_class`).
 PROBE_SHAPES = {"small": (bandwidth.HALF_PROBE_OUT, bandwidth.HALF_PROBE_IN), "large": (151936, 2048)}
+PROBE_NAMES = {"small": "an attention projection", "large": "an output head"}  # each shape's, for people
 
 
 def size_class(codes: int) -> str:
