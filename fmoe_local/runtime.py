@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fmoe_local.cache import ExpertLoadError
 from fmoe_local.cache_budget import kv_free_bytes
@@ -50,6 +50,9 @@ from fmoe_local.quant_cache import Progress
 from fmoe_local.request_handle import RequestHandle
 from fmoe_local.runtime_types import Finished, ModelInfo, TextDelta
 from fmoe_local.stats import RequestStats
+
+if TYPE_CHECKING:
+    from transformers.utils.chat_parsing import ResponseParser
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -288,23 +291,27 @@ class Runtime:
     @property
     def response_template(self) -> dict | None:
         """The checkpoint's own description of how its replies are read (its tokenizer's `response_template`, for
-        transformers' parse_response: `parse_reply`), or None when it ships none."""
+        transformers' response parser: `reply_reader`), or None when it ships none."""
         template = getattr(self._engine.tokenizer, "response_template", None)
         return template if isinstance(template, dict) else None
 
-    def parse_reply(self, text: str, tools: list[dict], prefix: str | None = None) -> dict | None:
-        """A reply's text (its special tokens kept) read by transformers' parse_response with the checkpoint's
-        response template: a message dict (content, tool_calls, reasoning_content). `prefix`: the text the reply
-        follows (the template's reply opening when None, which may render the template: pass it where a wait
-        matters). None without a template, or when the text does not parse (a malformed reply: the caller shows it
-        as content). On the caller's thread."""
+    def reply_reader(self, tools: list[dict], prefix: str | None = None) -> ResponseParser | None:
+        """A reader of one reply by the checkpoint's response template: transformers' streaming ResponseParser
+        (`feed` a reply's text, its special tokens kept, as it comes; `finalize` for the message dict: content,
+        tool_calls, reasoning_content; each may raise on a malformed reply). `prefix`: the text the reply follows (the
+        template's reply opening when None, which may render the template: pass it where a wait matters). None
+        without a template, or when the template cannot be read. On the caller's thread."""
         if self.response_template is None:
             return None
+        from transformers.utils.chat_parsing import ResponseParser
+
         try:
             opening = self.reply_opening() if prefix is None else prefix
-            return self._engine.tokenizer.parse_response(text, prefix=opening, tools=tools)
-        except Exception:  # noqa: BLE001 - the parser's errors on a malformed reply are of no one type
-            log.debug("reply not parsed by the response template", exc_info=True)
+            return ResponseParser(self.response_template, prefix=opening, tools=tools)
+        except Exception:  # noqa: BLE001 - a template transformers cannot read raises errors of no one type
+            log.warning(
+                "the checkpoint's response template cannot be read; replies are read as plain text", exc_info=True
+            )
             return None
 
     def check_grammar(self, grammar: str, schema: dict | None = None, where: str = "schema") -> None:

@@ -70,8 +70,8 @@ class FakeRuntime:
     def response_template(self) -> dict | None:
         return None  # as a checkpoint that ships none
 
-    def parse_reply(self, text, tools, prefix=None) -> dict | None:  # noqa: ANN001
-        return None  # what Runtime.parse_reply answers without a response template
+    def reply_reader(self, tools, prefix=None):  # noqa: ANN001, ANN201
+        return None  # what Runtime.reply_reader answers without a response template
 
     def submit(self, prompt, sampling=None, tools=None, keep=frozenset(), variables=None) -> RequestHandle:  # noqa: ANN001
         handle = RequestHandle(behind=self.turn.locked())

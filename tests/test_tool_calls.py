@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from tests.tool_templates import HERMES_TEMPLATE
+from tests.tool_templates import HERMES_TEMPLATE, RESPONSE_TEMPLATE
 from ui.reasoning import CONTENT, REASONING
 from ui.reply_parts import ReplyParts, merged
-from ui.tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, HARMONY, HERMES, MISTRAL, CallStream, format_of
+from ui.tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, HARMONY, HERMES, MISTRAL, CallStream, TemplateFormat, format_of
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -271,3 +271,70 @@ def test_each_format_s_grammar_takes_its_call_and_refuses_another_function(fmt, 
         taken = matcher.try_consume_tokens(ids)
         assert (taken == len(ids) and not matcher.is_error()) == accepted, (fmt.name, only, taken, len(ids))
     assert fmt.parse(written, tools)[1][0].name == "weather"
+
+
+# ---- a checkpoint's own response template, read by transformers' streaming parser ----
+
+THINKING_RESPONSE = RESPONSE_TEMPLATE | {
+    "fields": RESPONSE_TEMPLATE["fields"]
+    | {"reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"}}
+}
+
+
+def _template(spec: dict | None = RESPONSE_TEMPLATE) -> TemplateFormat:
+    from transformers.utils.chat_parsing import ResponseParser
+
+    reader = (
+        (lambda tools: ResponseParser(spec, prefix="<|assistant|>\n", tools=tools)) if spec else (lambda tools: None)
+    )
+    return TemplateFormat(reader, (), HERMES)
+
+
+def _streamed(fmt: TemplateFormat, text: str, step: int = 3) -> tuple[list, list, list]:
+    """(the pieces sent as the text came, `step` characters at a time; those sent at its end; the calls)."""
+    stream = fmt.reader(TOOLS)
+    sent = [piece for i in range(0, len(text), step) for piece in stream.add(text[i : i + step])]
+    rest, calls = stream.finish()
+    return sent, rest, calls
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_response_template_reply_streams_its_text_and_gives_its_calls_at_the_end(step):
+    """Before, the whole reply was held and read at its end: a client saw nothing until the model stopped."""
+    sent, rest, calls = _streamed(_template(), f"Let me look.\n{CALL}\n{CALL.replace('Oslo', 'Rome')}", step)
+    assert _said(sent) == "Let me look." and rest == []
+    assert [c.name for c in calls] == ["weather"] * 2
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Oslo", "Rome"]
+
+
+def test_a_response_template_s_reasoning_streams_as_reasoning():
+    sent, rest, calls = _streamed(_template(THINKING_RESPONSE), f"<think>hmm, yes</think>Dry? {CALL}")
+    assert merged(sent) == [(REASONING, "hmm, yes"), (CONTENT, "Dry?")] and rest == [] and len(calls) == 1
+
+
+def test_content_the_template_reads_after_the_calls_comes_with_them():
+    sent, rest, calls = _streamed(_template(), f"{CALL} and then some words")
+    assert sent == [] and rest == [(CONTENT, "and then some words")] and calls[0].name == "weather"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hi <tool_call>\n{not json}\n</tool_call>",
+        'Hi <tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>',  # not one of the tools
+        'Hi <tool_call>\n{"name": "weather", "arguments": [1]}\n</tool_call>',
+        'Hi <tool_call>\n{"name": ["weather"], "arguments": {}}\n</tool_call>',
+        "no call at all\n\n",
+    ],
+)
+@pytest.mark.parametrize("step", [1, 4])
+def test_a_response_template_reply_that_calls_nothing_well_is_content_as_written(text, step):
+    sent, rest, calls = _streamed(_template(), text, step)
+    assert calls == [] and _said(sent) + _said(rest) == text
+    assert _said(sent).startswith("Hi" if text.startswith("Hi") else "no call at all")  # sent as it came
+
+
+def test_without_a_reader_the_reply_is_content_at_its_end():
+    """A response template transformers cannot read (Runtime.reply_reader gives none): the text as written."""
+    sent, rest, calls = _streamed(_template(None), f"Hi {CALL}")
+    assert sent == [] and rest == [(CONTENT, f"Hi {CALL}")] and calls == []

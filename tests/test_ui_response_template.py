@@ -11,29 +11,14 @@ from types import SimpleNamespace
 import pytest
 
 from fmoe_local.config import Sampling
-from tests.api_server import serving
-from tests.tool_templates import ASK, HERMES_TEMPLATE, WEATHER
+from tests.api_server import serving, serving_script
+from tests.test_ui_tool_families import PAUSE, HarmonyScript, _openai_stream
+from tests.tool_templates import ASK, HERMES_TEMPLATE, RESPONSE_TEMPLATE, WEATHER
 from ui.openai_request import ApiError, parse_chat
 from ui.structured import shape
 from ui.tool_calls import TemplateFormat
 
 openai = pytest.importorskip("openai")
-
-# The tiny template's reply opens with <|assistant|> and ends with <|eos|>; calls as Qwen writes them.
-RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|assistant|>\n",
-    "fields": {
-        "tool_calls": {
-            "open_pattern": r"\s*<tool_call>",
-            "close": "</tool_call>",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": "{content}"},
-        },
-        "content": {"close_pattern": r"\s*<\|eos\|>", "content": "text"},
-    },
-}
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +37,14 @@ def test_a_reply_is_read_by_the_checkpoint_s_response_template(served, monkeypat
     _, session, client = served
     runtime, read = session.runtime, []
     assert runtime.response_template == RESPONSE_TEMPLATE
-    parse = runtime.parse_reply
-    monkeypatch.setattr(
-        runtime, "parse_reply", lambda text, tools, prefix: read.append(text) or parse(text, tools, prefix)
-    )
+    reader = runtime.reply_reader
+
+    def reading(tools, prefix):  # noqa: ANN001, ANN202 - records the text each reader was fed
+        parser, fed = reader(tools, prefix), []
+        read.append(fed)
+        return SimpleNamespace(feed=lambda text: fed.append(text) or parser.feed(text), finalize=parser.finalize)
+
+    monkeypatch.setattr(runtime, "reply_reader", reading)
     for stream in (False, True):
         kwargs = dict(model="x", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
         if stream:
@@ -68,15 +57,24 @@ def test_a_reply_is_read_by_the_checkpoint_s_response_template(served, monkeypat
             assert reply.finish_reason == "tool_calls"
         assert [c.function.name for c in calls] == ["weather"], calls
         assert json.loads(calls[0].function.arguments)["city"] in ("Oslo", "Lisbon")
-    assert len(read) == 2 and all("<tool_call>" in text for text in read)  # transformers' parser read both replies
+    assert len(read) == 2 and all("<tool_call>" in "".join(fed) for fed in read)  # transformers' parser read both
     # A reply that does not parse (the model pushed off any call) is content, never an error.
     plain = client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=6)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
 
 
+def test_a_response_template_transformers_cannot_read_leaves_replies_as_text(served, monkeypatch):
+    _, session, client = served
+    broken = {"fields": {"content": {"open_pattern": "(", "content": "text"}}}  # a regex that does not compile
+    monkeypatch.setattr(session.runtime._engine.tokenizer, "response_template", broken)
+    assert session.runtime.reply_reader([WEATHER], "") is None
+    reply = client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=6)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+
+
 def _runtime(chat_template: str) -> SimpleNamespace:
     return SimpleNamespace(
-        chat_template=chat_template, response_template=RESPONSE_TEMPLATE, parse_reply=lambda text, tools, prefix: None,
+        chat_template=chat_template, response_template=RESPONSE_TEMPLATE, reply_reader=lambda tools, prefix: None,
         special_tokens=lambda texts=None: {}, supports_tools=lambda: True, check_grammar=lambda *a: None,
         reply_opening=lambda: "",
     )  # fmt: skip
@@ -91,3 +89,50 @@ def test_a_forced_call_is_refused_by_name_where_no_format_can_force_it():
     assert isinstance(auto.fmt, TemplateFormat) and not auto.fmt.can_force
     forced = shape(_runtime(HERMES_TEMPLATE), parse_chat(body, Sampling()))
     assert isinstance(forced.fmt, TemplateFormat) and forced.sampling.grammar is not None
+
+
+# ---- a reply streamed as the model writes it, from a scripted runtime ----
+
+
+class TemplateScript(HarmonyScript):
+    """A Qwen-style model whose checkpoint ships RESPONSE_TEMPLATE, as a script (HarmonyScript's PAUSEs)."""
+
+    chat_template = HERMES_TEMPLATE
+
+    @property
+    def response_template(self) -> dict:
+        return RESPONSE_TEMPLATE
+
+    def reply_reader(self, tools, prefix=None):  # noqa: ANN001, ANN201
+        from transformers.utils.chat_parsing import ResponseParser
+
+        return ResponseParser(RESPONSE_TEMPLATE, prefix=prefix or "", tools=tools)
+
+
+CALL = ["<tool_call>", "\n", '{"name": "weather", ', '"arguments": {"city": "Oslo"}}', "\n", "</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    script = TemplateScript(SimpleNamespace(name="qwen-script"))
+    with serving_script(script, tmp_path_factory.mktemp("template-script")) as clients:
+        yield (script, *clients)
+
+
+def test_a_reply_s_text_streams_before_its_call_is_written(scripted):
+    """The client reads the text before the call while the model has not yet written the call (before, a reply
+    read by a response template was held whole to its end)."""
+    fake, client, _ = scripted
+    fake.script, fake.waited = ["Let", " me", " look", ".", PAUSE, "\n", *CALL], []
+    reader, reasons = _openai_stream(fake, client, [("content", "Let me look.")])
+    assert fake.waited == [True], reader.events
+    assert reader.kinds() == ["content", "call"] and reasons[-1] == "tool_calls"
+    assert reader.text("content") == "Let me look." and reader.text("call") == 'weather {"city": "Oslo"}'
+
+
+def test_a_malformed_call_is_content_after_what_streamed(scripted):
+    fake, client, _ = scripted
+    fake.script, fake.waited = ["Hi", PAUSE, " <tool_call>", "{oops", "</tool_call>"], []
+    reader, reasons = _openai_stream(fake, client, [("content", "Hi")])
+    assert fake.waited == [True] and reasons[-1] == "stop"
+    assert reader.text("content") == "Hi <tool_call>{oops</tool_call>" and reader.text("call") == ""

@@ -172,3 +172,20 @@ WEATHER = {
 }
 TIME = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "Is it dry in Oslo?"}]
+
+# A checkpoint's own response template for HERMES_TEMPLATE (transformers' response parsing): the tiny template's
+# reply opens with <|assistant|> and ends with <|eos|>; calls as Qwen writes them.
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>\n",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"\s*<\|eos\|>", "content": "text"},
+    },
+}

@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from fmoe_local.runtime_types import ModelInfo
 
 
+class ReplyReader(Protocol):
+    """transformers' streaming response parser, as the UI uses it: `feed` a reply's text as it comes, for its events
+    ({"type": "region_open" | "region_chunk" | "region_close", "field": ..., "text": ...}); `finalize` at its end, for
+    the message dict and the last events. Either may raise on a malformed reply."""
+
+    def feed(self, text: str) -> list[dict]: ...
+
+    def finalize(self) -> tuple[dict, list[dict]]: ...
+
+
 class LoadedRuntime(Protocol):
     @property
     def info(self) -> ModelInfo:
@@ -72,7 +82,9 @@ class LoadedRuntime(Protocol):
     @property
     def response_template(self) -> dict | None: ...
 
-    def parse_reply(self, text: str, tools: list[dict], prefix: str | None = None) -> dict | None: ...
+    def reply_reader(self, tools: list[dict], prefix: str | None = None) -> ReplyReader | None:
+        """A reader of one reply by the checkpoint's response template; None without one."""
+        ...
 
     def supports_tools(self) -> bool: ...
 

@@ -74,9 +74,9 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
             fmt = format_of(runtime.chat_template)
             spec = runtime.response_template
             if spec is not None and "tool_calls" in (spec.get("fields") or {}):  # the checkpoint's own reader first
-                opening = runtime.reply_opening()  # here, on a thread: the reply is parsed on the event loop
-                parse = partial(runtime.parse_reply, prefix=opening)
-                fmt = TemplateFormat(parse, tuple(runtime.special_tokens()), fmt)
+                opening = runtime.reply_opening()  # here, on a thread: the reply is read on the event loop
+                reader = partial(runtime.reply_reader, prefix=opening)
+                fmt = TemplateFormat(reader, tuple(runtime.special_tokens()), fmt)
             if fmt is None or not runtime.supports_tools():
                 raise ApiError(
                     400,

@@ -10,7 +10,8 @@ Formats, each found from the template's own text (`format_of`): Hermes/Qwen (`<t
 unless the request keeps them (Runtime.submit's `keep`, the markers the tokenizer has as special tokens): the
 parser reads them, and every text a user sees has them removed (`ToolFormat.clean`). As a reply streams
 (`ToolFormat.reader`), its text before a call is sent at once and the call is held and parsed at the end
-(CallStream); a harmony reply is read message by message, its channels sent as they come (HarmonyStream). A reply
+(CallStream); a harmony reply is read message by message, its channels sent as they come (HarmonyStream); a reply
+read by the checkpoint's own response template streams through transformers' parser (TemplateStream). A reply
 whose call text is malformed (not JSON, an unknown function, arguments that are not an object) is returned as
 content, never an error: an unconstrained model may write anything. It does NOT render the prompt (the model's chat
 template does, given the tools: fmoe_local/engine.py) or compile grammars (fmoe_local/constrained.py checks and
@@ -20,12 +21,19 @@ enforces the text built here).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ui.reasoning import CONTENT, REASONING, Piece, partial
+
+if TYPE_CHECKING:
+    from ui.loaded_runtime import ReplyReader
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -308,24 +316,29 @@ class _Harmony(ToolFormat):
 
 class TemplateFormat(ToolFormat):
     """A checkpoint's own response template (tokenizer_config.json's `response_template`), read by transformers'
-    parse_response (`parse`: Runtime.parse_reply): preferred over our parsers wherever a checkpoint ships one. The
-    reply is read whole at its end, every special token kept for the parser (`markers`) and left out of what a user
-    sees. A call is forced (tool_choice required or named) with `forced`'s grammar, the format the chat template
-    writes; without one, a forced call is refused (`can_force`)."""
+    response parser (`reader`: Runtime.reply_reader, given the tools): preferred over our parsers wherever a
+    checkpoint ships one. The reply streams through it (TemplateStream), every special token kept for the parser
+    (`markers`) and left out of what a user sees. A call is forced (tool_choice required or named) with `forced`'s
+    grammar, the format the chat template writes; without one, a forced call is refused (`can_force`)."""
 
     def __init__(
-        self, parse: Callable[[str, list[dict]], dict | None], markers: tuple[str, ...], forced: ToolFormat | None
+        self, reader: Callable[[list[dict]], ReplyReader | None], markers: tuple[str, ...], forced: ToolFormat | None
     ) -> None:
         super().__init__("response template", "", markers)
-        object.__setattr__(self, "_parse", parse)
+        object.__setattr__(self, "_reader", reader)
         object.__setattr__(self, "forced", forced)
 
     @property
     def can_force(self) -> bool:
         return self.forced is not None
 
-    def parse(self, text: str, tools: list[dict]) -> tuple[str, list[ToolCall]] | None:
-        message = self._parse(text, tools)
+    def reader(self, tools: list[dict]) -> CallStream:
+        return TemplateStream(self, tools, self._reader(tools))
+
+    @staticmethod
+    def calls_of(message: object, tools: list[dict]) -> list[ToolCall] | None:
+        """The calls of a message the parser read, each of one of `tools` with an object of arguments; None when it
+        has none, or one is malformed (the reply is then content)."""
         if not isinstance(message, dict) or not message.get("tool_calls"):
             return None
         names = {t["function"]["name"] for t in tools}
@@ -345,8 +358,7 @@ class TemplateFormat(ToolFormat):
             if not isinstance(args, dict):
                 return None
             calls.append(ToolCall(function["name"], json.dumps(args, ensure_ascii=False)))
-        content = message.get("content")
-        return self.clean(content if isinstance(content, str) else "").strip(), calls
+        return calls
 
     def grammar(
         self, tools: list[dict], only: str | None = None, parallel: bool = True, specials: Mapping[str, int] = {}
@@ -414,6 +426,69 @@ class CallStream:
         before, calls = parsed
         self.sent = len(self.text)
         return _content(before), calls
+
+
+class TemplateStream(CallStream):
+    """A reply as it streams, read by the checkpoint's response template (`reader`: transformers' ResponseParser):
+    the text of its content and reasoning regions is sent as the parser lets it go (what may still be a delimiter is
+    held until it is not); from the first region of another field on (a call) the rest is held and read when the
+    reply ends — content the parser finds after the calls is sent with them. Calls that do not read (malformed, of an
+    unknown function, a parser error, no reader) leave everything not yet sent as content, as written."""
+
+    def __init__(self, fmt: TemplateFormat, tools: list[dict], reader: ReplyReader | None) -> None:
+        super().__init__(fmt, tools)
+        self.reader, self.after = reader, ""
+        self.calling = reader is None
+
+    def add(self, delta: str) -> list[Piece]:
+        self.text += delta
+        if self.reader is None:
+            return []
+        try:
+            return self._route(self.reader.feed(delta))
+        except Exception:  # noqa: BLE001 - the parser's errors on a malformed reply are of no one type
+            log.debug("reply not read by the response template", exc_info=True)
+            self.reader, self.calling = None, True
+            return []
+
+    def finish(self) -> tuple[list[Piece], list[ToolCall]]:
+        out: list[Piece] = []
+        message = None
+        if self.reader is not None:
+            try:
+                message, events = self.reader.finalize()
+                out = self._route(events)
+            except Exception:  # noqa: BLE001 - as in add
+                log.debug("reply not read by the response template", exc_info=True)
+                message = None
+        calls = TemplateFormat.calls_of(message, self.tools) if self.calling else None
+        if calls is None:
+            rest, self.sent = self.text[self.sent :], len(self.text)
+            return out + _content(self.fmt.clean(rest)), []
+        return out + _content(self.fmt.clean(self.after).strip()), calls
+
+    def _route(self, events: list[dict]) -> list[Piece]:
+        out: list[Piece] = []
+        for event in events:
+            kind = _TEMPLATE_FIELDS.get(event.get("field"))
+            if kind is None and event.get("type") == "region_open":
+                self.calling = True  # a call, or a field we do not send: held from here on
+            if kind is None or event.get("type") != "region_chunk":
+                continue
+            text = event.get("text", "")
+            if self.calling:
+                self.after += text if kind == CONTENT else ""
+                continue
+            at = self.text.find(text, self.sent)
+            if at < 0:  # not the reply's own text (the prefix's): nothing of ours to send
+                continue
+            self.sent = at + len(text)
+            out.append((kind, self.fmt.clean(text)))
+        return out
+
+
+# A response template's fields whose text is sent as it streams, and as what.
+_TEMPLATE_FIELDS = {"content": CONTENT, "reasoning_content": REASONING, "thinking": REASONING, "reasoning": REASONING}
 
 
 def _content(text: str) -> list[Piece]:
