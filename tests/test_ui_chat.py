@@ -78,6 +78,7 @@ def app(tmp_path):
         return next(f for f in demo.fns.values() if f.api_name == api_name).fn
 
     yield session, conv, fn
+    session.close()  # removes its chat exports
     store.close()
 
 

@@ -39,6 +39,7 @@ def exported(tmp_path):
     file, _ = export(conv.id)
     path = file.value["path"] if isinstance(file.value, dict) else file.value
     yield Path(path).read_text(encoding="utf-8"), conv
+    session.close()  # removes its chat exports
     store.close()
 
 
