@@ -78,7 +78,8 @@ def app(tmp_path):
         return next(f for f in demo.fns.values() if f.api_name == api_name).fn
 
     yield session, conv, fn
-    session.close()  # removes its chat exports
+    session.runtime = None  # a test's fake runtime: nothing of its own to close
+    session.close()  # removes the chat exports
     store.close()
 
 
