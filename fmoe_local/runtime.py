@@ -93,6 +93,22 @@ def _request_text(prompt: list[dict] | str) -> str:
     return prompt[-1].get("content", "") if prompt else ""
 
 
+def readable_response_template(template: object) -> dict | None:
+    """`template` (a tokenizer's `response_template`) where transformers can read it, else None, said once in the log:
+    a checkpoint whose template cannot be read has its replies read as a checkpoint without one (our parser of its
+    family's format, where the chat template writes one), not an error at every request."""
+    if not isinstance(template, dict):
+        return None
+    from transformers.utils.chat_parsing import ResponseParser
+
+    try:
+        ResponseParser(template, prefix="")
+    except Exception as exc:  # noqa: BLE001 - a template transformers cannot read raises errors of no one type
+        log.warning("The checkpoint's response template cannot be read (%s): replies are read without it.", exc)
+        return None
+    return template
+
+
 class Runtime:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -108,6 +124,7 @@ class Runtime:
         self._closed = False  # close() was called
         self._ended = False  # the worker has ended (close, or a crash): a submit ends at once
         self._described = self._describe()  # taken here, before the worker owns the engine
+        self._response_template = readable_response_template(getattr(engine.tokenizer, "response_template", None))
         # The worker's own (prefix_cache.py says its threading rule): built here before the worker starts.
         self._prefixes = PrefixCache(
             engine.model.config, engine.prefix_budget, free_bytes=lambda: kv_free_bytes(engine.device)
@@ -291,28 +308,21 @@ class Runtime:
     @property
     def response_template(self) -> dict | None:
         """The checkpoint's own description of how its replies are read (its tokenizer's `response_template`, for
-        transformers' response parser: `reply_reader`), or None when it ships none."""
-        template = getattr(self._engine.tokenizer, "response_template", None)
-        return template if isinstance(template, dict) else None
+        transformers' response parser: `reply_reader`), or None when it ships none or one transformers cannot read."""
+        return self._response_template
 
     def reply_reader(self, tools: list[dict], prefix: str | None = None) -> ResponseParser | None:
         """A reader of one reply by the checkpoint's response template: transformers' streaming ResponseParser
         (`feed` a reply's text, its special tokens kept, as it comes; `finalize` for the message dict: content,
         tool_calls, reasoning_content; each may raise on a malformed reply). `prefix`: the text the reply follows (the
         template's reply opening when None, which may render the template: pass it where a wait matters). None
-        without a template, or when the template cannot be read. On the caller's thread."""
-        if self.response_template is None:
+        without a template. On the caller's thread."""
+        if self._response_template is None:
             return None
         from transformers.utils.chat_parsing import ResponseParser
 
-        try:
-            opening = self.reply_opening() if prefix is None else prefix
-            return ResponseParser(self.response_template, prefix=opening, tools=tools)
-        except Exception:  # noqa: BLE001 - a template transformers cannot read raises errors of no one type
-            log.warning(
-                "the checkpoint's response template cannot be read; replies are read as plain text", exc_info=True
-            )
-            return None
+        opening = self.reply_opening() if prefix is None else prefix
+        return ResponseParser(self._response_template, prefix=opening, tools=tools)
 
     def check_grammar(self, grammar: str, schema: dict | None = None, where: str = "schema") -> None:
         """Raise GrammarRefused (a sentence naming `where` and the path in `schema`) when the reply could not be held

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.tool_templates import HERMES_TEMPLATE, RESPONSE_TEMPLATE
+from tests.tool_templates import HERMES_TEMPLATE, RESPONSE_TEMPLATE, THINKING_RESPONSE
 from ui.reasoning import CONTENT, REASONING
 from ui.reply_parts import ReplyParts, merged
 from ui.tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, HARMONY, HERMES, MISTRAL, CallStream, TemplateFormat, format_of
@@ -275,19 +275,14 @@ def test_each_format_s_grammar_takes_its_call_and_refuses_another_function(fmt, 
 
 # ---- a checkpoint's own response template, read by transformers' streaming parser ----
 
-THINKING_RESPONSE = RESPONSE_TEMPLATE | {
-    "fields": RESPONSE_TEMPLATE["fields"]
-    | {"reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"}}
-}
 
-
-def _template(spec: dict | None = RESPONSE_TEMPLATE) -> TemplateFormat:
+def _template(spec: dict | None = RESPONSE_TEMPLATE, opening: str = "<|assistant|>\n") -> TemplateFormat:
     from transformers.utils.chat_parsing import ResponseParser
 
-    reader = (
-        (lambda tools: ResponseParser(spec, prefix="<|assistant|>\n", tools=tools)) if spec else (lambda tools: None)
-    )
-    return TemplateFormat(reader, (), HERMES)
+    def read(tools, prefix):  # noqa: ANN001, ANN202 - as Runtime.reply_reader
+        return ResponseParser(spec, prefix=prefix, tools=tools) if spec else None
+
+    return TemplateFormat(read, opening, (), HERMES)
 
 
 def _streamed(fmt: TemplateFormat, text: str, step: int = 3) -> tuple[list, list, list]:
@@ -338,3 +333,34 @@ def test_without_a_reader_the_reply_is_content_at_its_end():
     """A response template transformers cannot read (Runtime.reply_reader gives none): the text as written."""
     sent, rest, calls = _streamed(_template(None), f"Hi {CALL}")
     assert sent == [] and rest == [(CONTENT, f"Hi {CALL}")] and calls == []
+
+
+def test_whitespace_the_opening_leaves_held_does_not_cost_the_reply_its_first_word():
+    """The parser holds the opening's trailing newline (it may begin the content's closing delimiter) and gives it back
+    glued to the reply's first text: before, that chunk was not found in the reply and was dropped."""
+    for text in ("Hi there, no call", f"Hi there. {CALL}"):
+        sent, rest, calls = _streamed(_template(opening="<|assistant|>\n\n"), text, 1)
+        assert _said(sent).startswith("Hi there"), sent
+    assert calls and _said(sent) == "Hi there."
+
+
+def test_a_malformed_call_after_a_thought_is_content_once():
+    """The held text is not found by searching the reply for what was sent (the "k" of "</think>" once was)."""
+    sent, rest, calls = _streamed(_template(THINKING_RESPONSE), "<think>x</think>k<tool_call>{bad}</tool_call>", 1)
+    assert calls == [] and merged(sent + rest) == [(REASONING, "x"), (CONTENT, "k{bad}")]
+
+
+def test_text_before_and_after_a_call_stay_apart():
+    sent, rest, calls = _streamed(_template(), f"Let me look.\n{CALL} and then {CALL} done")
+    assert _said(sent) == "Let me look." and rest == [(CONTENT, "\nand then\ndone")] and len(calls) == 2
+
+
+def test_a_reply_missing_a_field_the_template_requires_is_content_as_written():
+    """finalize raises (a required field never came): the calls are not read, the text stays."""
+    spec = RESPONSE_TEMPLATE | {
+        "fields": RESPONSE_TEMPLATE["fields"] | {"answer": {"open": "<a>", "close": "</a>", "content": "text"}}
+    }
+    spec["fields"]["answer"]["optional"] = False
+    text = f"Hi. {CALL}"
+    sent, rest, calls = _streamed(_template(spec), text)
+    assert calls == [] and _said(sent) + _said(rest) == text

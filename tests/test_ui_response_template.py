@@ -1,5 +1,5 @@
 """A checkpoint that ships its own response template (tokenizer_config.json's `response_template`) has its replies
-read by transformers' parse_response (Runtime.parse_reply), not by our parser of its family's format: through the
+read by transformers' response parser (Runtime.reply_reader), not by our parser of its family's format: through the
 real app on a tiny Qwen3-MoE model with Qwen's Hermes tool template and a response template for it; and a forced
 call refused by name where the chat template writes calls in no format the app can force."""
 
@@ -11,10 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from fmoe_local.config import Sampling
+from fmoe_local.runtime import readable_response_template
 from tests.api_server import serving, serving_script
 from tests.test_ui_tool_families import PAUSE, HarmonyScript, _openai_stream
-from tests.tool_templates import ASK, HERMES_TEMPLATE, RESPONSE_TEMPLATE, WEATHER
+from tests.tool_templates import ASK, HERMES_TEMPLATE, RESPONSE_TEMPLATE, THINKING_RESPONSE, WEATHER
 from ui.openai_request import ApiError, parse_chat
+from ui.reasoning import CONTENT, REASONING
+from ui.reply_parts import merged
 from ui.structured import shape
 from ui.tool_calls import TemplateFormat
 
@@ -63,13 +66,31 @@ def test_a_reply_is_read_by_the_checkpoint_s_response_template(served, monkeypat
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
 
 
-def test_a_response_template_transformers_cannot_read_leaves_replies_as_text(served, monkeypatch):
-    _, session, client = served
+def test_a_response_template_transformers_cannot_read_counts_as_none(caplog):
+    """Its replies are then read as a checkpoint's without one (by our parser of the family's format), not refused at
+    every request; the log says why, once, at the load."""
     broken = {"fields": {"content": {"open_pattern": "(", "content": "text"}}}  # a regex that does not compile
-    monkeypatch.setattr(session.runtime._engine.tokenizer, "response_template", broken)
-    assert session.runtime.reply_reader([WEATHER], "") is None
-    reply = client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=6)
-    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+    assert readable_response_template(broken) is None and "cannot be read" in caplog.text
+    assert readable_response_template(RESPONSE_TEMPLATE) is RESPONSE_TEMPLATE
+    assert readable_response_template(None) is None and readable_response_template("text") is None
+
+
+def test_a_thought_the_opening_leaves_open_is_closed_for_the_parser():
+    """ThinkSplit takes the thought off the reply before the template's parser reads it: the parser must be told the
+    thought ended, or everything after it, calls too, would read as reasoning."""
+    from transformers.utils.chat_parsing import ResponseParser
+
+    runtime = _runtime(HERMES_TEMPLATE + "{# <think> </think> #}")
+    runtime.reply_opening = lambda: "<|assistant|>\n<think>\n"
+    runtime.reply_reader = lambda tools, prefix: ResponseParser(THINKING_RESPONSE, prefix=prefix, tools=tools)
+    shaped = shape(runtime, parse_chat({"model": "x", "messages": ASK, "tools": [WEATHER]}, Sampling()))
+    assert isinstance(shaped.fmt, TemplateFormat) and shaped.fmt.opening.endswith("<think>\n</think>")
+    parts = shaped.parts([])
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    sent = [piece for ch in f"Dry.</think>\n\nLet me look. {call}" for piece in parts.add(ch)]
+    rest, calls = parts.finish()
+    assert merged(sent + rest) == [(REASONING, "Dry."), (CONTENT, "Let me look.")]
+    assert [c.name for c in calls] == ["weather"]
 
 
 def _runtime(chat_template: str) -> SimpleNamespace:

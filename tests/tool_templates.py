@@ -189,3 +189,8 @@ RESPONSE_TEMPLATE = {
         "content": {"close_pattern": r"\s*<\|eos\|>", "content": "text"},
     },
 }
+# The same with the model's thought as a field of its own.
+THINKING_RESPONSE = RESPONSE_TEMPLATE | {
+    "fields": RESPONSE_TEMPLATE["fields"]
+    | {"reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"}}
+}

@@ -19,7 +19,6 @@ unless a grammar holds the reply: there it says the grammar starts after the tho
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
 
 from fmoe_local.config import Sampling, ThoughtBudget
 from fmoe_local.logits_rules import grammar_after_thought
@@ -75,8 +74,7 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
             spec = runtime.response_template
             if spec is not None and "tool_calls" in (spec.get("fields") or {}):  # the checkpoint's own reader first
                 opening = runtime.reply_opening()  # here, on a thread: the reply is read on the event loop
-                reader = partial(runtime.reply_reader, prefix=opening)
-                fmt = TemplateFormat(reader, tuple(runtime.special_tokens()), fmt)
+                fmt = TemplateFormat(runtime.reply_reader, opening, tuple(runtime.special_tokens()), fmt)
             if fmt is None or not runtime.supports_tools():
                 raise ApiError(
                     400,
@@ -137,6 +135,8 @@ def shape(runtime: LoadedRuntime, req: ApiRequest) -> Shaped:
         return Shaped(sampling, [], None, None, opened, harmony_reply.kept(runtime), variables, channels=True)
     if think is None or (sampling.grammar is not None and not grammar_after_thought(sampling)):
         return Shaped(sampling, req.tools, fmt, keep=keep, variables=variables)
+    if opened and isinstance(fmt, TemplateFormat):  # ThinkSplit takes the thought off before the parser reads
+        fmt = fmt.after_thought(think.end)
     return Shaped(sampling, req.tools, fmt, think, opened, keep, variables)
 
 

@@ -316,16 +316,22 @@ class _Harmony(ToolFormat):
 
 class TemplateFormat(ToolFormat):
     """A checkpoint's own response template (tokenizer_config.json's `response_template`), read by transformers'
-    response parser (`reader`: Runtime.reply_reader, given the tools): preferred over our parsers wherever a
-    checkpoint ships one. The reply streams through it (TemplateStream), every special token kept for the parser
-    (`markers`) and left out of what a user sees. A call is forced (tool_choice required or named) with `forced`'s
-    grammar, the format the chat template writes; without one, a forced call is refused (`can_force`)."""
+    response parser (`read(tools, prefix)`: Runtime.reply_reader) after `opening`, the text the reply follows:
+    preferred over our parsers wherever a checkpoint ships one. The reply streams through it (TemplateStream), every
+    special token kept for the parser (`markers`) and left out of what a user sees. A call is forced (tool_choice
+    required or named) with `forced`'s grammar, the format the chat template writes; without one, a forced call is
+    refused (`can_force`)."""
 
     def __init__(
-        self, reader: Callable[[list[dict]], ReplyReader | None], markers: tuple[str, ...], forced: ToolFormat | None
+        self,
+        read: Callable[[list[dict], str], ReplyReader | None],
+        opening: str,
+        markers: tuple[str, ...],
+        forced: ToolFormat | None,
     ) -> None:
         super().__init__("response template", "", markers)
-        object.__setattr__(self, "_reader", reader)
+        object.__setattr__(self, "_read", read)
+        object.__setattr__(self, "opening", opening)
         object.__setattr__(self, "forced", forced)
 
     @property
@@ -333,7 +339,12 @@ class TemplateFormat(ToolFormat):
         return self.forced is not None
 
     def reader(self, tools: list[dict]) -> CallStream:
-        return TemplateStream(self, tools, self._reader(tools))
+        return TemplateStream(self, tools, self._read(tools, self.opening))
+
+    def after_thought(self, end: str) -> TemplateFormat:
+        """This format for a reply whose thought is split off before it is read (ui/reasoning.py's ThinkSplit, where
+        the opening leaves one open): the parser is told the thought ended (`end`), as the text it reads has none."""
+        return TemplateFormat(self._read, self.opening + end, self.markers, self.forced)
 
     @staticmethod
     def calls_of(message: object, tools: list[dict]) -> list[ToolCall] | None:
@@ -431,14 +442,21 @@ class CallStream:
 class TemplateStream(CallStream):
     """A reply as it streams, read by the checkpoint's response template (`reader`: transformers' ResponseParser):
     the text of its content and reasoning regions is sent as the parser lets it go (what may still be a delimiter is
-    held until it is not); from the first region of another field on (a call) the rest is held and read when the
-    reply ends — content the parser finds after the calls is sent with them. Calls that do not read (malformed, of an
-    unknown function, a parser error, no reader) leave everything not yet sent as content, as written."""
+    held until it is not; the leading whitespace of each kind left out, as a reply read whole was stripped); from the
+    first region of another field on (a call) everything is held and read when the reply ends: the calls, and the
+    content the parser found after them, each region a line of its own. Calls that do not read (malformed, of an
+    unknown function, a parser error, no reader) leave what was held as content: the text as written from the first
+    call on where what was sent is the text before it, else the held regions' text without their delimiters (the
+    parser's events say what a region holds, not where it was)."""
 
     def __init__(self, fmt: TemplateFormat, tools: list[dict], reader: ReplyReader | None) -> None:
         super().__init__(fmt, tools)
-        self.reader, self.after = reader, ""
-        self.calling = reader is None
+        self.reader, self.calling = reader, reader is None
+        self.streamed = ""  # every region's text sent as it came, as the parser gave it
+        self.held: list[str] = []  # every region's text from the first call on
+        self.after: list[str] = []  # the content regions after the first call, one entry each
+        self.fresh = {CONTENT: True, REASONING: True}  # nothing of that kind sent yet
+        self.unread = -1  # where in `text` the parser stopped reading after an error (-1: it did not)
 
     def add(self, delta: str) -> list[Piece]:
         self.text += delta
@@ -448,7 +466,9 @@ class TemplateStream(CallStream):
             return self._route(self.reader.feed(delta))
         except Exception:  # noqa: BLE001 - the parser's errors on a malformed reply are of no one type
             log.debug("reply not read by the response template", exc_info=True)
-            self.reader, self.calling = None, True
+            # What the failing delta held is lost with its events (a delimiter's last token, as a reply streams
+            # token by token); what comes after it is content as written.
+            self.reader, self.calling, self.unread = None, True, len(self.text)
             return []
 
     def finish(self) -> tuple[list[Piece], list[ToolCall]]:
@@ -462,28 +482,44 @@ class TemplateStream(CallStream):
                 log.debug("reply not read by the response template", exc_info=True)
                 message = None
         calls = TemplateFormat.calls_of(message, self.tools) if self.calling else None
-        if calls is None:
-            rest, self.sent = self.text[self.sent :], len(self.text)
-            return out + _content(self.fmt.clean(rest)), []
-        return out + _content(self.fmt.clean(self.after).strip()), calls
+        if calls is not None:
+            after = "\n".join(text for text in (self.fmt.clean(a).strip() for a in self.after) if text)
+            return out + _content("\n" + after if after and not self.fresh[CONTENT] else after), calls
+        if not self.calling:
+            return out, []
+        body = self.text.lstrip()
+        sent = self.streamed.lstrip()
+        if body.startswith(sent):  # only text before the first call was sent: the rest as written
+            rest = self.text[len(self.text) - len(body) + len(sent) :]
+        else:
+            rest = "".join(self.held) + (self.text[self.unread :] if self.unread >= 0 else "")
+        return out + _content(self.fmt.clean(rest)), []
 
     def _route(self, events: list[dict]) -> list[Piece]:
         out: list[Piece] = []
         for event in events:
             kind = _TEMPLATE_FIELDS.get(event.get("field"))
-            if kind is None and event.get("type") == "region_open":
-                self.calling = True  # a call, or a field we do not send: held from here on
-            if kind is None or event.get("type") != "region_chunk":
+            if event.get("type") == "region_open":
+                if kind is None:
+                    self.calling = True  # a call, or a field we do not send: held from here on
+                elif kind == CONTENT and self.calling:
+                    self.after.append("")
+                continue
+            if event.get("type") != "region_chunk":
                 continue
             text = event.get("text", "")
             if self.calling:
-                self.after += text if kind == CONTENT else ""
+                self.held.append(text)
+                if kind == CONTENT:
+                    self.after[-1:] = [(self.after[-1] if self.after else "") + text]
                 continue
-            at = self.text.find(text, self.sent)
-            if at < 0:  # not the reply's own text (the prefix's): nothing of ours to send
-                continue
-            self.sent = at + len(text)
-            out.append((kind, self.fmt.clean(text)))
+            self.streamed += text
+            piece = self.fmt.clean(text)
+            if self.fresh[kind]:
+                piece = piece.lstrip()
+                self.fresh[kind] = not piece
+            if piece:
+                out.append((kind, piece))
         return out
 
 
