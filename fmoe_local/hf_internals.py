@@ -4,8 +4,9 @@ Scope: loading a checkpoint key by key the way `from_pretrained` does (key renam
 tying, computed buffers), the experts hook (`ExpertsInterface`), which attention implementation a model runs, the
 attributes of the fused experts modules our experts implementation reads (layout flags, the gate), and rendering a
 chat template the way `apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child
-process; which layers of a DynamicCache are sliding-window ones, and such a layer made to hold views of another
-cache's (kv_cache.py, for prefix_cache.py). torch is imported for type hints only, so that child starts without it. Everything else in fmoe_local uses public API only.
+process; which layers of a DynamicCache are sliding-window ones, and their window (kv_cache.py replaces them with
+its own). torch is imported for type hints only, so that child starts without it. Everything else in fmoe_local
+uses public API only.
 It does NOT decide anything: each function is a thin, named door to one internal.
 
 Why: these internals change between transformers releases without notice. pyproject and constraints.txt pin the
@@ -63,11 +64,6 @@ _REQUIRED = (
         keywords=("conversations", "chat_template", "add_generation_prompt", "continue_final_message", "**"),
     ),
     _Internal("transformers.cache_utils", "DynamicSlidingWindowLayer", called=False),
-    _Internal(
-        "transformers.cache_utils",
-        "DynamicSlidingWindowLayer.lazy_initialization",
-        ("self", "key_states", "value_states"),
-    ),
 )
 _EXPERTS_FLAGS = ("is_transposed", "has_bias", "has_gate", "num_experts")
 
@@ -252,12 +248,3 @@ def sliding_window(layer: object) -> int | None:
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     return int(layer.sliding_window) if type(layer) is DynamicSlidingWindowLayer else None
-
-
-def hold_views(layer: object, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Make a fresh sliding-window dynamic layer hold `keys`/`values` [B, H, n, D] (views of another cache's first
-    tokens, all it has seen: prefix_cache's `_cuttable`), counting them as its update would. Safe as views because
-    its update concatenates into new tensors and never writes into those it holds (tests/test_prefix_cache.py)."""
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
-    layer.cumulative_length = keys.shape[-2]

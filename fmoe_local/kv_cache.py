@@ -9,12 +9,19 @@ past the capacity reallocates to 1.5× (at least what it needs) and copies once:
 than the device's own out-of-memory. A kept cache that its reply filled is grown between requests instead
 (`next_capacity`, which prefix_cache.PrefixCache.prepare applies), so that the next turn's first pass does not copy.
 
-Scope: the layer and the cache that uses it for every full-attention layer of a config; sliding-window layers stay
-transformers' DynamicSlidingWindowLayer (they keep only a window, so their copy is bounded). It is built through
-transformers' public cache API: DynamicCache(config=…) decides each layer's kind, and its plain DynamicLayers (a
-public class) are replaced by GrowingLayer, a DynamicLayer whose `update` writes in place. It does NOT decide what
-is kept between requests nor who may write a kept buffer: prefix_cache.py does (a buffer is written only by the
-request that owns it).
+A sliding-window layer (GPT-OSS's every other layer) is a SlidingLayer: attention sees what transformers' own
+sliding-window layer gives it (the last window − 1 tokens and the pass's, with the same mask sizes), but it keeps
+RETAIN tokens more, and a copy of what it held when the request's prompt had been read (its mark), so that a kept
+cache can be cut short (prefix_cache.py) within those: one token before the prompt's end (a regenerate) or at it
+(the next turn of a GPT-OSS chat, whose template drops the reply's analysis channel from the next prompt, so that it
+parts from the kept tokens right after the last prompt). transformers' layer keeps only the window: such a cache
+could be reused only whole, which a GPT-OSS chat never is.
+
+Scope: the two layers and the cache that uses them. It is built through transformers' public cache API:
+DynamicCache(config=…) decides each layer's kind, and its plain DynamicLayers are replaced by GrowingLayer, its
+sliding-window layers by SlidingLayer (both DynamicLayers, a public class, with the layer interface's
+`get_mask_sizes`/`is_sliding`). It does NOT decide what is kept between requests nor who may write a kept buffer:
+prefix_cache.py does (a buffer is written only by the request that owns it).
 
 Threads: a cache belongs to the thread running the model (the runtime's worker), as every KV cache does.
 """
@@ -32,6 +39,9 @@ from fmoe_local import hf_internals
 GROWTH = 1.5  # a full buffer's next capacity, relative: amortised O(1) copies per token, at most 1/3 unused
 REPLY_ROOM = 256  # reply tokens a new cache has room for at first; a longer reply grows it
 NEXT_ROOM = 64  # a kept cache with less room than this grows between requests (PrefixCache.prepare)
+# Tokens a SlidingLayer keeps beyond its window − 1: how far back from where it is, or from its mark, a kept cache can
+# be cut. A regenerate needs one; more covers a short edit at the prompt's end, at 64 tokens' keys and values a layer.
+RETAIN = 64
 
 
 def first_capacity(prompt_tokens: int, new_tokens: int) -> int:
@@ -137,15 +147,98 @@ class GrowingLayer(DynamicLayer):
         self.values = self._v[:, :, : self.length]
 
 
+class SlidingLayer(DynamicLayer):
+    """A sliding-window layer that keeps RETAIN tokens more than its window needs, and its mark (module docstring).
+    `keys`/`values` hold the last tokens it has seen (`length` of them seen); `mark` is (keys, values, length) as
+    they were after the request's first pass (its prompt), a copy of its own, or None."""
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+        self.length = 0
+        self.mark: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.marking = True  # the next update is a request's first pass: mark after it
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1]))
+        self.values = value_states.new_empty((*value_states.shape[:-2], 0, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.length += key_states.shape[-2]
+        # New tensors, as transformers' layer makes: what a kept cache or a mark holds is never written.
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        held = self.sliding_window - 1 + RETAIN
+        self.keys, self.values = keys[:, :, -held:], values[:, :, -held:]
+        if self.marking:
+            self.mark = (self.keys.clone(), self.values.clone(), self.length)
+            self.marking = False
+        visible = self.sliding_window - 1 + key_states.shape[-2]
+        return keys[:, :, -visible:], values[:, :, -visible:]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv length, kv offset) of the mask, as transformers' sliding-window layer gives them: the window before
+        the pass and the pass."""
+        offset = max(self.length - self.sliding_window + 1, 0)
+        if self.length >= self.sliding_window:
+            return self.sliding_window - 1 + query_length, offset
+        return self.length + query_length, offset
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("A sliding-window layer is cut by `hold`, from what it keeps (prefix_cache.py).")
+
+    def reset(self) -> None:
+        self.length, self.mark, self.marking = 0, None, True
+        super().reset()
+
+    def begin(self) -> None:
+        """The next update is a request's first pass (its prompt, or what it does not reuse of it)."""
+        self.marking = True
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:
+        """Go on from `seen` tokens, of which `keys`/`values` are the last ones (KVLayer.window_at): views of another
+        cache's, which this layer never writes. Its mark, of other tokens, goes."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.length = keys, values, seen
+        self.mark, self.marking = None, True
+
+
 class GrowingCache(DynamicCache):
     """transformers' DynamicCache for `config`, each plain full-attention layer a GrowingLayer with room for
-    `capacity` tokens (more are added as needed)."""
+    `capacity` tokens (more are added as needed), each sliding-window one a SlidingLayer."""
 
     def __init__(self, config: PretrainedConfig, capacity: int = 0) -> None:
         super().__init__(config=config)
-        self.layers = [GrowingLayer(capacity) if type(layer) is DynamicLayer else layer for layer in self.layers]
+        self.layers = [self._ours(layer, capacity) for layer in self.layers]
         if self.layer_class_to_replicate is DynamicLayer:  # a config naming no layers: they are added as used
             self.layer_class_to_replicate = GrowingLayer
+
+    @staticmethod
+    def _ours(layer: object, capacity: int) -> object:
+        if type(layer) is DynamicLayer:
+            return GrowingLayer(capacity)
+        window = hf_internals.sliding_window(layer)
+        return layer if window is None else SlidingLayer(window)
+
+    def begin(self) -> None:
+        """A request takes this cache: its sliding-window layers mark what they hold after its first pass."""
+        for layer in self.layers:
+            if isinstance(layer, SlidingLayer):
+                layer.begin()
 
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` tokens in every growing layer (a copy now for a layer that has less, none later)."""
@@ -177,21 +270,39 @@ class KVLayer:
 
     keys: torch.Tensor | None  # [B, heads, held, D]; None before the layer's first update
     values: torch.Tensor | None
-    length: int  # tokens the layer has seen (a sliding-window layer holds only the last window − 1 of them)
+    length: int  # tokens the layer has seen (a sliding-window layer holds only the last of them)
     window: int | None  # the sliding window, None for full attention
+    mark: tuple[torch.Tensor, torch.Tensor, int] | None = None  # a SlidingLayer's mark
+
+    def tensors(self) -> list[torch.Tensor]:
+        held = [self.keys, self.values, *(self.mark[:2] if self.mark else ())]
+        return [t for t in held if t is not None]
+
+    def window_at(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What a sliding-window layer needs to go on from the first `tokens` tokens: the last of them it holds (at
+        least window − 1, or every one), from what it holds now or from its mark; None when neither has them."""
+        for keys, values, length in ((self.keys, self.values, self.length), self.mark or (None, None, 0)):
+            if keys is None or tokens > length:
+                continue
+            first = length - keys.shape[-2]  # the first token held
+            if first == 0 or tokens - (self.window - 1) >= first:
+                return keys[:, :, : tokens - first], values[:, :, : tokens - first]
+        return None
 
 
 def kv_layers(cache: DynamicCache) -> list[KVLayer] | None:
-    """Each layer of `cache`; None when one is of a kind other than a GrowingLayer or transformers' sliding-window
-    dynamic layer (linear attention, quantised, offloaded, a plain DynamicLayer…), which this module does not cut."""
+    """Each layer of `cache`; None when one is of a kind other than a GrowingLayer or a SlidingLayer (linear
+    attention, quantised, offloaded, a plain DynamicLayer…), which this module does not cut."""
     out = []
     for layer in cache.layers:
-        window = hf_internals.sliding_window(layer)
-        if window is None and not isinstance(layer, GrowingLayer):
+        if not isinstance(layer, (GrowingLayer, SlidingLayer)):
             return None
         held = layer.is_initialized and layer.keys is not None
         keys, values = (layer.keys, layer.values) if held else (None, None)
-        out.append(KVLayer(keys, values, layer.get_seq_length(), window))
+        if isinstance(layer, SlidingLayer):
+            out.append(KVLayer(keys, values, layer.length, layer.sliding_window, layer.mark))
+        else:
+            out.append(KVLayer(keys, values, layer.length, None))
     return out
 
 
@@ -200,8 +311,8 @@ def cache_for_prefix(
 ) -> GrowingCache | None:
     """A GrowingCache for `config` holding the first `tokens` tokens of `layers` (each layer's tokens: its segments
     one after the other), with room for `capacity`: its growing layers a copy (they will be written after it), its
-    sliding-window layers views of their one segment (their update never writes into what they hold; they must hold
-    all they have seen: prefix_cache's `_cuttable`). None when the layers are not this config's."""
+    sliding-window layers views of their one segment's (their update never writes into what they hold), which must
+    have them (KVLayer.window_at: prefix_cache's `_cuttable`). None when the layers are not this config's."""
     cache = GrowingCache(config, capacity)
     if len(cache.layers) != len(layers):
         return None
@@ -220,8 +331,11 @@ def cache_for_prefix(
             target.write_prefix(*pieces[0])
             for keys, values in pieces[1:]:
                 target.update(keys, values)
-        elif len(segments) == 1 and window is not None and hf_internals.sliding_window(target) == window:
-            hf_internals.hold_views(target, segments[0].keys[:, :, :tokens], segments[0].values[:, :, :tokens])
+        elif len(segments) == 1 and isinstance(target, SlidingLayer) and target.sliding_window == window:
+            held = segments[0].window_at(tokens)
+            if held is None:
+                return None
+            target.hold(*held, tokens)
         else:
             return None
     return cache
@@ -229,10 +343,13 @@ def cache_for_prefix(
 
 def cut_in_place(cache: GrowingCache, tokens: int) -> None:
     """Make `cache` hold only its first `tokens` tokens, without a copy: its growing layers' next tokens go after
-    them, into the same buffers; its sliding-window layers (which must hold all they have seen) hold views of their
-    first tokens, so the tensors they held stay as they were for whoever still reads them."""
-    for layer in cache.layers:
+    them, into the same buffers; its sliding-window layers (which must have them: KVLayer.window_at) hold views of
+    what they held, so the tensors they held stay as they were for whoever still reads them."""
+    for layer, kept in zip(cache.layers, kv_layers(cache), strict=True):
         if isinstance(layer, GrowingLayer):
             layer.crop(tokens - layer.length)
-        elif layer.is_initialized and layer.keys is not None:
-            hf_internals.hold_views(layer, layer.keys[:, :, :tokens], layer.values[:, :, :tokens])
+        elif kept.keys is not None:
+            held = kept.window_at(tokens)
+            if held is None:
+                raise ValueError(f"This cache's sliding-window layers cannot be cut at {tokens} tokens.")
+            layer.hold(*held, tokens)

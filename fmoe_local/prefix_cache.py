@@ -30,11 +30,13 @@ are that thread's too; nothing else reads them. A model reload builds a new Runt
 Exactness: a reused cache must hold what a fresh prefill of the same tokens computes, so that the reply is the one
 the same request gets without reuse (tests/test_prefix_cache.py, every family). Where that cannot hold, nothing is
 reused:
-- a layer kind other than a GrowingLayer or transformers' sliding-window dynamic layer (kv_cache.kv_layers): the
+- a layer kind other than kv_cache's GrowingLayer and SlidingLayer (kv_cache.kv_layers): the
   model is never served from a kept cache;
-- a sliding-window layer past its window keeps only its last window − 1 tokens, so its cache cannot be cut short:
-  such a cache is reused only whole, when the prompt extends every token it holds (the next turn of a chat), never
-  for a regenerate or an edit (GPT-OSS's every other layer; Mixtral, Qwen with a sliding_window);
+- a sliding-window layer past its window keeps only its last window − 1 tokens and RETAIN more, and a copy of those
+  as they were when its request's prompt had been read (kv_cache.SlidingLayer's mark), so its cache is cut only
+  where one of them holds the window before the cut (`_cut_point`: at the prompt's end, the next turn of a GPT-OSS
+  chat; one token before it, a regenerate; or within RETAIN tokens of either), else reused only whole, when the
+  prompt extends every token it holds (GPT-OSS's every other layer; Mixtral, Qwen with a sliding_window);
 - a RoPE whose frequencies follow the pass's length (longrope: Phi-3.5-MoE; dynamic NTK) computes a prefix
   differently once a pass reaches its original context: prompts longer than that are prefilled whole, and a cache
   that grew past it is not kept.
@@ -102,7 +104,7 @@ class _Entry:
         return [h if h.window is not None else KVLayer(None, None, len(self.ids), None) for h in self.head]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for segs in self.segments() for seg in segs for t in (seg.keys, seg.values) if t is not None]
+        return [t for segs in self.segments() for seg in segs for t in seg.tensors()]
 
     def buffer(self) -> int | None:
         """The growing buffers this entry reads, by the storage of its first growing layer's keys (None: none)."""
@@ -146,9 +148,22 @@ def rope_length_limit(config: PretrainedConfig) -> int | None:
 
 
 def _cuttable(layers: list[KVLayer], tokens: int) -> bool:
-    """Whether the first `tokens` tokens can be taken from these layers exactly: every sliding-window layer still
-    holds all it has seen, or nothing is cut."""
-    return all(layer.window is None or layer.length < layer.window or layer.length == tokens for layer in layers)
+    """Whether the first `tokens` tokens can be taken from these layers exactly: every sliding-window layer has the
+    window before them (KVLayer.window_at)."""
+    return all(layer.window is None or layer.window_at(tokens) is not None for layer in layers)
+
+
+def _cut_point(layers: list[KVLayer], shared: int) -> int:
+    """The most of the first `shared` tokens these layers can give exactly (0: none). A sliding-window layer has the
+    window before every point from its first token held + window − 1 up to its length, in what it holds now and in
+    its mark: the largest such point not past `shared` ends one of those ranges, or is `shared`."""
+    points = {shared}
+    for layer in layers:
+        if layer.window is not None:
+            points.add(min(shared, layer.length))
+            if layer.mark is not None:
+                points.add(min(shared, layer.mark[2]))
+    return next((point for point in sorted(points, reverse=True) if point > 0 and _cuttable(layers, point)), 0)
 
 
 class PrefixCache:
@@ -196,8 +211,8 @@ class PrefixCache:
         ids = np.asarray(prompt, dtype=np.int64)
         best: tuple[_Entry, int] | None = None
         for entry in reversed(self._entries):  # the most recently used first: it wins a tie
-            shared = min(common_prefix(entry.ids, ids), len(ids) - 1)
-            if shared > (best[1] if best else 0) and _cuttable(entry.shape(), shared):
+            shared = _cut_point(entry.shape(), min(common_prefix(entry.ids, ids), len(ids) - 1))
+            if shared > (best[1] if best else 0):
                 best = (entry, shared)
         if best is None:
             return self._fresh(prompt, new_tokens)
@@ -208,6 +223,7 @@ class PrefixCache:
             self._make_room(len(prompt) - shared + new_tokens, per_token)
             if shared < len(entry.ids):
                 self._split(entry, shared)
+            entry.cache.begin()
             return entry.cache, shared
         if shared < len(entry.ids):
             self._entries.append(entry)  # stays kept, now the most recently used
@@ -321,16 +337,12 @@ class PrefixCache:
 
     def _copy(self, layers: list[KVLayer], tokens: int) -> GrowingCache | None:
         """A new cache holding a copy of the first `tokens` tokens of `layers`, without slack (it must let the rest
-        go; its sliding-window layers, which hold all they have seen, are copied too); kept caches are dropped
+        go; its sliding-window layers' window before them is copied too: `_cuttable`); kept caches are dropped
         (least recently used first) while the copy runs out of memory, and None when even that does not help."""
         while True:
             try:
                 copies = [
-                    [
-                        KVLayer(
-                            layer.keys[:, :, :tokens].clone(), layer.values[:, :, :tokens].clone(), tokens, layer.window
-                        )
-                    ]
+                    [KVLayer(*(t.clone() for t in layer.window_at(tokens)), tokens, layer.window)]
                     if layer.keys is not None and layer.window is not None
                     else [layer]
                     for layer in layers

@@ -1,6 +1,7 @@
 """GrowingCache: written in place into buffers with room, it holds what transformers' DynamicCache holds (the same
 greedy tokens and logits for every family, also when it has to grow past its capacity many times), its views share
-the buffers (no copy per pass), and a kept prefix stays intact when requests extend it differently."""
+the buffers (no copy per pass), and a kept prefix stays intact when requests extend it differently. Its sliding-window
+layers give attention what transformers' own give it, and keep more, with a mark of what they held after a prompt."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from fmoe_local.kv_cache import (
     GROWTH,
     NEXT_ROOM,
     REPLY_ROOM,
+    RETAIN,
     GrowingCache,
     GrowingLayer,
+    SlidingLayer,
     first_capacity,
     kv_layers,
     next_capacity,
@@ -132,3 +135,20 @@ def test_a_kept_prefix_survives_two_requests_extending_it_differently(family, ti
     cache, reused = prefixes.take(nxt, new_tokens=6)
     assert reused == len(prompt) + len(reply) - 1, family
     assert run(model, nxt, cache, reused) == run(model, nxt, None), family
+
+
+def test_a_sliding_layer_gives_attention_what_transformers_sliding_layer_gives():
+    """The same keys, values and mask sizes at every pass (a prompt longer than the window, then single tokens, then a
+    short pass), while it keeps RETAIN tokens more than the window needs and marks what it held after the first."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    window, ours, theirs = 16, SlidingLayer(16), DynamicSlidingWindowLayer(sliding_window=16)
+    torch.manual_seed(0)
+    for step, n in enumerate([40, *[1] * 30, 5, 1]):
+        assert ours.get_mask_sizes(n) == theirs.get_mask_sizes(n), step
+        k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+        got, want = ours.update(k, v), theirs.update(k.clone(), v.clone())
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        assert ours.keys.shape[-2] == min(ours.length, window - 1 + RETAIN)
+    assert ours.mark[2] == 40 and ours.mark[0].shape[-2] == 40  # after the first pass: all 40 (fewer than 15 + 64)

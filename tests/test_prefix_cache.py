@@ -7,6 +7,7 @@ their window, length-dependent RoPE, a cache cut short), the byte budget, and th
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -135,20 +136,34 @@ def run(model, ids: list[int], cache, cached: int, n: int = 4) -> list[int]:
     )
 
 
-def test_sliding_window_cache_past_its_window_is_reused_only_whole(tiny_model_dir):
-    """GPT-OSS (window 64 in the tiny config): a 100-token prompt's cache keeps 63 tokens in its sliding layers, so
-    a regenerate cannot cut it (prefilled whole), while a prompt extending all of it reuses it exactly."""
+def test_a_sliding_window_cache_is_cut_where_it_kept_the_window(tiny_model_dir):
+    """GPT-OSS (window 64 in the tiny config): after a 300-token prompt and an 80-token reply its sliding layers hold
+    the last 63 + RETAIN tokens, and their mark what they held at the prompt's end. So a regenerate (299 tokens) and
+    the next turn of a chat that parts from the kept tokens right after the prompt (its template drops the reply's
+    analysis channel) are cut from the mark, a prompt extending all of it is reused whole, and an edit far back is
+    prefilled whole (before, only the whole extension was reused: a GPT-OSS chat never was) — each reply the tokens
+    of a whole prefill."""
     model = eager(tiny_model_dir("gpt_oss"))
     prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
-    prompt = [(7 * i) % 300 + 10 for i in range(100)]
+    prompt = [(7 * i) % 300 + 10 for i in range(300)]
     cache, reused = prefixes.take(prompt)
-    reply = run(model, prompt, cache, reused)
+    reply = run(model, prompt, cache, reused, n=80)
     prefixes.put(prompt + reply, cache)
-    assert prefixes.take(prompt)[1] == 0  # would cut the sliding layers: not reused
-    longer = prompt + reply[:-1] + [42, 43]
-    cache, reused = prefixes.take(longer)
-    assert reused == len(prompt) + len(reply) - 1
-    assert run(model, longer, cache, reused) == run(model, longer, None, 0)
+    sliding = [layer for layer in kv_layers(cache) if layer.window is not None]
+    assert sliding and all(layer.mark[2] == 300 and layer.window_at(299) is not None for layer in sliding)
+    assert all(replace(layer, mark=None).window_at(299) is None for layer in sliding)  # the mark has it, alone
+    cases = [
+        (prompt, 299),  # a regenerate
+        (prompt + [5, 6, 7], 300),  # the next turn, parting right after the prompt
+        (prompt[:150] + [9, 9], 0),  # an edit before what the mark holds
+        (prompt + reply[:-1] + [42, 43], 379),  # everything kept, and more
+    ]
+    for ids, expected in cases:
+        cache, reused = prefixes.take(ids)
+        assert reused == expected, (len(ids), reused)
+        out = run(model, ids, cache, reused)
+        assert out == run(model, ids, None, 0), len(ids)
+        prefixes.put(ids + out, cache)
 
 
 def test_sliding_window_cache_within_its_window_is_cut(tiny_model_dir):
