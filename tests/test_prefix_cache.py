@@ -166,6 +166,32 @@ def test_a_sliding_window_cache_is_cut_where_it_kept_the_window(tiny_model_dir):
         prefixes.put(ids + out, cache)
 
 
+def test_a_gpt_oss_chat_s_next_turn_reuses_the_last_prompt(tiny_model_dir, tmp_path):
+    """Through the runtime, on GPT-OSS's harmony template: the next turn renders the reply as its final channel, not
+    as the model wrote it, so it parts from the kept tokens right after the last prompt; with a prompt past the
+    sliding window and a reply past what the window layers keep, that whole prompt is reused (before: nothing), and
+    the reply is the one a fresh prefill gives."""
+    import shutil
+
+    from tests.tool_templates import HARMONY_TEMPLATE
+
+    model_dir = tmp_path / "gpt_oss"
+    shutil.copytree(tiny_model_dir("gpt_oss"), model_dir)
+    (model_dir / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    long = " ".join(f"word{i}" for i in range(20))  # about 110 tokens: past the 64-token window
+    first = [{"role": "user", "content": long}]
+    sampling = Sampling(greedy=True, max_new_tokens=90)  # past the 63 + RETAIN tokens the window layers keep
+    config = RuntimeConfig(device="cpu", cache_experts=4, sampling=sampling)
+    with Runtime.load(model_dir, config) as runtime:
+        prompt = runtime.engine.tokenize_prompt(first)
+        reply = runtime.generate(first)
+        second = [*first, {"role": "assistant", "content": "It is dry."}, {"role": "user", "content": "Thanks."}]
+        turn = runtime.generate(second, replace(sampling, max_new_tokens=NEW))
+        assert turn.stats.cached_tokens == len(prompt) and len(reply.token_ids) == 90
+        runtime.reset_cache()
+        assert runtime.generate(second, replace(sampling, max_new_tokens=NEW)).token_ids == turn.token_ids
+
+
 def test_sliding_window_cache_within_its_window_is_cut(tiny_model_dir):
     model = eager(tiny_model_dir("gpt_oss"))
     prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
