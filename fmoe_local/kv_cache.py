@@ -179,7 +179,10 @@ class SlidingLayer(DynamicLayer):
         held = self.sliding_window - 1 + RETAIN
         self.keys, self.values = keys[:, :, -held:], values[:, :, -held:]
         if self.marking:
-            self.mark = (self.keys.clone(), self.values.clone(), self.length)
+            # A copy: a view would keep the whole prompt's keys alive in a kept cache whose last pass this was (a
+            # one-token reply). The layer and its mark share it: neither is ever written.
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+            self.mark = (self.keys, self.values, self.length)
             self.marking = False
         visible = self.sliding_window - 1 + key_states.shape[-2]
         return keys[:, :, -visible:], values[:, :, -visible:]

@@ -245,10 +245,10 @@ class PrefixCache:
             return
         if self._rope_limit is not None and n > self._rope_limit:
             return
-        nbytes = _bytes([t for layer in layers for t in (layer.keys, layer.values) if t is not None])
+        nbytes = _bytes([t for layer in layers for t in layer.tensors()])
         if nbytes > self.budget_bytes:
-            fit = int(n * self.budget_bytes // nbytes)
-            if fit < 1 or not _cuttable(layers, fit):
+            fit = _cut_point(layers, int(n * self.budget_bytes // nbytes))
+            if fit < 1:
                 return
             del cache
             cache = self._copy(layers, fit)
@@ -256,7 +256,8 @@ class PrefixCache:
                 return
             n = fit
         kept = np.asarray(ids[:n], dtype=np.int64)
-        # A kept cache this one extends is redundant: any prompt it serves, this one serves as far.
+        # A kept cache this one extends is redundant: any prompt it serves, this one serves as far — but for the
+        # cut points only its sliding-window layers' mark has (a regenerate of the turn before), not worth its bytes.
         self._entries = [e for e in self._entries if not (len(e.ids) <= n and common_prefix(e.ids, kept) == len(e.ids))]
         self._entries.append(_Entry(kept, cache))
         while len(self._entries) > 1 and self.held_bytes > self.budget_bytes:

@@ -138,11 +138,11 @@ def run(model, ids: list[int], cache, cached: int, n: int = 4) -> list[int]:
 
 def test_a_sliding_window_cache_is_cut_where_it_kept_the_window(tiny_model_dir):
     """GPT-OSS (window 64 in the tiny config): after a 300-token prompt and an 80-token reply its sliding layers hold
-    the last 63 + RETAIN tokens, and their mark what they held at the prompt's end. So a regenerate (299 tokens) and
-    the next turn of a chat that parts from the kept tokens right after the prompt (its template drops the reply's
-    analysis channel) are cut from the mark, a prompt extending all of it is reused whole, and an edit far back is
-    prefilled whole (before, only the whole extension was reused: a GPT-OSS chat never was) — each reply the tokens
-    of a whole prefill."""
+    the last 63 + RETAIN tokens, and their mark what they held at the prompt's end. So a regenerate (299 tokens) is
+    cut from the mark; the next turn of a chat that parts from the kept tokens right after the prompt (its template
+    drops the reply's analysis channel) then from what the regenerate kept (the runtime test below has it cut from a
+    mark); a prompt extending all of it is reused whole, and an edit far back is prefilled whole (before, only the
+    whole extension was reused: a GPT-OSS chat never was) — each reply the tokens of a whole prefill."""
     model = eager(tiny_model_dir("gpt_oss"))
     prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
     prompt = [(7 * i) % 300 + 10 for i in range(300)]
@@ -164,6 +164,71 @@ def test_a_sliding_window_cache_is_cut_where_it_kept_the_window(tiny_model_dir):
         out = run(model, ids, cache, reused)
         assert out == run(model, ids, None, 0), len(ids)
         prefixes.put(ids + out, cache)
+
+
+PROMPT_300 = [(7 * i) % 300 + 10 for i in range(300)]
+
+
+def _kept_300(model) -> tuple[PrefixCache, list[int]]:
+    """A PrefixCache holding GPT-OSS's cache of PROMPT_300 and an 80-token reply: its sliding layers (window 64) hold
+    tokens 252–378 and their mark 173–299."""
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    cache, _ = prefixes.take(PROMPT_300)
+    reply = run(model, PROMPT_300, cache, 0, n=80)
+    prefixes.put(PROMPT_300 + reply, cache)
+    return prefixes, reply
+
+
+@pytest.mark.parametrize(("shared", "reused"), [(236, 236), (235, 0), (310, 300), (314, 300), (315, 315)])
+def test_a_sliding_window_cache_is_cut_exactly_at_the_edges_of_what_it_kept(tiny_model_dir, shared, reused):
+    """The window before a cut point must be held whole: from the mark (tokens 173–299) points 236 to 300, from the
+    layers (252–378) points 315 to 379; between and before, the most a cut can give, or nothing."""
+    model = eager(tiny_model_dir("gpt_oss"))
+    prefixes, reply = _kept_300(model)
+    ids = (PROMPT_300 + reply)[:shared] + [3, 2, 1]
+    cache, got = prefixes.take(ids)
+    assert got == reused
+    assert run(model, ids, cache, got) == run(model, ids, None, 0)
+
+
+def test_a_cache_handed_on_whole_marks_the_new_prompt(tiny_model_dir):
+    """The next turn takes the kept cache whole; its own regenerate is then cut from the mark at that turn's prompt
+    end, not from the first turn's."""
+    model = eager(tiny_model_dir("gpt_oss"))
+    prefixes, reply = _kept_300(model)
+    turn = PROMPT_300 + reply[:-1] + [42, 43]
+    cache, reused = prefixes.take(turn)
+    assert reused == len(turn) - 2  # all it kept
+    prefixes.put(turn + run(model, turn, cache, reused, n=80), cache)
+    cache, reused = prefixes.take(turn)  # its regenerate
+    assert reused == len(turn) - 1
+    assert run(model, turn, cache, reused) == run(model, turn, None, 0)
+
+
+def test_a_sliding_window_cache_over_the_budget_keeps_the_most_it_can_cut(tiny_model_dir):
+    """Over the budget a kept cache keeps its first tokens that fit; where the window layers cannot be cut there,
+    the most they can be cut at below it (300, from the mark), not nothing."""
+    model = eager(tiny_model_dir("gpt_oss"))
+    whole, reply = _kept_300(model)
+    held = whole.held_bytes
+    prefixes = PrefixCache(model.config, budget_bytes=held * 308 // 379)  # fits 307 of the 379 tokens
+    cache, _ = prefixes.take(PROMPT_300)
+    prefixes.put(PROMPT_300 + run(model, PROMPT_300, cache, 0, n=80), cache)
+    assert len(prefixes) == 1
+    ids = PROMPT_300 + [3, 2, 1]
+    cache, reused = prefixes.take(ids)
+    assert reused == 300 and run(model, ids, cache, reused) == run(model, ids, None, 0)
+
+
+def test_a_one_token_reply_s_kept_cache_holds_no_more_than_its_window(tiny_model_dir):
+    """A kept cache whose last pass was the prompt's must not keep the whole prompt's keys in its sliding layers."""
+    model = eager(tiny_model_dir("gpt_oss"))
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30)
+    cache, _ = prefixes.take(PROMPT_300)
+    prefixes.put(PROMPT_300 + run(model, PROMPT_300, cache, 0, n=1), cache)
+    sliding = [layer for layer in kv_layers(cache) if layer.window is not None]
+    tensors = [t for layer in sliding for t in layer.tensors()]
+    assert tensors and all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
 
 
 def test_a_gpt_oss_chat_s_next_turn_reuses_the_last_prompt(tiny_model_dir, tmp_path):
