@@ -329,9 +329,13 @@ def test_a_response_template_reply_that_calls_nothing_well_is_content_as_written
     assert _said(sent).startswith("Hi" if text.startswith("Hi") else "no call at all")  # sent as it came
 
 
-def test_without_a_reader_the_reply_is_content_at_its_end():
-    """A response template transformers cannot read (Runtime.reply_reader gives none): the text as written."""
+def test_without_a_reader_the_reply_is_read_by_the_family_s_format_or_is_content_at_its_end():
+    """No reader (Runtime.reply_reader gives none): the chat template's own format reads the calls, and where it has
+    none the reply is the text as written, at its end."""
     sent, rest, calls = _streamed(_template(None), f"Hi {CALL}")
+    assert _said(sent + rest).strip() == "Hi" and [c.name for c in calls] == ["weather"]
+    unformatted = TemplateFormat(lambda tools, prefix: None, "<|assistant|>\n", (), None)
+    sent, rest, calls = _streamed(unformatted, f"Hi {CALL}")
     assert sent == [] and rest == [(CONTENT, f"Hi {CALL}")] and calls == []
 
 
@@ -364,3 +368,15 @@ def test_a_reply_missing_a_field_the_template_requires_is_content_as_written():
     text = f"Hi. {CALL}"
     sent, rest, calls = _streamed(_template(spec), text)
     assert calls == [] and _said(sent) + _said(rest) == text
+
+
+def test_an_opening_the_parser_cannot_read_leaves_the_reply_to_the_family_s_reader():
+    """Not an error on the event loop: the chat template's own format reads the calls (Hermes here)."""
+
+    def read(tools, prefix):  # noqa: ANN001, ANN202
+        raise ValueError("an opening this template cannot read")
+
+    stream = TemplateFormat(read, "<|assistant|>\n", (), HERMES).reader(TOOLS)
+    sent = [piece for ch in f"Hi. {CALL}" for piece in stream.add(ch)]
+    rest, calls = stream.finish()
+    assert _said(sent + rest).strip() == "Hi." and [c.name for c in calls] == ["weather"]

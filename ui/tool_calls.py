@@ -320,7 +320,7 @@ class TemplateFormat(ToolFormat):
     preferred over our parsers wherever a checkpoint ships one. The reply streams through it (TemplateStream), every
     special token kept for the parser (`markers`) and left out of what a user sees. A call is forced (tool_choice
     required or named) with `forced`'s grammar, the format the chat template writes; without one, a forced call is
-    refused (`can_force`)."""
+    refused (`can_force`). Where the parser cannot be made for a reply, `forced`'s own reader reads it."""
 
     def __init__(
         self,
@@ -339,7 +339,14 @@ class TemplateFormat(ToolFormat):
         return self.forced is not None
 
     def reader(self, tools: list[dict]) -> CallStream:
-        return TemplateStream(self, tools, self._read(tools, self.opening))
+        try:
+            read = self._read(tools, self.opening)
+        except Exception:  # noqa: BLE001 - an opening the parser cannot read (its errors are of no one type)
+            log.warning("The response template cannot read this reply's opening: read by the family's format.")
+            read = None
+        if read is None and self.forced is not None:
+            return self.forced.reader(tools)
+        return TemplateStream(self, tools, read)
 
     def after_thought(self, end: str) -> TemplateFormat:
         """This format for a reply whose thought is split off before it is read (ui/reasoning.py's ThinkSplit, where
@@ -445,7 +452,7 @@ class TemplateStream(CallStream):
     held until it is not; the leading whitespace of each kind left out, as a reply read whole was stripped); from the
     first region of another field on (a call) everything is held and read when the reply ends: the calls, and the
     content the parser found after them, each region a line of its own. Calls that do not read (malformed, of an
-    unknown function, a parser error, no reader) leave what was held as content: the text as written from the first
+    unknown function, a parser error, no reader and no `forced` format) leave what was held as content: the text as written from the first
     call on where what was sent is the text before it, else the held regions' text without their delimiters (the
     parser's events say what a region holds, not where it was)."""
 
