@@ -11,11 +11,12 @@ than the device's own out-of-memory. A kept cache that its reply filled is grown
 
 A sliding-window layer (GPT-OSS's every other layer) is a SlidingLayer: attention sees what transformers' own
 sliding-window layer gives it (the last window − 1 tokens and the pass's, with the same mask sizes), but it keeps
-RETAIN tokens more, and a copy of what it held when the request's prompt had been read (its mark), so that a kept
-cache can be cut short (prefix_cache.py) within those: one token before the prompt's end (a regenerate) or at it
-(the next turn of a GPT-OSS chat, whose template drops the reply's analysis channel from the next prompt, so that it
-parts from the kept tokens right after the last prompt). transformers' layer keeps only the window: such a cache
-could be reused only whole, which a GPT-OSS chat never is.
+RETAIN tokens more, and copies of what it held when the request's prompt had been read and at a few points inside
+it (its marks), so that a kept cache can be cut short (prefix_cache.py) within those: one token before the prompt's
+end (a regenerate), at it (the next turn of a GPT-OSS chat, whose template drops the reply's analysis channel from
+the next prompt, so that it parts from the kept tokens right after the last prompt), or at the start of the prompt's
+last message (another question under the same system prompt). transformers' layer keeps only the window: such a
+cache could be reused only whole, which a GPT-OSS chat never is.
 
 Scope: the two layers and the cache that uses them. It is built through transformers' public cache API:
 DynamicCache(config=…) decides each layer's kind, and its plain DynamicLayers are replaced by GrowingLayer, its
@@ -148,9 +149,11 @@ class GrowingLayer(DynamicLayer):
 
 
 class SlidingLayer(DynamicLayer):
-    """A sliding-window layer that keeps RETAIN tokens more than its window needs, and its mark (module docstring).
-    `keys`/`values` hold the last tokens it has seen (`length` of them seen); `mark` is (keys, values, length) as
-    they were after the request's first pass (its prompt), a copy of its own, or None."""
+    """A sliding-window layer that keeps RETAIN tokens more than its window needs, and its marks (module docstring).
+    `keys`/`values` hold the last tokens it has seen (`length` of them seen); `marks` are (keys, values, length):
+    what it held after the request's first pass (its prompt), and the same at each of `points` that pass went
+    through (where a later request may part from this one: the start of the prompt's last message), copies of their
+    own."""
 
     is_sliding = True
 
@@ -158,8 +161,9 @@ class SlidingLayer(DynamicLayer):
         super().__init__()
         self.sliding_window = sliding_window
         self.length = 0
-        self.mark: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.marks: tuple[tuple[torch.Tensor, torch.Tensor, int], ...] = ()
         self.marking = True  # the next update is a request's first pass: mark after it
+        self.points: tuple[int, ...] = ()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -172,6 +176,7 @@ class SlidingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        first = self.length - self.keys.shape[-2]  # the position of `keys`' first token below
         self.length += key_states.shape[-2]
         # New tensors, as transformers' layer makes: what a kept cache or a mark holds is never written.
         keys = torch.cat([self.keys, key_states], dim=-2)
@@ -179,10 +184,15 @@ class SlidingLayer(DynamicLayer):
         held = self.sliding_window - 1 + RETAIN
         self.keys, self.values = keys[:, :, -held:], values[:, :, -held:]
         if self.marking:
-            # A copy: a view would keep the whole prompt's keys alive in a kept cache whose last pass this was (a
-            # one-token reply). The layer and its mark share it: neither is ever written.
+            # Copies: a view would keep the whole prompt's keys alive in a kept cache whose last pass this was (a
+            # one-token reply). The layer and its last mark share one: neither is ever written.
             self.keys, self.values = self.keys.clone(), self.values.clone()
-            self.mark = (self.keys, self.values, self.length)
+            inside = [p - first for p in self.points if self.length - key_states.shape[-2] < p < self.length]
+            self.marks = (
+                *((keys[:, :, max(0, at - held) : at].clone(), values[:, :, max(0, at - held) : at].clone(), at + first)
+                  for at in inside),
+                (self.keys, self.values, self.length),
+            )  # fmt: skip
             self.marking = False
         visible = self.sliding_window - 1 + key_states.shape[-2]
         return keys[:, :, -visible:], values[:, :, -visible:]
@@ -205,19 +215,20 @@ class SlidingLayer(DynamicLayer):
         raise ValueError("A sliding-window layer is cut by `hold`, from what it keeps (prefix_cache.py).")
 
     def reset(self) -> None:
-        self.length, self.mark, self.marking = 0, None, True
+        self.length, self.marks, self.marking, self.points = 0, (), True, ()
         super().reset()
 
-    def begin(self) -> None:
-        """The next update is a request's first pass (its prompt, or what it does not reuse of it)."""
-        self.marking = True
+    def begin(self, points: tuple[int, ...] = ()) -> None:
+        """The next update is a request's first pass (its prompt, or what it does not reuse of it): mark after it,
+        and at each of `points` it goes through."""
+        self.marking, self.points = True, points
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:
         """Go on from `seen` tokens, of which `keys`/`values` are the last ones (KVLayer.window_at): views of another
-        cache's, which this layer never writes. Its mark, of other tokens, goes."""
+        cache's, which this layer never writes. Its marks, of other tokens, go."""
         self.lazy_initialization(keys, values)
         self.keys, self.values, self.length = keys, values, seen
-        self.mark, self.marking = None, True
+        self.marks, self.marking = (), True
 
 
 class GrowingCache(DynamicCache):
@@ -237,11 +248,12 @@ class GrowingCache(DynamicCache):
         window = hf_internals.sliding_window(layer)
         return layer if window is None else SlidingLayer(window)
 
-    def begin(self) -> None:
-        """A request takes this cache: its sliding-window layers mark what they hold after its first pass."""
+    def begin(self, points: tuple[int, ...] = ()) -> None:
+        """A request takes this cache: its sliding-window layers mark what they hold after its first pass, and at
+        each of `points` (token positions) that pass goes through."""
         for layer in self.layers:
             if isinstance(layer, SlidingLayer):
-                layer.begin()
+                layer.begin(points)
 
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` tokens in every growing layer (a copy now for a layer that has less, none later)."""
@@ -275,16 +287,16 @@ class KVLayer:
     values: torch.Tensor | None
     length: int  # tokens the layer has seen (a sliding-window layer holds only the last of them)
     window: int | None  # the sliding window, None for full attention
-    mark: tuple[torch.Tensor, torch.Tensor, int] | None = None  # a SlidingLayer's mark
+    marks: tuple[tuple[torch.Tensor, torch.Tensor, int], ...] = ()  # a SlidingLayer's marks
 
     def tensors(self) -> list[torch.Tensor]:
-        held = [self.keys, self.values, *(self.mark[:2] if self.mark else ())]
+        held = [self.keys, self.values, *(t for mark in self.marks for t in mark[:2])]
         return [t for t in held if t is not None]
 
     def window_at(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What a sliding-window layer needs to go on from the first `tokens` tokens: the last of them it holds (at
-        least window − 1, or every one), from what it holds now or from its mark; None when neither has them."""
-        for keys, values, length in ((self.keys, self.values, self.length), self.mark or (None, None, 0)):
+        least window − 1, or every one), from what it holds now or from a mark; None when none has them."""
+        for keys, values, length in ((self.keys, self.values, self.length), *self.marks):
             if keys is None or tokens > length:
                 continue
             first = length - keys.shape[-2]  # the first token held
@@ -303,7 +315,7 @@ def kv_layers(cache: DynamicCache) -> list[KVLayer] | None:
         held = layer.is_initialized and layer.keys is not None
         keys, values = (layer.keys, layer.values) if held else (None, None)
         if isinstance(layer, SlidingLayer):
-            out.append(KVLayer(keys, values, layer.length, layer.sliding_window, layer.mark))
+            out.append(KVLayer(keys, values, layer.length, layer.sliding_window, layer.marks))
         else:
             out.append(KVLayer(keys, values, layer.length, None))
     return out

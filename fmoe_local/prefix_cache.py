@@ -32,11 +32,13 @@ the same request gets without reuse (tests/test_prefix_cache.py, every family). 
 reused:
 - a layer kind other than kv_cache's GrowingLayer and SlidingLayer (kv_cache.kv_layers): the
   model is never served from a kept cache;
-- a sliding-window layer past its window keeps only its last window − 1 tokens and RETAIN more, and a copy of those
-  as they were when its request's prompt had been read (kv_cache.SlidingLayer's mark), so its cache is cut only
-  where one of them holds the window before the cut (`_cut_point`: at the prompt's end, the next turn of a GPT-OSS
-  chat; one token before it, a regenerate; or within RETAIN tokens of either), else reused only whole, when the
-  prompt extends every token it holds (GPT-OSS's every other layer; Mixtral, Qwen with a sliding_window);
+- a sliding-window layer past its window keeps only its last window − 1 tokens and RETAIN more, and copies of
+  those as they were when its request's prompt had been read and after its last BOUNDARY_MARKS boundary tokens
+  (kv_cache.SlidingLayer's marks), so its cache is cut only where one of them holds the window before the cut
+  (`_cut_point`: at the prompt's end, the next turn of a GPT-OSS chat; one token before it, a regenerate; at the
+  start of its last message, another question under one system prompt; or within RETAIN tokens of those), else
+  reused only whole, when the prompt extends every token it holds (GPT-OSS's every other layer; Mixtral, Qwen with
+  a sliding_window);
 - a RoPE whose frequencies follow the pass's length (longrope: Phi-3.5-MoE; dynamic NTK) computes a prefix
   differently once a pass reaches its original context: prompts longer than that are prefilled whole, and a cache
   that grew past it is not kept.
@@ -147,6 +149,12 @@ def rope_length_limit(config: PretrainedConfig) -> int | None:
     return min(limits) if limits else None
 
 
+# Boundary tokens of a prompt after which its sliding-window layers mark the window (PrefixCache `boundaries`): on a
+# harmony prompt the last four reach the start of the last message's text and its header, at 4.6 MB a mark on
+# GPT-OSS-20B in bf16.
+BOUNDARY_MARKS = 4
+
+
 def _cuttable(layers: list[KVLayer], tokens: int) -> bool:
     """Whether the first `tokens` tokens can be taken from these layers exactly: every sliding-window layer has the
     window before them (KVLayer.window_at)."""
@@ -156,13 +164,12 @@ def _cuttable(layers: list[KVLayer], tokens: int) -> bool:
 def _cut_point(layers: list[KVLayer], shared: int) -> int:
     """The most of the first `shared` tokens these layers can give exactly (0: none). A sliding-window layer has the
     window before every point from its first token held + window − 1 up to its length, in what it holds now and in
-    its mark: the largest such point not past `shared` ends one of those ranges, or is `shared`."""
+    each mark: the largest such point not past `shared` ends one of those ranges, or is `shared`."""
     points = {shared}
     for layer in layers:
         if layer.window is not None:
             points.add(min(shared, layer.length))
-            if layer.mark is not None:
-                points.add(min(shared, layer.mark[2]))
+            points.update(min(shared, mark[2]) for mark in layer.marks)
     return next((point for point in sorted(points, reverse=True) if point > 0 and _cuttable(layers, point)), 0)
 
 
@@ -172,11 +179,16 @@ class PrefixCache:
         model_config: PretrainedConfig,
         budget_bytes: int,
         free_bytes: Callable[[], int | None] = lambda: None,
+        boundaries: frozenset[int] = frozenset(),
     ) -> None:
         """`budget_bytes`: what the kept caches may take together (cache_budget.prefix_budget_bytes). `free_bytes`:
         memory free now where the KV cache lives (CUDA), asked before a request so that kept caches are dropped
-        before the request's own KV cache runs the device out of memory; None where nothing is to be checked."""
+        before the request's own KV cache runs the device out of memory; None where nothing is to be checked.
+        `boundaries`: the token ids a chat template writes between messages (the tokenizer's special tokens), after
+        which a later request may part from this one: a sliding-window layer marks what it holds after the last
+        BOUNDARY_MARKS of them in a prompt (the start of its last message: requests under one system prompt)."""
         self._config = model_config
+        self._boundaries = np.fromiter(boundaries, dtype=np.int64)
         self.budget_bytes = budget_bytes
         self._free_bytes = free_bytes
         self._entries: list[_Entry] = []  # least recently used first
@@ -206,6 +218,19 @@ class PrefixCache:
         cache's own buffers where no other kept cache reads what the request will write, else a copy of the shared
         tokens (the module docstring). `new_tokens`: tokens the request may still add (the reply), for the room
         check and a new cache's capacity."""
+        cache, reused = self._take(prompt, new_tokens)
+        cache.begin(self._points(prompt))
+        return cache, reused
+
+    def _points(self, prompt: Sequence[int]) -> tuple[int, ...]:
+        """Where in `prompt` a sliding-window layer marks what it holds besides the prompt's end: after each of its
+        last BOUNDARY_MARKS boundary tokens but its last token."""
+        if not len(self._boundaries) or len(prompt) < 2:
+            return ()
+        at = np.flatnonzero(np.isin(np.asarray(prompt[:-1], dtype=np.int64), self._boundaries)) + 1
+        return tuple(int(p) for p in at[-BOUNDARY_MARKS:])
+
+    def _take(self, prompt: Sequence[int], new_tokens: int) -> tuple[GrowingCache, int]:
         if not self.enabled or len(prompt) < 2 or (self._rope_limit is not None and len(prompt) > self._rope_limit):
             return self._fresh(prompt, new_tokens)
         ids = np.asarray(prompt, dtype=np.int64)
@@ -223,7 +248,6 @@ class PrefixCache:
             self._make_room(len(prompt) - shared + new_tokens, per_token)
             if shared < len(entry.ids):
                 self._split(entry, shared)
-            entry.cache.begin()
             return entry.cache, shared
         if shared < len(entry.ids):
             self._entries.append(entry)  # stays kept, now the most recently used

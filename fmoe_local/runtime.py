@@ -127,7 +127,10 @@ class Runtime:
         self._response_template = readable_response_template(getattr(engine.tokenizer, "response_template", None))
         # The worker's own (prefix_cache.py says its threading rule): built here before the worker starts.
         self._prefixes = PrefixCache(
-            engine.model.config, engine.prefix_budget, free_bytes=lambda: kv_free_bytes(engine.device)
+            engine.model.config,
+            engine.prefix_budget,
+            free_bytes=lambda: kv_free_bytes(engine.device),
+            boundaries=Detokenizer.special_ids(engine.tokenizer),
         )
         self._worker = threading.Thread(target=self._serve, name="fmoe-runtime", daemon=True)
         self._worker.start()

@@ -151,4 +151,6 @@ def test_a_sliding_layer_gives_attention_what_transformers_sliding_layer_gives()
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
         assert ours.get_seq_length() == theirs.get_seq_length()
         assert ours.keys.shape[-2] == min(ours.length, window - 1 + RETAIN)
-    assert ours.mark[2] == 40 and ours.mark[0].shape[-2] == 40  # after the first pass: all 40 (fewer than 15 + 64)
+    assert (
+        ours.marks[-1][2] == 40 and ours.marks[-1][0].shape[-2] == 40
+    )  # after the first pass: all 40 (fewer than 15 + 64)

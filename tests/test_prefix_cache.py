@@ -150,8 +150,8 @@ def test_a_sliding_window_cache_is_cut_where_it_kept_the_window(tiny_model_dir):
     reply = run(model, prompt, cache, reused, n=80)
     prefixes.put(prompt + reply, cache)
     sliding = [layer for layer in kv_layers(cache) if layer.window is not None]
-    assert sliding and all(layer.mark[2] == 300 and layer.window_at(299) is not None for layer in sliding)
-    assert all(replace(layer, mark=None).window_at(299) is None for layer in sliding)  # the mark has it, alone
+    assert sliding and all(layer.marks[-1][2] == 300 and layer.window_at(299) is not None for layer in sliding)
+    assert all(replace(layer, marks=()).window_at(299) is None for layer in sliding)  # the mark has it, alone
     cases = [
         (prompt, 299),  # a regenerate
         (prompt + [5, 6, 7], 300),  # the next turn, parting right after the prompt
@@ -220,6 +220,21 @@ def test_a_sliding_window_cache_over_the_budget_keeps_the_most_it_can_cut(tiny_m
     assert reused == 300 and run(model, ids, cache, reused) == run(model, ids, None, 0)
 
 
+def test_a_request_parting_after_a_message_boundary_is_cut_there(tiny_model_dir):
+    """A later request that shares a prompt only up to its last message (another question under one system prompt),
+    parting more than RETAIN tokens before the prompt's end, is cut at the boundary token the sliding layers marked
+    (before: prefilled whole), and gets a whole prefill's tokens."""
+    model = eager(tiny_model_dir("gpt_oss"))
+    prefixes = PrefixCache(model.config, budget_bytes=1 << 30, boundaries=frozenset({5}))
+    prompt = PROMPT_300[:200] + [5] + PROMPT_300[201:]  # a boundary token at 200: its last message starts at 201
+    cache, _ = prefixes.take(prompt)
+    prefixes.put(prompt + run(model, prompt, cache, 0, n=20), cache)
+    other = prompt[:201] + [3, 2, 1] * 30
+    cache, reused = prefixes.take(other)
+    assert reused == 201
+    assert run(model, other, cache, reused) == run(model, other, None, 0)
+
+
 def test_a_one_token_reply_s_kept_cache_holds_no_more_than_its_window(tiny_model_dir):
     """A kept cache whose last pass was the prompt's must not keep the whole prompt's keys in its sliding layers."""
     model = eager(tiny_model_dir("gpt_oss"))
@@ -255,6 +270,30 @@ def test_a_gpt_oss_chat_s_next_turn_reuses_the_last_prompt(tiny_model_dir, tmp_p
         assert turn.stats.cached_tokens == len(prompt) and len(reply.token_ids) == 90
         runtime.reset_cache()
         assert runtime.generate(second, replace(sampling, max_new_tokens=NEW)).token_ids == turn.token_ids
+
+
+def test_gpt_oss_questions_under_one_system_prompt_reuse_it(tiny_model_dir, tmp_path):
+    """Through the runtime, on the harmony template: a second question, longer than RETAIN tokens, under the same
+    system prompt reuses everything up to its own text (the special tokens of the chat template are the boundaries
+    the runtime gives), and its reply is a whole prefill's."""
+    from tests.tiny import with_special_tokens
+    from tests.tool_templates import HARMONY_TEMPLATE
+
+    markers = ["<|start|>", "<|message|>", "<|end|>", "<|channel|>"]  # special tokens, as in the real checkpoint
+    model_dir = with_special_tokens(tiny_model_dir("gpt_oss"), tmp_path / "gpt_oss", markers)
+    (model_dir / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    system = {"role": "system", "content": " ".join(f"rule{i}" for i in range(12))}
+    questions = [" ".join(f"{w}{i}" for i in range(14)) for w in ("ask", "query")]  # about 80 tokens each
+    config = RuntimeConfig(device="cpu", cache_experts=4, sampling=Sampling(greedy=True, max_new_tokens=NEW))
+    with Runtime.load(model_dir, config) as runtime:
+        first, second = ([system, {"role": "user", "content": q}] for q in questions)
+        runtime.generate(first)
+        ids = runtime.engine.tokenize_prompt(second)
+        shared = common_prefix(np.asarray(runtime.engine.tokenize_prompt(first)), np.asarray(ids))
+        turn = runtime.generate(second)
+        assert turn.stats.cached_tokens == shared and len(ids) - shared > 64
+        runtime.reset_cache()
+        assert runtime.generate(second).token_ids == turn.token_ids
 
 
 def test_sliding_window_cache_within_its_window_is_cut(tiny_model_dir):
