@@ -40,7 +40,7 @@ from fmoe_local import hf_internals
 GROWTH = 1.5  # a full buffer's next capacity, relative: amortised O(1) copies per token, at most 1/3 unused
 REPLY_ROOM = 256  # reply tokens a new cache has room for at first; a longer reply grows it
 NEXT_ROOM = 64  # a kept cache with less room than this grows between requests (PrefixCache.prepare)
-# Tokens a SlidingLayer keeps beyond its window − 1: how far back from where it is, or from its mark, a kept cache can
+# Tokens a SlidingLayer keeps beyond its window − 1: how far back from where it is, or from a mark, a kept cache can
 # be cut. A regenerate needs one; more covers a short edit at the prompt's end, at 64 tokens' keys and values a layer.
 RETAIN = 64
 

@@ -70,6 +70,7 @@ import torch
 from transformers import PretrainedConfig
 
 from fmoe_local.kv_cache import (
+    RETAIN,
     GrowingCache,
     KVLayer,
     cache_for_prefix,
@@ -149,9 +150,9 @@ def rope_length_limit(config: PretrainedConfig) -> int | None:
     return min(limits) if limits else None
 
 
-# Boundary tokens of a prompt after which its sliding-window layers mark the window (PrefixCache `boundaries`): on a
-# harmony prompt the last four reach the start of the last message's text and its header, at 4.6 MB a mark on
-# GPT-OSS-20B in bf16.
+# Boundary tokens of a prompt after which its sliding-window layers mark the window (PrefixCache `boundaries`), at
+# 4.6 MB a mark on GPT-OSS-20B in bf16: on a harmony prompt the first reaches the start of the last message's text,
+# the others earlier messages.
 BOUNDARY_MARKS = 4
 
 
@@ -219,16 +220,24 @@ class PrefixCache:
         tokens (the module docstring). `new_tokens`: tokens the request may still add (the reply), for the room
         check and a new cache's capacity."""
         cache, reused = self._take(prompt, new_tokens)
-        cache.begin(self._points(prompt))
+        cache.begin(self._points(prompt) if self.enabled else ())
         return cache, reused
 
     def _points(self, prompt: Sequence[int]) -> tuple[int, ...]:
-        """Where in `prompt` a sliding-window layer marks what it holds besides the prompt's end: after each of its
-        last BOUNDARY_MARKS boundary tokens but its last token."""
+        """Where in `prompt` a sliding-window layer marks what it holds besides the prompt's end: after its last
+        boundary tokens, up to BOUNDARY_MARKS of them, each more than RETAIN tokens before the next mark (a mark
+        serves cuts up to RETAIN tokens before it: one nearer would hold nothing new)."""
         if not len(self._boundaries) or len(prompt) < 2:
             return ()
         at = np.flatnonzero(np.isin(np.asarray(prompt[:-1], dtype=np.int64), self._boundaries)) + 1
-        return tuple(int(p) for p in at[-BOUNDARY_MARKS:])
+        points, nearest = [], len(prompt)
+        for p in reversed(at.tolist()):
+            if len(points) == BOUNDARY_MARKS:
+                break
+            if p < nearest - RETAIN:
+                points.append(p)
+                nearest = p
+        return tuple(reversed(points))
 
     def _take(self, prompt: Sequence[int], new_tokens: int) -> tuple[GrowingCache, int]:
         if not self.enabled or len(prompt) < 2 or (self._rope_limit is not None and len(prompt) > self._rope_limit):
@@ -281,7 +290,8 @@ class PrefixCache:
             n = fit
         kept = np.asarray(ids[:n], dtype=np.int64)
         # A kept cache this one extends is redundant: any prompt it serves, this one serves as far — but for the
-        # cut points only its sliding-window layers' mark has (a regenerate of the turn before), not worth its bytes.
+        # cut points only its sliding-window layers' marks have (a regenerate of the turn before, its messages'
+        # starts), not worth its bytes.
         self._entries = [e for e in self._entries if not (len(e.ids) <= n and common_prefix(e.ids, kept) == len(e.ids))]
         self._entries.append(_Entry(kept, cache))
         while len(self._entries) > 1 and self.held_bytes > self.budget_bytes:

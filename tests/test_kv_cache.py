@@ -1,7 +1,7 @@
 """GrowingCache: written in place into buffers with room, it holds what transformers' DynamicCache holds (the same
 greedy tokens and logits for every family, also when it has to grow past its capacity many times), its views share
 the buffers (no copy per pass), and a kept prefix stays intact when requests extend it differently. Its sliding-window
-layers give attention what transformers' own give it, and keep more, with a mark of what they held after a prompt."""
+layers give attention what transformers' own give it, and keep more, with marks of what they held in a prompt."""
 
 from __future__ import annotations
 
@@ -154,3 +154,30 @@ def test_a_sliding_layer_gives_attention_what_transformers_sliding_layer_gives()
     assert (
         ours.marks[-1][2] == 40 and ours.marks[-1][0].shape[-2] == 40
     )  # after the first pass: all 40 (fewer than 15 + 64)
+
+
+def test_a_sliding_layer_marks_the_tokens_just_before_each_point_of_its_first_pass():
+    """Keys that are their own positions: each mark (k, v, p) holds positions [p − n, p), from a fresh pass and from
+    one after `hold` (a cut cache, whose first held token is not 0); points outside the pass are not marked."""
+    window, held = 8, 8 - 1 + RETAIN
+
+    def positions(start: int, stop: int) -> torch.Tensor:
+        return torch.arange(start, stop, dtype=torch.float32).view(1, 1, -1, 1)
+
+    layer = SlidingLayer(window)
+    layer.begin((5, 50, 99, 150))
+    layer.update(positions(0, 100), positions(0, 100))
+    assert [m[2] for m in layer.marks] == [5, 50, 99, 100]  # 150: past the pass
+    for keys, values, p in layer.marks:
+        n = keys.shape[-2]
+        assert n == min(p, held) and torch.equal(keys.view(-1), positions(p - n, p).view(-1)), p
+        assert torch.equal(values, keys)
+    cut = SlidingLayer(window)
+    keys, values, p = layer.marks[2]  # positions [28, 99)
+    cut.hold(keys[:, :, :50], values[:, :, :50], 78)  # positions [28, 78): its first held token is 28
+    cut.begin((60, 80, 110))
+    cut.update(positions(78, 130), positions(78, 130))
+    assert [m[2] for m in cut.marks] == [80, 110, 130]  # 60: before the pass
+    for keys, _, p in cut.marks:
+        n = keys.shape[-2]
+        assert torch.equal(keys.view(-1), positions(p - n, p).view(-1)), p
