@@ -162,8 +162,10 @@ class PageView:
 
 # How long showing another chat waits for the redraws checked before it to be queued. Gradio queues one right after
 # the Chatbot's postprocess, and closes a stream however its event ends (queueing.py's reset_iterators), which ends
-# its redraw in flight too: the bound is for a server too busy to queue it in time, never an unbounded wait.
-REDRAW_WAIT_S = 2.0
+# its redraw in flight too: the bound is for a server too busy to queue it in time, never an unbounded wait. 5 s, not
+# 2: a full test run on the 2-core machine with other work beside it twice showed a new chat holding another chat's
+# messages (session 24; whether this bound ran out was not logged then: the test now says so when it fails).
+REDRAW_WAIT_S = 5.0
 
 
 def showing(view: PageView | None, conv_id: int | None) -> None:
