@@ -176,7 +176,8 @@ class SlidingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        first = self.length - self.keys.shape[-2]  # the position of `keys`' first token below
+        start = self.length
+        first = start - self.keys.shape[-2]  # the position of `keys`' first token below
         self.length += key_states.shape[-2]
         # New tensors, as transformers' layer makes: what a kept cache or a mark holds is never written.
         keys = torch.cat([self.keys, key_states], dim=-2)
@@ -187,12 +188,12 @@ class SlidingLayer(DynamicLayer):
             # Copies: a view would keep the whole prompt's keys alive in a kept cache whose last pass this was (a
             # one-token reply). The layer and its last mark share one: neither is ever written.
             self.keys, self.values = self.keys.clone(), self.values.clone()
-            inside = [p - first for p in self.points if self.length - key_states.shape[-2] < p < self.length]
-            self.marks = (
-                *((keys[:, :, max(0, at - held) : at].clone(), values[:, :, max(0, at - held) : at].clone(), at + first)
-                  for at in inside),
-                (self.keys, self.values, self.length),
-            )  # fmt: skip
+            marks = []
+            for p in self.points:
+                if start < p < self.length:  # a point this pass goes through: the tokens just before it
+                    window = slice(max(0, p - first - held), p - first)
+                    marks.append((keys[:, :, window].clone(), values[:, :, window].clone(), p))
+            self.marks = (*marks, (self.keys, self.values, self.length))
             self.marking = False
         visible = self.sliding_window - 1 + key_states.shape[-2]
         return keys[:, :, -visible:], values[:, :, -visible:]

@@ -452,9 +452,9 @@ class TemplateStream(CallStream):
     held until it is not; the leading whitespace of each kind left out, as a reply read whole was stripped); from the
     first region of another field on (a call) everything is held and read when the reply ends: the calls, and the
     content the parser found after them, each region a line of its own. Calls that do not read (malformed, of an
-    unknown function, a parser error, no reader and no `forced` format) leave what was held as content: the text as written from the first
-    call on where what was sent is the text before it, else the held regions' text without their delimiters (the
-    parser's events say what a region holds, not where it was)."""
+    unknown function, a parser error, no reader and no `forced` format) leave what was held as content: the text as
+    written from the first call on where what was sent is the text before it, else the held regions' text without
+    their delimiters (the parser's events say what a region holds, not where it was)."""
 
     def __init__(self, fmt: TemplateFormat, tools: list[dict], reader: ReplyReader | None) -> None:
         super().__init__(fmt, tools)
@@ -518,7 +518,9 @@ class TemplateStream(CallStream):
             if self.calling:
                 self.held.append(text)
                 if kind == CONTENT:
-                    self.after[-1:] = [(self.after[-1] if self.after else "") + text]
+                    if not self.after:  # a region the parser opened before the first call
+                        self.after.append("")
+                    self.after[-1] += text
                 continue
             self.streamed += text
             piece = self.fmt.clean(text)
