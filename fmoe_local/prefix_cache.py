@@ -189,12 +189,15 @@ class PrefixCache:
         which a later request may part from this one: a sliding-window layer marks what it holds after the last
         BOUNDARY_MARKS of them in a prompt (the start of its last message: requests under one system prompt)."""
         self._config = model_config
-        self._boundaries = np.fromiter(boundaries, dtype=np.int64)
         self.budget_bytes = budget_bytes
         self._free_bytes = free_bytes
         self._entries: list[_Entry] = []  # least recently used first
         self._rope_limit = rope_length_limit(model_config)
-        self.supported = kv_layers(self.new_cache()) is not None
+        layers = kv_layers(self.new_cache())
+        self.supported = layers is not None
+        # Only a sliding-window layer marks anything: a model without one is spared finding them in every prompt.
+        sliding = self.supported and any(layer.window is not None for layer in layers)
+        self._boundaries = np.fromiter(boundaries if sliding else (), dtype=np.int64)
 
     @property
     def enabled(self) -> bool:
