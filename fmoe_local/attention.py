@@ -14,10 +14,17 @@ dtype) once per pass on the CPU: given transformers' boolean mask, SDPA makes th
 layer (two `where`s over [1, 1, N, past + N] a layer), and it computes the same bits from either (tests/
 test_attention.py).
 
+Values narrower than the keys (DeepSeek's multi-head latent attention: 192-wide keys, 128-wide values) are padded with
+zeros to the keys' width on the CPU, and the output cut back, as transformers itself does for flash attention. Why:
+torch's CPU flash kernel needs one width, so without the pad SDPA falls back to its math path, which holds every
+head's whole [queries, keys] score matrix: for DeepSeek-V2-Lite's 16 heads, 268 MB a layer at a 2,048-token prompt
+and 4.3 GB at 8,192, and about 3× the time of the flash kernel (docs/bench.md, "DeepSeek's attention on the CPU").
+The zero columns add nothing to the columns kept.
+
 Scope: registering the function and the mask function under one name with transformers' AttentionInterface and
 AttentionMaskInterface (its documented way to customise attention), and choosing it for a model loaded with "sdpa".
 Every other case — a GPU, one query token (transformers packs the groups into the query instead), no mask, a
-position bias, a paged cache, a model without grouped heads — is transformers' function unchanged. It does NOT
+position bias, a paged cache, a model without grouped heads — is transformers' function unchanged, but for the pad. It does NOT
 choose the implementation of a model that is not on SDPA (GPT-OSS's sinks: eager).
 """
 
@@ -44,7 +51,15 @@ def sdpa_grouped(
     is_causal: bool | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa_attention_forward, with grouped heads under a mask on the CPU (the module docstring)."""
+    """transformers' sdpa_attention_forward, with grouped heads under a mask and values as wide as the keys on the CPU
+    (the module docstring)."""
+    width = value.shape[-1]
+    if query.device.type == "cpu" and width < key.shape[-1]:
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - width))
+        out, weights = sdpa_grouped(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+        return out[..., :width].contiguous(), weights
     if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dtype != query.dtype:
         attention_mask = attention_mask.to(query.dtype)  # 0 and −inf are exact in every float dtype
     q_length = query.shape[2]

@@ -1,6 +1,6 @@
 """The attention function fmoe-local registers: transformers' SDPA with the key/value heads kept grouped under a mask
-on the CPU — the same bits as transformers' own function, without its copy of the past per query head — and
-transformers' function itself everywhere else."""
+on the CPU — the same bits as transformers' own function, without its copy of the past per query head — values
+narrower than the keys padded onto SDPA's flash kernel, and transformers' function itself everywhere else."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.integrations import sdpa_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -99,3 +100,48 @@ def test_a_pass_over_a_past_converts_no_mask_per_layer(tiny_model_dir):
         with torch.profiler.profile() as prof:
             model(input_ids=torch.tensor([list(range(30, 35))]), past_key_values=cache, use_cache=True)
     assert not [e for e in prof.key_averages() if e.key == "aten::where"]
+
+
+class _Latent(torch.nn.Module):
+    """DeepSeek's multi-head latent attention: as many key/value heads as query heads, values narrower than keys."""
+
+    num_key_value_groups = 1
+
+
+@pytest.mark.parametrize(("q", "k"), [(5, 40), (7, 7), (1, 40)])
+def test_values_narrower_than_the_keys_run_on_the_flash_kernel(q, k):
+    """Without the pad SDPA has no CPU kernel but its math path for them (every score held at once); with it, the
+    flash kernel runs, and the columns kept are transformers' answer to float32's rounding."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 4, q, 16), torch.randn(1, 4, k, 16), torch.randn(1, 4, k, 8)
+    mask = (torch.arange(k)[None, :] <= torch.arange(k - q, k)[:, None])[None, None]
+    for m in (mask, None):
+        theirs, _ = sdpa_attention_forward(_Latent(), query, key, value, m, scaling=0.25)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            ours, _ = sdpa_grouped(_Latent(), query, key, value, m, scaling=0.25)
+            with pytest.raises(RuntimeError, match="No available kernel"):
+                sdpa_attention_forward(_Latent(), query, key, value, m, scaling=0.25)
+        assert ours.shape == theirs.shape == (1, q, 4, 8) and ours.is_contiguous()
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_a_deepseek_model_keeps_its_tokens_on_the_flash_kernel(tiny_model_dir):
+    """A whole prefill and a pass over a kept past, each on the flash kernel (the math path refused), give the
+    tokens transformers' own SDPA gives."""
+    path = tiny_model_dir("deepseek_v2")
+    prompt = torch.tensor([list(range(10, 40))])
+    greedy = Sampling(greedy=True, max_new_tokens=6)
+
+    def run(model, split):
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=prompt[:, :split], past_key_values=cache, use_cache=True)
+        return list(generate_ids(model, prompt, greedy, set(), threading.Event(), cache=cache, cached=split))
+
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert use_grouped_sdpa(ours)
+    expected = list(generate_ids(theirs, prompt, greedy, set(), threading.Event()))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        assert list(generate_ids(ours, prompt, greedy, set(), threading.Event())) == expected
+        assert run(ours, 20) == expected

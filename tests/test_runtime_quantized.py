@@ -9,12 +9,15 @@ experts alone (tests/test_dense_formats.py packs the dense layers too, as `auto`
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from fmoe_local import expert_formats, hf_internals
 from fmoe_local.architectures import architecture_for
+from fmoe_local.attention import use_grouped_sdpa
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.runtime import Runtime
 from tests.tiny import FAMILIES
@@ -124,6 +127,23 @@ def test_quantised_output_differs_from_the_unquantised_model_but_only_slightly(t
         assert (dense - original).abs().max() < 0.25 * original.abs().max()
 
 
+@torch.no_grad()
+def assert_eager_s_tokens_in_bf16(
+    model: torch.nn.Module, ids: torch.Tensor, got: list[int], expected: list[int], what: str
+) -> None:
+    """`got` is eager's greedy `expected`, except that the two may part where eager's best logits are within two
+    bf16 steps of each other: a tie at bf16's precision, which the runtime's products (bf16 activations, float32
+    sums) and eager's bf16 products may break either way. The rest is then another continuation, not compared."""
+    n = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    if n is None:
+        assert got == expected[: len(got)], what
+        return
+    logits = model(torch.cat([ids, torch.tensor([expected[:n]], dtype=ids.dtype)], dim=1)).logits[0, -1].float()
+    best = logits.max().item()
+    step = 2.0 ** (math.floor(math.log2(abs(best))) - 7)  # bf16's spacing at the best logit
+    assert logits[got[n]].item() >= best - 2 * step, f"{what}: token {n} is {got[n]}, not {expected[n]}, and no tie"
+
+
 # GPT-OSS's [in, out] rows have no weight-only product (they dequantise, as before): not what this test is about.
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_oss"])
@@ -149,11 +169,14 @@ def test_packed_experts_computed_in_bf16_give_eager_s_tokens_in_bf16(family, fmt
             model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=torch.float32)
             dequantise_experts(model.eval(), fmt, torch.bfloat16)
             model = model.to(torch.bfloat16)
+            # The runtime's attention, so that only the experts differ: in bf16, DeepSeek's values on the flash kernel
+            # (attention.py) and on transformers' math path round apart (tests/test_attention.py compares the two).
+            use_grouped_sdpa(model)
             out = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         expected = out[0, ids.shape[1] :].tolist()
         for policy, misses in (("on_demand", "cpu"), ("fmoe", "copy")):
             runtime.reconfigure(cache_experts=engine.shape.top_k, policy=policy, miss_handling=misses)
             final = runtime.generate(PROMPT)
-            assert final.token_ids == expected[: len(final.token_ids)], f"{family} {fmt} {policy} {misses}"
+            assert_eager_s_tokens_in_bf16(model, ids, final.token_ids, expected, f"{family} {fmt} {policy} {misses}")
             assert len(final.token_ids) == NEW_TOKENS or final.token_ids[-1] in engine.eos_ids
             assert (final.stats.on_host > 0) == (misses == "cpu") and final.stats.misses > 0
