@@ -18,14 +18,22 @@ Values narrower than the keys (DeepSeek's multi-head latent attention: 192-wide 
 zeros to the keys' width on the CPU, and the output cut back, as transformers itself does for flash attention. Why:
 torch's CPU flash kernel needs one width, so without the pad SDPA falls back to its math path, which holds every
 head's whole [queries, keys] score matrix: for DeepSeek-V2-Lite's 16 heads, 268 MB a layer at a 2,048-token prompt
-and 4.3 GB at 8,192, and about 3× the time of the flash kernel (docs/bench.md, "DeepSeek's attention on the CPU").
+and 4.3 GB at 8,192, and about 3× the time of the flash kernel (docs/bench.md, "A long prompt's attention").
 The zero columns add nothing to the columns kept.
 
-Scope: registering the function and the mask function under one name with transformers' AttentionInterface and
-AttentionMaskInterface (its documented way to customise attention), and choosing it for a model loaded with "sdpa".
-Every other case — a GPU, one query token (transformers packs the groups into the query instead), no mask, a
-position bias, a paged cache, a model without grouped heads — is transformers' function unchanged, but for the pad. It does NOT
-choose the implementation of a model that is not on SDPA (GPT-OSS's sinks: eager).
+A model on eager attention (GPT-OSS: SDPA has no sinks) gets its own modeling file's eager function, run on as many
+query rows at a time as keep one piece's scores within PIECE_BYTES. Why: eager attention holds the scores of every
+head, query and key at once, and copies them three times over (the mask added, the sinks joined, the softmax): for
+GPT-OSS-20B's 64 heads, 8.6 GB a copy at an 8,192-token prompt in bf16 and 51 GB at 20,000 — more than a consumer
+GPU has, at the prompt length a coding agent sends. Each query row's softmax is its own, so on the CPU the pieces give
+the whole call's bits (tests/test_attention.py; a GPU's library may tile a product of fewer rows otherwise, which
+has not run here). A pass no longer than one piece (every decode step) is one call, as before. On every device.
+
+Scope: registering each function and its mask function under one name with transformers' AttentionInterface and
+AttentionMaskInterface (its documented way to customise attention), and choosing it for a model loaded with "sdpa" or
+"eager". Under SDPA every other case — a GPU, one query token (transformers packs the groups into the query instead),
+no mask, a position bias, a paged cache, a model without grouped heads — is transformers' function unchanged, but for
+the pad. A model on any other implementation is left as it is.
 """
 
 from __future__ import annotations
@@ -33,11 +41,15 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from fmoe_local import hf_internals
 
 NAME = "fmoe_local_sdpa"
+EAGER_NAME = "fmoe_local_eager"
+# One piece of an eager pass: its scores (heads × query rows × keys) at most this many bytes, so that its three copies
+# fit beside a model on a consumer GPU; at 256 MB each product is still large enough to run at full speed.
+PIECE_BYTES = 256 * 2**20
 
 
 def sdpa_grouped(
@@ -97,11 +109,47 @@ def sdpa_mask_additive(*args: object, **kwargs: object) -> torch.Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
-def use_grouped_sdpa(model: PreTrainedModel) -> bool:
-    """Switch `model` to sdpa_grouped if it runs transformers' SDPA; whether it did."""
-    if hf_internals.attention_implementation(model) != "sdpa":
-        return False
-    AttentionInterface.register(NAME, sdpa_grouped)
-    AttentionMaskInterface.register(NAME, sdpa_mask_additive)
-    model.set_attn_implementation(NAME)
-    return hf_internals.attention_implementation(model) == NAME
+def eager_in_pieces(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, q, d]
+    key: torch.Tensor,  # [B, H_kv, k, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,  # [B, 1, q, k] or None
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`module`'s own eager attention, on as many query rows at a time as keep a piece's scores within PIECE_BYTES
+    (the module docstring). A pass in pieces returns no attention weights: nothing of ours reads them."""
+    eager = hf_internals.eager_attention(module)
+    if eager is None:
+        raise RuntimeError(f"{type(module).__name__}'s modeling file has no eager attention function to run.")
+    rows = max(1, PIECE_BYTES // (query.shape[0] * query.shape[1] * (key.shape[2] + 1) * query.element_size()))
+    length = query.shape[2]
+    if length <= rows:
+        return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    pieces = []
+    for start in range(0, length, rows):
+        mask = None if attention_mask is None else attention_mask[:, :, start : start + rows]
+        piece, _ = eager(
+            module, query[:, :, start : start + rows], key, value, mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+        pieces.append(piece)
+    return torch.cat(pieces, dim=1), None
+
+
+def use_our_attention(model: PreTrainedModel) -> bool:
+    """Switch `model` to sdpa_grouped if it runs transformers' SDPA, or to eager_in_pieces if it runs eager attention
+    and its modeling file has the eager function; whether it switched."""
+    implementation = hf_internals.attention_implementation(model)
+    if implementation == "sdpa":
+        AttentionInterface.register(NAME, sdpa_grouped)
+        AttentionMaskInterface.register(NAME, sdpa_mask_additive)
+        model.set_attn_implementation(NAME)
+        return hf_internals.attention_implementation(model) == NAME
+    if implementation == "eager" and hf_internals.eager_attention(model) is not None:
+        AttentionInterface.register(EAGER_NAME, eager_in_pieces)
+        AttentionMaskInterface.register(EAGER_NAME, eager_mask)
+        model.set_attn_implementation(EAGER_NAME)
+        return hf_internals.attention_implementation(model) == EAGER_NAME
+    return False

@@ -32,7 +32,7 @@ from fmoe_local import (
     hardware,
     miss_cost,
 )
-from fmoe_local.attention import use_grouped_sdpa
+from fmoe_local.attention import use_our_attention
 from fmoe_local.cache import ExpertCache
 from fmoe_local.cache_budget import check_capacity, check_store_capacity, fitted_slots, map_bytes, slots_for_budget
 from fmoe_local.chat_template import TemplateOverBudget
@@ -195,7 +195,7 @@ class Engine:
         self.observer.attach()
         self.offloaded = OffloadedExperts({id(ref.experts): ref.moe_index for ref in self.moe_layers}, self.offload)
         self.model.set_experts_implementation(self.offloaded.register())
-        use_grouped_sdpa(self.model)  # a pass over a kept prefix does not copy its keys per head
+        use_our_attention(self.model)  # no copy of the past per head, no score matrix of the whole prompt
         self.eos_ids = self._eos_ids()
         # Grammars are compiled against this tokenizer, the model's logits' width and its end tokens.
         self.grammars = Grammars(self.tokenizer, int(self.model.config.vocab_size), self.eos_ids)

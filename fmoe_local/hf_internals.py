@@ -1,12 +1,12 @@
 """The one place fmoe-local touches transformers' internals (anything not in its documented public API).
 
 Scope: loading a checkpoint key by key the way `from_pretrained` does (key renaming, keep-in-fp32 rules, weight
-tying, computed buffers), the experts hook (`ExpertsInterface`), which attention implementation a model runs, the
-attributes of the fused experts modules our experts implementation reads (layout flags, the gate), and rendering a
-chat template the way `apply_chat_template` does (its sandboxed environment), which chat_template.py runs in a child
-process; which layers of a DynamicCache are sliding-window ones, and their window (kv_cache.py replaces them with
-its own). torch is imported for type hints only, so that child starts without it. Everything else in fmoe_local
-uses public API only.
+tying, computed buffers), the experts hook (`ExpertsInterface`), which attention implementation a model runs and its
+modeling file's eager attention function, the attributes of the fused experts modules our experts implementation
+reads (layout flags, the gate), and rendering a chat template the way `apply_chat_template` does (its sandboxed
+environment), which chat_template.py runs in a child process; which layers of a DynamicCache are sliding-window
+ones, and their window (kv_cache.py replaces them with its own). torch is imported for type hints only, so that child
+starts without it. Everything else in fmoe_local uses public API only.
 It does NOT decide anything: each function is a thin, named door to one internal.
 
 Why: these internals change between transformers releases without notice. pyproject and constraints.txt pin the
@@ -182,6 +182,15 @@ def init_computed_buffers(model: nn.Module, module: nn.Module) -> None:
 def attention_implementation(model: nn.Module) -> str | None:
     """The attention implementation `model` runs ("sdpa", "eager", …; set_attn_implementation sets it)."""
     return model.config._attn_implementation
+
+
+def eager_attention(module: nn.Module) -> Callable | None:
+    """The eager attention function of the modeling file that defines `module` (an attention layer or its model),
+    the one its forward falls back to (GPT-OSS's adds the sinks), or None where that file has none by that name."""
+    import sys
+
+    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    return found if callable(found) else None
 
 
 def register_experts_implementation(name: str, forward: Callable) -> None:

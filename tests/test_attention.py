@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.integrations import sdpa_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from fmoe_local.attention import NAME, sdpa_grouped, sdpa_mask_additive, use_grouped_sdpa
+from fmoe_local import attention, hf_internals
+from fmoe_local.attention import EAGER_NAME, NAME, sdpa_grouped, sdpa_mask_additive, use_our_attention
 from fmoe_local.config import Sampling
 from fmoe_local.generate import generate_ids
 from fmoe_local.hf_internals import attention_implementation
@@ -62,7 +63,7 @@ def test_a_model_on_sdpa_switches_and_keeps_its_tokens(tiny_model_dir, monkeypat
         return list(generate_ids(model, prompt, greedy, set(), threading.Event(), cache=cache, cached=cached))
 
     whole = run(None, 0)
-    assert use_grouped_sdpa(model) and attention_implementation(model) == NAME
+    assert use_our_attention(model) and attention_implementation(model) == NAME
     monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: pytest.fail("the past was copied per query head"))
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -70,12 +71,48 @@ def test_a_model_on_sdpa_switches_and_keeps_its_tokens(tiny_model_dir, monkeypat
     assert run(cache, 20) == whole
 
 
-def test_a_model_not_on_sdpa_is_left_alone(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("gpt_oss"), dtype=torch.float32)
-    before = attention_implementation(model)
-    assert before != "sdpa"
-    assert not use_grouped_sdpa(model)
-    assert attention_implementation(model) == before
+def test_a_model_on_another_implementation_is_left_alone(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("qwen3_moe"), dtype=torch.float32, attn_implementation="flex_attention"
+    )
+    assert not use_our_attention(model)
+    assert attention_implementation(model) == "flex_attention"
+
+
+def test_an_eager_model_runs_its_own_function_in_pieces_with_the_same_bits(tiny_model_dir, monkeypatch):
+    """GPT-OSS's eager attention (its sinks), run on a few query rows at a time: the logits of a whole prefill, of a
+    pass over a kept past and of a decode step are transformers' bits, and only the long passes are cut."""
+    path = tiny_model_dir("gpt_oss")
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert attention_implementation(theirs) == "eager"
+    assert use_our_attention(ours) and attention_implementation(ours) == EAGER_NAME
+    heads = ours.config.num_attention_heads
+    monkeypatch.setattr(attention, "PIECE_BYTES", heads * 24 * 301 * 4)  # 24 query rows a piece over 300 keys
+    calls = []
+    eager = hf_internals.eager_attention
+
+    def counted(module):
+        found = eager(module)
+        return lambda *a, **k: calls.append(a[1].shape[2]) or found(*a, **k)
+
+    monkeypatch.setattr(hf_internals, "eager_attention", counted)
+
+    def passes(model):
+        cache = DynamicCache(config=model.config)
+        for start, stop in ((0, 200), (200, 300), (300, 301)):  # a prefill, a pass over a kept past, a decode step
+            calls.clear()
+            logits = model(input_ids=torch.tensor([list(range(start, stop))]), past_key_values=cache).logits
+            yield logits, list(calls)
+
+    with torch.inference_mode():
+        for (a, _), (b, ours_calls) in zip(passes(theirs), passes(ours), strict=True):
+            assert torch.equal(a, b)
+            rows = a.shape[1]
+            if rows > 50:  # cut into pieces (of 24 rows or more: the fewer keys, the more rows a piece holds)
+                assert len(ours_calls) > ours.config.num_hidden_layers and max(ours_calls) < rows
+            else:
+                assert ours_calls == [rows] * ours.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,7 +130,7 @@ def test_a_pass_over_a_past_converts_no_mask_per_layer(tiny_model_dir):
     """SDPA turns a boolean mask into a float one in every layer (aten::where); the model's own mask is already
     float, so a pass over a past runs none."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3_moe"), dtype=torch.float32).eval()
-    assert use_grouped_sdpa(model)
+    assert use_our_attention(model)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         model(input_ids=torch.tensor([list(range(10, 30))]), past_key_values=cache, use_cache=True)
@@ -140,7 +177,7 @@ def test_a_deepseek_model_keeps_its_tokens_on_the_flash_kernel(tiny_model_dir):
 
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert use_grouped_sdpa(ours)
+    assert use_our_attention(ours)
     expected = list(generate_ids(theirs, prompt, greedy, set(), threading.Event()))
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         assert list(generate_ids(ours, prompt, greedy, set(), threading.Event())) == expected

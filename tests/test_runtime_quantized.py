@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from fmoe_local import expert_formats, hf_internals
 from fmoe_local.architectures import architecture_for
-from fmoe_local.attention import use_grouped_sdpa
+from fmoe_local.attention import use_our_attention
 from fmoe_local.config import RuntimeConfig, Sampling
 from fmoe_local.runtime import Runtime
 from tests.tiny import FAMILIES
@@ -171,7 +171,7 @@ def test_packed_experts_computed_in_bf16_give_eager_s_tokens_in_bf16(family, fmt
             model = model.to(torch.bfloat16)
             # The runtime's attention, so that only the experts differ: in bf16, DeepSeek's values on the flash kernel
             # (attention.py) and on transformers' math path round apart (tests/test_attention.py compares the two).
-            use_grouped_sdpa(model)
+            use_our_attention(model)
             out = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         expected = out[0, ids.shape[1] :].tolist()
         for policy, misses in (("on_demand", "cpu"), ("fmoe", "copy")):
