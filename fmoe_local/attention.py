@@ -109,28 +109,52 @@ def sdpa_mask_additive(*args: object, **kwargs: object) -> torch.Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
+class _Repeated(torch.nn.Module):
+    """An attention layer whose keys and values come already repeated to its query heads: the eager function sees
+    one group and copies nothing; every other attribute (GPT-OSS's sinks, …) is the layer's own."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.training = layer.training
+        self.num_key_value_groups = 1
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("layer"), name)
+
+
 def eager_in_pieces(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, H, q, d]
     key: torch.Tensor,  # [B, H_kv, k, d]
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,  # [B, 1, q, k] or None
+    attention_mask: torch.Tensor | None,  # [B, 1, q or 1, k] or None
     scaling: float,
     dropout: float = 0.0,
     **kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`module`'s own eager attention, on as many query rows at a time as keep a piece's scores within PIECE_BYTES
-    (the module docstring). A pass in pieces returns no attention weights: nothing of ours reads them."""
+    (the module docstring). A pass asked for its attention weights runs whole: they are the whole score matrix."""
     eager = hf_internals.eager_attention(module)
     if eager is None:
         raise RuntimeError(f"{type(module).__name__}'s modeling file has no eager attention function to run.")
     rows = max(1, PIECE_BYTES // (query.shape[0] * query.shape[1] * (key.shape[2] + 1) * query.element_size()))
     length = query.shape[2]
-    if length <= rows:
+    if length <= rows or kwargs.get("output_attentions"):
         return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    # The eager function repeats the keys and values to the query heads at every call: once here instead.
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        module = _Repeated(module)
     pieces = []
     for start in range(0, length, rows):
-        mask = None if attention_mask is None else attention_mask[:, :, start : start + rows]
+        mask = attention_mask
+        if mask is not None and mask.shape[-2] != 1:  # a mask broadcast over the queries serves every piece whole
+            mask = mask[:, :, start : start + rows]
         piece, _ = eager(
             module, query[:, :, start : start + rows], key, value, mask, scaling=scaling, dropout=dropout, **kwargs
         )

@@ -182,3 +182,37 @@ def test_a_deepseek_model_keeps_its_tokens_on_the_flash_kernel(tiny_model_dir):
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         assert list(generate_ids(ours, prompt, greedy, set(), threading.Event())) == expected
         assert run(ours, 20) == expected
+
+
+def test_eager_pieces_repeat_the_past_once_and_keep_every_mask_s_bits(tiny_model_dir, monkeypatch):
+    """A cut pass repeats the keys and values to the query heads once, not in every piece, and gives transformers'
+    bits for a left-padded batch of two, a 4-D mask broadcast over the queries, and attention weights asked for."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    path = tiny_model_dir("gpt_oss")
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert use_our_attention(ours)
+    monkeypatch.setattr(attention, "PIECE_BYTES", 2 * ours.config.num_attention_heads * 24 * 201 * 4)
+    torch.manual_seed(0)
+    ids = torch.randint(10, 300, (2, 200))
+    padded = torch.ones(2, 200, dtype=torch.long)
+    padded[1, :37] = 0
+    repeats = []
+    repeat_kv = modeling_gpt_oss.repeat_kv
+    with torch.inference_mode():
+        for kwargs in (
+            {"input_ids": ids, "attention_mask": padded},
+            {"input_ids": ids[:1], "attention_mask": torch.zeros(1, 1, 1, 200)},
+            {"input_ids": ids[:1], "output_attentions": True},
+        ):
+            monkeypatch.setattr(modeling_gpt_oss, "repeat_kv", repeat_kv)
+            a = theirs(**kwargs)
+            monkeypatch.setattr(modeling_gpt_oss, "repeat_kv", lambda x, n: repeats.append(n) or repeat_kv(x, n))
+            b = ours(**kwargs)
+            assert torch.equal(a.logits, b.logits)
+            if kwargs.get("output_attentions"):
+                assert all(torch.equal(x, y) for x, y in zip(a.attentions, b.attentions, strict=True))
+            else:
+                assert repeats and set(repeats) == {1}  # the pieces ran on keys repeated beforehand
+            repeats.clear()
