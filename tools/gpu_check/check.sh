@@ -70,6 +70,10 @@ tail -25 "$OUT/pytest.txt"
 wait $LOSSLESS; echo "lossless exit $?"
 grep -v -E "Loading weights|Writing model" "$OUT/lossless.txt" | tail -60
 
+section "3b. GPT-OSS's eager attention in pieces against one whole call"
+timeout "$(limit 40)" python3 tools/gpu_check/attention_pieces.py 2>&1 | grep -v -E "Loading weights|Writing model" \
+  | tee -a "$OUT/lossless.txt"
+
 section "5. packed experts on the GPU"
 timeout "$(limit 90)" python3 tools/gpu_check/packed_kernels.py >"$OUT/packed.txt" 2>&1
 echo "exit $?"
