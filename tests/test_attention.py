@@ -14,7 +14,14 @@ from transformers.integrations import sdpa_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fmoe_local import attention, hf_internals
-from fmoe_local.attention import EAGER_NAME, NAME, sdpa_grouped, sdpa_mask_additive, use_our_attention
+from fmoe_local.attention import (
+    EAGER_NAME,
+    NAME,
+    eager_mask_boolean,
+    sdpa_grouped,
+    sdpa_mask_additive,
+    use_our_attention,
+)
 from fmoe_local.config import Sampling
 from fmoe_local.generate import generate_ids
 from fmoe_local.hf_internals import attention_implementation
@@ -216,3 +223,18 @@ def test_eager_pieces_repeat_the_past_once_and_keep_every_mask_s_bits(tiny_model
             else:
                 assert repeats and set(repeats) == {1}  # the pieces ran on keys repeated beforehand
             repeats.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_eager_mask_is_held_as_bytes_and_made_transformers_floats_per_piece(dtype):
+    """The mask a pass holds for eager attention is boolean, a byte a pair; what each piece adds to its scores is
+    transformers' eager mask to the bit."""
+    from transformers.masking_utils import eager_mask, sliding_window_causal_mask_function
+
+    for mask_function in (None, sliding_window_causal_mask_function(8)):
+        extra = {} if mask_function is None else {"mask_function": mask_function}
+        held = eager_mask_boolean(batch_size=1, q_length=5, kv_length=40, q_offset=35, dtype=dtype, **extra)
+        theirs = eager_mask(batch_size=1, q_length=5, kv_length=40, q_offset=35, dtype=dtype, **extra)
+        assert held.dtype == torch.bool and held.shape == theirs.shape
+        ours = attention._additive(held, dtype)
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
