@@ -1,5 +1,6 @@
-"""The attention implementation fmoe-local gives a model that uses transformers' SDPA: the same, except that on the CPU
-the key/value heads stay grouped (SDPA's `enable_gqa`) also when the pass has a mask.
+"""The attention implementations fmoe-local gives a model on transformers' SDPA or eager attention: transformers'
+own, except that on the CPU SDPA's key/value heads stay grouped (SDPA's `enable_gqa`) also when the pass has a mask
+and narrower values are padded, and that eager attention runs on pieces of query rows (each below).
 
 Why: transformers' `sdpa_attention_forward` copies every layer's keys and values out to the query heads (`repeat_kv`)
 whenever SDPA gets a mask, because CUDA's fast kernels do not take grouped heads under a mask. A pass that extends a
