@@ -159,7 +159,7 @@ def set_max_tokens(page, n: int, open_panel: bool = True) -> None:
         box.press("Enter")
         try:
             page.wait_for_function(
-                "n => document.querySelector('#max-tokens input[type=range]').value === String(n)",
+                "n => document.querySelector('#max-tokens input[type=range]')?.value === String(n)",
                 arg=n,
                 timeout=10_000,
             )
@@ -200,7 +200,7 @@ def test_chat_stop_switch_restart_and_settings(env):
                     "() => document.querySelectorAll('#chatbot .reply-stats').length === 1", timeout=STREAM_TIMEOUT_MS
                 )
             page.wait_for_function(
-                "() => document.querySelector('#chatbot').innerText.split('Tell me a very long story.')[1]?.trim().length > 6",
+                "() => document.querySelector('#chatbot')?.innerText.split('Tell me a very long story.')[1]?.trim().length > 6",
                 timeout=STREAM_TIMEOUT_MS,
             )
             # Dispatched at once: a plain click first waits for the button to stop moving, and the chat re-renders
@@ -217,7 +217,7 @@ def test_chat_stop_switch_restart_and_settings(env):
 
         # A second conversation, then back to the first: its history is there.
         page.locator("#new-chat").click()
-        page.wait_for_function("() => !document.querySelector('#chatbot').innerText.includes('poem')")
+        page.wait_for_function("() => document.querySelector('#chatbot')?.innerText.includes('poem') === false")
         set_max_tokens(page, 4, open_panel=False)  # a new chat starts from the saved defaults
         # Enter sends (as the input's placeholder says).
         page.locator("#chat-input textarea").fill("What is an expert cache?")

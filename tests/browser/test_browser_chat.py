@@ -86,12 +86,12 @@ def test_stats_send_state_and_settings_reload(env):
         set_max_tokens(page, 300)
         send(page, "Tell me a very long story.")
         button = page.locator("#send")
-        page.wait_for_function("() => document.querySelector('#send').disabled === true", timeout=30_000)
+        page.wait_for_function("() => document.querySelector('#send')?.disabled === true", timeout=30_000)
         assert "Generating" in button.inner_text()
         # The reply belongs to its chat: starting or opening another one stays possible (issue 30).
         assert page.locator("#new-chat").is_enabled() and page.locator("#conv-list input").first.is_enabled()
         page.locator("#stop").click()
-        page.wait_for_function("() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS)
+        page.wait_for_function("() => document.querySelector('#send')?.disabled === false", timeout=STREAM_TIMEOUT_MS)
         assert button.inner_text().strip() == "Send"
         assert page.locator("#new-chat").is_enabled() and page.locator("#conv-list input").first.is_enabled()
 
@@ -99,7 +99,7 @@ def test_stats_send_state_and_settings_reload(env):
         # its end and is saved whole, with its stats, and the reloaded page shows it streaming meanwhile.
         send(page, "Keep going.")
         page.wait_for_function(
-            "() => document.querySelector('#chatbot').innerText.split('Keep going.')[1]?.trim().length > 6",
+            "() => document.querySelector('#chatbot')?.innerText.split('Keep going.')[1]?.trim().length > 6",
             timeout=STREAM_TIMEOUT_MS,
         )
         for _ in range(60):  # 300 tokens at 50 ms: at most 15 s to its end
@@ -119,7 +119,7 @@ def test_stats_send_state_and_settings_reload(env):
         page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
         page.get_by_text("Generation", exact=True).click()
         page.wait_for_function(
-            "() => document.querySelector('#max-tokens input[type=number]').value === '300'", timeout=30_000
+            "() => document.querySelector('#max-tokens input[type=number]')?.value === '300'", timeout=30_000
         )
     finally:
         page.close()
@@ -144,12 +144,12 @@ def test_switching_chats_while_a_reply_streams(env):
         set_max_tokens(page, 200)  # 50 ms a token, and no end before the release
         send(page, "Tell me a very long tale.")
         page.wait_for_function(
-            "() => document.querySelector('#chatbot').innerText.split('very long tale.')[1]?.trim().length > 6",
+            "() => document.querySelector('#chatbot')?.innerText.split('very long tale.')[1]?.trim().length > 6",
             timeout=STREAM_TIMEOUT_MS,
         )
         page.locator("#conv-list").get_by_text("Old chat").click()  # reading another chat during the reply
         page.wait_for_function(
-            "() => document.querySelector('#chatbot').innerText.includes('An old answer.')", timeout=30_000
+            "() => document.querySelector('#chatbot')?.innerText.includes('An old answer.')", timeout=30_000
         )
         page.wait_for_timeout(1500)  # tokens keep coming meanwhile: none of them may land in this chat
         shown = _chat_text(page)
@@ -158,13 +158,13 @@ def test_switching_chats_while_a_reply_streams(env):
 
         page.locator("#new-chat").click()  # a new chat during the reply: its reply waits, and says so
         page.wait_for_function(  # the new chat is shown (its empty view) before anything is typed into it
-            "() => !document.querySelector('#chatbot').innerText.includes('An old answer.')", timeout=30_000
+            "() => document.querySelector('#chatbot')?.innerText.includes('An old answer.') === false", timeout=30_000
         )
         page.wait_for_function("() => new URLSearchParams(location.search).get('chat') === 'new'")
         set_max_tokens(page, 200, open_panel=False)
         send(page, "A second question.")
         page.wait_for_function(
-            "() => document.querySelector('#chatbot').innerText.includes('Waiting for its turn')",
+            "() => document.querySelector('#chatbot')?.innerText.includes('Waiting for its turn')",
             timeout=30_000,
         )
         page.screenshot(path=SHOTS / "chat-waits-its-turn.png", full_page=True)
@@ -173,7 +173,7 @@ def test_switching_chats_while_a_reply_streams(env):
 
         page.locator("#conv-list").get_by_text("Tell me a very long tale.").click()  # back: streaming or done
         page.wait_for_function(
-            "() => document.querySelector('#chatbot').innerText.split('very long tale.')[1]?.trim().length > 6",
+            "() => document.querySelector('#chatbot')?.innerText.split('very long tale.')[1]?.trim().length > 6",
             timeout=30_000,
         )
         assert "A second question." not in _chat_text(page)
@@ -181,8 +181,8 @@ def test_switching_chats_while_a_reply_streams(env):
         page.locator("#conv-list").get_by_text("A second question.").click()
         page.wait_for_function(  # the waiting one's own reply, written after its wait (200 tokens: still streaming)
             """() => {
-                const shown = document.querySelector('#chatbot').innerText;
-                return !shown.includes('Waiting for its turn')
+                const shown = document.querySelector('#chatbot')?.innerText;
+                return shown !== undefined && !shown.includes('Waiting for its turn')
                     && shown.split('A second question.')[1]?.trim().length > 6;
             }""",
             timeout=STREAM_TIMEOUT_MS,
@@ -226,16 +226,16 @@ def test_a_message_sent_while_another_chat_s_send_still_streams_is_sent(env):
             page.locator("#conv-list").get_by_text(text).wait_for(timeout=30_000)
             if n == 0:  # streaming: the replies sent next wait for it
                 page.wait_for_function(
-                    "() => document.querySelector('#chatbot').innerText.split('of three.')[1]?.trim().length > 6",
+                    "() => document.querySelector('#chatbot')?.innerText.split('of three.')[1]?.trim().length > 6",
                     timeout=STREAM_TIMEOUT_MS,
                 )
             else:
                 page.wait_for_function(
-                    "() => document.querySelector('#chatbot').innerText.includes('Waiting for its turn')",
+                    "() => document.querySelector('#chatbot')?.innerText.includes('Waiting for its turn')",
                     timeout=30_000,
                 )
     finally:
         page.locator("#stop").dispatch_event("click")  # every chat reply of the app: none is left running
         hold.unlink(missing_ok=True)
-        page.wait_for_function("() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS)
+        page.wait_for_function("() => document.querySelector('#send')?.disabled === false", timeout=STREAM_TIMEOUT_MS)
         page.close()

@@ -85,7 +85,7 @@ def test_a_problem_is_said_in_the_chat_and_the_chat_stays_usable(page):
     page.locator("#chat-input textarea").fill("   ")
     page.locator("#send").click()
     page.locator("#chat-notice").get_by_text("Type a message first.").wait_for(timeout=30_000)
-    page.wait_for_function("() => document.querySelector('#send').disabled === false", timeout=30_000)
+    page.wait_for_function("() => document.querySelector('#send')?.disabled === false", timeout=30_000)
     assert page.locator(ERROR_PILLS).count() == 0
     page.screenshot(path=SHOTS / "chat-inline-problem.png", full_page=True)
     send(page, "Say something about the sea.")
@@ -98,7 +98,7 @@ def bubbles(page, role: str):
 
 
 def test_continue_goes_on_with_the_same_message(page):
-    page.wait_for_function("() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS)
+    page.wait_for_function("() => document.querySelector('#send')?.disabled === false", timeout=STREAM_TIMEOUT_MS)
     page.locator("#conv-list").get_by_text("Cut reply").click()
     chat = page.locator("#chatbot")
     # This chat's own text first: the previous test's chat also ends with a cut reply, so "length limit reached"
@@ -107,7 +107,7 @@ def test_continue_goes_on_with_the_same_message(page):
     chat.get_by_text("length limit reached").wait_for(timeout=60_000)
     page.locator("#continue").click(timeout=60_000)
     chat.get_by_text("7.0 tok/s").wait_for(state="detached", timeout=STREAM_TIMEOUT_MS)  # the new stats line
-    page.wait_for_function("() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS)
+    page.wait_for_function("() => document.querySelector('#send')?.disabled === false", timeout=STREAM_TIMEOUT_MS)
     assert bubbles(page, "assistant").count() == 1  # appended to the reply, not a new one
     assert bubbles(page, "assistant").first.inner_text().startswith("Once upon a time")
     page.screenshot(path=SHOTS / "chat-continued.png", full_page=True)
@@ -145,7 +145,7 @@ def test_an_earlier_message_can_be_edited_and_the_chat_goes_on_from_it(page):
     page.locator("#chatbot").get_by_role("button", name="Submit").click()
     chat = page.locator("#chatbot")
     chat.get_by_text("Second question?", exact=True).wait_for(state="detached", timeout=STREAM_TIMEOUT_MS)
-    page.wait_for_function("() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS)
+    page.wait_for_function("() => document.querySelector('#send')?.disabled === false", timeout=STREAM_TIMEOUT_MS)
     chat.get_by_text("tok/s").first.wait_for(timeout=STREAM_TIMEOUT_MS)
     assert bubbles(page, "user").count() == 1 and "A changed question?" in bubbles(page, "user").first.inner_text()
     assert bubbles(page, "assistant").count() == 1

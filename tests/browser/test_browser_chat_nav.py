@@ -111,7 +111,7 @@ def test_each_chat_keeps_its_own_settings_across_a_reload(env):
     page.locator("#conv-list").get_by_text("Alpha", exact=True).click()
     shown_chat(page, "Alpha answer.")
     page.get_by_text("Generation", exact=True).click()
-    page.wait_for_function("() => document.querySelector('#temperature input[type=number]').value === '0.3'")
+    page.wait_for_function("() => document.querySelector('#temperature input[type=number]')?.value === '0.3'")
     set_slider(page, "temperature", 1.1)
     set_slider(page, "top-k", 12)
     kept(page, lambda: page.locator("#system textarea").fill("Answer like a pirate."), "Answer like a pirate.")
@@ -119,13 +119,13 @@ def test_each_chat_keeps_its_own_settings_across_a_reload(env):
     page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
     shown_chat(page, "Alpha answer.")  # the address's chat, not the newest
     page.get_by_text("Generation", exact=True).click()
-    page.wait_for_function("() => document.querySelector('#temperature input[type=number]').value === '1.1'")
+    page.wait_for_function("() => document.querySelector('#temperature input[type=number]')?.value === '1.1'")
     assert slider(page, "top-k").input_value() == "12"
     assert page.locator("#system textarea").input_value() == "Answer like a pirate."
     page.screenshot(path=SHOTS / "chat-own-settings.png", full_page=True)
     page.locator("#conv-list").get_by_text("Beta", exact=True).click()  # another chat: its own (the defaults)
     shown_chat(page, "Beta answer.")
-    page.wait_for_function("() => document.querySelector('#temperature input[type=number]').value === '0.7'")
+    page.wait_for_function("() => document.querySelector('#temperature input[type=number]')?.value === '0.7'")
     assert slider(page, "top-k").input_value() == "0" and page.locator("#system textarea").input_value() == ""
     assert slider(page, "max-tokens").input_value() == "4"
 
@@ -243,7 +243,7 @@ def test_a_setting_changed_twice_while_the_first_change_is_kept_keeps_the_second
     page.locator("#conv-list.loaded").wait_for(state="attached", timeout=60_000)
     shown_chat(page, "Beta answer.")  # the newest chat, and the address's
     show_generation(page)
-    page.wait_for_function("() => document.querySelector('#temperature input[type=number]').value === '1.2'")
+    page.wait_for_function("() => document.querySelector('#temperature input[type=number]')?.value === '1.2'")
 
 
 def test_a_search_typed_on_while_the_last_one_runs_lists_the_last_one(env):
@@ -270,14 +270,14 @@ def test_escape_stops_a_reply(env):
     set_max_tokens(page, 300, open_panel=not slider(page, "max-tokens").is_visible())
     send(page, "Tell me a very long story.")
     page.wait_for_function(
-        "() => document.querySelector('#chatbot').innerText.split('Tell me a very long story.')[1]?.trim().length > 6",
+        "() => document.querySelector('#chatbot')?.innerText.split('Tell me a very long story.')[1]?.trim().length > 6",
         timeout=STREAM_TIMEOUT_MS,
     )
     page.keyboard.press("Escape")
     stats = page.locator("#chatbot .reply-stats")
     stats.first.wait_for(timeout=STREAM_TIMEOUT_MS)
     assert "stopped" in stats.first.inner_text()  # 300 tokens take 15 s: only the key could end it this early
-    page.wait_for_function("() => document.querySelector('#send').disabled === false", timeout=STREAM_TIMEOUT_MS)
+    page.wait_for_function("() => document.querySelector('#send')?.disabled === false", timeout=STREAM_TIMEOUT_MS)
     assert address(page) not in (None, "new")  # the first Send made the chat, and the address names it
 
 
@@ -300,7 +300,7 @@ def test_import_adds_exported_chats_and_refuses_another_file_in_a_sentence(env):
     assert listed.get_by_text("Alpha, imported").count() == 1 and listed.get_by_text("Alpha", exact=True).count() == 1
     assert address(page) not in (None, "new", str(env["alpha"]))  # a new chat, beside the original
     page.get_by_text("Generation", exact=True).click()  # its settings came with it
-    page.wait_for_function("() => document.querySelector('#temperature input[type=number]').value === '0.3'")
+    page.wait_for_function("() => document.querySelector('#temperature input[type=number]')?.value === '0.3'")
     page.screenshot(path=SHOTS / "chat-imported.png", full_page=True)
 
 

@@ -70,7 +70,7 @@ def test_thinking_is_folded_above_the_answer_and_a_chats_context_length_survives
         assert ANSWER not in thought.inner_text()  # the answer is its own bubble, under the block
         page.screenshot(path=SHOTS / "chat-thinking-folded.png", full_page=True)
         thought.locator("[role=button]").first.click()  # unfolds
-        page.wait_for_function("t => document.querySelector('#chatbot').innerText.includes(t)", arg=THOUGHT)
+        page.wait_for_function("t => document.querySelector('#chatbot')?.innerText.includes(t)", arg=THOUGHT)
         assert THOUGHT in thought.inner_text()
         page.screenshot(path=SHOTS / "chat-thinking-open.png", full_page=True)
 
@@ -120,5 +120,5 @@ def test_gpt_oss_s_analysis_channel_is_the_folded_thought_above_its_final_channe
         assert ANSWER in chat.inner_text() and THOUGHT not in chat.inner_text()  # folded: not shown
         assert "analysis" not in chat.inner_text() and "final" not in chat.inner_text()  # no channel names
         thought.locator("[role=button]").first.click()  # unfolds
-        page.wait_for_function("t => document.querySelector('#chatbot').innerText.includes(t)", arg=THOUGHT)
+        page.wait_for_function("t => document.querySelector('#chatbot')?.innerText.includes(t)", arg=THOUGHT)
         assert ANSWER not in thought.inner_text()

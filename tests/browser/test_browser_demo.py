@@ -25,7 +25,7 @@ def test_the_demo_model_is_called_demo_not_weights(tmp_path):
             for tab, element in shown.items():
                 page.get_by_role("tab", name=tab).click()
                 page.wait_for_function(
-                    "s => document.querySelector(s).innerText.trim().length > 0", arg=element, timeout=30_000
+                    "s => document.querySelector(s)?.innerText.trim().length > 0", arg=element, timeout=30_000
                 )
                 assert "weights" not in page.locator("body").inner_text(), tab
             models = page.request.get(f"{app.url}v1/models").json()
