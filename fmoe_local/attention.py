@@ -29,9 +29,10 @@ GPT-OSS-20B's 64 heads, 8.6 GB a copy at an 8,192-token prompt in bf16 and 51 GB
 GPU has, at the prompt length a coding agent sends. Each query row's softmax is its own, so on the CPU the pieces give
 the whole call's bits (tests/test_attention.py; a GPU's library may tile a product of fewer rows otherwise, which
 has not run here). A pass no longer than one piece (every decode step) is one call, as before. On every device.
-The mask stays boolean (eager_mask_boolean: transformers' eager mask before it is made float), and each piece's rows
-are made additive as eager_mask makes them: still one value per query-key pair and layer type, once a pass, but a
-byte each instead of a float (0.4 GB at 20,000 tokens instead of 1.6 GB in float32, 0.8 GB in bf16).
+The mask of a pass that will be cut stays boolean (eager_mask_for_pieces: transformers' eager mask before it is made
+float), and each piece's rows are made additive as eager_mask makes them: still one value per query-key pair and
+layer type, once a pass, but a byte each instead of a float (0.4 GB at 20,000 tokens instead of 1.6 GB in float32,
+0.8 GB in bf16). A pass that runs whole (every decode step) gets transformers' float mask, made once for all layers.
 
 Scope: registering each function and its mask function under one name with transformers' AttentionInterface and
 AttentionMaskInterface (its documented way to customise attention), and choosing it for a model loaded with "sdpa" or
@@ -45,7 +46,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from fmoe_local import hf_internals
 
@@ -145,7 +146,7 @@ def eager_in_pieces(
     eager = hf_internals.eager_attention(module)
     if eager is None:
         raise RuntimeError(f"{type(module).__name__}'s modeling file has no eager attention function to run.")
-    rows = max(1, PIECE_BYTES // (query.shape[0] * query.shape[1] * (key.shape[2] + 1) * query.element_size()))
+    rows = _piece_rows(query.shape[0], query.shape[1], key.shape[2], query.dtype)
     length = query.shape[2]
     if length <= rows or kwargs.get("output_attentions"):
         mask = _additive(attention_mask, query.dtype)
@@ -168,12 +169,24 @@ def eager_in_pieces(
     return torch.cat(pieces, dim=1), None
 
 
-def eager_mask_boolean(*args: object, **kwargs: object) -> torch.Tensor | None:
-    """transformers' eager mask left boolean (True where a key is seen), or None where it skips one (a bidirectional
-    mask): eager_in_pieces makes it additive a piece at a time (the module docstring)."""
+def _piece_rows(batch: int, heads: int, keys: int, dtype: torch.dtype) -> int:
+    """Query rows in one piece of an eager pass: its scores over `keys` keys and the sinks' column within
+    PIECE_BYTES."""
+    return max(1, PIECE_BYTES // (batch * heads * (keys + 1) * dtype.itemsize))
+
+
+def eager_mask_for_pieces(**kwargs: object) -> torch.Tensor | None:
+    """transformers' eager mask for a pass that runs whole; for one eager_in_pieces will cut, the same mask left
+    boolean (True where a key is seen; None where transformers skips it, a bidirectional mask), made additive a
+    piece at a time (the module docstring). transformers passes every argument by name, the model's config too."""
+    heads = getattr(kwargs.get("config"), "num_attention_heads", None)
+    dtype = kwargs.get("dtype", torch.float32)
+    whole = heads is None or kwargs["q_length"] <= _piece_rows(kwargs["batch_size"], heads, kwargs["kv_length"], dtype)
+    if whole:
+        return eager_mask(**kwargs)
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("dtype", None)
-    return sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+    return sdpa_mask(allow_is_causal_skip=False, **kwargs)
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -194,7 +207,7 @@ def use_our_attention(model: PreTrainedModel) -> bool:
         return hf_internals.attention_implementation(model) == NAME
     if implementation == "eager" and hf_internals.eager_attention(model) is not None:
         AttentionInterface.register(EAGER_NAME, eager_in_pieces)
-        AttentionMaskInterface.register(EAGER_NAME, eager_mask_boolean)
+        AttentionMaskInterface.register(EAGER_NAME, eager_mask_for_pieces)
         model.set_attn_implementation(EAGER_NAME)
         return hf_internals.attention_implementation(model) == EAGER_NAME
     return False

@@ -17,7 +17,7 @@ from fmoe_local import attention, hf_internals
 from fmoe_local.attention import (
     EAGER_NAME,
     NAME,
-    eager_mask_boolean,
+    eager_mask_for_pieces,
     sdpa_grouped,
     sdpa_mask_additive,
     use_our_attention,
@@ -226,15 +226,21 @@ def test_eager_pieces_repeat_the_past_once_and_keep_every_mask_s_bits(tiny_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_eager_mask_is_held_as_bytes_and_made_transformers_floats_per_piece(dtype):
-    """The mask a pass holds for eager attention is boolean, a byte a pair; what each piece adds to its scores is
-    transformers' eager mask to the bit."""
+def test_the_eager_mask_is_held_as_bytes_and_made_transformers_floats_per_piece(dtype, monkeypatch):
+    """The mask of a pass that will be cut is boolean, a byte a pair, and what each piece adds to its scores is
+    transformers' eager mask to the bit; a pass that runs whole (a decode step) gets transformers' float mask as it
+    is, made once for every layer."""
+    from transformers import GptOssConfig
     from transformers.masking_utils import eager_mask, sliding_window_causal_mask_function
 
+    config = GptOssConfig(num_attention_heads=4)
+    monkeypatch.setattr(attention, "PIECE_BYTES", 4 * 2 * 41 * dtype.itemsize)  # 2 query rows a piece over 40 keys
     for mask_function in (None, sliding_window_causal_mask_function(8)):
         extra = {} if mask_function is None else {"mask_function": mask_function}
-        held = eager_mask_boolean(batch_size=1, q_length=5, kv_length=40, q_offset=35, dtype=dtype, **extra)
-        theirs = eager_mask(batch_size=1, q_length=5, kv_length=40, q_offset=35, dtype=dtype, **extra)
-        assert held.dtype == torch.bool and held.shape == theirs.shape
-        ours = attention._additive(held, dtype)
-        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+        for q_length, cut in ((5, True), (2, False), (1, False)):
+            shape = {"batch_size": 1, "q_length": q_length, "kv_length": 40, "q_offset": 40 - q_length}
+            held = eager_mask_for_pieces(**shape, dtype=dtype, config=config, **extra)
+            theirs = eager_mask(**shape, dtype=dtype, **extra)
+            assert held.dtype == (torch.bool if cut else dtype) and held.shape == theirs.shape
+            ours = attention._additive(held, dtype)
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
